@@ -1,0 +1,143 @@
+"""Host cost of metadata planning per mode and batch size (a script, not a test).
+
+For each mode (decode, extend, verify, draft step) and batch size it prints:
+
+* ``eager ms`` — median wall time of ``plan(config, batch)`` (widths from host lengths);
+* ``graph ms`` — median of the graph path: ``plan(..., widths=...)`` then
+  ``GraphMetadataBuffers.load``;
+* ``ops`` — aten ops one eager plan runs (counted under a ``TorchDispatchMode``);
+* ``graph syncs`` — host-sync ops on the graph path (must be 0; extend is not a graph kind
+  but is counted too).
+
+Uses the DeepSeek-V4-Flash attention config (index_topk 512, c4 and c128 layers).
+
+    python benchmarks/bench_planning.py [--repeat 30] [--device cpu] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.planning import (
+    BatchView,
+    DraftStep,
+    ForwardKind,
+    GraphMetadataBuffers,
+    PlanWidths,
+    plan,
+)
+from dsv4_backend.utils.op_counter import OpCounter
+
+PAGE = 256
+MAX_CONTEXT = 8192
+BATCH_SIZES = (1, 8, 64, 256)
+EXTEND_TOKENS = 32  # new tokens per request of an extend batch
+DRAFT_TOKENS = 4  # verify
+DRAFT_STEPS = 3
+
+
+def flash_config() -> DSV4AttentionConfig:
+    ratios = tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(43))
+    return DSV4AttentionConfig(compress_ratios=ratios)
+
+
+def make_batch(mode: str, bs: int, device: str, gen: torch.Generator) -> BatchView:
+    """``bs`` requests of random lengths whose pages are scattered through the pool."""
+    pages_per_req = MAX_CONTEXT // PAGE
+    perm = torch.randperm(bs * pages_per_req, generator=gen).view(bs, pages_per_req)
+    req_to_token = (perm[:, :, None] * PAGE + torch.arange(PAGE)).view(bs, MAX_CONTEXT).int()
+    seq = torch.randint(1, MAX_CONTEXT - 64, (bs,), generator=gen)
+    rows = torch.arange(bs)
+    common = dict(req_pool_indices=rows, req_to_token=req_to_token)
+    if mode == "decode":
+        kw = dict(kind=ForwardKind.DECODE, seq_lens=seq, out_cache_loc=req_to_token[rows, seq - 1])
+    elif mode == "verify":
+        pos = seq[:, None] + torch.arange(DRAFT_TOKENS)
+        kw = dict(
+            kind=ForwardKind.TARGET_VERIFY,
+            seq_lens=seq,
+            num_draft_tokens=DRAFT_TOKENS,
+            out_cache_loc=req_to_token[rows[:, None], pos].flatten(),
+        )
+    elif mode == "draft step":
+        pos = seq[:, None] + torch.arange(DRAFT_STEPS)
+        kw = dict(
+            kind=ForwardKind.DECODE,
+            seq_lens=seq,
+            draft=DraftStep(topk=1, num_steps=DRAFT_STEPS, step_id=1),
+            out_cache_loc=req_to_token[rows[:, None], pos].flatten(),
+        )
+    else:
+        seq = seq + EXTEND_TOKENS
+        pos = seq[:, None] - EXTEND_TOKENS + torch.arange(EXTEND_TOKENS)
+        kw = dict(
+            kind=ForwardKind.EXTEND,
+            seq_lens=seq,
+            extend_prefix_lens=(seq - EXTEND_TOKENS).tolist(),
+            extend_seq_lens=[EXTEND_TOKENS] * bs,
+            out_cache_loc=req_to_token[rows[:, None], pos].flatten(),
+        )
+    kw.update(common)
+    kw = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+    return BatchView(seq_lens_cpu=seq.tolist(), **kw)
+
+
+def median_ms(fn: Callable[[], object], repeat: int, device: str) -> float:
+    fn()  # warm up
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        if device != "cpu":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    config = flash_config()
+    widths = PlanWidths.for_max_len(MAX_CONTEXT)
+    gen = torch.Generator().manual_seed(0)
+    print(
+        f"device={args.device} torch threads={torch.get_num_threads()} widths={widths} "
+        f"index_topk={config.index_topk}"
+    )
+    header = f"{'mode':<11}{'bs':>5}{'rows':>7}{'eager ms':>10}{'graph ms':>10}{'ops':>6}"
+    print(header + f"{'graph syncs':>13}")
+    for mode in ("decode", "extend", "verify", "draft step"):
+        for bs in BATCH_SIZES:
+            batch = make_batch(mode, bs, args.device, gen)
+            rows = batch.num_rows
+            bufs = GraphMetadataBuffers(
+                config, max_batch_size=bs, max_rows=rows, widths=widths, device=args.device
+            )
+
+            def graph_path(batch: BatchView = batch, bufs: GraphMetadataBuffers = bufs) -> None:
+                bufs.load(plan(config, batch, widths=widths))
+
+            eager = median_ms(lambda batch=batch: plan(config, batch), args.repeat, args.device)
+            graph = median_ms(graph_path, args.repeat, args.device)
+            with OpCounter() as ops:
+                plan(config, batch)
+            with OpCounter() as graph_ops:
+                graph_path()
+            syncs = sum(graph_ops.syncs.values())
+            print(
+                f"{mode:<11}{bs:>5}{rows:>7}{eager:>10.3f}{graph:>10.3f}{ops.total:>6}{syncs:>13}"
+            )
+
+
+if __name__ == "__main__":
+    main()

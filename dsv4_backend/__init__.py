@@ -1,0 +1,1 @@
+"""DeepSeek-V4 attention backend for sglang."""

@@ -1,0 +1,53 @@
+"""Command line: ``python -m dsv4_backend COMMAND`` (also installed as ``dsv4-backend``).
+
+Each command is a subparser whose ``run`` default takes the parsed arguments and returns the
+exit status; add a command by adding an ``_add_*_command`` function to :func:`build_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser of all commands."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dsv4_backend",
+        description="DeepSeek-V4 attention backend for sglang.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+    _add_info_command(commands)
+    return parser
+
+
+def _add_info_command(commands: argparse._SubParsersAction) -> None:
+    info = commands.add_parser(
+        "info",
+        help="versions, runnable kernel paths, and what sglang's registry resolves dsv4 to",
+        description=(
+            "Print the installed versions of torch, triton, tvm, flashinfer and sglang; which "
+            "kernel paths can run on this machine and why not; and whether sglang's attention "
+            "registry resolves dsv4 to this package after loading its plugins."
+        ),
+    )
+    info.set_defaults(run=_run_info)
+
+
+def _run_info(args: argparse.Namespace) -> int:
+    """Print the info report; ``info`` takes no options."""
+    from dsv4_backend import info
+
+    print("\n".join(info.report()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
+    args = build_parser().parse_args(argv)
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

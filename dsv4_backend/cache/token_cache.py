@@ -1,0 +1,143 @@
+"""Slot-addressed caches: the token cache of one layer (window, c4 or c128 keys, K = V).
+
+A cache holds ``num_slots`` rows of ``dim`` channels, addressed by int64 slot ids (-1: none):
+
+* ``dense``: ``storage`` is ``[num_slots, dim]`` of a float dtype; slot = row.
+* ``fp8``: ``storage`` is ``[num_pages, page_bytes]`` uint8 in the layout of
+  :mod:`dsv4_backend.cache.fp8_format` (sglang's DeepSeek-V4 pool format).
+
+Kernels read ``storage`` directly (device helpers in ``fp8_format``); ``gather`` is the torch
+reader used by torch paths and tests.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from dsv4_backend.cache.fp8_format import Fp8IndexerLayout, Fp8TokenLayout
+from dsv4_backend.errors import BatchError, ConfigError
+
+CacheFormat = Literal["dense", "fp8"]
+FORMATS = ("dense", "fp8")
+_INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+
+
+class SlotCache:
+    """Storage plus slot addressing shared by :class:`TokenCache` and ``IndexerKeyCache``.
+
+    ``layout`` is the fp8 byte layout, or None for a dense cache.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        dim: int,
+        fmt: CacheFormat,
+        layout: Fp8TokenLayout | Fp8IndexerLayout | None,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if fmt not in FORMATS:
+            raise ConfigError(f"fmt={fmt!r}; expected one of {FORMATS}")
+        if num_slots <= 0:
+            raise ConfigError(f"num_slots={num_slots}; expected a positive integer")
+        self.num_slots = num_slots
+        self.dim = dim
+        self.fmt: CacheFormat = fmt
+        if layout is None:
+            if not dtype.is_floating_point:
+                raise ConfigError(f"dtype={dtype}; a dense cache needs a float dtype")
+            self.layout: Fp8TokenLayout | Fp8IndexerLayout | None = None
+            self.storage = torch.zeros(num_slots, dim, dtype=dtype, device=device)
+        else:
+            self.layout = layout
+            self.storage = torch.zeros(
+                layout.num_pages(num_slots), layout.page_bytes, dtype=torch.uint8, device=device
+            )
+
+    @property
+    def device(self) -> torch.device:
+        return self.storage.device
+
+    def check_slots(self, slots: torch.Tensor, name: str = "slots") -> torch.Tensor:
+        """Validate slot ids (int tensor on the cache's device) and return them as int64.
+
+        On the CPU the range ``[-1, num_slots)`` is checked too; on a GPU that would need a
+        host sync, so it is not.
+        """
+        if not isinstance(slots, torch.Tensor) or slots.dtype not in _INT_DTYPES:
+            raise BatchError(f"{name} must be an integer tensor, got {_describe(slots)}")
+        if slots.device != self.device:
+            raise BatchError(f"{name} is on {slots.device}; the cache is on {self.device}")
+        if slots.device.type == "cpu" and slots.numel():
+            lo, hi = int(slots.min()), int(slots.max())
+            if lo < -1 or hi >= self.num_slots:
+                raise BatchError(
+                    f"{name} spans [{lo}, {hi}]; expected slot ids in [0, {self.num_slots}) "
+                    "or -1 (no slot)"
+                )
+        return slots.long()
+
+    def store(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
+        """Write ``rows`` ``[N, dim]`` (float) at ``slots`` ``[N]`` (int); slot -1 is skipped."""
+        from dsv4_backend.kernels.cache_store import store_rows  # kernels import this module
+
+        store_rows(self, rows, slots)
+
+    def gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows at ``slots`` (int, any shape ``[...]``) as ``[..., dim]`` fp32; -1 gives zeros."""
+        slots = self.check_slots(slots)
+        flat = slots.reshape(-1)
+        valid = flat >= 0
+        safe = flat.clamp(min=0)
+        if self.layout is None:
+            out = self.storage[safe].float()
+        else:
+            out = self.layout.unpack_tokens(*self.layout.read_tokens(self.storage, safe))
+        out = torch.where(valid[:, None], out, torch.zeros((), device=out.device))
+        return out.reshape(*slots.shape, self.dim)
+
+    @property
+    def nbytes(self) -> int:
+        return self.storage.numel() * self.storage.element_size()
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(num_slots={self.num_slots}, dim={self.dim}, "
+            f"fmt={self.fmt!r}, storage={tuple(self.storage.shape)} {self.storage.dtype})"
+        )
+
+
+class TokenCache(SlotCache):
+    """Keys (= values) of one layer: ``head_dim`` channels, the last ``rope_dim`` of them RoPE.
+
+    ``page_tokens`` is the page size of the fp8 layout (window 128, c4 64, c128 2) and
+    ``dtype`` the storage dtype of a dense cache; each format ignores the other's parameter.
+    """
+
+    def __init__(
+        self,
+        num_slots: int,
+        head_dim: int,
+        rope_dim: int,
+        page_tokens: int,
+        fmt: CacheFormat,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not 0 <= rope_dim <= head_dim:
+            raise ConfigError(f"rope_dim={rope_dim}; expected 0 <= rope_dim <= head_dim={head_dim}")
+        layout = None
+        if fmt == "fp8":
+            layout = Fp8TokenLayout(head_dim - rope_dim, rope_dim, page_tokens)
+        super().__init__(num_slots, head_dim, fmt, layout, dtype, device)
+        self.rope_dim = rope_dim
+        self.page_tokens = page_tokens
+
+
+def _describe(x: object) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"a {x.dtype} tensor of shape {tuple(x.shape)}"
+    return type(x).__name__

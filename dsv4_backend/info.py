@@ -1,0 +1,192 @@
+"""The ``info`` report: versions, which kernel paths can run here and why not, and whether
+sglang's attention registry resolves ``dsv4`` to this package.
+
+Reads package metadata for versions; imports torch (GPU check), tvm (llvm check) and sglang
+(registry), and nothing that compiles a kernel.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import platform
+from collections.abc import Callable, Iterable
+from importlib import metadata
+
+from dsv4_backend import _versions
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.sglang_adapter import factory
+from dsv4_backend.sglang_adapter.factory import BACKEND_MODULE, BACKEND_NAME, BUILTIN_NAME
+
+#: (label, distribution) of each package whose version the report prints.
+PACKAGES = (
+    ("torch", "torch"),
+    ("triton", "triton"),
+    ("tvm", "apache-tvm"),
+    ("flashinfer", "flashinfer-python"),
+    ("sglang", "sglang"),
+)
+#: The per-op dispatch table, once the kernels provide one: ``describe_paths()`` returns
+#: ``(op, path, reason)`` rows.
+DISPATCH_MODULE = "dsv4_backend.kernels.dispatch"
+ENTRY_POINT_GROUP = "sglang.srt.plugins"
+ENTRY_POINT_NAME = "dsv4_backend"
+NO_GPU = "no CUDA GPU visible to torch"
+
+
+def report() -> list[str]:
+    """Return the report's lines."""
+    gpu = _cuda_device()
+    return [
+        f"dsv4_backend {_versions.installed_version('dsv4-backend')} "
+        f"on Python {platform.python_version()}",
+        "",
+        "Versions",
+        *_version_lines(),
+        "",
+        "Kernel paths on this machine",
+        *_table(_capabilities(gpu)),
+        "",
+        "Per-op dispatch",
+        *_dispatch_lines(),
+        "",
+        "sglang attention registry (after sglang.srt.plugins.load_plugins())",
+        *_registry_lines(),
+    ]
+
+
+def _version_lines() -> list[str]:
+    rows = []
+    for label, distribution in PACKAGES:
+        version = _versions.installed_version(distribution) or "not installed"
+        if label == "sglang":
+            version += f"   (supported: {_versions.SUPPORTED_SGLANG})"
+        rows.append((label, version))
+    return _table(rows)
+
+
+def _cuda_device() -> str | None:
+    """Return the name of the first CUDA device torch sees, or ``None``."""
+    if _versions.installed_version("torch") is None:
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_name(0)
+
+
+def _capabilities(gpu: str | None) -> list[tuple[str, str]]:
+    """Return ``(path, "yes|no  reason")`` for each kernel path."""
+    checks = [
+        ("torch reference", _torch_reference()),
+        ("triton (GPU)", _triton_gpu(gpu)),
+        ("triton interpreter", _triton_interpreter()),
+        ("tvm (llvm, CPU)", _tvm_llvm()),
+        ("flashinfer", _flashinfer(gpu)),
+    ]
+    return [(path, f"{'yes' if ok else 'no '}  {reason}") for path, (ok, reason) in checks]
+
+
+def _torch_reference() -> tuple[bool, str]:
+    if _versions.installed_version("torch") is None:
+        return False, "torch not installed"
+    return True, "pure torch, any device"
+
+
+def _triton_gpu(gpu: str | None) -> tuple[bool, str]:
+    if _versions.installed_version("triton") is None:
+        return False, "triton not installed"
+    if gpu is None:
+        return False, NO_GPU
+    return True, f"on {gpu}"
+
+
+def _triton_interpreter() -> tuple[bool, str]:
+    if _versions.installed_version("triton") is None:
+        return False, "triton not installed"
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False, "TRITON_INTERPRET is not 1 (set it before triton is imported)"
+    return True, "TRITON_INTERPRET=1: kernels run on the CPU, slowly"
+
+
+def _tvm_llvm() -> tuple[bool, str]:
+    """Whether tvm imports and was built with its llvm (CPU code generation) target."""
+    if _versions.installed_version("apache-tvm") is None:
+        return False, "apache-tvm not installed"
+    try:
+        import tvm
+    except Exception as exc:  # a broken native library surfaces as any exception type
+        return False, f"import tvm failed: {type(exc).__name__}: {exc}"
+    if not tvm.runtime.enabled("llvm"):
+        return False, "this tvm build has no llvm target"
+    return True, "tvm imports with the llvm target"
+
+
+def _flashinfer(gpu: str | None) -> tuple[bool, str]:
+    if _versions.installed_version("flashinfer-python") is None:
+        return False, "flashinfer-python not installed"
+    if gpu is None:
+        return False, f"needs a CUDA GPU; {NO_GPU}"
+    return True, f"on {gpu}"
+
+
+def _dispatch_lines() -> list[str]:
+    try:
+        dispatch = importlib.import_module(DISPATCH_MODULE)
+    except ModuleNotFoundError as exc:
+        if exc.name != DISPATCH_MODULE:
+            raise
+        return [f"  not available yet (no module {DISPATCH_MODULE}); see the paths above"]
+    return _table((op, f"{path:<12} {reason}") for op, path, reason in dispatch.describe_paths())
+
+
+def _registry_lines() -> list[str]:
+    if _versions.installed_version("sglang") is None:
+        return ["  sglang is not installed"]
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    serving = ATTENTION_BACKENDS.get(BACKEND_NAME)
+    ours = serving is factory.create_dsv4_backend
+    owner = "this package" if ours else "sglang's own"
+    rows = [
+        (BACKEND_NAME, f"{_qualified(serving)}   ({owner})"),
+        (BUILTIN_NAME, _qualified(ATTENTION_BACKENDS.get(BUILTIN_NAME))),
+    ]
+    if not ours:
+        rows.append(("why", _why_not_registered()))
+    elif importlib.util.find_spec(BACKEND_MODULE) is None:
+        rows.append(("note", f"building dsv4 raises MissingBackendError: no {BACKEND_MODULE}"))
+    return _table(rows)
+
+
+def _why_not_registered() -> str:
+    """Explain why ``dsv4`` is not served by this package after loading sglang's plugins."""
+    allowed = os.environ.get("SGLANG_PLUGINS", "")
+    if allowed and ENTRY_POINT_NAME not in {name.strip() for name in allowed.split(",")}:
+        return f"SGLANG_PLUGINS={allowed} does not name {ENTRY_POINT_NAME}"
+    if not any(
+        ep.name == ENTRY_POINT_NAME for ep in metadata.entry_points(group=ENTRY_POINT_GROUP)
+    ):
+        return f"no entry point {ENTRY_POINT_NAME} in {ENTRY_POINT_GROUP}: install this package"
+    try:
+        _versions.check_sglang_version(metadata.version("sglang"))
+    except ConfigError as exc:
+        return str(exc)
+    return "register() failed; see sglang's log above"
+
+
+def _qualified(function: Callable[..., object] | None) -> str:
+    if function is None:
+        return "not registered"
+    return f"{function.__module__}.{function.__qualname__}"
+
+
+def _table(rows: Iterable[tuple[str, str]]) -> list[str]:
+    """Format ``(label, text)`` rows as indented lines with aligned labels."""
+    rows = list(rows)
+    width = max((len(label) for label, _ in rows), default=0)
+    return [f"  {label:<{width}}  {text}" for label, text in rows]

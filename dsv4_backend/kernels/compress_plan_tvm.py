@@ -1,0 +1,379 @@
+"""Compress and write plans as a TVM kernel with a symbolic row count (dsv4-attention.md §4).
+
+The records are those of ``planning/metadata.py``: ``[T, 4]`` int32 rows
+``(ragged_id, batch_id, position, window_len)``, the valid ones first in row order, then ``-1``
+rows; ``planning.compress_plan.compute_compress_plans`` is the torch reference this kernel
+matches exactly. ``T`` is the symbolic dim ``num_rows`` shared by all six tensors, so one
+compiled kernel serves every batch size, and TVM checks on every call that the tensors agree on
+it: a plan built for another ``T`` (metadata planned before the batch was padded) is refused
+with a ``ContractError``.
+
+Algorithm (one thread block; ``NT`` threads, each owning ``ceil(T / NT)`` consecutive rows):
+
+1. *count* — each thread counts its rows that the compress / write plan keeps;
+2. *scan* — an inclusive Hillis-Steele scan over the ``NT`` counts (``ceil(log2 NT)`` rounds)
+   turns them into each thread's first output slot and the totals;
+3. *emit* — each thread writes its kept rows' records from its first slot on, in row order;
+4. *pad* — rows from each total to ``T`` are set to ``-1`` (thread-strided).
+
+On CUDA the phases are separated by ``__syncthreads``; on the CPU each phase is a loop over
+the ``NT`` virtual threads, so the CPU build runs the very same per-thread code. The CPU
+default is one virtual thread (a plain serial scan); tests also build it with many.
+
+Compiled once per process per (target, thread count), on first use (``functools.cache``); the
+ratio and its span (``COMPRESS_SPAN``, the torch reference's table) are runtime arguments. CUDA
+needs a TVM runtime built with CUDA (the PyPI wheel of apache-tvm 0.27 is not) and ``nvcc`` to
+compile; ``build_compress_plans`` falls back to the torch reference where TVM cannot run.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+from typing import Any
+
+import torch
+
+from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.planning.compress_plan import COMPRESS_SPAN, compute_compress_plans
+
+#: Name of the symbolic row count in the kernel signature (and in its error messages).
+SYMBOLIC_DIM = "num_rows"
+#: Threads of the CUDA kernel's single block.
+CUDA_THREADS = 1024
+#: Virtual threads of the CPU kernel: one is a plain serial scan, the fastest on a CPU core.
+CPU_THREADS = 1
+#: Tensor arguments, in the kernel's order: 4 inputs ``[T]``, 2 outputs ``[T, 4]`` (then the
+#: scalars ``ratio`` and ``span``).
+KERNEL_ARGS = (
+    "row_batch_ids",
+    "positions",
+    "first_new_positions",
+    "request_seq_lens",
+    "compress_plan",
+    "write_plan",
+)
+_INPUT_DTYPES = {
+    "row_batch_ids": torch.int32,
+    "positions": torch.int64,
+    "first_new_positions": torch.int64,
+    "request_seq_lens": torch.int32,
+}
+
+
+# -------------------------------------------------------------------------------- kernel
+def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
+    """The plan kernel as a ``tvm.tirx.PrimFunc`` for ``num_threads`` (virtual) threads."""
+    from tvm import tirx
+    from tvm.script import tirx as T
+
+    nt = num_threads
+    rounds = (nt - 1).bit_length()  # Hillis-Steele rounds: 2**rounds >= nt
+
+    def completes(p: Any, ratio: Any) -> Any:  # the row completes a compressed entry
+        return tirx.floormod(p + 1, ratio) == 0
+
+    def keeps(p: Any, seq_len: Any, ratio: Any, overlap: Any) -> Any:  # state stays in the ring
+        return p >= tirx.floordiv(tirx.Cast("int64", seq_len), ratio) * ratio - overlap
+
+    # The phases of virtual thread ``t`` (rows [t * chunk, (t + 1) * chunk) of ``rows``).
+    @T.macro
+    def count(t, rows, chunk, ratio, overlap, positions, seq_lens, counts):
+        first_row: T.let = T.Cast("int64", t) * chunk
+        kept_c: T.int32 = 0
+        kept_w: T.int32 = 0
+        for j in T.serial(chunk):
+            if first_row + j < rows:
+                p: T.let = positions[first_row + j]
+                if completes(p, ratio):
+                    kept_c = kept_c + 1
+                if keeps(p, seq_lens[first_row + j], ratio, overlap):
+                    kept_w = kept_w + 1
+        counts[0, t + 1] = kept_c
+        counts[1, t + 1] = kept_w
+        if t == 0:
+            counts[0, 0] = 0
+            counts[1, 0] = 0
+
+    @T.macro
+    def scan_read(t, r, counts, partial):
+        # counts[k, 0] == 0, so clamping the partner index at 0 adds nothing.
+        for k in T.serial(2):
+            partial[k, t] = counts[k, t + 1] + counts[k, T.max(t + 1 - T.shift_left(1, r), 0)]
+
+    @T.macro
+    def scan_write(t, counts, partial):
+        for k in T.serial(2):
+            counts[k, t + 1] = partial[k, t]
+
+    @T.macro
+    def store(plan, slot, row, batch_id, p, window_len):
+        plan[slot, 0] = T.Cast("int32", row)
+        plan[slot, 1] = batch_id
+        plan[slot, 2] = T.Cast("int32", p)
+        plan[slot, 3] = window_len
+
+    @T.macro
+    def emit(t, rows, chunk, ratio, span, overlap, ins, c_plan, w_plan, counts):
+        # Unpacking names the buffers: the kernel's own names keep its error messages.
+        row_batch_ids, positions, first_new_positions, request_seq_lens = ins
+        first_row: T.let = T.Cast("int64", t) * chunk
+        slot_c: T.int32 = counts[0, t]
+        slot_w: T.int32 = counts[1, t]
+        for j in T.serial(chunk):
+            row: T.let = first_row + j
+            if row < rows:
+                p: T.let = positions[row]
+                first: T.let = first_new_positions[row]
+                window_len: T.let = T.Cast("int32", T.min(span, p - first + 1))
+                if completes(p, ratio):
+                    store(c_plan, slot_c, row, row_batch_ids[row], p, window_len)
+                    slot_c = slot_c + 1
+                if keeps(p, request_seq_lens[row], ratio, overlap):
+                    store(w_plan, slot_w, row, row_batch_ids[row], p, window_len)
+                    slot_w = slot_w + 1
+
+    @T.macro
+    def pad(t, rows, c_plan, w_plan, counts):
+        for j in T.serial(T.floordiv(rows + (nt - 1), nt)):
+            row: T.let = j * nt + T.Cast("int64", t)
+            if row < rows:
+                for c in T.serial(4):
+                    if row >= T.Cast("int64", counts[0, nt]):
+                        c_plan[row, c] = -1
+                    if row >= T.Cast("int64", counts[1, nt]):
+                        w_plan[row, c] = -1
+
+    @T.prim_func
+    def compress_plan_kernel(
+        row_batch_ids_h: T.handle,
+        positions_h: T.handle,
+        first_new_positions_h: T.handle,
+        request_seq_lens_h: T.handle,
+        compress_plan_h: T.handle,
+        write_plan_h: T.handle,
+        ratio: T.int64,
+        span: T.int64,
+    ):
+        num_rows = T.int64()
+        row_batch_ids = T.match_buffer(row_batch_ids_h, (num_rows,), "int32")
+        positions = T.match_buffer(positions_h, (num_rows,), "int64")
+        first_new_positions = T.match_buffer(first_new_positions_h, (num_rows,), "int64")
+        request_seq_lens = T.match_buffer(request_seq_lens_h, (num_rows,), "int32")
+        compress_plan = T.match_buffer(compress_plan_h, (num_rows, 4), "int32")
+        write_plan = T.match_buffer(write_plan_h, (num_rows, 4), "int32")
+        ins = (row_batch_ids, positions, first_new_positions, request_seq_lens)
+        overlap: T.let = span - ratio  # c4 entries reach one block back: keep it in the ring
+        chunk: T.let = T.floordiv(num_rows + (nt - 1), nt)  # rows per thread
+        if gpu:
+            for _b in T.thread_binding(1, thread="blockIdx.x"):
+                for t in T.thread_binding(nt, thread="threadIdx.x"):
+                    # counts[k, i]: rows kept by plan k (0 compress, 1 write) in chunks < i.
+                    counts = T.alloc_buffer((2, nt + 1), "int32", scope="shared")
+                    partial = T.alloc_buffer((2, nt), "int32", scope="shared")
+                    count(t, num_rows, chunk, ratio, overlap, positions, request_seq_lens, counts)
+                    T.tvm_storage_sync("shared")
+                    for r in T.serial(rounds):
+                        scan_read(t, r, counts, partial)
+                        T.tvm_storage_sync("shared")
+                        scan_write(t, counts, partial)
+                        T.tvm_storage_sync("shared")
+                    emit(t, num_rows, chunk, ratio, span, overlap, ins, compress_plan, write_plan,
+                         counts)
+                    pad(t, num_rows, compress_plan, write_plan, counts)
+        else:
+            counts = T.alloc_buffer((2, nt + 1), "int32")
+            partial = T.alloc_buffer((2, nt), "int32")
+            for t in T.serial(nt):
+                count(t, num_rows, chunk, ratio, overlap, positions, request_seq_lens, counts)
+            for r in T.serial(rounds):
+                for t in T.serial(nt):
+                    scan_read(t, r, counts, partial)
+                for t in T.serial(nt):
+                    scan_write(t, counts, partial)
+            for t in T.serial(nt):
+                emit(t, num_rows, chunk, ratio, span, overlap, ins, compress_plan, write_plan,
+                     counts)
+            for t in T.serial(nt):
+                pad(t, num_rows, compress_plan, write_plan, counts)
+
+    return compress_plan_kernel
+
+
+def _kernel_source(target_json: str, num_threads: int) -> tuple[Any, Any]:
+    """``(tvm Target, PrimFunc)`` for a target in TVM's JSON dict form."""
+    import tvm
+
+    target = tvm.target.Target(json.loads(target_json))
+    return target, _plan_prim_func(num_threads, gpu=target.kind.name == "cuda")
+
+
+# The barriers are the kernel's own, so it is built with TVM's ``tirx`` pipeline (the default
+# ``s_tir`` pipeline re-plans buffers and barriers for schedule-built code and breaks this one).
+def lower_kernel(target_json: str, num_threads: int) -> Any:
+    """The kernel lowered by TVM's ``tirx`` pipeline, an ``IRModule`` (no nvcc needed)."""
+    import tvm
+
+    target, func = _kernel_source(target_json, num_threads)
+    mod = tvm.tirx.transform.BindTarget(target.with_host("llvm"))(tvm.IRModule.from_expr(func))
+    return tvm.tirx.get_tir_pipeline("tirx")[0](mod)
+
+
+@functools.cache
+def compiled_kernel(target_json: str, num_threads: int) -> Any:
+    """The kernel compiled for a target (TVM JSON dict form), once per process."""
+    import tvm
+
+    target, func = _kernel_source(target_json, num_threads)
+    return tvm.compile(func, target=target, tir_pipeline="tirx")
+
+
+_LLVM_TARGET = json.dumps({"kind": "llvm"})
+
+
+@functools.cache
+def _cuda_target(device_index: int) -> str:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    return json.dumps({"kind": "cuda", "arch": f"sm_{major}{minor}"})
+
+
+def _kernel_for(device: torch.device) -> tuple[Any, bool]:
+    """``(compiled kernel, on_cuda)`` for tensors on ``device``."""
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return compiled_kernel(_cuda_target(index), CUDA_THREADS), True
+    return compiled_kernel(_LLVM_TARGET, CPU_THREADS), False
+
+
+def _describe(tensors: dict[str, torch.Tensor]) -> str:
+    return ", ".join(
+        f"{name} {tuple(t.shape)} {t.dtype} on {t.device}" for name, t in tensors.items()
+    )
+
+
+# ------------------------------------------------------------------------------ launcher
+def launch_compress_plan_kernel(
+    row_batch_ids: torch.Tensor,
+    positions: torch.Tensor,
+    first_new_positions: torch.Tensor,
+    request_seq_lens: torch.Tensor,
+    compress_plan: torch.Tensor,
+    write_plan: torch.Tensor,
+    ratio: int,
+) -> None:
+    """Run the compiled kernel, filling ``compress_plan`` and ``write_plan`` in place.
+
+    The low-level entry: it checks only the ratio. TVM checks every tensor against the
+    signature (all share the symbolic ``num_rows``; contiguous; dtypes and device as below)
+    and any refusal is raised as ``ContractError``. Inputs ``[T]``: ``row_batch_ids`` int32,
+    ``positions`` int64, ``first_new_positions`` int64, ``request_seq_lens`` int32; outputs
+    ``[T, 4]`` int32; ``ratio`` 4 or 128. On CUDA the kernel runs on torch's current stream.
+    """
+    _check_ratio(ratio)
+    args = (row_batch_ids, positions, first_new_positions, request_seq_lens, compress_plan,
+            write_plan)  # fmt: skip
+    kernel, on_cuda = _kernel_for(positions.device)
+    try:
+        if on_cuda:
+            import tvm_ffi
+
+            with tvm_ffi.use_torch_stream():
+                kernel(*args, ratio, COMPRESS_SPAN[ratio])
+        else:
+            kernel(*args, ratio, COMPRESS_SPAN[ratio])
+    except (TypeError, ValueError) as err:
+        raise ContractError(
+            f"compress plan kernel refused its arguments: every tensor shares the symbolic dim "
+            f"{SYMBOLIC_DIM} (= T, the query rows) and must match its signature; got "
+            f"{_describe(dict(zip(KERNEL_ARGS, args, strict=True)))}. TVM: {err}"
+        ) from err
+
+
+def _check_inputs(tensors: dict[str, torch.Tensor]) -> None:
+    rows = tensors["positions"].shape[0] if tensors["positions"].dim() == 1 else None
+    device = tensors["positions"].device
+    for name, tensor in tensors.items():
+        if tensor.dim() != 1 or tensor.shape[0] != rows or tensor.dtype != _INPUT_DTYPES[name]:
+            raise ContractError(
+                f"compress plan inputs must be [T] tensors sharing the symbolic dim "
+                f"{SYMBOLIC_DIM} (T = positions.shape[0]) with dtypes "
+                f"{ {n: str(d) for n, d in _INPUT_DTYPES.items()} }; {name} disagrees. Got "
+                f"{_describe(tensors)}"
+            )
+        if tensor.device != device:
+            raise ContractError(f"{name} is on {tensor.device}; positions is on {device}")
+
+
+def compress_plans_tvm(
+    row_batch_ids: torch.Tensor,
+    positions: torch.Tensor,
+    first_new_positions: torch.Tensor,
+    request_seq_lens: torch.Tensor,
+    ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress plan and write plan of ``ratio`` from the TVM kernel.
+
+    Same contract as ``planning.compress_plan.compute_compress_plans``: inputs ``[T]``
+    (``row_batch_ids`` int32, ``positions`` int64, ``first_new_positions`` int64,
+    ``request_seq_lens`` int32, all on one device), ``ratio`` 4 or 128; returns
+    ``(compress_plan, write_plan)``, each ``[T, 4]`` int32. Tensors that disagree on ``T``
+    raise ``ContractError``; a bad ratio ``ConfigError``.
+    """
+    _check_ratio(ratio)
+    tensors = {
+        "row_batch_ids": row_batch_ids,
+        "positions": positions,
+        "first_new_positions": first_new_positions,
+        "request_seq_lens": request_seq_lens,
+    }
+    _check_inputs(tensors)
+    rows = positions.shape[0]
+    compress_plan = torch.empty(rows, 4, dtype=torch.int32, device=positions.device)
+    write_plan = torch.empty_like(compress_plan)
+    inputs = (t.contiguous() for t in tensors.values())
+    launch_compress_plan_kernel(*inputs, compress_plan, write_plan, ratio)
+    return compress_plan, write_plan
+
+
+def _check_ratio(ratio: int) -> None:
+    if ratio not in COMPRESS_SPAN:
+        raise ConfigError(f"compress plan ratio={ratio}; expected one of {tuple(COMPRESS_SPAN)}")
+
+
+# ---------------------------------------------------------------------------- dispatcher
+@functools.cache
+def tvm_available(device_type: str) -> bool:
+    """Whether the TVM kernel can run for tensors of ``device_type`` ("cpu" or "cuda").
+
+    Needs apache-tvm importable and its runtime built for the target (``llvm`` on the CPU,
+    ``cuda`` on CUDA devices: the PyPI wheel has no CUDA runtime).
+    """
+    if importlib.util.find_spec("tvm") is None:
+        return False
+    import tvm
+
+    kind = {"cpu": "llvm", "cuda": "cuda"}.get(device_type)
+    return kind is not None and bool(tvm.runtime.enabled(kind))
+
+
+def build_compress_plans(
+    row_batch_ids: torch.Tensor,
+    positions: torch.Tensor,
+    first_new_positions: torch.Tensor,
+    request_seq_lens: torch.Tensor,
+    ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress and write plans: the TVM kernel where it can run, else the torch reference.
+
+    TVM is used when ``tvm_available(positions.device.type)``; the first call per process
+    compiles (warm up before CUDA graph capture). Arguments and results as in
+    ``compress_plans_tvm``; both paths give identical plans.
+    """
+    if tvm_available(positions.device.type):
+        return compress_plans_tvm(
+            row_batch_ids, positions, first_new_positions, request_seq_lens, ratio
+        )
+    return compute_compress_plans(
+        row_batch_ids, positions, first_new_positions, request_seq_lens, ratio
+    )

@@ -1,0 +1,117 @@
+"""One dispatch point per op: which implementation runs for tensors on a device.
+
+* ``triton`` — tensors on a CUDA device (compiled Triton kernels);
+* ``triton-interpreter`` — CPU tensors with ``TRITON_INTERPRET=1`` set before Triton was
+  imported (how the test suite exercises every kernel on the CPU);
+* ``torch`` — CPU tensors otherwise, and meta tensors (the plain torch implementation beside
+  each kernel).
+
+``force_path`` pins one path inside a ``with`` block (tests and the A/B tool use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import os
+from collections.abc import Iterator
+
+import torch
+
+TRITON = "triton"
+TRITON_INTERPRETER = "triton-interpreter"
+TORCH = "torch"
+PATHS = (TRITON, TRITON_INTERPRETER, TORCH)
+
+#: Ops that have a Triton kernel beside their torch implementation.
+TRITON_OPS = (
+    "row_compression_metadata",
+    "cache_store",
+    "compressor",
+    "indexer",
+    "sparse_attention",
+)
+
+_forced: list[str] = []
+
+
+def interpreter_enabled() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _default_path(device: torch.device) -> tuple[str, str]:
+    if device.type == "meta":
+        return TORCH, "meta tensors (shape-only tracing)"
+    if importlib.util.find_spec("triton") is None:
+        return TORCH, "triton is not installed"
+    if device.type == "cuda":
+        return TRITON, "CUDA device"
+    if interpreter_enabled():
+        return TRITON_INTERPRETER, "CPU tensors with TRITON_INTERPRET=1"
+    return TORCH, "CPU tensors and TRITON_INTERPRET is not 1"
+
+
+def select_path(device: torch.device | str) -> str:
+    """The path every Triton-backed op takes for tensors on ``device``."""
+    device = torch.device(device)
+    if _forced:
+        forced = _forced[-1]
+        if forced == TRITON and device.type != "cuda":
+            raise RuntimeError(
+                f"path {TRITON!r} was forced for tensors on {device}; compiled Triton kernels "
+                f"need a CUDA device (use {TRITON_INTERPRETER!r} on the CPU)"
+            )
+        if forced == TRITON_INTERPRETER and not interpreter_enabled():
+            raise RuntimeError(
+                f"path {TRITON_INTERPRETER!r} needs TRITON_INTERPRET=1 set before triton is "
+                "imported"
+            )
+        return forced
+    return _default_path(device)[0]
+
+
+def use_triton(device: torch.device | str) -> bool:
+    return select_path(device) != TORCH
+
+
+@contextlib.contextmanager
+def force_path(path: str) -> Iterator[None]:
+    """Run every op on ``path`` inside the block."""
+    if path not in PATHS:
+        raise ValueError(f"unknown kernel path {path!r}; expected one of {PATHS}")
+    _forced.append(path)
+    try:
+        yield
+    finally:
+        _forced.pop()
+
+
+def describe_paths(device: torch.device | str = "cpu") -> list[tuple[str, str, str]]:
+    """``(op, path, reason)`` for each op, as ``python -m dsv4_backend info`` prints them."""
+    device = torch.device(device)
+    path, reason = _default_path(device)
+    rows = [(op, path, reason) for op in TRITON_OPS]
+    rows.append(("compress_plan", *_tvm_path(device)))
+    rows.append(("indexer_topk", *topk_path(device)))
+    return rows
+
+
+def _tvm_path(device: torch.device) -> tuple[str, str]:
+    from dsv4_backend.kernels.compress_plan_tvm import tvm_available
+
+    target = "cuda" if device.type == "cuda" else "llvm"
+    if importlib.util.find_spec("tvm") is None:
+        return TORCH, "apache-tvm is not installed"
+    if not tvm_available(device.type):
+        return TORCH, f"the installed TVM runtime has no {target} support"
+    return f"tvm-{target}", f"TVM kernel with symbolic shapes compiled for {target}"
+
+
+def topk_path(device: torch.device | str) -> tuple[str, str]:
+    """``(path, reason)`` of the indexer's top-k: flashinfer on CUDA, torch otherwise."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return TORCH, "flashinfer's top-k needs a CUDA device"
+    if importlib.util.find_spec("flashinfer") is None:
+        return TORCH, "flashinfer is not installed"
+    return "flashinfer", "CUDA device with flashinfer"

@@ -1,0 +1,345 @@
+"""Lightning indexer: score a row's visible c4 entries and keep the top-k as c4 cache slots.
+
+dsv4-attention.md section 2. For query row ``t`` (position ``p``) and c4 entry ``s``::
+
+    score[t, s] = sum_h w[t, h] * relu(q_idx[t, h] . K[s])      for s < num_candidates[t]
+
+``num_candidates = c4.topk_lengths_raw = (p + 1) // 4``; ``K[s]`` is the indexer key cache row
+at the c4 slot of entry ``s``: ``page_table[t, s * 4 // 256] * 64 + s % 64``. The selection keeps
+every candidate when there are at most ``topk``, else the ``topk`` best scores; equal scores at
+the boundary go to the smaller entry index, so every path selects the same set. Selected
+entries are written in ascending entry order, as c4 slots, ``-1`` padded
+(``c4.page_indices``).
+
+Shapes: ``T`` rows, ``HI`` indexer heads, ``DI`` indexer head dim, ``Pw`` page-table width,
+``N`` score columns (``max_candidates``), ``K`` ``topk``. Every output shape depends only on
+``(T, N, K)`` and nothing reads a tensor value on the host, so the indexer can be captured in
+a CUDA graph (warm it up first: the first call compiles).
+
+Paths: scores run the Triton kernel or the torch implementation per ``dispatch.use_triton``;
+top-k runs flashinfer's radix top-k on CUDA devices with flashinfer installed, else a stable
+torch sort (same selected set: both break ties toward the smaller index).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.cache.fp8_format import load_dense_block, load_fp8_indexer_block
+from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels import dispatch
+
+if TYPE_CHECKING:
+    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+
+#: c4 entries per full-cache page (page size 256 / ratio 4).
+C4_ENTRIES_PER_PAGE = 64
+#: Candidate columns per Triton program.
+BLOCK_N = 64
+
+
+# --------------------------------------------------------------------------------- kernel
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr,  # [T, HI, DIM] fp32 / bf16
+    w_ptr,  # [T, HI] float
+    key_ptr,  # dense [num_slots, DIM] float, or fp8 [num_pages, PAGE_TOKENS * (DIM + 4)] uint8
+    page_table_ptr,  # [T, Pw] int32
+    num_ptr,  # [T] int32 candidates per row
+    out_ptr,  # [T, N] fp32
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_wt,
+    stride_wh,
+    stride_key_slot,  # dense only: elements between slots
+    stride_pt_t,
+    stride_pt_p,
+    stride_out_t,
+    num_cols,  # N
+    HI: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,  # fp8 layout: entries per key page
+    E: tl.constexpr,  # c4 entries per full-cache page
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+):
+    """One program: row ``program_id(0)``, candidate columns ``[n0, n0 + BLOCK_N)``."""
+    row = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    in_matrix = cols < num_cols
+    num = tl.minimum(tl.load(num_ptr + row), num_cols)
+    out_ptrs = out_ptr + row * stride_out_t + cols
+    if n0 < num:
+        valid = cols < num
+        h = tl.arange(0, BLOCK_H)
+        d = tl.arange(0, BLOCK_D)
+        # Padded heads load q = 0 and w = 0, so they add nothing (tl.dot needs >= 16 rows).
+        q_mask = (h < HI)[:, None] & (d < DIM)[None, :]
+        q_ptrs = q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
+        w = tl.load(w_ptr + row * stride_wt + h * stride_wh, mask=h < HI, other=0.0)
+        page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
+        page = tl.load(page_ptrs, mask=valid, other=0).to(tl.int64)
+        slots = tl.where(valid, page * E + cols % E, -1)
+        if FP8:
+            keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
+        else:
+            keys = load_dense_block(key_ptr, stride_key_slot, slots, d, valid, DIM)
+        dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
+        scores = tl.sum(tl.maximum(dots, 0.0) * w.to(tl.float32)[None, :], axis=1)
+        tl.store(out_ptrs, tl.where(valid, scores, float("-inf")), mask=in_matrix)
+    else:
+        tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_matrix)
+
+
+# ------------------------------------------------------------------------------- helpers
+def _check_inputs(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_candidates: int,
+) -> None:
+    if q_idx.dim() != 3 or not q_idx.is_floating_point():
+        raise ContractError(
+            f"q_idx has shape {tuple(q_idx.shape)} and dtype {q_idx.dtype}; expected a float "
+            "tensor [T, HI, DI]"
+        )
+    rows, heads, dim = q_idx.shape
+    # name -> (tensor, expected shape (None: any size), expected dtype (None: any float))
+    expected = {
+        "weights": (weights, (rows, heads), None),
+        "page_table": (page_table, (rows, None), torch.int32),
+        "num_candidates": (num_candidates, (rows,), torch.int32),
+    }
+    for name, (tensor, shape, dtype) in expected.items():
+        shape_ok = tensor.dim() == len(shape) and all(
+            want is None or got == want for got, want in zip(tensor.shape, shape, strict=True)
+        )
+        dtype_ok = tensor.is_floating_point() if dtype is None else tensor.dtype == dtype
+        if not (shape_ok and dtype_ok):
+            want = "[" + ", ".join("Pw" if n is None else str(n) for n in shape) + "]"
+            raise ContractError(
+                f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected "
+                f"{want} {dtype or 'float'} (q_idx is [T={rows}, HI={heads}, DI={dim}])"
+            )
+    for name, device in (
+        ("weights", weights.device),
+        ("page_table", page_table.device),
+        ("num_candidates", num_candidates.device),
+        ("the indexer key cache", keys.device),
+    ):
+        if device != q_idx.device:
+            raise ContractError(f"{name} is on {device}; q_idx is on {q_idx.device}")
+    if keys.dim != dim:
+        raise ContractError(f"the indexer key cache has dim {keys.dim}; q_idx has DI={dim}")
+    if keys.fmt == "dense" and keys.storage.stride(1) != 1:
+        raise ContractError("the dense indexer key cache needs contiguous rows (stride(1) == 1)")
+    if max_candidates < 0:
+        raise ContractError(f"max_candidates={max_candidates}; expected >= 0")
+
+
+def c4_entry_slots(page_table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
+    """c4 cache slots of per-row entry indices.
+
+    Parameters
+    ----------
+    page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
+    entries : ``[T, n]`` integer entry indices; negative means none.
+
+    Returns ``[T, n]`` int64: ``page_table[t, e // 64] * 64 + e % 64``, -1 where ``e < 0``.
+    """
+    valid = entries >= 0
+    entries = torch.where(valid, entries, 0).long()
+    pages = page_table.gather(1, entries // C4_ENTRIES_PER_PAGE).long()
+    slots = pages * C4_ENTRIES_PER_PAGE + entries % C4_ENTRIES_PER_PAGE
+    return torch.where(valid, slots, -1)
+
+
+# ---------------------------------------------------------------------------------- scores
+def _index_scores_torch(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_candidates: int,
+) -> torch.Tensor:
+    cols = torch.arange(max_candidates, device=q_idx.device)
+    valid = cols[None, :] < num_candidates[:, None]
+    k = keys.gather(c4_entry_slots(page_table, torch.where(valid, cols, -1)))  # [T, N, DI]
+    dots = torch.einsum("thd,tnd->thn", q_idx.float(), k)
+    scores = torch.einsum("th,thn->tn", weights.float(), dots.relu())
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def _index_scores_triton(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_candidates: int,
+) -> torch.Tensor:
+    rows, heads, dim = q_idx.shape
+    out = torch.empty(rows, max_candidates, dtype=torch.float32, device=q_idx.device)
+    if rows == 0 or max_candidates == 0:
+        return out
+    fp8 = keys.fmt == "fp8"
+    page_tokens = keys.layout.page_tokens if fp8 else C4_ENTRIES_PER_PAGE  # unused when dense
+    grid = (rows, triton.cdiv(max_candidates, BLOCK_N))
+    _indexer_scores_kernel[grid](
+        q_idx, weights, keys.storage, page_table, num_candidates, out,
+        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
+        weights.stride(0), weights.stride(1),
+        keys.storage.stride(0),
+        page_table.stride(0), page_table.stride(1),
+        out.stride(0),
+        max_candidates,
+        HI=heads,
+        DIM=dim,
+        PAGE_TOKENS=page_tokens,
+        E=C4_ENTRIES_PER_PAGE,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=BLOCK_N,
+        FP8=fp8,
+    )  # fmt: skip
+    return out
+
+
+def index_scores(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_candidates: int,
+) -> torch.Tensor:
+    """Indexer scores of every row's candidate c4 entries.
+
+    Parameters
+    ----------
+    q_idx : ``[T, HI, DI]`` fp32 / bf16 indexer queries, already roped.
+    weights : ``[T, HI]`` float head weights, already scaled by ``DI^-0.5 * HI^-0.5``.
+    keys : the layer's indexer key cache (dense or fp8), addressed by c4 slot.
+    page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
+    num_candidates : ``[T]`` int32 visible entries, ``c4.topk_lengths_raw`` (``(p+1)//4``);
+        values above ``max_candidates`` are clamped to it.
+    max_candidates : ``N``, the score columns; static under CUDA graphs.
+
+    Returns ``[T, N]`` fp32 scores, ``-inf`` at columns ``>= num_candidates``.
+    """
+    _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    if dispatch.use_triton(q_idx.device):
+        return _index_scores_triton(
+            q_idx, weights, keys, page_table, num_candidates, max_candidates
+        )
+    return _index_scores_torch(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+
+
+# ---------------------------------------------------------------------------------- top-k
+def _use_flashinfer_topk(device: torch.device) -> bool:
+    return dispatch.topk_path(device)[0] == "flashinfer"
+
+
+def _best_columns(masked: torch.Tensor, k: int) -> torch.Tensor:
+    """``[T, k]`` int64 columns of the ``k`` largest values per row, ties to the smaller column."""
+    if _use_flashinfer_topk(masked.device):
+        import flashinfer
+
+        return flashinfer.top_k(
+            masked, k, tie_break=flashinfer.TopKTieBreak.SMALL, dsa_graph_safe=True
+        )[1]
+    # A stable descending sort keeps equal scores in column order (torch.topk does not promise
+    # which of equal scores it keeps, and relu makes exact ties common).
+    return torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def select_entries(scores: torch.Tensor, num_candidates: torch.Tensor, topk: int) -> torch.Tensor:
+    """Selected entry indices per row: ``[T, topk]`` int64, ascending, ``-1`` padded.
+
+    Every candidate when ``num_candidates[t] <= topk``, else the ``topk`` best scores (ties to
+    the smaller index). ``scores`` is ``[T, N]`` float (``index_scores``' output); candidates
+    beyond ``N`` are ignored.
+    """
+    rows, cols = scores.shape
+    num = num_candidates.clamp(0, cols).long()[:, None]
+    column = torch.arange(cols, device=scores.device)
+    if cols > topk:
+        # Valid scores are finite, so they outrank the -inf padding of short rows.
+        masked = scores.float().masked_fill(column >= num, float("-inf"))
+        picked = _best_columns(masked, topk)
+    else:
+        picked = column.expand(rows, cols)
+    picked = torch.where(picked < num, picked, cols).sort(dim=1).values
+    picked = torch.where(picked < cols, picked, -1)
+    return torch.nn.functional.pad(picked, (0, topk - picked.shape[1]), value=-1)
+
+
+def select_topk(
+    scores: torch.Tensor,
+    num_candidates: torch.Tensor,
+    page_table: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+) -> None:
+    """Write the c4 slots of each row's selected entries into ``out``.
+
+    Parameters
+    ----------
+    scores : ``[T, N]`` float (``index_scores``).
+    num_candidates : ``[T]`` int32 candidates per row.
+    page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
+    topk : ``K``, entries kept per row (``index_topk``).
+    out : ``[T, K]`` int32, e.g. ``c4.page_indices``; receives the slots of the selected
+        entries in ascending entry order, then ``-1`` (rows with 0 candidates are all ``-1``).
+    """
+    if scores.dim() != 2 or num_candidates.shape != scores.shape[:1]:
+        raise ContractError(
+            f"scores {tuple(scores.shape)} and num_candidates {tuple(num_candidates.shape)}; "
+            "expected [T, N] and [T]"
+        )
+    rows = scores.shape[0]
+    if tuple(out.shape) != (rows, topk) or out.dtype != torch.int32:
+        raise ContractError(
+            f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected [{rows}, "
+            f"{topk}] int32 (topk={topk})"
+        )
+    if page_table.dim() != 2 or page_table.shape[0] != rows:
+        raise ContractError(
+            f"page_table has shape {tuple(page_table.shape)}; expected [{rows}, Pw]"
+        )
+    entries = select_entries(scores, num_candidates, topk)
+    out.copy_(c4_entry_slots(page_table, entries))
+
+
+def run_indexer(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+    max_candidates: int | None = None,
+) -> None:
+    """Score and select: fill ``out`` (``[T, topk]`` int32, ``c4.page_indices``) with slots.
+
+    ``max_candidates`` defaults to every entry the page table can address (``Pw * 64``); pass
+    a smaller static bound for long prefills (the score matrix is ``[T, max_candidates]``).
+    Other arguments as in ``index_scores`` and ``select_topk``.
+    """
+    if max_candidates is None:
+        max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
+    scores = index_scores(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    select_topk(scores, num_candidates, page_table, topk, out)

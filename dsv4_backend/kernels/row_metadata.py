@@ -1,0 +1,218 @@
+"""Per-row compression metadata of one ratio (the ``row_compression_metadata`` op).
+
+dsv4-attention.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 1``) gets
+
+* ``out_loc = raw_out_loc // ratio`` where ``(p + 1) % ratio == 0`` (the row completes an
+  entry), else ``-1``;
+* ``raw = (p + 1) // ratio``, ``clamp1 = max(raw, 1)``, ``sparse = min(clamp1, K)`` (ratio 4)
+  or ``clamp1`` (ratio 128);
+* ratio 128 only: ``page_indices[t, j] = page_table[t, j // 2] * 2 + j % 2`` (the c128 slot of
+  entry ``j``; 2 c128 entries per 256-token page) for ``j < raw`` with ``j // 2 < Pw``, ``-1``
+  elsewhere.
+
+``planning.row_fields.compute_row_fields`` is the torch implementation; the Triton kernel
+matches it exactly (floor division and modulo, as torch's, also for negative values). Shapes:
+``T`` rows, ``Pw`` page-table width, ``N128`` c128 index width, ``K`` ``index_topk``.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.config import REQUIRED_PAGE_SIZE
+from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.planning.row_fields import RATIOS, RowFields, compute_row_fields
+
+#: Rows per program.
+BLOCK_T = 64
+#: c128 index columns per program.
+BLOCK_N = 64
+
+
+# --------------------------------------------------------------------------------- kernel
+@triton.jit
+def _floor_mod(a, D: tl.constexpr):
+    """``a mod D`` in ``[0, D)`` for ``D > 0`` (Triton's ``%`` truncates toward zero)."""
+    r = a % D
+    return tl.where(r < 0, r + D, r)
+
+
+@triton.jit
+def _floor_div(a, D: tl.constexpr):
+    """``floor(a / D)`` for ``D > 0``; ``a - mod`` is a multiple of ``D``, so ``//`` is exact."""
+    return (a - _floor_mod(a, D)) // D
+
+
+@triton.jit
+def _row_metadata_kernel(
+    positions_ptr,  # [T] int64
+    raw_out_loc_ptr,  # [T] int64
+    page_table_ptr,  # [T, Pw] int32 (read for ratio 128 only)
+    out_loc_ptr,  # [T] int64
+    raw_ptr,  # [T] int32
+    clamp1_ptr,  # [T] int32
+    sparse_ptr,  # [T] int32
+    page_indices_ptr,  # [T, N128] int32 (ratio 128 only)
+    num_rows,  # T
+    page_width,  # Pw
+    c128_width,  # N128
+    index_topk,  # K
+    stride_pos,
+    stride_loc,
+    stride_pt_t,
+    stride_pt_p,
+    stride_pi_t,
+    RATIO: tl.constexpr,
+    PER_PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """Rows ``[t0, t0 + BLOCK_T)``; column block ``program_id(1)`` of the c128 indices.
+
+    Column block 0 also writes the per-row fields.
+    """
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_mask = rows < num_rows
+    next_len = tl.load(positions_ptr + rows * stride_pos, mask=row_mask, other=0) + 1  # p + 1
+    raw = _floor_div(next_len, RATIO)  # [BLOCK_T] int64
+    if tl.program_id(1) == 0:
+        loc = tl.load(raw_out_loc_ptr + rows * stride_loc, mask=row_mask, other=0)
+        completes = _floor_mod(next_len, RATIO) == 0
+        tl.store(out_loc_ptr + rows, tl.where(completes, _floor_div(loc, RATIO), -1),
+                 mask=row_mask)
+        raw32 = raw.to(tl.int32)
+        clamp1 = tl.maximum(raw32, 1)
+        sparse = tl.minimum(clamp1, index_topk) if RATIO == 4 else clamp1
+        tl.store(raw_ptr + rows, raw32, mask=row_mask)
+        tl.store(clamp1_ptr + rows, clamp1, mask=row_mask)
+        tl.store(sparse_ptr + rows, sparse, mask=row_mask)
+    if RATIO == 128:
+        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        in_matrix = row_mask[:, None] & (cols < c128_width)[None, :]
+        column = cols // PER_PAGE
+        # Entries not yet complete, or on a page the table does not hold, get -1.
+        visible = in_matrix & (cols[None, :] < raw.to(tl.int32)[:, None])
+        visible &= (column < page_width)[None, :]
+        pages = tl.load(
+            page_table_ptr + rows[:, None] * stride_pt_t + column[None, :] * stride_pt_p,
+            mask=visible,
+            other=0,
+        )
+        slots = pages.to(tl.int64) * PER_PAGE + (cols % PER_PAGE)[None, :]
+        tl.store(
+            page_indices_ptr + rows[:, None] * stride_pi_t + cols[None, :],
+            tl.where(visible, slots, -1).to(tl.int32),
+            mask=in_matrix,
+        )
+
+
+# ------------------------------------------------------------------------------- launcher
+def _check_inputs(
+    positions: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    page_table: torch.Tensor,
+    ratio: int,
+    index_topk: int,
+    c128_width: int,
+) -> None:
+    if ratio not in RATIOS:
+        raise ConfigError(f"row fields ratio={ratio}; expected one of {RATIOS}")
+    if index_topk < 1 or c128_width < 0:
+        raise ConfigError(
+            f"index_topk={index_topk}, c128_width={c128_width}; expected >= 1 and >= 0"
+        )
+    rows = positions.shape[0] if positions.dim() == 1 else -1
+    checks = {
+        "positions": (positions, positions.dim() == 1, torch.int64, "[T]"),
+        "raw_out_loc": (raw_out_loc, tuple(raw_out_loc.shape) == (rows,), torch.int64, "[T]"),
+        "page_table": (
+            page_table, page_table.dim() == 2 and page_table.shape[0] == rows, torch.int32,
+            "[T, Pw]",
+        ),
+    }  # fmt: skip
+    for name, (tensor, shape_ok, dtype, shape) in checks.items():
+        if not shape_ok or tensor.dtype != dtype:
+            raise ContractError(
+                f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected "
+                f"{shape} {dtype} (positions has shape {tuple(positions.shape)})"
+            )
+        if tensor.device != positions.device:
+            raise ContractError(f"{name} is on {tensor.device}; positions is on {positions.device}")
+    if ratio == 128 and rows > 0 and page_table.shape[1] == 0:
+        raise ContractError("page_table has width 0; c128 page indices need Pw >= 1 when T > 0")
+
+
+def _row_fields_triton(
+    positions: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    page_table: torch.Tensor,
+    ratio: int,
+    index_topk: int,
+    c128_width: int,
+) -> RowFields:
+    rows, device = positions.shape[0], positions.device
+    out_loc = torch.empty(rows, dtype=torch.int64, device=device)
+    raw, clamp1, sparse = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(3))
+    page_indices = None
+    width = 0
+    if ratio == 128:
+        width = c128_width
+        page_indices = torch.empty(rows, width, dtype=torch.int32, device=device)
+    if rows == 0:
+        return RowFields(out_loc, raw, clamp1, sparse, page_indices)
+    # Without c128 indices the output pointer is unused; any int32 tensor stands in.
+    indices_arg = page_indices if page_indices is not None else raw
+    grid = (triton.cdiv(rows, BLOCK_T), max(1, triton.cdiv(width, BLOCK_N)))
+    _row_metadata_kernel[grid](
+        positions, raw_out_loc, page_table,
+        out_loc, raw, clamp1, sparse, indices_arg,
+        rows, page_table.shape[1], width, index_topk,
+        positions.stride(0), raw_out_loc.stride(0),
+        page_table.stride(0), page_table.stride(1),
+        indices_arg.stride(0),
+        RATIO=ratio,
+        PER_PAGE=REQUIRED_PAGE_SIZE // ratio,
+        BLOCK_T=BLOCK_T,
+        BLOCK_N=BLOCK_N,
+    )  # fmt: skip
+    return RowFields(out_loc, raw, clamp1, sparse, page_indices)
+
+
+# ---------------------------------------------------------------------------- dispatcher
+def row_fields(
+    positions: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    ratio: int,
+    index_topk: int,
+    c128_width: int,
+) -> RowFields:
+    """The per-row fields of ``ratio``: the Triton kernel or the torch implementation.
+
+    Parameters
+    ----------
+    positions : ``[T]`` int64 — absolute position ``p`` of each row.
+    raw_out_loc : ``[T]`` int64 — full-cache slot each row writes.
+    page_table : ``[T, Pw]`` int32 — full-cache pages of each row's request (ratio 128 reads
+        it; ``Pw >= 1`` when ``T > 0``).
+    ratio : 4 or 128.
+    index_topk : ``K`` (ratio 4's sparse lengths).
+    c128_width : ``N128``, columns of the c128 page indices (ratio 128).
+
+    Returns ``RowFields`` as ``planning.row_fields.compute_row_fields`` (``page_indices``
+    ``[T, N128]`` int32 for ratio 128, None for ratio 4). Runs the Triton kernel when
+    ``dispatch.use_triton(positions.device)``; both paths give identical tensors.
+    """
+    _check_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
+    if dispatch.use_triton(positions.device):
+        return _row_fields_triton(
+            positions, raw_out_loc, page_table, ratio, index_topk, c128_width
+        )
+    return compute_row_fields(
+        positions, raw_out_loc, page_table, ratio=ratio, index_topk=index_topk,
+        c128_width=c128_width,
+    )  # fmt: skip

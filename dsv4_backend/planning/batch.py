@@ -1,0 +1,229 @@
+"""The small, host-agnostic view of one forward batch that planning reads.
+
+Row semantics (one *row* = one query token; ``B`` requests, ``T`` rows):
+
+=============  ==========================================  ====================================
+kind           rows of request ``b``                       ``out_cache_loc`` length
+=============  ==========================================  ====================================
+IDLE           none                                        0
+DECODE         one, at position ``seq_lens[b] - 1``        ``B``
+DRAFT step i   one, at position ``seq_lens[b] + i``        ``B * topk * num_steps`` (all steps;
+                                                           planning takes row ``i`` of the
+                                                           ``[B, topk, num_steps]`` layout)
+EXTEND         ``extend_seq_lens[b]``, at positions        ``sum(extend_seq_lens)``
+               ``prefix[b] ... seq_lens[b] - 1``
+DRAFT_EXTEND   as EXTEND; window only (the MTP layer)      ``sum(extend_seq_lens)``
+TARGET_VERIFY  ``num_draft_tokens``, at positions          ``B * num_draft_tokens``
+               ``seq_lens[b] ... seq_lens[b] + n - 1``
+=============  ==========================================  ====================================
+
+So ``seq_lens`` counts the tokens already in the cache *including* this forward's for DECODE and
+the extend kinds, and *excluding* the speculative tokens for a draft step and for verify (as
+sglang's EAGLE workers hand them over). Every row ``r`` at position ``p`` is planned as a decode
+row with causal length ``p + 1``.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_backend.errors import BatchError
+
+#: Draft trees wider than one token per step are not served (see README).
+SUPPORTED_DRAFT_TOPK = (1,)
+
+
+class ForwardKind(enum.Enum):
+    IDLE = "idle"
+    DECODE = "decode"
+    EXTEND = "extend"
+    TARGET_VERIFY = "target_verify"
+    DRAFT_EXTEND = "draft_extend"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DraftStep:
+    """Step ``step_id`` of a multi-step EAGLE draft with ``topk`` tokens per step."""
+
+    topk: int
+    num_steps: int
+    step_id: int
+
+    def __post_init__(self) -> None:
+        if self.topk not in SUPPORTED_DRAFT_TOPK:
+            raise BatchError(
+                f"draft topk={self.topk}; this backend supports topk {SUPPORTED_DRAFT_TOPK} "
+                "(start sglang with --speculative-eagle-topk 1)"
+            )
+        if self.num_steps < 1:
+            raise BatchError(f"draft num_steps={self.num_steps}; expected >= 1")
+        if not 0 <= self.step_id < self.num_steps:
+            raise BatchError(
+                f"draft step_id={self.step_id}; expected 0 <= step_id < num_steps={self.num_steps}"
+            )
+
+
+def _host_ints(values: torch.Tensor | Sequence[int] | None) -> list[int] | None:
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            raise BatchError(
+                f"host lengths must be CPU tensors or lists, got device {values.device}"
+            )
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchView:
+    """What planning needs to know about a batch; shapes are checked on construction.
+
+    Parameters
+    ----------
+    kind : ForwardKind
+    req_pool_indices : Tensor ``[B]`` int — row of each request in ``req_to_token``.
+    seq_lens : Tensor ``[B]`` int — see the module table for what it counts per kind.
+    out_cache_loc : Tensor ``[N]`` int64 — full-cache slot written by each new token.
+    req_to_token : Tensor ``[pool_rows, max_context]`` int32 — full-cache slot of every token
+        of every request (pages of 256 consecutive slots).
+    seq_lens_cpu : optional host copy of ``seq_lens``; lets eager planning size its outputs
+        and check values without a device sync.
+    extend_prefix_lens, extend_seq_lens : host lengths ``[B]`` for EXTEND / DRAFT_EXTEND.
+    num_draft_tokens : tokens per request for TARGET_VERIFY.
+    draft : the step of a multi-step draft, for DECODE only.
+    full_to_swa : optional Tensor ``[full_pool_slots]`` int — window-cache slot of each full
+        slot; identity when omitted.
+    """
+
+    kind: ForwardKind
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_to_token: torch.Tensor
+    seq_lens_cpu: torch.Tensor | Sequence[int] | None = None
+    extend_prefix_lens: torch.Tensor | Sequence[int] | None = None
+    extend_seq_lens: torch.Tensor | Sequence[int] | None = None
+    num_draft_tokens: int | None = None
+    draft: DraftStep | None = None
+    full_to_swa: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens"):
+            object.__setattr__(self, name, _host_ints(getattr(self, name)))
+        bs = self.req_pool_indices.numel()
+        if self.req_pool_indices.dim() != 1 or self.seq_lens.dim() != 1:
+            raise BatchError(
+                "req_pool_indices and seq_lens must be 1-D, got shapes "
+                f"{tuple(self.req_pool_indices.shape)} and {tuple(self.seq_lens.shape)}"
+            )
+        if self.seq_lens.numel() != bs:
+            raise BatchError(
+                f"seq_lens has {self.seq_lens.numel()} entries but req_pool_indices has {bs}; "
+                "expected one of each per request"
+            )
+        if self.req_to_token.dim() != 2:
+            raise BatchError(
+                "req_to_token must be 2-D [pool_rows, max_context], got "
+                f"{tuple(self.req_to_token.shape)}"
+            )
+        if self.seq_lens_cpu is not None and len(self.seq_lens_cpu) != bs:
+            raise BatchError(f"seq_lens_cpu has {len(self.seq_lens_cpu)} entries, expected {bs}")
+        if self.draft is not None and self.kind is not ForwardKind.DECODE:
+            raise BatchError(f"draft steps are DECODE batches, got kind {self.kind.name}")
+        host = self.host_seq_lens
+        if host is not None and any(v < 1 for v in host):
+            raise BatchError(f"seq_lens must be >= 1, got {host}")
+        self._check_kind(bs)
+        expected = self.expected_out_cache_loc_len
+        if self.out_cache_loc.dim() != 1 or self.out_cache_loc.numel() != expected:
+            raise BatchError(self._out_cache_loc_message(expected))
+
+    # -------------------------------------------------------------------------- properties
+    @property
+    def batch_size(self) -> int:
+        return self.req_pool_indices.numel()
+
+    @property
+    def host_seq_lens(self) -> list[int] | None:
+        """``seq_lens`` on the host when known without a device sync."""
+        if self.seq_lens_cpu is not None:
+            return list(self.seq_lens_cpu)
+        if self.seq_lens.device.type == "cpu":
+            return [int(v) for v in self.seq_lens.tolist()]
+        return None
+
+    @property
+    def rows_per_request(self) -> int | None:
+        """Query rows of every request for the uniform kinds; None for extend kinds."""
+        if self.kind is ForwardKind.IDLE:
+            return 0
+        if self.kind is ForwardKind.DECODE:
+            return 1
+        if self.kind is ForwardKind.TARGET_VERIFY:
+            return self.num_draft_tokens
+        return None
+
+    @property
+    def num_rows(self) -> int:
+        """``T``, the query rows this batch plans."""
+        per = self.rows_per_request
+        if per is not None:
+            return per * self.batch_size
+        return sum(self.extend_seq_lens or ())
+
+    @property
+    def expected_out_cache_loc_len(self) -> int:
+        if self.draft is not None:
+            return self.batch_size * self.draft.topk * self.draft.num_steps
+        return self.num_rows
+
+    # ---------------------------------------------------------------------------- checks
+    def _check_kind(self, bs: int) -> None:
+        kind = self.kind
+        if kind is ForwardKind.IDLE and bs != 0:
+            raise BatchError(f"an IDLE batch has no requests, got batch size {bs}")
+        if kind is ForwardKind.TARGET_VERIFY and (
+            self.num_draft_tokens is None or self.num_draft_tokens < 1
+        ):
+            raise BatchError(
+                f"TARGET_VERIFY needs num_draft_tokens >= 1, got {self.num_draft_tokens}"
+            )
+        if kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
+            prefix, extend = self.extend_prefix_lens, self.extend_seq_lens
+            if prefix is None or extend is None:
+                raise BatchError(f"{kind.name} needs host extend_prefix_lens and extend_seq_lens")
+            if len(prefix) != bs or len(extend) != bs:
+                raise BatchError(
+                    f"{kind.name}: extend_prefix_lens has {len(prefix)} and extend_seq_lens "
+                    f"{len(extend)} entries, expected batch size {bs}"
+                )
+            if any(e < 1 for e in extend) or any(p < 0 for p in prefix):
+                raise BatchError(
+                    f"{kind.name}: extend_seq_lens must be >= 1 and prefixes >= 0, got "
+                    f"extend {extend} and prefix {prefix}"
+                )
+            host = self.host_seq_lens
+            if host is not None and [p + e for p, e in zip(prefix, extend, strict=True)] != host:
+                raise BatchError(
+                    f"{kind.name}: seq_lens {host} != extend_prefix_lens + extend_seq_lens "
+                    f"{[p + e for p, e in zip(prefix, extend, strict=True)]}"
+                )
+
+    def _out_cache_loc_message(self, expected: int) -> str:
+        got = tuple(self.out_cache_loc.shape)
+        if self.draft is not None:
+            d = self.draft
+            return (
+                f"out_cache_loc has shape {got}; a multi-step draft batch needs batch_size * "
+                f"topk * num_steps = {self.batch_size} * {d.topk} * {d.num_steps} = {expected} "
+                "write slots laid out [batch_size, topk, num_steps]"
+            )
+        return (
+            f"out_cache_loc has shape {got}; a {self.kind.name} batch of {self.batch_size} "
+            f"requests needs {expected} write slots (one per query row)"
+        )

@@ -1,0 +1,69 @@
+"""Compress and write plans of one compress ratio (plan records of ``planning/metadata.py``).
+
+Both plans are ``[T, 4]`` int32 records ``(ragged_id, batch_id, position, window_len)``: the
+valid records first, in row order, then rows of ``-1``. The shape depends on ``T`` only, so the
+plans can be built inside a CUDA graph: the valid rows are compacted with a cumulative sum and a
+scatter, never with ``nonzero`` or a host sync. This torch function is the reference the TVM
+kernel (symbolic shapes) must match exactly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_backend.errors import ConfigError
+
+#: Tokens feeding one compressed entry: c4 entries overlap the previous block (2 * 4 tokens).
+COMPRESS_SPAN = {4: 8, 128: 128}
+
+
+def _compact(records: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Rows of ``records`` [T, 4] where ``valid`` [T] bool, first and in order; then -1 rows."""
+    rows = records.shape[0]
+    dest = torch.cumsum(valid, 0) - 1
+    # Invalid rows all land in a spare row ``T`` that is dropped afterwards.
+    dest = torch.where(valid, dest, rows)
+    out = records.new_full((rows + 1, records.shape[1]), -1)
+    out.index_copy_(0, dest, records)
+    return out[:rows]
+
+
+def compute_compress_plans(
+    row_batch_ids: torch.Tensor,
+    positions: torch.Tensor,
+    first_new_positions: torch.Tensor,
+    request_seq_lens: torch.Tensor,
+    ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress plan and write plan of ``ratio`` for ``T`` query rows.
+
+    Parameters
+    ----------
+    row_batch_ids : ``[T]`` int32 — request of each row.
+    positions : ``[T]`` int64 — absolute position of each row.
+    first_new_positions : ``[T]`` int64 — position of the first row of this row's request in
+        this forward (earlier tokens come from the compressor state ring).
+    request_seq_lens : ``[T]`` int32 — the shortest length the row's request can have after
+        this forward (``keep_len`` of ``planning/metadata.py``: ``seq_lens + 1`` for verify).
+    ratio : 4 or 128.
+
+    Returns
+    -------
+    ``(compress_plan, write_plan)``, each ``[T, 4]`` int32 records
+    ``(ragged_id, batch_id, position, window_len)``, valid records first in row order, then
+    ``-1`` rows. The compress plan lists rows with ``(position + 1) % ratio == 0``; the write
+    plan rows with ``position >= (seq_len // ratio) * ratio`` (``- ratio`` for ratio 4).
+    ``window_len = min(span, position - first_new_position + 1)`` with span 8 (c4) / 128 (c128).
+    """
+    if ratio not in COMPRESS_SPAN:
+        raise ConfigError(f"compress plan ratio={ratio}; expected one of {tuple(COMPRESS_SPAN)}")
+    positions = positions.long()
+    ragged_ids = torch.arange(positions.shape[0], device=positions.device)
+    window_len = torch.clamp(positions - first_new_positions + 1, max=COMPRESS_SPAN[ratio])
+    records = torch.stack((ragged_ids, row_batch_ids.long(), positions, window_len), dim=1).to(
+        torch.int32
+    )
+    keep_from = (request_seq_lens.long() // ratio) * ratio - (ratio if ratio == 4 else 0)
+    compress_plan = _compact(records, (positions + 1) % ratio == 0)
+    write_plan = _compact(records, positions >= keep_from)
+    return compress_plan, write_plan

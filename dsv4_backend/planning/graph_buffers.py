@@ -1,0 +1,197 @@
+"""Fixed CUDA-graph buffers for ``AttentionMetadata``: allocated once, refilled by ``copy_``.
+
+The graph path runs the same planner as eager mode (``planner.plan`` with fixed widths), then
+``GraphMetadataBuffers.load`` copies the plan into buffers whose storage never changes, so a
+captured graph always reads the current batch. Rows past the plan (a graph bucket larger than
+the batch) and columns past an eager plan's widths hold sentinels that every kernel skips:
+
+==========================================  ========  ==============================================
+fields                                      sentinel  why
+==========================================  ========  ==============================================
+``seq_lens_causal``                         1         ``seq_len_fill_value`` (sglang's graph fill)
+``positions_causal``                        0         the position of a length-1 row
+``row_batch_ids``                           0         an in-bounds request; no plan record uses it
+``swa_topk_lengths``, ``*.topk_lengths_``   1         sparse kernels need >= 1; every index is -1
+``clamp1``, ``*.sparse_topk_lengths``
+``*.topk_lengths_raw``                      0         no visible compressed entry
+``*_out_loc``, ``*.out_loc``                -1        no cache write (stores skip negative slots)
+``page_table``, ``*_page_indices``          -1        no slot
+``*.compress_plan``, ``*.write_plan``       -1        invalid record (valid records stay first)
+==========================================  ========  ==============================================
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ContractError
+from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
+from dsv4_backend.planning.planner import PlanWidths
+
+#: Sequence length of padded rows; the backend's ``get_cuda_graph_seq_len_fill_value()``.
+seq_len_fill_value = 1
+
+#: Padding of every field not listed here: -1 (no slot / no write / invalid record).
+_SENTINELS = {
+    "seq_lens_causal": seq_len_fill_value,
+    "positions_causal": 0,
+    "row_batch_ids": 0,
+    "swa_topk_lengths": 1,
+    "topk_lengths_raw": 0,
+    "topk_lengths_clamp1": 1,
+    "sparse_topk_lengths": 1,
+}
+
+
+def _sentinel(name: str) -> int:
+    return _SENTINELS.get(name, -1)
+
+
+_INT32, _INT64 = torch.int32, torch.int64
+#: ``field -> (shape after the row dimension, dtype)``
+_Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
+
+
+def _compressed_layout(config: DSV4AttentionConfig, ratio: int, widths: PlanWidths) -> _Layout:
+    plan = ((len(PLAN_COLUMNS),), _INT32)
+    index_width = config.index_topk if ratio == 4 else widths.c128
+    return {
+        "out_loc": ((), _INT64),
+        "topk_lengths_raw": ((), _INT32),
+        "topk_lengths_clamp1": ((), _INT32),
+        "sparse_topk_lengths": ((), _INT32),
+        "page_indices": ((index_width,), _INT32),
+        "compress_plan": plan,
+        "write_plan": plan,
+    }
+
+
+def _layout(config: DSV4AttentionConfig, widths: PlanWidths) -> _Layout:
+    return {
+        "row_batch_ids": ((), _INT32),
+        "page_table": ((widths.page_table,), _INT32),
+        "raw_out_loc": ((), _INT64),
+        "swa_out_loc": ((), _INT64),
+        "seq_lens_causal": ((), _INT32),
+        "positions_causal": ((), _INT64),
+        "swa_page_indices": ((config.swa_index_width,), _INT32),
+        "swa_topk_lengths": ((), _INT32),
+    }
+
+
+def _load_field(buf: torch.Tensor, src: torch.Tensor, num_rows: int, sentinel: int) -> None:
+    """Copy ``src`` into ``buf``'s top-left corner; pad its other columns and rows."""
+    rows = src.shape[0]
+    if buf.dim() == 1:
+        buf[:rows].copy_(src)
+    else:
+        cols = src.shape[1]
+        buf[:rows, :cols].copy_(src)
+        buf[:rows, cols:].fill_(sentinel)
+    buf[rows:num_rows].fill_(sentinel)
+
+
+class GraphMetadataBuffers:
+    """Every ``AttentionMetadata`` tensor of a CUDA graph, allocated once at its largest shape.
+
+    Parameters
+    ----------
+    config : attention configuration (which ratios get fields, index widths).
+    max_batch_size : largest batch a graph serves.
+    max_rows : largest row count (``T``) a graph serves.
+    widths : the ``PlanWidths`` every graph plan is made with (e.g.
+        ``PlanWidths.for_max_len(max_context_len)``); eager plans may be narrower.
+    device : where the buffers live.
+    """
+
+    def __init__(
+        self,
+        config: DSV4AttentionConfig,
+        *,
+        max_batch_size: int,
+        max_rows: int,
+        widths: PlanWidths,
+        device: torch.device | str,
+    ) -> None:
+        if max_batch_size < 0 or max_rows < 0:
+            raise ContractError(
+                f"max_batch_size={max_batch_size}, max_rows={max_rows}; expected >= 0"
+            )
+        self.config = config
+        self.max_batch_size = max_batch_size
+        self.max_rows = max_rows
+        self.widths = widths
+
+        def alloc(layout: _Layout) -> dict[str, torch.Tensor]:
+            return {
+                name: torch.full((max_rows, *shape), _sentinel(name), dtype=dtype, device=device)
+                for name, (shape, dtype) in layout.items()
+            }
+
+        self.common = alloc(_layout(config, widths))
+        self.compressed = {
+            r: alloc(_compressed_layout(config, r, widths)) for r in sorted(config.ratios_present)
+        }
+        self.device = self.common["row_batch_ids"].device
+
+    def load(self, plan: AttentionMetadata, *, num_rows: int | None = None) -> AttentionMetadata:
+        """Copy ``plan`` into the buffers and return views of their first ``num_rows`` rows.
+
+        ``num_rows`` (default ``plan.num_rows``) is the graph's row count; rows past the plan
+        get the sentinels of the module table; ``batch_size`` and ``kind`` are the plan's.
+        Allocates nothing and never syncs; the returned tensors are views of the buffers (the
+        same storage on every call).
+
+        Raises ``ContractError`` when the plan does not fit the buffers.
+        """
+        num_rows = plan.num_rows if num_rows is None else num_rows
+        self._check(plan, num_rows)
+        for name, buf in self.common.items():
+            _load_field(buf, getattr(plan, name), num_rows, _sentinel(name))
+        comp = {}
+        for ratio, bufs in self.compressed.items():
+            src = plan.compressed(ratio)
+            if src is None:  # window-only plan (DRAFT_EXTEND)
+                continue
+            for name, buf in bufs.items():
+                _load_field(buf, getattr(src, name), num_rows, _sentinel(name))
+            comp[ratio] = CompressedMetadata(
+                ratio=ratio, **{name: buf[:num_rows] for name, buf in bufs.items()}
+            )
+        return AttentionMetadata(
+            kind=plan.kind,
+            batch_size=plan.batch_size,
+            num_rows=num_rows,
+            **{name: buf[:num_rows] for name, buf in self.common.items()},
+            c4=comp.get(4),
+            c128=comp.get(128),
+        )
+
+    def _check(self, plan: AttentionMetadata, num_rows: int) -> None:
+        fix = (
+            "build GraphMetadataBuffers with max_batch_size / max_rows / widths covering the "
+            "largest graph batch, and plan graph batches with widths=buffers.widths"
+        )
+        if not plan.num_rows <= num_rows <= self.max_rows or plan.batch_size > self.max_batch_size:
+            raise ContractError(
+                f"cannot load a plan of batch_size={plan.batch_size}, num_rows={plan.num_rows} "
+                f"as {num_rows} rows into buffers of max_batch_size={self.max_batch_size}, "
+                f"max_rows={self.max_rows} (need plan rows <= num_rows <= max_rows); {fix}"
+            )
+        got = PlanWidths(
+            page_table=max(plan.page_table.shape[1], 1),
+            c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
+        )
+        if not self.widths.covers(got):
+            raise ContractError(f"plan widths {got} exceed the buffers' {self.widths}; {fix}")
+        if plan.row_batch_ids.device != self.device:
+            raise ContractError(
+                f"plan tensors are on {plan.row_batch_ids.device}, the buffers on {self.device}; "
+                "plan on the buffers' device"
+            )
+        for ratio in (4, 128):
+            if plan.compressed(ratio) is not None and ratio not in self.compressed:
+                raise ContractError(
+                    f"plan has c{ratio} fields but the buffers' config has no ratio-{ratio} layers"
+                )

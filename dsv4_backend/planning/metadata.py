@@ -1,0 +1,139 @@
+"""Immutable attention metadata: one row per query token (dsv4-attention.md section 4).
+
+Shapes use ``B`` requests, ``T`` query rows, ``Pw`` page-table width (pages), ``Ws`` window
+index width (``config.swa_index_width``), ``K`` ``index_topk`` and ``N128`` c128 index width.
+Index tensors use ``-1`` for "no slot". The dataclasses are frozen (fields are never rebound,
+which CUDA graphs rely on); ``c4.sparse_page_indices`` is the one tensor written after planning,
+by the indexer's top-k.
+
+Plan records (``compress_plan`` / ``write_plan``, ``[T, 4]`` int32) are rows
+``(ragged_id, batch_id, position, window_len)``: the valid records first, in row order, then
+``-1`` rows, so their shape is fixed by ``T`` alone.
+
+* the *compress plan* of ratio ``r`` lists rows with ``(position + 1) % r == 0`` (the row that
+  completes a compressed entry);
+* the *write plan* lists rows whose compressor state must stay in the state ring after this
+  forward: ``position >= (keep_len // r) * r``, one block earlier (``- r``) for ratio 4, whose
+  entries overlap the previous block. ``keep_len`` is the shortest length the request can have
+  after this forward: its length for every kind but TARGET_VERIFY, where drafts may be
+  rejected, so it is ``seq_lens + 1`` (the speculative rings are long enough to hold the extra
+  rows);
+* ``window_len`` = ``min(span, position - first_new_position + 1)``: how many of the tokens that
+  feed the entry ending at this row are inputs of this forward (``span`` = 8 for ratio 4, 128 for
+  ratio 128); the others come from the state ring.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+
+from dsv4_backend.errors import ContractError
+from dsv4_backend.planning.batch import ForwardKind
+
+PLAN_COLUMNS = ("ragged_id", "batch_id", "position", "window_len")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedMetadata:
+    """Per-row fields of one compress ratio (4 or 128).
+
+    Attributes
+    ----------
+    ratio : 4 or 128.
+    out_loc : ``[T]`` int64 — cache slot of the entry this row completes
+        (``raw_out_loc // ratio``), ``-1`` where ``(position + 1) % ratio != 0``.
+    topk_lengths_raw : ``[T]`` int32 — visible entries, ``seq_len // ratio``.
+    topk_lengths_clamp1 : ``[T]`` int32 — the same clamped to >= 1 (sparse kernels need >= 1;
+        padded indices are -1).
+    sparse_topk_lengths : ``[T]`` int32 — ratio 4: ``min(clamp1, K)``; ratio 128: equals clamp1.
+    page_indices : ratio 4: ``[T, K]`` int32 of -1, filled by the indexer's top-k with c4 cache
+        slots; ratio 128: ``[T, N128]`` int32, slots of all visible entries then -1.
+    compress_plan, write_plan : ``[T, 4]`` int32 plan records (module docstring).
+    """
+
+    ratio: int
+    out_loc: torch.Tensor
+    topk_lengths_raw: torch.Tensor
+    topk_lengths_clamp1: torch.Tensor
+    sparse_topk_lengths: torch.Tensor
+    page_indices: torch.Tensor
+    compress_plan: torch.Tensor
+    write_plan: torch.Tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class AttentionMetadata:
+    """Everything a DeepSeek-V4 attention forward reads about its batch.
+
+    Attributes
+    ----------
+    kind : the planned ``ForwardKind``.
+    batch_size, num_rows : ``B`` and ``T`` this metadata was planned for.
+    row_batch_ids : ``[T]`` int32 — request of each row.
+    page_table : ``[T, Pw]`` int32 — full-cache page of each of the row's request pages.
+    raw_out_loc : ``[T]`` int64 — full-cache slot the row writes (its draft step's slice for a
+        draft step).
+    swa_out_loc : ``[T]`` int64 — window-cache slot the row's key is written to
+        (``full_to_swa[raw_out_loc]``).
+    seq_lens_causal : ``[T]`` int32 — ``position + 1``.
+    positions_causal : ``[T]`` int64.
+    swa_page_indices : ``[T, Ws]`` int32 — window-cache slots of positions p, p-1, ..., p-127;
+        -1 where negative or beyond the window.
+    swa_topk_lengths : ``[T]`` int32 — ``min(seq_len, window)``.
+    c4, c128 : per-ratio fields, or None when no layer uses the ratio or for DRAFT_EXTEND
+        (the MTP layer is window only).
+    """
+
+    kind: ForwardKind
+    batch_size: int
+    num_rows: int
+    row_batch_ids: torch.Tensor
+    page_table: torch.Tensor
+    raw_out_loc: torch.Tensor
+    swa_out_loc: torch.Tensor
+    seq_lens_causal: torch.Tensor
+    positions_causal: torch.Tensor
+    swa_page_indices: torch.Tensor
+    swa_topk_lengths: torch.Tensor
+    c4: CompressedMetadata | None = None
+    c128: CompressedMetadata | None = None
+
+    def __post_init__(self) -> None:
+        rows = self.num_rows
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.shape[0] != rows:
+                raise ContractError(
+                    f"metadata field {f.name} has {value.shape[0]} rows, expected num_rows={rows}"
+                )
+        for comp in (self.c4, self.c128):
+            if comp is None:
+                continue
+            for f in fields(comp):
+                value = getattr(comp, f.name)
+                if isinstance(value, torch.Tensor) and value.shape[0] != rows:
+                    raise ContractError(
+                        f"metadata field c{comp.ratio}.{f.name} has {value.shape[0]} rows, "
+                        f"expected num_rows={rows}"
+                    )
+
+    def compressed(self, ratio: int) -> CompressedMetadata | None:
+        """The fields of ``ratio`` (0 gives None: window-only layers)."""
+        return {0: None, 4: self.c4, 128: self.c128}[ratio]
+
+    def check_matches(self, *, batch_size: int, num_rows: int, where: str = "forward") -> None:
+        """Raise ``ContractError`` unless this plan was made for a batch of these shapes.
+
+        A mismatch means the metadata was planned before the batch reached its final (padded)
+        shape, e.g. before data-parallel padding of a verify batch.
+        """
+        if batch_size != self.batch_size or num_rows != self.num_rows:
+            raise ContractError(
+                f"{where}: attention metadata was planned for batch_size={self.batch_size}, "
+                f"num_rows={self.num_rows} but the {where} got batch_size={batch_size}, "
+                f"num_rows={num_rows}. The metadata was planned before the batch reached its "
+                "final (padded) shape; plan after padding (skip_attn_backend_init must equal "
+                "can_run_cuda_graph)."
+            )

@@ -1,0 +1,302 @@
+"""Metadata planning: a pure function from a ``BatchView`` to ``AttentionMetadata``.
+
+Each ``ForwardKind`` only says how its requests expand into query rows (``_Rows``, see the row
+table in ``planning/batch.py``); one shared body, ``_plan_rows``, builds every field of
+dsv4-attention.md section 4 from those rows. Eager planning, CUDA-graph capture and replay all
+run this same code; the graph path then copies the result into fixed buffers
+(``planning/graph_buffers.py``). Planning never syncs with the device. The per-row compression fields run the Triton kernel of
+``kernels/row_metadata.py`` and the compress / write plans the TVM kernel of
+``kernels/compress_plan_tvm.py`` where they can run (``kernels/dispatch.py``); their torch
+references (``row_fields.py``, ``compress_plan.py``) serve everywhere else.
+
+Graph safety: with ``widths`` given, the uniform kinds (``GRAPH_KINDS``) plan with shapes fixed by
+the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()``); lengths are
+only checked where the batch already holds them on the host (``BatchView.host_seq_lens``). The
+extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``extend_seq_lens``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError, ConfigError
+from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
+from dsv4_backend.kernels.row_metadata import row_fields
+from dsv4_backend.planning.batch import BatchView, ForwardKind
+from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
+from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
+
+
+@dataclass(frozen=True)
+class PlanWidths:
+    """Column counts of the variable-width fields: ``page_table`` (``Pw``) and c128 (``N128``).
+
+    Fixed widths make the plan's shapes independent of the batch's lengths (CUDA graphs); size
+    them for the longest context with ``PlanWidths.for_max_len``.
+    """
+
+    page_table: int
+    c128: int
+
+    def __post_init__(self) -> None:
+        if self.page_table < 1 or self.c128 < 1:
+            raise ConfigError(
+                f"PlanWidths(page_table={self.page_table}, c128={self.c128}); both must be >= 1"
+            )
+
+    @classmethod
+    def for_max_len(cls, max_len: int, page_size: int = 256) -> PlanWidths:
+        """Widths for requests of up to ``max_len`` tokens (at least one column each)."""
+        return cls(page_table=max(1, math.ceil(max_len / page_size)), c128=max(1, max_len // 128))
+
+    def covers(self, other: PlanWidths) -> bool:
+        return self.page_table >= other.page_table and self.c128 >= other.c128
+
+
+class _Rows(NamedTuple):
+    """The query rows of a batch: what each kind's expansion computes, all the body reads."""
+
+    batch_ids: torch.Tensor  # [T] int32: request of the row
+    positions: torch.Tensor  # [T] int64
+    out_loc: torch.Tensor  # [T] int64: full-cache slot the row writes
+    first_new: torch.Tensor  # [T] int64: position of the request's first row in this forward
+    request_lens: torch.Tensor  # [T] int32: the request's length after this forward
+    keep_lens: torch.Tensor  # [T] int32: its shortest possible length after it (write plans)
+    host_lens: list[int] | None  # [B] the same per request, when known on the host
+
+
+# ------------------------------------------------------------------------- row expansions
+def _decode_rows(batch: BatchView) -> _Rows:
+    """One row per request (none for IDLE); a draft step writes its own slice of slots."""
+    seq = batch.seq_lens.long()
+    host = batch.host_seq_lens
+    bs = batch.batch_size
+    if batch.draft is None:
+        positions, out_loc = seq - 1, batch.out_cache_loc
+    else:
+        step = batch.draft
+        per_step = per_step_draft_out_cache_loc(batch.out_cache_loc, bs, step.topk, step.num_steps)
+        positions, out_loc = seq + step.step_id, per_step[step.step_id]
+        host = None if host is None else [s + step.step_id + 1 for s in host]
+    ids = torch.arange(bs, dtype=torch.int32, device=seq.device)
+    lens = (positions + 1).int()
+    return _Rows(ids, positions, out_loc.long(), positions, lens, lens, host)
+
+
+def _verify_rows(batch: BatchView) -> _Rows:
+    """``num_draft_tokens`` rows per request, at ``seq_lens[b] ... seq_lens[b] + n - 1``."""
+    n = batch.num_draft_tokens
+    seq = batch.seq_lens.long()
+    row = torch.arange(batch.num_rows, device=seq.device)
+    ids = row // n
+    first = seq[ids]
+    host = batch.host_seq_lens
+    host = None if host is None else [s + n for s in host]
+    out_loc = batch.out_cache_loc.long()
+    # Drafts may be rejected: keep the state that the shortest outcome (seq_lens + 1) needs.
+    keep = (first + 1).int()
+    return _Rows(ids.int(), first + row % n, out_loc, first, (first + n).int(), keep, host)
+
+
+def _extend_rows(batch: BatchView) -> _Rows:
+    """``extend_seq_lens[b]`` rows per request after its prefix (host lengths give the shape)."""
+    device = batch.seq_lens.device
+    prefix = torch.tensor(batch.extend_prefix_lens, dtype=torch.long, device=device)
+    extend = torch.tensor(batch.extend_seq_lens, dtype=torch.long, device=device)
+    num_rows = batch.num_rows
+    ids = torch.repeat_interleave(
+        torch.arange(batch.batch_size, device=device), extend, output_size=num_rows
+    )
+    row_in_request = torch.arange(num_rows, device=device) - (torch.cumsum(extend, 0) - extend)[ids]
+    first = prefix[ids]
+    host = [p + e for p, e in zip(batch.extend_prefix_lens, batch.extend_seq_lens, strict=True)]
+    lens = (prefix + extend)[ids].int()
+    out_loc = batch.out_cache_loc.long()
+    return _Rows(ids.int(), first + row_in_request, out_loc, first, lens, lens, host)
+
+
+@dataclass(frozen=True)
+class _KindPlan:
+    expand: Callable[[BatchView], _Rows]
+    #: False for the window-only MTP layer (no c4 / c128 fields).
+    compressed: bool
+    #: Uniform rows per request: plannable inside a CUDA graph when widths are given.
+    graph: bool
+
+
+_KINDS: dict[ForwardKind, _KindPlan] = {
+    ForwardKind.IDLE: _KindPlan(_decode_rows, compressed=True, graph=True),
+    ForwardKind.DECODE: _KindPlan(_decode_rows, compressed=True, graph=True),
+    ForwardKind.TARGET_VERIFY: _KindPlan(_verify_rows, compressed=True, graph=True),
+    ForwardKind.EXTEND: _KindPlan(_extend_rows, compressed=True, graph=False),
+    ForwardKind.DRAFT_EXTEND: _KindPlan(_extend_rows, compressed=False, graph=False),
+}
+
+#: Kinds whose plan can be captured in a CUDA graph (the one place this is declared).
+GRAPH_KINDS = frozenset(kind for kind, spec in _KINDS.items() if spec.graph)
+
+
+# ------------------------------------------------------------------------------ the body
+def plan(
+    config: DSV4AttentionConfig, batch: BatchView, *, widths: PlanWidths | None = None
+) -> AttentionMetadata:
+    """Plan the attention metadata of ``batch``: one row per query token.
+
+    Parameters
+    ----------
+    config : the model's attention configuration.
+    batch : the batch view (row semantics per kind in ``planning/batch.py``).
+    widths : column counts of ``page_table`` and the c128 indices. ``None`` (eager) derives them
+        from the batch's longest request; given, the plan's shapes depend on the row count only,
+        and a uniform kind (``GRAPH_KINDS``) plans without any host sync.
+
+    Raises
+    ------
+    BatchError : an unknown kind; no widths and no host lengths; a request longer than
+        ``req_to_token`` or ``widths`` too small (checked when the host knows the lengths).
+    """
+    spec = _KINDS.get(batch.kind)
+    if spec is None:
+        raise BatchError(
+            f"cannot plan forward kind {batch.kind!r}; expected one of "
+            f"{[kind.name for kind in _KINDS]}"
+        )
+    return _plan_rows(config, batch, spec.expand(batch), widths, compressed=spec.compressed)
+
+
+def _resolve_widths(
+    config: DSV4AttentionConfig, batch: BatchView, rows: _Rows, widths: PlanWidths | None
+) -> PlanWidths:
+    """Check the lengths the host knows; derive the widths when none are given."""
+    if rows.host_lens is None:
+        if widths is None:
+            raise BatchError(
+                f"cannot size the plan of a batch whose seq_lens are on {batch.seq_lens.device} "
+                "without host lengths; pass seq_lens_cpu (eager) or fixed widths (CUDA graphs)"
+            )
+        return widths
+    max_len = max(rows.host_lens, default=0)
+    context = batch.req_to_token.shape[1]
+    if max_len > context:
+        raise BatchError(
+            f"seq_len {max_len} exceeds req_to_token width {context}; the request pool holds "
+            f"at most {context} tokens per request"
+        )
+    needed = PlanWidths.for_max_len(max_len, config.page_size)
+    if widths is None:
+        return needed
+    if not widths.covers(needed):
+        raise BatchError(
+            f"{widths} is too small for this batch: its longest request ({max_len} tokens) needs "
+            f"page_table >= {needed.page_table} and c128 >= {needed.c128}; size the widths for "
+            "the longest context (PlanWidths.for_max_len(max_context_len))"
+        )
+    return widths
+
+
+def _page_table(
+    req_to_token: torch.Tensor,
+    req: torch.Tensor,
+    request_lens: torch.Tensor,
+    width: int,
+    page_size: int,
+) -> torch.Tensor:
+    """``[T, width]`` int32: page ``k`` = ``req_to_token[req, k * page_size] // page_size``."""
+    first_token = torch.arange(width, device=req.device) * page_size
+    slots = req_to_token[req[:, None], first_token.clamp(max=req_to_token.shape[1] - 1)]
+    return torch.where(first_token < request_lens[:, None], slots // page_size, -1).int()
+
+
+def _swa_page_indices(
+    config: DSV4AttentionConfig, batch: BatchView, req: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """``[T, Ws]`` int32: window-cache slots of positions ``p, p - 1, ...`` inside the window."""
+    back = torch.arange(config.swa_index_width, device=positions.device)
+    key_pos = positions[:, None] - back
+    valid = (back < config.window_size) & (key_pos >= 0)
+    slots = batch.req_to_token[req[:, None], key_pos.clamp(min=0)].long()
+    if batch.full_to_swa is not None:
+        slots = batch.full_to_swa[slots]
+    return torch.where(valid, slots, -1).int()
+
+
+def _swa_out_loc(batch: BatchView, out_loc: torch.Tensor) -> torch.Tensor:
+    """``[T]`` int64 window slot each row writes; -1 stays -1 (no write)."""
+    if batch.full_to_swa is None:
+        return out_loc
+    slots = batch.full_to_swa[out_loc.clamp(min=0)].long()
+    return torch.where(out_loc >= 0, slots, -1)
+
+
+def _compressed(
+    config: DSV4AttentionConfig, ratio: int, rows: _Rows, page_table: torch.Tensor, c128: int
+) -> CompressedMetadata:
+    fields = row_fields(
+        rows.positions,
+        rows.out_loc,
+        page_table,
+        ratio=ratio,
+        index_topk=config.index_topk,
+        c128_width=c128,
+    )
+    page_indices = fields.page_indices
+    if page_indices is None:  # c4: filled later by the indexer's top-k
+        page_indices = torch.full(
+            (rows.positions.shape[0], config.index_topk),
+            -1,
+            dtype=torch.int32,
+            device=rows.positions.device,
+        )
+    compress_plan, write_plan = build_compress_plans(
+        rows.batch_ids, rows.positions, rows.first_new, rows.keep_lens, ratio
+    )
+    return CompressedMetadata(
+        ratio=ratio,
+        out_loc=fields.out_loc,
+        topk_lengths_raw=fields.topk_lengths_raw,
+        topk_lengths_clamp1=fields.topk_lengths_clamp1,
+        sparse_topk_lengths=fields.sparse_topk_lengths,
+        page_indices=page_indices,
+        compress_plan=compress_plan,
+        write_plan=write_plan,
+    )
+
+
+def _plan_rows(
+    config: DSV4AttentionConfig,
+    batch: BatchView,
+    rows: _Rows,
+    widths: PlanWidths | None,
+    *,
+    compressed: bool,
+) -> AttentionMetadata:
+    """Every metadata field from the expanded rows; shared by all kinds."""
+    widths = _resolve_widths(config, batch, rows, widths)
+    req = batch.req_pool_indices.long()[rows.batch_ids.long()]
+    positions = rows.positions
+    page_table = _page_table(
+        batch.req_to_token, req, rows.request_lens, widths.page_table, config.page_size
+    )
+    present = config.ratios_present if compressed else frozenset()
+    comp = {r: _compressed(config, r, rows, page_table, widths.c128) for r in present}
+    return AttentionMetadata(
+        kind=batch.kind,
+        batch_size=batch.batch_size,
+        num_rows=batch.num_rows,
+        row_batch_ids=rows.batch_ids,
+        page_table=page_table,
+        raw_out_loc=rows.out_loc,
+        swa_out_loc=_swa_out_loc(batch, rows.out_loc),
+        seq_lens_causal=(positions + 1).int(),
+        positions_causal=positions,
+        swa_page_indices=_swa_page_indices(config, batch, req, positions),
+        swa_topk_lengths=(positions + 1).clamp(max=config.window_size).int(),
+        c4=comp.get(4),
+        c128=comp.get(128),
+    )

@@ -1,0 +1,76 @@
+"""Per-row fields of one compress ratio (``CompressedMetadata`` of ``planning/metadata.py``).
+
+Each row is a decode row with ``seq_len = position + 1``. Static shapes only; this torch
+function is the reference the ``row_compression_metadata`` Triton kernel must match exactly.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from dsv4_backend.config import REQUIRED_PAGE_SIZE
+from dsv4_backend.errors import ConfigError
+
+RATIOS = (4, 128)
+
+
+class RowFields(NamedTuple):
+    """``T`` rows of one ratio; dtypes as in ``CompressedMetadata``."""
+
+    out_loc: torch.Tensor  # [T] int64
+    topk_lengths_raw: torch.Tensor  # [T] int32
+    topk_lengths_clamp1: torch.Tensor  # [T] int32
+    sparse_topk_lengths: torch.Tensor  # [T] int32
+    page_indices: torch.Tensor | None  # ratio 128: [T, c128_width] int32; ratio 4: None
+
+
+def compute_row_fields(
+    positions: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    ratio: int,
+    index_topk: int,
+    c128_width: int,
+) -> RowFields:
+    """The per-row fields of ``ratio`` for ``T`` query rows.
+
+    Parameters
+    ----------
+    positions : ``[T]`` int64 — absolute position ``p`` of each row.
+    raw_out_loc : ``[T]`` int64 — full-cache slot each row writes.
+    page_table : ``[T, Pw]`` int32 — full-cache page of each page of the row's request
+        (``Pw >= 1`` when ``T > 0``); read for ratio 128 only.
+    ratio : 4 or 128.
+    index_topk : ``K``, c4 entries kept per query (ratio 4).
+    c128_width : ``N128``, columns of the c128 page indices (ratio 128).
+
+    Returns
+    -------
+    ``RowFields``: ``out_loc = raw_out_loc // ratio`` where ``(p + 1) % ratio == 0`` else -1;
+    ``raw = (p + 1) // ratio``; ``clamp1 = max(raw, 1)``; ``sparse = min(clamp1, K)`` for ratio 4
+    and ``clamp1`` for ratio 128; for ratio 128 ``page_indices[t, j]`` is the c128 slot of entry
+    ``j``, ``page_table[t, j // 2] * 2 + j % 2``, for ``j < raw`` and -1 elsewhere (also where
+    column ``j // 2`` lies beyond the table's ``Pw``: a page the table does not hold).
+    """
+    if ratio not in RATIOS:
+        raise ConfigError(f"row fields ratio={ratio}; expected one of {RATIOS}")
+    positions = positions.long()
+    completes = (positions + 1) % ratio == 0
+    out_loc = torch.where(completes, raw_out_loc.long() // ratio, -1)
+    raw = ((positions + 1) // ratio).to(torch.int32)
+    clamp1 = torch.clamp(raw, min=1)
+    sparse = torch.clamp(clamp1, max=index_topk) if ratio == 4 else clamp1.clone()
+    page_indices = None
+    if ratio == 128:
+        per_page = REQUIRED_PAGE_SIZE // ratio
+        entry = torch.arange(c128_width, device=positions.device)
+        column = entry // per_page
+        known = column < page_table.shape[1]
+        # Clamping keeps the masked-out columns in bounds.
+        pages = page_table[:, column.clamp(max=max(page_table.shape[1] - 1, 0))].long()
+        slots = pages * per_page + entry % per_page
+        page_indices = torch.where((entry < raw[:, None]) & known, slots, -1).to(torch.int32)
+    return RowFields(out_loc, raw, clamp1, sparse, page_indices)

@@ -1,0 +1,54 @@
+"""Plain float32 torch reference of DeepSeek-V4 attention (dsv4-attention.md sections 2-3).
+
+One request at a time, tokens at positions ``0 ... S-1``; small loops, no cleverness. Every
+kernel test compares against these functions.
+"""
+
+from dsv4_backend.reference.attention import reference_attention, sink_attention, visible_entries
+from dsv4_backend.reference.compressor import (
+    compress_entries,
+    entry_slots,
+    finish_entries,
+    overlap,
+    pool_slots,
+)
+from dsv4_backend.reference.indexer import indexer_scores, indexer_select
+from dsv4_backend.reference.layer import (
+    LayerInputs,
+    LayerParams,
+    ReferenceResult,
+    make_random_layer,
+    reference_layer,
+)
+from dsv4_backend.reference.norm import rms_norm
+from dsv4_backend.reference.rope import (
+    RopeParams,
+    Yarn,
+    apply_rope,
+    rope_cos_sin,
+    rope_for_ratio,
+)
+
+__all__ = [
+    "LayerInputs",
+    "LayerParams",
+    "ReferenceResult",
+    "RopeParams",
+    "Yarn",
+    "apply_rope",
+    "compress_entries",
+    "entry_slots",
+    "finish_entries",
+    "indexer_scores",
+    "indexer_select",
+    "make_random_layer",
+    "overlap",
+    "pool_slots",
+    "reference_attention",
+    "reference_layer",
+    "rms_norm",
+    "rope_cos_sin",
+    "rope_for_ratio",
+    "sink_attention",
+    "visible_entries",
+]

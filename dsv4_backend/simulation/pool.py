@@ -1,0 +1,171 @@
+"""Requests in a paged KV pool with scattered pages, and the batch views of every kind."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError
+from dsv4_backend.planning.batch import BatchView, DraftStep, ForwardKind
+
+
+class PagedRequestPool:
+    """``req_to_token`` for a fixed set of requests, pages scattered at random.
+
+    Request ``i`` lives in pool row ``i + 1`` (row 0 is the padding row, as in sglang) and owns
+    ``ceil(max_len / 256)`` pages drawn from a random permutation of the pool's pages; the
+    window cache is addressed through a random ``full_to_swa`` permutation so that a plan using
+    full slots where window slots are due is caught.
+
+    Attributes
+    ----------
+    req_to_token : ``[num_requests + 1, max_context]`` int32 full slots.
+    full_to_swa : ``[num_full_slots]`` int64 window slot of each full slot.
+    """
+
+    def __init__(
+        self,
+        config: DSV4AttentionConfig,
+        max_lens: Sequence[int],
+        *,
+        generator: torch.Generator,
+        spare_pages: int = 3,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if not max_lens or min(max_lens) < 1:
+            raise BatchError(f"max_lens must be positive request lengths, got {list(max_lens)}")
+        page = config.page_size
+        pages_per_request = [math.ceil(n / page) for n in max_lens]
+        self.num_pages = sum(pages_per_request) + spare_pages
+        self.max_context = max(pages_per_request) * page
+        self.num_full_slots = self.num_pages * page
+        order = torch.randperm(self.num_pages, generator=generator)
+        req_to_token = torch.zeros(len(max_lens) + 1, self.max_context, dtype=torch.int32)
+        offsets = torch.arange(page, dtype=torch.int32)
+        taken = 0
+        for i, count in enumerate(pages_per_request):
+            for k in range(count):
+                start = int(order[taken]) * page
+                req_to_token[i + 1, k * page : (k + 1) * page] = start + offsets
+                taken += 1
+        self.device = torch.device(device)
+        self.req_to_token = req_to_token.to(self.device)
+        self.full_to_swa = torch.randperm(self.num_full_slots, generator=generator).to(self.device)
+        self.max_lens = list(max_lens)
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.max_lens)
+
+    def pool_index(self, request: int) -> int:
+        return request + 1
+
+    def slots(self, request: int, positions: Sequence[int]) -> torch.Tensor:
+        """Full slots of ``positions`` of ``request``: ``[len(positions)]`` int64."""
+        if positions and max(positions) >= self.max_lens[request]:
+            raise BatchError(
+                f"request {request} has room for {self.max_lens[request]} tokens, "
+                f"position {max(positions)} asked"
+            )
+        row = self.req_to_token[self.pool_index(request)]
+        return row[torch.tensor(list(positions), dtype=torch.long, device=self.device)].long()
+
+    # -------------------------------------------------------------------------- batch views
+    def _view(
+        self, kind: ForwardKind, requests: Sequence[int], seq_lens: Sequence[int],
+        out_cache_loc: torch.Tensor, **extra: object,
+    ) -> BatchView:  # fmt: skip
+        device = self.device
+        return BatchView(
+            kind=kind,
+            req_pool_indices=torch.tensor(
+                [self.pool_index(r) for r in requests], dtype=torch.int64, device=device
+            ),
+            seq_lens=torch.tensor(list(seq_lens), dtype=torch.int64, device=device),
+            seq_lens_cpu=list(seq_lens),
+            out_cache_loc=out_cache_loc,
+            req_to_token=self.req_to_token,
+            full_to_swa=self.full_to_swa,
+            **extra,
+        )
+
+    def _cat_slots(self, pieces: list[torch.Tensor]) -> torch.Tensor:
+        if not pieces:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        return torch.cat(pieces)
+
+    def extend(
+        self, requests: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
+        *, draft_model: bool = False,
+    ) -> BatchView:  # fmt: skip
+        """EXTEND (or DRAFT_EXTEND): request ``i`` adds positions ``prefix ... seq_len - 1``."""
+        seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
+        loc = self._cat_slots(
+            [
+                self.slots(r, range(p, s))
+                for r, p, s in zip(requests, prefix_lens, seq_lens, strict=True)
+            ]
+        )
+        kind = ForwardKind.DRAFT_EXTEND if draft_model else ForwardKind.EXTEND
+        return self._view(
+            kind, requests, seq_lens, loc,
+            extend_prefix_lens=list(prefix_lens), extend_seq_lens=list(extend_lens),
+        )  # fmt: skip
+
+    def decode(self, requests: Sequence[int], seq_lens: Sequence[int]) -> BatchView:
+        """DECODE: request ``i`` decodes position ``seq_lens[i] - 1``."""
+        loc = self._cat_slots(
+            [self.slots(r, [s - 1]) for r, s in zip(requests, seq_lens, strict=True)]
+        )
+        return self._view(ForwardKind.DECODE, requests, seq_lens, loc)
+
+    def verify(
+        self, requests: Sequence[int], seq_lens: Sequence[int], num_draft_tokens: int
+    ) -> BatchView:
+        """TARGET_VERIFY: ``num_draft_tokens`` rows per request from position ``seq_lens[i]``."""
+        loc = self._cat_slots(
+            [
+                self.slots(r, range(s, s + num_draft_tokens))
+                for r, s in zip(requests, seq_lens, strict=True)
+            ]
+        )
+        return self._view(
+            ForwardKind.TARGET_VERIFY, requests, seq_lens, loc, num_draft_tokens=num_draft_tokens
+        )
+
+    def draft_out_cache_loc(
+        self, requests: Sequence[int], seq_lens: Sequence[int], num_steps: int
+    ) -> torch.Tensor:
+        """The draft batch's write slots, laid out ``[B, topk=1, num_steps]``."""
+        return self._cat_slots(
+            [
+                self.slots(r, range(s, s + num_steps))
+                for r, s in zip(requests, seq_lens, strict=True)
+            ]
+        )
+
+    def draft_step(
+        self, requests: Sequence[int], seq_lens: Sequence[int], num_steps: int, step_id: int,
+        out_cache_loc: torch.Tensor | None = None,
+    ) -> BatchView:  # fmt: skip
+        """Step ``step_id`` of a topk-1 draft: one row per request at ``seq_lens[i] + step_id``."""
+        if out_cache_loc is None:
+            out_cache_loc = self.draft_out_cache_loc(requests, seq_lens, num_steps)
+        return self._view(
+            ForwardKind.DECODE, requests, seq_lens, out_cache_loc,
+            draft=DraftStep(topk=1, num_steps=num_steps, step_id=step_id),
+        )  # fmt: skip
+
+    def idle(self) -> BatchView:
+        empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+        return BatchView(
+            kind=ForwardKind.IDLE,
+            req_pool_indices=empty,
+            seq_lens=empty,
+            out_cache_loc=empty,
+            req_to_token=self.req_to_token,
+            full_to_swa=self.full_to_swa,
+        )

@@ -1,0 +1,305 @@
+"""Compressor kernel: every schedule of forwards reproduces the one-shot reference entries."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.compressor import CompressorState, compress_forward
+from dsv4_backend.planning.compress_plan import compute_compress_plans
+from dsv4_backend.reference import compress_entries, overlap, rope_for_ratio
+
+CONFIG = DSV4AttentionConfig.tiny()
+SPEC_CONFIG = DSV4AttentionConfig.tiny(speculative=True)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Compressor parameters: ratio, head dim ``D`` and the learned tensors."""
+
+    ratio: int
+    head_dim: int
+    ape: torch.Tensor  # [r, c*D]
+    norm_weight: torch.Tensor  # [D]
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request's true token projections (scores without ape) and its ring slot."""
+
+    pool_index: int
+    kv: torch.Tensor  # [S, c*D]
+    score: torch.Tensor  # [S, c*D]
+
+
+def make_layer(ratio: int, head_dim: int, seed: int = 0) -> Layer:
+    g = torch.Generator().manual_seed(seed)
+    cd = overlap(ratio) * head_dim
+    ape = torch.randn(ratio, cd, generator=g) * 0.5
+    return Layer(ratio, head_dim, ape, 1 + 0.1 * torch.randn(head_dim, generator=g))
+
+
+def make_request(layer: Layer, seq_len: int, pool_index: int, seed: int) -> Request:
+    g = torch.Generator().manual_seed(1000 + seed)
+    cd = overlap(layer.ratio) * layer.head_dim
+    kv, score = torch.randn(2, seq_len, cd, generator=g).unbind(0)
+    return Request(pool_index, kv, score)
+
+
+def reference(layer: Layer, req: Request) -> torch.Tensor:
+    rope = rope_for_ratio(CONFIG, layer.ratio)
+    return compress_entries(
+        req.kv, req.score, layer.ape, layer.norm_weight, layer.ratio, rope, layer.head_dim
+    )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``start ... start + n - 1`` of batch entry ``req``; ``junk`` rows replace the true
+    projections from row ``junk_from`` on (rejected draft tokens); ``committed`` is the
+    request's length the write plan keeps state for (default ``start + n``)."""
+
+    req: Request
+    start: int
+    n: int
+    junk_from: int | None = None
+    committed: int | None = None
+
+
+def run_forward(
+    state: CompressorState, layer: Layer, segments: list[Segment], found: dict
+) -> torch.Tensor:
+    """One forward over ``segments`` (one per batch entry); record entries of committed rows
+    into ``found[(pool_index, w)]``. Returns the ``[T, D]`` output."""
+    kv, score, batch_ids, positions, first_new, lens = [], [], [], [], [], []
+    g = torch.Generator().manual_seed(7)
+    for b, seg in enumerate(segments):
+        rows = slice(seg.start, seg.start + seg.n)
+        seg_kv, seg_score = seg.req.kv[rows].clone(), seg.req.score[rows].clone()
+        if seg.junk_from is not None:
+            junk = slice(seg.junk_from - seg.start, None)
+            seg_kv[junk] = torch.randn(seg_kv[junk].shape, generator=g) * 3
+            seg_score[junk] = torch.randn(seg_score[junk].shape, generator=g) * 3
+        kv.append(seg_kv)
+        score.append(seg_score)
+        batch_ids += [b] * seg.n
+        positions += range(seg.start, seg.start + seg.n)
+        first_new += [seg.start] * seg.n
+        lens += [seg.start + seg.n if seg.committed is None else seg.committed] * seg.n
+    positions_t = torch.tensor(positions)
+    plans = compute_compress_plans(
+        torch.tensor(batch_ids, dtype=torch.int32),
+        positions_t,
+        torch.tensor(first_new),
+        torch.tensor(lens, dtype=torch.int32),
+        layer.ratio,
+    )
+    out = compress_forward(
+        state, torch.cat(kv), torch.cat(score), layer.ape, layer.norm_weight,
+        rope_for_ratio(CONFIG, layer.ratio),
+        torch.tensor([s.req.pool_index for s in segments]), positions_t, *plans,
+    )  # fmt: skip
+    done = (positions_t + 1) % layer.ratio == 0
+    assert not out[~done].any(), "rows that complete no entry must be zero"
+    row = 0
+    for seg in segments:
+        committed = seg.start + seg.n if seg.junk_from is None else seg.junk_from
+        for p in range(seg.start, seg.start + seg.n):
+            if (p + 1) % layer.ratio == 0 and p < committed:
+                found[(seg.req.pool_index, (p + 1) // layer.ratio - 1)] = out[row]
+            row += 1
+    return out
+
+
+def check_entries(layer: Layer, requests: list[Request], found: dict) -> None:
+    for req in requests:
+        want = reference(layer, req)
+        assert sum(key[0] == req.pool_index for key in found) == want.shape[0]
+        if want.shape[0]:
+            got = torch.stack([found[(req.pool_index, w)] for w in range(want.shape[0])])
+            torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def run_schedule(layer: Layer, lengths: list[int], chunks: list[list[int]], path: str) -> None:
+    """Requests of ``lengths`` fed in forwards of ``chunks[i]`` new tokens each (0 = idle),
+    on kernel ``path``; request ``i`` uses ring slot ``3 + 2i`` (not its batch id)."""
+    requests = [make_request(layer, n, 3 + 2 * i, i) for i, n in enumerate(lengths)]
+    state = CompressorState.allocate(CONFIG, layer.ratio, layer.head_dim, 2 * len(lengths) + 4)
+    found: dict = {}
+    done = [0] * len(lengths)
+    for step in range(max(len(c) for c in chunks)):
+        segments = []
+        for i, req in enumerate(requests):
+            if step < len(chunks[i]) and chunks[i][step]:
+                segments.append(Segment(req, done[i], chunks[i][step]))
+                done[i] += chunks[i][step]
+        with dispatch.force_path(path):
+            run_forward(state, layer, segments, found)
+    assert done == lengths
+    check_entries(layer, requests, found)
+
+
+C4 = make_layer(4, CONFIG.head_dim)
+C128 = make_layer(128, CONFIG.head_dim, seed=1)
+INDEXER_C4 = make_layer(4, CONFIG.index_head_dim, seed=2)  # the indexer's compressor (DI)
+LENGTHS = [1, 3, 4, 5, 6, 7, 8, 9, 64, 65, 127, 128, 129, 255, 256, 257, 383, 384, 511, 512, 513]
+
+
+TORCH, INTERP = dispatch.TORCH, dispatch.TRITON_INTERPRETER
+
+
+@pytest.mark.parametrize(
+    ("layer", "lengths", "path"),
+    [
+        (C4, [*LENGTHS, 600], TORCH),
+        (C128, [*LENGTHS[10:], 600], TORCH),
+        (INDEXER_C4, [*LENGTHS, 600], TORCH),
+        (C4, [1, 3, 4, 9, 65, 129], INTERP),
+        (C128, [127, 128, 257], INTERP),
+        (INDEXER_C4, [5, 8, 65], INTERP),
+    ],
+    ids=["c4", "c128", "indexer-c4", "c4-interp", "c128-interp", "indexer-c4-interp"],
+)
+def test_one_shot_prefill_equals_reference(layer: Layer, lengths: list[int], path: str) -> None:
+    # One forward, every request one segment (ring slots differ from batch ids).
+    run_schedule(layer, lengths, [[n] for n in lengths], path)
+
+
+@pytest.mark.parametrize(
+    ("layer", "prefix", "end", "path"),
+    [
+        (C4, 124, 132, TORCH),
+        (C4, 252, 260, TORCH),
+        (C4, 508, 516, TORCH),
+        (C128, 124, 132, TORCH),
+        (C128, 252, 260, TORCH),
+        (C128, 508, 516, TORCH),
+        (C4, 124, 132, INTERP),
+        (C128, 252, 260, INTERP),
+    ],
+)
+def test_decode_token_by_token_equals_one_shot(
+    layer: Layer, prefix: int, end: int, path: str
+) -> None:
+    # A second request starts from scratch beside it (mixed positions in one decode batch).
+    steps = end - prefix
+    run_schedule(layer, [end, 8 + steps], [[prefix] + [1] * steps, [8] + [1] * steps], path)
+
+
+@pytest.mark.parametrize("path", [TORCH, INTERP])
+def test_decode_from_empty_c4(path: str) -> None:
+    run_schedule(C4, [21], [[1] * 21], path)
+
+
+@pytest.mark.parametrize(
+    "chunks",
+    [[3, 1], [126, 4], [250, 10], [130, 200], [127, 1, 1, 127, 128, 129, 87], [5, 64, 3, 9, 300]],
+)
+@pytest.mark.parametrize("layer", [C4, C128], ids=["c4", "c128"])
+def test_chunked_extend_equals_one_shot(layer: Layer, chunks: list[int]) -> None:
+    run_schedule(layer, [sum(chunks)], [chunks], TORCH)
+
+
+def test_chunked_extend_two_requests_interpreter() -> None:
+    run_schedule(C4, [130, 7], [[3, 126, 1], [1, 2, 4]], INTERP)
+    run_schedule(C128, [134, 129], [[126, 4, 4], [1, 127, 1]], INTERP)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    ratio=st.sampled_from([4, 128]),
+    chunks=st.lists(st.integers(1, 140), min_size=1, max_size=5).filter(lambda c: sum(c) >= 128),
+)
+def test_any_chunking_equals_one_shot(ratio: int, chunks: list[int]) -> None:
+    run_schedule(C4 if ratio == 4 else C128, [sum(chunks)], [chunks], TORCH)
+
+
+@pytest.mark.parametrize("layer", [C4, C128], ids=["c4", "c128"])
+def test_triton_interpreter_equals_torch(layer: Layer) -> None:
+    outs, rings = [], []
+    for path in (TORCH, INTERP):
+        req = make_request(layer, 200, 1, seed=5)
+        state = CompressorState.allocate(CONFIG, layer.ratio, layer.head_dim, 3)
+        found: dict = {}
+        with dispatch.force_path(path):
+            run_forward(state, layer, [Segment(req, 0, 130)], found)
+            outs.append(run_forward(state, layer, [Segment(req, 130, 70)], found))
+        rings.append(state.ring)
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rings[0], rings[1], atol=0, rtol=0)
+
+
+def test_state_reset_and_allocation_sizes() -> None:
+    for config, rows in ((CONFIG, {4: 8, 128: 128}), (SPEC_CONFIG, {4: 16, 128: 256})):
+        for ratio, width in ((4, 4 * 128), (128, 2 * 128)):
+            state = CompressorState.allocate(config, ratio, 128, 2)
+            assert state.ring.shape == (2, rows[ratio], width)
+            assert not state.ring[..., : width // 2].any()
+            assert (state.ring[..., width // 2 :] == float("-inf")).all()
+    state.ring.fill_(1.0)
+    state.reset(torch.tensor([1]))
+    assert (state.ring[0] == 1).all() and (state.ring[1, :, 128:] == float("-inf")).all()
+
+
+@pytest.mark.parametrize(
+    ("layer", "seq", "path"),
+    [(C4, 126, INTERP), (C4, 253, TORCH), (C128, 126, TORCH), (C128, 253, INTERP)],
+)
+def test_speculative_verify_with_rejections_equals_one_shot(
+    layer: Layer, seq: int, path: str
+) -> None:
+    """Verify forwards of 4 draft tokens where only some are accepted, on the doubled rings.
+
+    Each verify row past the accepted ones carries junk (a rejected draft); the next verify
+    starts right after the accepted tokens. The write plan keeps state from the request's
+    committed length (``seq + 1``: the first verify token is always accepted), so every ring
+    row a later entry needs holds an accepted token; the doubled ring leaves room for the
+    drafts beyond it.
+    """
+    n, accepts = 4, [0, 3, 1, 2, 0, 3, 1, 0]
+    total = seq + sum(a + 1 for a in accepts)
+    req = make_request(layer, total + n, 0, seed=seq)
+    state = CompressorState.allocate(SPEC_CONFIG, layer.ratio, layer.head_dim, 1)
+    found: dict = {}
+    with dispatch.force_path(path):
+        run_forward(state, layer, [Segment(req, 0, seq)], found)
+        for a in accepts:
+            verify = Segment(req, seq, n, junk_from=seq + a + 1, committed=seq + 1)
+            run_forward(state, layer, [verify], found)
+            seq += a + 1
+    want = reference(layer, Request(0, req.kv[:seq], req.score[:seq]))
+    got = torch.stack([found[(0, w)] for w in range(want.shape[0])])
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+def test_padding_records_are_ignored() -> None:
+    """Plans padded with -1 records (CUDA-graph shapes) leave the output and ring alone."""
+    req = make_request(C4, 8, 0, seed=9)
+    state = CompressorState.allocate(CONFIG, 4, 128, 1)
+    plan = torch.full((8, 4), -1, dtype=torch.int32)
+    out = compress_forward(
+        state, req.kv, req.score, C4.ape, C4.norm_weight, rope_for_ratio(CONFIG, 4),
+        torch.tensor([0]), torch.arange(8), plan, plan,
+    )  # fmt: skip
+    assert not out.any()
+    assert (state.ring[..., 256:] == float("-inf")).all()
+
+
+def test_shape_errors_name_the_tensor() -> None:
+    state = CompressorState.allocate(CONFIG, 4, 128, 1)
+    plan = torch.full((8, 4), -1, dtype=torch.int32)
+    args = (torch.zeros(8, 256), torch.zeros(8, 256), torch.zeros(4, 256), torch.ones(128))
+    rope = rope_for_ratio(CONFIG, 4)
+    with pytest.raises(ContractError, match=r"kv_proj has shape \(8, 128\), expected \(8, 256\)"):
+        compress_forward(state, torch.zeros(8, 128), *args[1:], rope, torch.tensor([0]),
+                         torch.arange(8), plan, plan)  # fmt: skip
+    with pytest.raises(ContractError, match=r"compress_plan has dtype torch\.int64"):
+        compress_forward(state, *args, rope, torch.tensor([0]), torch.arange(8), plan.long(),
+                         plan)  # fmt: skip

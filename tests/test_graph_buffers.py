@@ -1,0 +1,187 @@
+"""CUDA-graph metadata buffers: the graph path equals the eager plan, padded with sentinels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from planning_spec import BatchSpec, assert_same, flatten, make_batch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ContractError
+from dsv4_backend.planning import (
+    AttentionMetadata,
+    BatchView,
+    ForwardKind,
+    GraphMetadataBuffers,
+    PlanWidths,
+    plan,
+    seq_len_fill_value,
+)
+from dsv4_backend.utils.op_counter import OpCounter
+
+CONFIG = DSV4AttentionConfig.tiny()
+WIDTHS = PlanWidths(page_table=20, c128=40)  # covers 5120 tokens
+D, V = ForwardKind.DECODE, ForwardKind.TARGET_VERIFY
+
+#: Padding the buffers promise (module table of graph_buffers.py), written out independently.
+SENTINELS = {
+    "seq_lens_causal": 1,
+    "positions_causal": 0,
+    "row_batch_ids": 0,
+    "swa_topk_lengths": 1,
+    "c4.topk_lengths_raw": 0,
+    "c128.topk_lengths_raw": 0,
+    "c4.topk_lengths_clamp1": 1,
+    "c128.topk_lengths_clamp1": 1,
+    "c4.sparse_topk_lengths": 1,
+    "c128.sparse_topk_lengths": 1,
+}
+
+
+def padded(eager: AttentionMetadata, num_rows: int, widths: PlanWidths) -> dict:
+    """The eager plan's fields widened to the buffer widths and padded to ``num_rows``."""
+    col_widths = {"page_table": widths.page_table, "c128.page_indices": widths.c128}
+    out = {}
+    for name, value in flatten(eager).items():
+        if value.dim() == 2:
+            value = F.pad(
+                value, (0, col_widths.get(name, value.shape[1]) - value.shape[1]), value=-1
+            )
+        pad_rows = num_rows - value.shape[0]
+        fill = SENTINELS.get(name, -1)
+        out[name] = torch.cat([value, value.new_full((pad_rows, *value.shape[1:]), fill)])
+    return out
+
+
+def buffers(**overrides: object) -> GraphMetadataBuffers:
+    kwargs = dict(max_batch_size=64, max_rows=300, widths=WIDTHS, device="cpu")
+    kwargs.update(overrides)
+    return GraphMetadataBuffers(CONFIG, **kwargs)
+
+
+SPECS = [
+    BatchSpec("decode", D, (1, 128, 257, 513), swa_map=True),
+    BatchSpec("verify", V, (126, 253), num_draft_tokens=4, seed=1),
+    BatchSpec("draft_step1", D, (126, 253), draft_steps=3, step_id=1, seed=2),
+    BatchSpec("extend", ForwardKind.EXTEND, (4, 330), extend_lens=(1, 200), seed=3),
+    BatchSpec("idle", ForwardKind.IDLE, ()),
+]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("extra_rows", [0, 5])
+def test_load_equals_eager_plan_then_sentinels(spec: BatchSpec, extra_rows: int) -> None:
+    batch = make_batch(spec)
+    bufs = buffers()
+    eager = plan(CONFIG, batch)
+    num_rows = batch.num_rows + extra_rows
+    for source in (eager, plan(CONFIG, batch, widths=WIDTHS)):  # eager and graph-width plans
+        loaded = bufs.load(source, num_rows=num_rows)
+        assert (loaded.kind, loaded.batch_size, loaded.num_rows) == (
+            spec.kind,
+            eager.batch_size,
+            num_rows,
+        )
+        assert_same(flatten(loaded), padded(eager, num_rows, WIDTHS), spec.name)
+
+
+def test_views_share_storage_across_loads() -> None:
+    bufs = buffers()
+    big = bufs.load(plan(CONFIG, make_batch(SPECS[0])), num_rows=8)
+    small = bufs.load(plan(CONFIG, make_batch(SPECS[1])), num_rows=8)
+    for name, value in flatten(big).items():
+        assert value.data_ptr() == flatten(small)[name].data_ptr(), name
+    assert small.c4.compress_plan.data_ptr() == bufs.compressed[4]["compress_plan"].data_ptr()
+    # Stale rows of the previous, larger plan are overwritten.
+    decode = bufs.load(plan(CONFIG, make_batch(SPECS[0])), num_rows=8)
+    assert decode.positions_causal.tolist() == [0, 127, 256, 512, 0, 0, 0, 0]
+    assert decode.seq_lens_causal[4:].tolist() == [seq_len_fill_value] * 4
+
+
+def test_load_allocates_nothing_and_never_syncs() -> None:
+    bufs = buffers()
+    source = plan(CONFIG, make_batch(SPECS[1]), widths=WIDTHS)
+    with OpCounter() as ops:
+        bufs.load(source, num_rows=16)
+    assert not ops.syncs
+    assert set(ops.counts) <= {"aten.slice", "aten.copy_", "aten.fill_"}, dict(ops.counts)
+
+
+def test_graph_path_on_meta_tensors() -> None:
+    """Plan + load with every tensor on the meta device: no read of device data anywhere."""
+    batch = make_batch(SPECS[1])
+    moved = {
+        name: getattr(batch, name).to("meta")
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "req_to_token")
+    }
+    meta_batch = BatchView(kind=V, num_draft_tokens=4, **moved)
+    bufs = buffers(device="meta")
+    loaded = bufs.load(plan(CONFIG, meta_batch, widths=WIDTHS), num_rows=12)
+    assert loaded.page_table.shape == (12, WIDTHS.page_table)
+    assert loaded.c128.page_indices.shape == (12, WIDTHS.c128)
+
+
+def test_draft_extend_has_no_compressed_fields() -> None:
+    batch = make_batch(BatchSpec("de", ForwardKind.DRAFT_EXTEND, (4, 130), extend_lens=(1, 4)))
+    loaded = buffers().load(plan(CONFIG, batch))
+    assert loaded.c4 is None and loaded.c128 is None and loaded.num_rows == 5
+
+
+def test_refuses_plans_larger_than_the_buffers() -> None:
+    source = plan(CONFIG, make_batch(SPECS[0]))  # 4 rows, 513 tokens: 3 pages, 4 c128 entries
+    with pytest.raises(
+        ContractError,
+        match=r"num_rows=4 as 4 rows into buffers of "
+        r"max_batch_size=64, max_rows=3 .* build GraphMetadataBuffers with",
+    ):
+        buffers(max_rows=3).load(source)
+    with pytest.raises(ContractError, match=r"batch_size=4, .* max_batch_size=2"):
+        buffers(max_batch_size=2).load(source)
+    with pytest.raises(ContractError, match=r"need plan rows <= num_rows <= max_rows"):
+        buffers().load(source, num_rows=3)
+    narrow = PlanWidths(page_table=2, c128=8)
+    with pytest.raises(
+        ContractError,
+        match=r"plan widths PlanWidths\(page_table=3, c128=4\) "
+        r"exceed the buffers' PlanWidths\(page_table=2, c128=8\)",
+    ):
+        buffers(widths=narrow).load(source)
+    with pytest.raises(ContractError, match="plan tensors are on cpu, the buffers on meta"):
+        buffers(device="meta").load(source)
+    with pytest.raises(ContractError, match="no ratio-128 layers"):
+        GraphMetadataBuffers(
+            DSV4AttentionConfig.tiny(compress_ratios=(0, 4)),
+            max_batch_size=8,
+            max_rows=8,
+            widths=WIDTHS,
+            device="cpu",
+        ).load(source)
+
+
+@st.composite
+def graph_specs(draw: st.DrawFn) -> BatchSpec:
+    kind = draw(st.sampled_from([D, V, "draft"]))
+    bs = draw(st.integers(1, 64))
+    seq = tuple(draw(st.lists(st.integers(1, 4096), min_size=bs, max_size=bs)))
+    seed = draw(st.integers(0, 2**16))
+    if kind is V:
+        return BatchSpec("hyp", V, seq, num_draft_tokens=draw(st.integers(1, 4)), seed=seed)
+    if kind == "draft":
+        steps = draw(st.integers(1, 4))
+        return BatchSpec(
+            "hyp", D, seq, draft_steps=steps, step_id=draw(st.integers(0, steps - 1)), seed=seed
+        )
+    return BatchSpec("hyp", D, seq, swa_map=draw(st.booleans()), seed=seed)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=graph_specs(), extra_rows=st.integers(0, 8))
+def test_graph_path_equals_eager_random(spec: BatchSpec, extra_rows: int) -> None:
+    batch = make_batch(spec, extra_context=0)
+    bufs = buffers()
+    num_rows = batch.num_rows + extra_rows
+    loaded = bufs.load(plan(CONFIG, batch, widths=WIDTHS), num_rows=num_rows)
+    assert_same(flatten(loaded), padded(plan(CONFIG, batch), num_rows, WIDTHS), str(spec))

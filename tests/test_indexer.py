@@ -1,0 +1,325 @@
+"""Lightning indexer (dsv4_backend.kernels.indexer) against brute-force loops and the reference.
+
+Tiny configuration: HI = 4 heads of DI = 64, topk 16. Rows are decode-style: each row is the
+last token of its own request, with a random page table, so a row of sequence length L has
+L // 4 candidates.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import sys
+import types
+from dataclasses import dataclass
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_backend.cache import IndexerKeyCache
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels import indexer
+from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+from dsv4_backend.reference import make_random_layer, reference_layer
+
+CFG = DSV4AttentionConfig.tiny()
+HI, DI, TOPK = CFG.index_n_heads, CFG.index_head_dim, CFG.index_topk
+E = 64  # c4 entries per full page
+#: Sequence lengths around the boundaries: 0 ... 64 candidates, around topk = 16.
+SEQ_LENS = (1, 3, 4, 5, 6, 7, 8, 9, 63, 64, 65, 127, 128, 129, 255, 256, 257)
+PAGES_PER_ROW = 2  # 257 tokens -> 64 c4 entries -> 1 page; a second one is never read
+NUM_PAGES = 2 * len(SEQ_LENS) + 3
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor  # [T, HI, DI]
+    w: torch.Tensor  # [T, HI]
+    keys: torch.Tensor  # [num_slots, DI] fp32, what was stored
+    page_table: torch.Tensor  # [T, PAGES_PER_ROW] int32
+    num: torch.Tensor  # [T] int32
+
+    def cache(self, fmt: str, dtype: torch.dtype = torch.float32) -> IndexerKeyCache:
+        cache = IndexerKeyCache(self.keys.shape[0], DI, fmt, dtype=dtype)
+        with force_path(TORCH):
+            cache.store(self.keys, torch.arange(self.keys.shape[0]))
+        return cache
+
+
+def make_batch(seed: int, seq_lens=SEQ_LENS, keys: torch.Tensor | None = None) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    rows = len(seq_lens)
+    pages = torch.randperm(NUM_PAGES, generator=g)[: rows * PAGES_PER_ROW].int()
+    if keys is None:
+        keys = torch.randn(NUM_PAGES * E, DI, generator=g)
+    return Batch(
+        q=torch.randn(rows, HI, DI, generator=g),
+        w=torch.randn(rows, HI, generator=g) * (DI * HI) ** -0.5,
+        keys=keys,
+        page_table=pages.view(rows, PAGES_PER_ROW),
+        num=torch.tensor([n // 4 for n in seq_lens], dtype=torch.int32),
+    )
+
+
+def slot_of(page_table: torch.Tensor, row: int, entry: int) -> int:
+    """cache-format.md: c4 entry j sits at page_table[j*4 // 256] * 64 + j % 64."""
+    return int(page_table[row, entry * 4 // 256]) * 64 + entry % 64
+
+
+def brute_scores(b: Batch, keys: torch.Tensor, cols: int) -> torch.Tensor:
+    out = torch.full((len(b.num), cols), float("-inf"))
+    for t in range(len(b.num)):
+        for s in range(int(b.num[t])):
+            k = keys[slot_of(b.page_table, t, s)]
+            out[t, s] = sum(float(b.w[t, h]) * max(float(b.q[t, h] @ k), 0.0) for h in range(HI))
+    return out
+
+
+def brute_select(scores: torch.Tensor, num: torch.Tensor, page_table, topk: int) -> torch.Tensor:
+    """The definition: all candidates if <= topk, else the best (ties to the smaller entry)."""
+    out = torch.full((len(num), topk), -1, dtype=torch.int32)
+    for t in range(len(num)):
+        cand = list(range(min(int(num[t]), scores.shape[1])))
+        best = sorted(cand, key=lambda j: (-float(scores[t, j]), j))[:topk]
+        for i, j in enumerate(sorted(best)):
+            out[t, i] = slot_of(page_table, t, j)
+    return out
+
+
+def selected(b: Batch, cache: IndexerKeyCache, path: str, cols: int | None = None):
+    out = torch.full((len(b.num), TOPK), -7, dtype=torch.int32)
+    with force_path(path):
+        indexer.run_indexer(b.q, b.w, cache, b.page_table, b.num, TOPK, out, cols)
+    return out
+
+
+# ------------------------------------------------------------------------------- scores
+@pytest.mark.parametrize(
+    ("fmt", "cache_dtype", "q_dtype"),
+    [
+        ("dense", torch.float32, torch.float32),
+        ("dense", torch.bfloat16, torch.bfloat16),
+        ("fp8", torch.float32, torch.float32),
+    ],
+)
+def test_triton_scores_match_torch_and_brute_force(fmt, cache_dtype, q_dtype):
+    b = make_batch(1)
+    b.q = b.q.to(q_dtype).float()  # values exactly representable in q_dtype
+    cache = b.cache(fmt, cache_dtype)
+    cols = 70  # two column blocks; rows of 257 tokens have 64 candidates
+    args = (b.q.to(q_dtype), b.w, cache, b.page_table, b.num, cols)
+    with force_path(TORCH):
+        ref = indexer.index_scores(*args)
+    with force_path(TRITON_INTERPRETER):
+        tri = indexer.index_scores(*args)
+    assert tri.shape == (len(SEQ_LENS), cols) and tri.dtype == torch.float32
+    torch.testing.assert_close(tri, ref, atol=1e-5, rtol=1e-5)
+    stored = cache.gather(torch.arange(b.keys.shape[0]))
+    torch.testing.assert_close(ref, brute_scores(b, stored, cols), atol=1e-5, rtol=1e-5)
+    finite = torch.arange(cols)[None, :] < b.num[:, None]
+    assert torch.equal(torch.isfinite(ref), finite)
+
+
+def test_scores_clamp_candidates_to_columns_and_strided_queries():
+    b = make_batch(2)
+    q = torch.randn(HI, len(SEQ_LENS), DI).transpose(0, 1)  # non-contiguous [T, HI, DI]
+    cache = b.cache("dense")
+    cols = 20  # fewer columns than some rows' candidates
+    with force_path(TRITON_INTERPRETER):
+        tri = indexer.index_scores(q, b.w, cache, b.page_table, b.num, cols)
+    with force_path(TORCH):
+        ref = indexer.index_scores(q, b.w, cache, b.page_table, b.num, cols)
+    torch.testing.assert_close(tri, ref, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isfinite(ref).sum(1), b.num.clamp(max=cols).long())
+
+
+# ---------------------------------------------------------------------------- selection
+@pytest.mark.parametrize("path", [TORCH, TRITON_INTERPRETER])
+def test_selection_matches_brute_force_at_boundary_lengths(path):
+    b = make_batch(3)
+    cache = b.cache("dense")
+    out = selected(b, cache, path)
+    expected = brute_select(brute_scores(b, b.keys, 64), b.num, b.page_table, TOPK)
+    assert torch.equal(out, expected)
+    for t, n in enumerate(b.num.tolist()):
+        assert (out[t] >= 0).sum() == min(n, TOPK)
+        if n == 0:
+            assert (out[t] == -1).all()
+
+
+def test_ties_go_to_the_smaller_entry():
+    b = make_batch(4)
+    scores = torch.randint(-2, 3, (len(SEQ_LENS), 64)).float()  # many exact ties
+    out = torch.empty(len(SEQ_LENS), TOPK, dtype=torch.int32)
+    indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
+    assert torch.equal(out, brute_select(scores, b.num, b.page_table, TOPK))
+    zeros = torch.zeros(1, 40)
+    entries = indexer.select_entries(zeros, torch.tensor([40], dtype=torch.int32), TOPK)
+    assert entries.tolist() == [list(range(TOPK))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    cols=st.integers(0, 40),
+    topk=st.integers(1, 24),
+    levels=st.integers(1, 6),
+    seed=st.integers(0, 2**16),
+)
+def test_select_entries_is_the_definition(rows, cols, topk, levels, seed):
+    g = torch.Generator().manual_seed(seed)
+    scores = torch.randint(0, levels, (rows, cols), generator=g).float()
+    num = torch.randint(0, cols + 3, (rows,), generator=g, dtype=torch.int32)
+    identity = torch.arange(64, dtype=torch.int32).expand(rows, 64)  # slot = entry
+    got = indexer.select_entries(scores, num, topk)
+    assert got.shape == (rows, topk) and got.dtype == torch.int64
+    assert torch.equal(got.int(), brute_select(scores, num, identity, topk))
+
+
+def test_padding_columns_do_not_change_the_selection():
+    b = make_batch(5)
+    cache = b.cache("dense")
+    narrow = selected(b, cache, TORCH, cols=64)
+    assert torch.equal(selected(b, cache, TORCH, cols=200), narrow)
+    assert torch.equal(selected(b, cache, TORCH), narrow)  # default: Pw * 64 columns
+
+
+def test_select_topk_writes_in_place():
+    b = make_batch(6)
+    out = torch.full((len(SEQ_LENS), TOPK), -1, dtype=torch.int32)
+    ptr = out.data_ptr()
+    scores = torch.randn(len(SEQ_LENS), 64)
+    indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
+    assert out.data_ptr() == ptr and (out >= 0).any()
+
+
+# ---------------------------------------------------------------------------- reference
+def _assert_same_selection(ours: list[int], ref: list[int], ref_scores: torch.Tensor) -> None:
+    """Equal sets, except entries whose scores tie the boundary within fp32 rounding."""
+    if set(ours) == set(ref):
+        return
+    boundary = float(ref_scores[ref].min())
+    for j in set(ours) ^ set(ref):
+        assert abs(float(ref_scores[j]) - boundary) <= 1e-5 * max(1.0, abs(boundary)), (ours, ref)
+
+
+def test_matches_reference_indexer_select():
+    seq = 260  # 65 c4 entries
+    g = torch.Generator().manual_seed(7)
+    inputs, params = make_random_layer(CFG, 4, seq, g)
+    result = reference_layer(CFG, 4, inputs, params)
+    n_entries = result.index_keys.shape[0]
+    positions = torch.tensor([n - 1 for n in SEQ_LENS if n <= seq] + [100, 200, 259])
+    rows = len(positions)
+    # One request; its pages scattered over a larger cache.
+    request_pages = torch.tensor([5, 2], dtype=torch.int32)
+    cache = IndexerKeyCache(8 * E, DI, "dense")
+    entry_slots = [int(request_pages[j // E]) * E + j % E for j in range(n_entries)]
+    with force_path(TORCH):
+        cache.store(result.index_keys, torch.tensor(entry_slots))
+    out = torch.full((rows, TOPK), -1, dtype=torch.int32)
+    indexer.run_indexer(
+        inputs.index_q[positions],
+        inputs.index_weights[positions],
+        cache,
+        request_pages.expand(rows, 2).contiguous(),
+        ((positions + 1) // 4).int(),
+        TOPK,
+        out,
+        max_candidates=n_entries,
+    )
+    slot_to_entry = {s: j for j, s in enumerate(entry_slots)}
+    for i, p in enumerate(positions.tolist()):
+        ours = [slot_to_entry[s] for s in out[i].tolist() if s >= 0]
+        ref = [j for j in result.selected[p].tolist() if j >= 0]
+        assert ours == sorted(ours) and len(ours) == len(ref)
+        q, w = inputs.index_q[p], inputs.index_weights[p]
+        ref_scores = ((q @ result.index_keys.T).relu() * w[:, None]).sum(0)
+        _assert_same_selection(ours, ref, ref_scores)
+
+
+# ---------------------------------------------------------------------------------- fp8
+def _fp8_representable_keys(g: torch.Generator) -> torch.Tensor:
+    """Keys that the indexer's fp8 format stores exactly: e4m3 values times a power of two,
+    with one channel at +-448 so that amax / 448 is that power of two."""
+    codes = (torch.randn(NUM_PAGES * E, DI, generator=g) * 40).to(torch.float8_e4m3fn).float()
+    codes[:, 0] = 448.0 * torch.sign(torch.randn(NUM_PAGES * E, generator=g))
+    scale = 2.0 ** torch.randint(-12, -4, (NUM_PAGES * E, 1), generator=g).float()
+    return codes * scale
+
+
+def test_fp8_cache_selects_like_dense_when_keys_are_representable():
+    b = make_batch(8, keys=_fp8_representable_keys(torch.Generator().manual_seed(8)))
+    dense, fp8 = b.cache("dense"), b.cache("fp8")
+    all_slots = torch.arange(b.keys.shape[0])
+    assert torch.equal(fp8.gather(all_slots), b.keys)
+    expected = selected(b, dense, TORCH)
+    assert torch.equal(selected(b, fp8, TRITON_INTERPRETER), expected)
+    assert torch.equal(selected(b, fp8, TORCH), expected)
+
+
+def test_fp8_scores_within_quantisation_bound():
+    b = make_batch(9)
+    cols = 64
+    with force_path(TRITON_INTERPRETER):
+        got = indexer.index_scores(b.q, b.w, b.cache("fp8"), b.page_table, b.num, cols)
+    exact = brute_scores(b, b.keys, cols)
+    # e4m3 keeps 3 mantissa bits: |k - deq(k)| <= |k| / 16 + scale * 2^-10 per channel.
+    amax = b.keys.abs().amax(1, keepdim=True)
+    err_keys = b.keys.abs() / 16 + amax / 448 * 2**-10
+    bound = brute_scores(Batch(b.q.abs(), b.w.abs(), err_keys, b.page_table, b.num), err_keys, cols)
+    finite = torch.isfinite(exact)
+    assert torch.equal(torch.isfinite(got), finite)
+    assert ((got - exact).abs()[finite] <= bound[finite] + 1e-6).all()
+    assert not torch.equal(got[finite], exact[finite])  # the fp8 path really quantised
+
+
+# ------------------------------------------------------------------------------- errors
+def test_bad_inputs_raise_contract_errors():
+    b = make_batch(10)
+    cache = b.cache("dense")
+    out = torch.empty(len(SEQ_LENS), TOPK, dtype=torch.int32)
+    with pytest.raises(ContractError, match="page_table"):
+        indexer.index_scores(b.q, b.w, cache, b.page_table.long(), b.num, 64)
+    with pytest.raises(ContractError, match="num_candidates"):
+        indexer.index_scores(b.q, b.w, cache, b.page_table, b.num[:-1], 64)
+    with pytest.raises(ContractError, match="weights"):
+        indexer.index_scores(b.q, b.w[:, :2], cache, b.page_table, b.num, 64)
+    with pytest.raises(ContractError, match="dim 32"):
+        indexer.index_scores(b.q, b.w, IndexerKeyCache(64, 32, "dense"), b.page_table, b.num, 64)
+    with pytest.raises(ContractError, match="out has shape"):
+        indexer.select_topk(torch.zeros(len(SEQ_LENS), 64), b.num, b.page_table, TOPK, out.long())
+
+
+# ---------------------------------------------------------------------- flashinfer path
+def test_flashinfer_branch_passes_arguments_flashinfer_accepts(monkeypatch):
+    """The GPU top-k branch, run on the CPU with a stand-in module; the keyword arguments it
+    passes are checked against the installed flashinfer's ``top_k`` signature (without
+    importing flashinfer, which needs seconds and a GPU to run)."""
+    spec = importlib.util.find_spec("flashinfer")
+    if spec is None or spec.origin is None:
+        pytest.skip("flashinfer is not installed")
+    with open(spec.origin.replace("__init__.py", "topk.py")) as source:
+        tree = ast.parse(source.read())
+    real = next(f for f in tree.body if isinstance(f, ast.FunctionDef) and f.name == "top_k")
+    accepted = {a.arg for a in real.args.args}
+    calls = []
+
+    def fake_top_k(input, k, **kwargs):
+        assert set(kwargs) <= accepted
+        calls.append(kwargs)
+        order = torch.sort(input, dim=1, descending=True, stable=True).indices[:, :k]
+        return input.gather(1, order), order
+
+    fake = types.SimpleNamespace(top_k=fake_top_k, TopKTieBreak=types.SimpleNamespace(SMALL=1))
+    monkeypatch.setitem(sys.modules, "flashinfer", fake)
+    monkeypatch.setattr(indexer, "_use_flashinfer_topk", lambda device: True)
+    b = make_batch(11)
+    scores = torch.randn(len(SEQ_LENS), 64)
+    out = torch.empty(len(SEQ_LENS), TOPK, dtype=torch.int32)
+    indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
+    assert calls == [{"tie_break": 1, "dsa_graph_safe": True}]
+    assert torch.equal(out, brute_select(scores, b.num, b.page_table, TOPK))

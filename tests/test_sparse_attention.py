@@ -1,0 +1,395 @@
+"""Sparse attention with sink: Triton (interpreter) == torch path == reference, every key mix.
+
+Three independent answers are compared: the Triton kernel (one split and several, i.e. the
+finalising and the split-merge kernels), the torch path, and ``dsv4_backend.reference``
+(``reference_attention`` for whole requests laid out in caches the way the planner indexes them,
+``sink_attention`` per row for synthetic index tensors).
+
+FP8 tolerance (``_fp8_tolerance``): every key channel satisfies ``|k - deq(k)| <= b`` with
+``b = 2^-4 |k| + 2^-10 * scale`` (fp8_format's bound; rope channels are exact because the test
+keys are bf16 values). Then every logit moves by at most ``delta = scale_qk * sum_d |q_d| b_d``,
+each softmax weight by a factor within ``exp(+-2 delta)``, and the output by at most
+``(exp(2 delta) - 1) * max|k| + max b``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_backend.cache import TokenCache
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError, ContractError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.sparse_attention import (
+    sparse_attention_torch,
+    sparse_attention_triton,
+    sparse_attention_with_sink,
+)
+from dsv4_backend.reference import reference_attention, sink_attention
+
+pytestmark = pytest.mark.skipif(
+    not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
+)
+
+TINY = DSV4AttentionConfig.tiny()
+ROPE = TINY.rope_dim
+#: fp8 page sizes of the three token caches (cache-format.md).
+PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
+ATOL = 2e-5
+
+
+def _cache(rows: torch.Tensor, page_tokens: int, fmt: str, dtype=torch.float32) -> TokenCache:
+    """A token cache holding ``rows`` ``[num_slots, D]`` at slots ``0 ... num_slots-1``."""
+    cache = TokenCache(rows.shape[0], rows.shape[1], ROPE, page_tokens, fmt, dtype)
+    with dispatch.force_path("torch"):
+        cache.store(rows, torch.arange(rows.shape[0]))
+    return cache
+
+
+def _keys(num: int, dim: int, g: torch.Generator) -> torch.Tensor:
+    """Random keys, bf16 values in fp32 (so every storage format holds the rope part exactly)."""
+    return torch.randn(num, dim, generator=g).bfloat16().float()
+
+
+def _indices(
+    lengths: list[int], width: int, num_slots: int, g: torch.Generator, holes: float = 0.25
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[T, width]`` int32 random slots with ``-1`` holes, and ``[T]`` int32 lengths.
+
+    Columns at or past a row's length hold stale slots, which the op must ignore.
+    """
+    idx = torch.randint(0, num_slots, (len(lengths), width), generator=g, dtype=torch.int32)
+    idx[torch.rand(idx.shape, generator=g) < holes] = -1
+    return idx, torch.tensor(lengths, dtype=torch.int32)
+
+
+def _rowwise(q, spans, sink, scale) -> torch.Tensor:
+    """``sink_attention`` per row over the valid keys of ``spans`` ``[(rows, idx, lengths)]``."""
+    out = []
+    for t in range(q.shape[0]):
+        keys = []
+        for rows, idx, lengths in spans:
+            cols = idx[t, : int(lengths[t])].long()
+            keys.append(rows[cols[cols >= 0]])
+        out.append(sink_attention(q[t], torch.cat(keys), sink, scale))
+    return torch.stack(out)
+
+
+def _all_paths(*args, splits=(1, 3)) -> dict[str, torch.Tensor]:
+    """Outputs of the torch path and of the Triton kernel at each split count."""
+    outs = {"torch": sparse_attention_torch(*args)}
+    for s in splits:
+        outs[f"triton-s{s}"] = sparse_attention_triton(*args, num_splits=s)
+    return outs
+
+
+def _assert_all_close(outs: dict[str, torch.Tensor], expected: torch.Tensor, atol=ATOL) -> None:
+    for name, out in outs.items():
+        assert out.dtype == torch.float32 and out.shape == expected.shape, name
+        torch.testing.assert_close(out, expected, atol=atol, rtol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------------ synthetic rows
+def test_window_lengths_cross_block_boundaries():
+    """Window-only rows of 1, 3-9, 31-33, 127-129 and full-width keys (BLOCK_N = 32), and rows
+    without a valid key (length 0, or only -1 slots), which output exactly 0."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [1, 3, 4, 5, 6, 7, 8, 9, 31, 32, 33, 127, 128, 129, 192, 40, 0]
+    rows = _keys(500, 128, g)
+    win = _cache(rows, 128, "dense")
+    idx, lens = _indices(lengths, 192, 500, g)
+    idx[-3, :40] = -1  # a whole first block of holes
+    idx[-2] = -1
+    q = torch.randn(len(lengths), 8, 128, generator=g)
+    sink = torch.randn(8, generator=g)
+    args = (q, win, idx, lens, None, None, None, sink, TINY.softmax_scale)
+    outs = _all_paths(*args, splits=(1, 4))
+    _assert_all_close(outs, _rowwise(q, [(rows, idx, lens)], sink, TINY.softmax_scale))
+    for name, out in outs.items():
+        assert (out[-2:] == 0).all(), name
+
+
+@pytest.mark.parametrize("extra_kind", ["c4", "c128"])
+def test_window_plus_extra(extra_kind):
+    """Window keys plus c4 top-k slots (with -1 holes) or c128 slots, including extra-only
+    rows, rows where every index is -1, and lengths past the index width (clamped)."""
+    g = torch.Generator().manual_seed(2)
+    ke, n_extra, holes = (16, 40, 0.3) if extra_kind == "c4" else (3, 5, 0.0)
+    win_len = [0, 1, 3, 9, 64, 100, 127, 128, 128, 0]
+    ext_len = [4, 1, 0, ke, 1, 2, ke, ke + 5, 2, 0]
+    rows, ext_rows = _keys(300, 128, g), _keys(n_extra, 128, g)
+    win = _cache(rows, 128, "dense")
+    ext = _cache(ext_rows, PAGE_TOKENS[4 if extra_kind == "c4" else 128], "dense")
+    idx, lens = _indices(win_len, 128, 300, g)
+    eidx, elens = _indices(ext_len, ke, n_extra, g, holes)
+    eidx[-2] = -1  # window keys plus an all-hole extra row
+    q = torch.randn(len(win_len), 8, 128, generator=g)
+    sink = torch.randn(8, generator=g)
+    args = (q, win, idx, lens, ext, eidx, elens, sink, TINY.softmax_scale)
+    spans = [(rows, idx, lens), (ext_rows, eidx, elens)]
+    outs = _all_paths(*args)
+    _assert_all_close(outs, _rowwise(q, spans, sink, TINY.softmax_scale))
+    for name, out in outs.items():
+        assert (out[-1] == 0).all(), name
+
+
+@pytest.mark.parametrize("sink_value", [-1e4, 60.0])
+def test_extreme_sinks(sink_value):
+    """A very negative sink gives the plain softmax; a very positive one an output near 0."""
+    g = torch.Generator().manual_seed(3)
+    rows = _keys(200, 128, g)
+    win = _cache(rows, 128, "dense")
+    idx, lens = _indices([1, 5, 70, 128], 128, 200, g, holes=0.1)
+    q = torch.randn(4, 8, 128, generator=g)
+    sink = torch.full((8,), sink_value)
+    args = (q, win, idx, lens, None, None, None, sink, TINY.softmax_scale)
+    outs = _all_paths(*args)
+    if sink_value < 0:
+        expected = []
+        for t in range(4):
+            cols = idx[t, : int(lens[t])].long()
+            keys = rows[cols[cols >= 0]]
+            weights = torch.softmax(TINY.softmax_scale * q[t] @ keys.T, dim=-1)
+            expected.append(weights @ keys)
+        _assert_all_close(outs, torch.stack(expected))
+    else:
+        for name, out in outs.items():
+            assert out.abs().max() < 1e-12, name
+
+
+def test_flash_width_heads_and_dim():
+    """H = 16, D = 512 (the Flash head dim, 448 nope + 64 rope), dense bf16 cache."""
+    g = torch.Generator().manual_seed(4)
+    rows = _keys(160, 512, g)
+    win = _cache(rows, 128, "dense", torch.bfloat16)
+    ext = _cache(_keys(9, 512, g), 2, "dense", torch.bfloat16)
+    idx, lens = _indices([128, 40, 1], 128, 160, g)
+    eidx, elens = _indices([3, 0, 2], 4, 9, g)
+    q = torch.randn(3, 16, 512, generator=g)
+    sink = torch.randn(16, generator=g)
+    args = (q, win, idx, lens, ext, eidx, elens, sink, 512**-0.5)
+    expected = _rowwise(
+        q, [(rows, idx, lens), (ext.gather(torch.arange(9)), eidx, elens)], sink, 512**-0.5
+    )
+    _assert_all_close(_all_paths(*args), expected)
+
+
+def test_bf16_q_and_strided_q():
+    """bf16 q is upcast exactly; a q with non-unit channel stride is read through its strides."""
+    g = torch.Generator().manual_seed(5)
+    rows = _keys(200, 128, g)
+    win = _cache(rows, 128, "dense", torch.bfloat16)
+    idx, lens = _indices([128, 7, 33], 128, 200, g)
+    q = torch.randn(3, 128, 8, generator=g).bfloat16().transpose(1, 2)  # [T, H, D], stride_d 8
+    sink = torch.randn(8, generator=g)
+    args = (q, win, idx, lens, None, None, None, sink, TINY.softmax_scale)
+    expected = _rowwise(q.float(), [(rows, idx, lens)], sink, TINY.softmax_scale)
+    _assert_all_close(_all_paths(*args), expected)
+
+
+def _fp8_tolerance(q, spans, scale) -> torch.Tensor:
+    """``[T, H, 1]`` output error bound of an fp8 cache (module docstring)."""
+    tol = []
+    for t in range(q.shape[0]):
+        keys = torch.cat(
+            [rows[idx[t, : int(n[t])][idx[t, : int(n[t])] >= 0].long()] for rows, idx, n in spans]
+        )
+        nope = keys[:, : keys.shape[1] - ROPE].reshape(keys.shape[0], -1, 64)
+        group_scale = torch.exp2(torch.ceil(torch.log2(nope.abs().amax(-1, keepdim=True) / 448)))
+        b = torch.cat(
+            [
+                (2**-4 * nope.abs() + 2**-10 * group_scale).flatten(1),
+                torch.zeros(keys.shape[0], ROPE),
+            ],
+            dim=1,
+        )
+        delta = scale * (q[t].abs() @ b.T).amax(-1)  # [H]
+        tol.append(torch.expm1(2 * delta) * keys.abs().max() + b.max())
+    return torch.stack(tol)[..., None]
+
+
+@pytest.mark.parametrize("dim", [128, 512])
+def test_fp8_cache(dim):
+    """fp8 window + c4 caches: Triton == torch on the same bytes (tight), and both within the
+    FP8 bound of the unquantised keys."""
+    g = torch.Generator().manual_seed(6)
+    rows, ext_rows = _keys(300, dim, g), _keys(80, dim, g)
+    win, ext = _cache(rows, 128, "fp8"), _cache(ext_rows, 64, "fp8")
+    heads = 8 if dim == 128 else 16
+    idx, lens = _indices([128, 1, 5, 0], 128, 300, g)
+    eidx, elens = _indices([16, 3, 0, 7], 16, 80, g)
+    q = torch.randn(4, heads, dim, generator=g)
+    sink = torch.randn(heads, generator=g)
+    scale = dim**-0.5
+    args = (q, win, idx, lens, ext, eidx, elens, sink, scale)
+    outs = _all_paths(*args)
+    dequantised = [
+        (win.gather(torch.arange(300)), idx, lens),
+        (ext.gather(torch.arange(80)), eidx, elens),
+    ]
+    _assert_all_close(outs, _rowwise(q, dequantised, sink, scale))
+    spans = [(rows, idx, lens), (ext_rows, eidx, elens)]
+    exact = _rowwise(q, spans, sink, scale)
+    tol = _fp8_tolerance(q, spans, scale)
+    for name, out in outs.items():
+        err = (out - exact).abs()
+        assert (err <= tol + ATOL).all(), f"{name}: error {err.max()} above the FP8 bound"
+    assert (outs["torch"] - exact).abs().max() > 1e-4  # the fp8 path really quantised
+
+
+# ------------------------------------------------------- whole requests vs the reference
+def _request_inputs(ratio: int, seq_len: int, positions: list[int], fmt: str, seed: int):
+    """One request of ``seq_len`` tokens laid out in caches at shuffled slots, indexed for the
+    query rows at ``positions`` as the planner indexes them (dsv4-attention.md section 4)."""
+    g = torch.Generator().manual_seed(seed)
+    heads, dim, window = TINY.num_heads, TINY.head_dim, TINY.window_size
+    q_all = torch.randn(seq_len, heads, dim, generator=g)
+    kv = _keys(seq_len, dim, g)
+    sink = torch.randn(heads, generator=g)
+    win_slot = torch.randperm(seq_len + 50, generator=g)[:seq_len]
+    win_rows = torch.zeros(seq_len + 50, dim)
+    win_rows[win_slot] = kv
+    pos = torch.tensor(positions)
+    cols = pos[:, None] - torch.arange(TINY.swa_index_width)[None, :]
+    swa_idx = torch.where(cols >= 0, win_slot[cols.clamp(min=0)], -1).int()
+    swa_len = (pos + 1).clamp(max=window).int()
+    args = [q_all[pos], _cache(win_rows, PAGE_TOKENS[0], fmt), swa_idx, swa_len]
+    if ratio == 0:
+        return [*args, None, None, None, sink, TINY.softmax_scale], (q_all, kv, None, None, sink)
+
+    n_entries = seq_len // ratio
+    compressed = _keys(n_entries, dim, g)
+    ent_slot = torch.randperm(n_entries + 7, generator=g)[:n_entries]
+    ent_rows = torch.zeros(n_entries + 7, dim)
+    ent_rows[ent_slot] = compressed
+    visible = (pos + 1) // ratio
+    if ratio == 4:  # top-k of the visible entries (ascending, -1 padded), then -1 holes
+        k = TINY.index_topk
+        selected = torch.full((seq_len, k), -1)
+        for t in range(seq_len):
+            n = min((t + 1) // 4, k)
+            selected[t, :n] = torch.randperm((t + 1) // 4, generator=g)[:n].sort().values
+        selected[torch.rand(selected.shape, generator=g) < 0.2] = -1
+        entries = selected[pos]
+        ext_len = visible.clamp(min=1, max=k)
+    else:  # every visible entry
+        selected = None
+        entries = torch.arange(max(1, -(-seq_len // ratio)))[None, :].expand(len(pos), -1)
+        entries = torch.where(entries < visible[:, None], entries, -1)
+        ext_len = visible.clamp(min=1)
+    ext_idx = torch.where(entries >= 0, ent_slot[entries.clamp(min=0)], -1).int()
+    ext = _cache(ent_rows, PAGE_TOKENS[ratio], fmt)
+    args += [ext, ext_idx, ext_len.int(), sink, TINY.softmax_scale]
+    return args, (q_all, kv, compressed, selected, sink)
+
+
+#: Query rows per layer kind: lengths 1, 3-9, 64-65, 127-129 and, for c128, the first entries.
+REQUEST_ROWS = {
+    0: (140, [0, 2, 3, 4, 5, 6, 7, 8, 63, 64, 126, 127, 128, 139]),
+    4: (140, [0, 1, 2, 3, 4, 8, 63, 64, 126, 127, 128, 139]),
+    128: (300, [0, 3, 126, 127, 128, 255, 256, 299]),
+}
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_matches_reference_attention(ratio):
+    """Rows of one request (window-only, c4 and c128 layers) == reference_attention."""
+    seq_len, rows = REQUEST_ROWS[ratio]
+    args, (q_all, kv, compressed, selected, sink) = _request_inputs(
+        ratio, seq_len, rows, "dense", seed=10 + ratio
+    )
+    expected = reference_attention(TINY, ratio, q_all, kv, compressed, selected, sink)[rows]
+    _assert_all_close(_all_paths(*args), expected)
+
+
+def test_public_op_dispatches():
+    """The public op runs the interpreter or the torch path per dispatch, same answer."""
+    args, _ = _request_inputs(4, 40, [3, 20, 39], "fp8", seed=7)
+    with dispatch.force_path("torch"):
+        via_torch = sparse_attention_with_sink(*args)
+    with dispatch.force_path("triton-interpreter"):
+        via_triton = sparse_attention_with_sink(*args)
+    torch.testing.assert_close(via_triton, via_torch, atol=ATOL, rtol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 12)), min_size=1, max_size=4),
+    splits=st.integers(1, 6),
+    holes=st.floats(0.0, 1.0),
+    sink=st.floats(-20.0, 20.0),
+    seed=st.integers(0, 2**16),
+)
+def test_any_split_matches_torch(lengths, splits, holes, sink, seed):
+    """Invariant: any split count, holes and lengths give the torch path's answer."""
+    g = torch.Generator().manual_seed(seed)
+    win, ext = _cache(_keys(90, 128, g), 128, "dense"), _cache(_keys(20, 128, g), 64, "dense")
+    idx, lens = _indices([w for w, _ in lengths], 64, 90, g, holes)
+    eidx, elens = _indices([e for _, e in lengths], 8, 20, g, holes)
+    q = torch.randn(len(lengths), 8, 128, generator=g)
+    args = (q, win, idx, lens, ext, eidx, elens, torch.full((8,), sink), TINY.softmax_scale)
+    torch.testing.assert_close(
+        sparse_attention_triton(*args, num_splits=splits),
+        sparse_attention_torch(*args),
+        atol=ATOL,
+        rtol=1e-5,
+    )
+
+
+# ---------------------------------------------------------------------------- bad input
+def _valid_args():
+    g = torch.Generator().manual_seed(0)
+    win, ext = _cache(_keys(20, 128, g), 128, "dense"), _cache(_keys(8, 128, g), 64, "dense")
+    idx, lens = _indices([3, 4], 8, 20, g)
+    eidx, elens = _indices([1, 2], 4, 8, g)
+    q = torch.randn(2, 8, 128, generator=g)
+    return dict(
+        q=q,
+        window=win,
+        swa_indices=idx,
+        swa_lengths=lens,
+        extra=ext,
+        extra_indices=eidx,
+        extra_lengths=elens,
+        sink=torch.zeros(8),
+        softmax_scale=TINY.softmax_scale,
+    )
+
+
+@pytest.mark.parametrize(
+    "change, error, text",
+    [
+        (dict(q=torch.zeros(2, 8, 128, dtype=torch.float16)), BatchError, "q has shape"),
+        (dict(sink=torch.zeros(4)), BatchError, "expected [8] float32"),
+        (dict(softmax_scale=math.nan), BatchError, "softmax_scale=nan"),
+        (dict(extra=None), BatchError, "must all be given"),
+        (
+            dict(
+                swa_indices=torch.zeros(3, 8, dtype=torch.int32),
+                swa_lengths=torch.ones(3, dtype=torch.int32),
+            ),
+            ContractError,
+            "q has T=2",
+        ),
+        (dict(extra_indices=torch.zeros(2, 4, dtype=torch.int64)), BatchError, "extra_indices"),
+        (dict(swa_lengths=torch.ones(2, dtype=torch.int64)), BatchError, "swa_lengths"),
+        (dict(swa_indices=torch.full((2, 8), 20, dtype=torch.int32)), BatchError, "[0, 20)"),
+        (dict(extra=TokenCache(8, 64, 32, 64, "dense")), BatchError, "head_dim 64"),
+    ],
+)
+def test_bad_input_is_refused(change, error, text):
+    args = _valid_args() | change
+    for impl in (sparse_attention_torch, sparse_attention_triton):
+        with pytest.raises(error) as info:
+            impl(**args)
+        assert text in str(info.value)
+
+
+def test_bad_split_count_is_refused():
+    with pytest.raises(BatchError, match="num_splits=40"):
+        sparse_attention_triton(**_valid_args(), num_splits=40)
