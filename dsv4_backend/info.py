@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 import os
 import platform
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 
 from dsv4_backend import _versions
@@ -77,8 +77,8 @@ def _cuda_device() -> str | None:
     return torch.cuda.get_device_name(0)
 
 
-def _capabilities(gpu: str | None) -> list[tuple[str, str]]:
-    """Return ``(path, "yes|no  reason")`` for each kernel path."""
+def _capabilities(gpu: str | None) -> list[tuple[str, str, str]]:
+    """Return ``(path, "yes" or "no", reason)`` for each kernel path."""
     checks = [
         ("torch reference", _torch_reference()),
         ("triton (GPU)", _triton_gpu(gpu)),
@@ -86,7 +86,7 @@ def _capabilities(gpu: str | None) -> list[tuple[str, str]]:
         ("tvm (llvm, CPU)", _tvm_llvm()),
         ("flashinfer", _flashinfer(gpu)),
     ]
-    return [(path, f"{'yes' if ok else 'no '}  {reason}") for path, (ok, reason) in checks]
+    return [(path, "yes" if ok else "no", reason) for path, (ok, reason) in checks]
 
 
 def _torch_reference() -> tuple[bool, str]:
@@ -139,7 +139,7 @@ def _dispatch_lines() -> list[str]:
         if exc.name != DISPATCH_MODULE:
             raise
         return [f"  not available yet (no module {DISPATCH_MODULE}); see the paths above"]
-    return _table((op, f"{path:<12} {reason}") for op, path, reason in dispatch.describe_paths())
+    return _table(dispatch.describe_paths())
 
 
 def _registry_lines() -> list[str]:
@@ -185,8 +185,10 @@ def _qualified(function: Callable[..., object] | None) -> str:
     return f"{function.__module__}.{function.__qualname__}"
 
 
-def _table(rows: Iterable[tuple[str, str]]) -> list[str]:
-    """Format ``(label, text)`` rows as indented lines with aligned labels."""
-    rows = list(rows)
-    width = max((len(label) for label, _ in rows), default=0)
-    return [f"  {label:<{width}}  {text}" for label, text in rows]
+def _table(rows: Iterable[Sequence[str]]) -> list[str]:
+    """Format rows of text columns as indented lines; all but the last column are padded."""
+    rows = [tuple(row) for row in rows]
+    if not rows:
+        return []
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
+    return ["  " + "  ".join([*map(str.ljust, row[:-1], widths), row[-1]]).rstrip() for row in rows]

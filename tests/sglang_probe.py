@@ -16,6 +16,7 @@ import json
 import logging
 import multiprocessing
 import sys
+import traceback
 import types
 from collections.abc import Callable
 from typing import Any
@@ -91,13 +92,18 @@ def declared_backend(*cli: str) -> str:
     return resolved_view(args).attention_backend
 
 
-def call(function: Callable[[], tuple[str, object]]) -> dict[str, str]:
-    """Call a draft factory entry; describe its result or the exception it raised."""
+def call(function: Callable[[], tuple[str, object]]) -> dict[str, Any]:
+    """Call a draft factory entry; describe its result, or the exception it raised and the
+    files of the frames it passed through."""
     try:
         stamp, backend = function()
     except Exception as exc:
         error = type(exc)
-        return {"error": f"{error.__module__}.{error.__qualname__}", "message": str(exc)}
+        return {
+            "error": f"{error.__module__}.{error.__qualname__}",
+            "message": str(exc),
+            "files": [frame.filename for frame in traceback.extract_tb(exc.__traceback__)],
+        }
     return {"stamp": stamp, "backend_module": type(backend).__module__}
 
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.compressor import CompressorState, compress_forward
-from dsv4_backend.planning.compress_plan import compute_compress_plans
 from dsv4_backend.reference import compress_entries, overlap, rope_for_ratio
 
 CONFIG = DSV4AttentionConfig.tiny()

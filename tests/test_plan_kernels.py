@@ -1,9 +1,9 @@
 """The planning kernels against their torch implementations, exactly.
 
 * ``kernels/compress_plan_tvm.py`` (TVM, symbolic ``num_rows``) vs
-  ``planning.compress_plan.compute_compress_plans``;
+  ``kernels.compress_plan_torch.compute_compress_plans``;
 * ``kernels/row_metadata.py`` (Triton, run by the interpreter here) vs
-  ``planning.row_fields.compute_row_fields``.
+  ``kernels.row_fields_torch.compute_row_fields``.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN, compute_compress_plans
+from dsv4_backend.kernels.row_fields_torch import compute_row_fields
 from dsv4_backend.kernels.row_metadata import row_fields
-from dsv4_backend.planning.compress_plan import COMPRESS_SPAN, compute_compress_plans
-from dsv4_backend.planning.row_fields import compute_row_fields
 
 tvm = pytest.importorskip("tvm")
 

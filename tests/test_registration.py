@@ -11,10 +11,13 @@ import importlib.util
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import pytest
 from packaging.requirements import Requirement
@@ -33,12 +36,27 @@ SGLANG_FACTORY = "sglang.srt.layers.attention.attention_registry.create_dsv4_bac
 SGLANG_DRAFT = "sglang.srt.speculative.draft_utils.DraftBackendFactory"
 
 
+@dataclass(frozen=True)
+class Run:
+    """A finished subprocess of :func:`runs`; ``facts`` is where a probe wrote its JSON."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+    facts: Path
+
+    def succeeded(self) -> Run:
+        """Return ``self`` after checking the exit status, showing stderr when it failed."""
+        assert self.returncode == 0, f"exit {self.returncode}:\n{self.stderr[-4000:]}"
+        return self
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
-    """Run the probes and ``info`` concurrently; return each one's facts (``info``: its text).
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Run]:
+    """Run both probes and ``info`` concurrently, each in a fresh interpreter.
 
     ``loaded``: plugins loaded as by default; ``opted_out``: ``SGLANG_PLUGINS`` names only
-    another plugin.
+    another plugin; ``info``: ``python -m dsv4_backend info``.
     """
     out = tmp_path_factory.mktemp("probes")
     env = {key: value for key, value in os.environ.items() if key != "SGLANG_PLUGINS"}
@@ -60,15 +78,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
         )
         for name, (args, child_env) in commands.items()
     }
-    facts: dict[str, dict] = {}
+    results = {}
     for name, process in processes.items():
         stdout, stderr = process.communicate(timeout=300)
-        assert process.returncode == 0, f"{name} failed:\n{stderr[-4000:]}"
-        if name == "info":
-            facts[name] = {"stdout": stdout}
-        else:
-            facts[name] = json.loads((out / f"{name}.json").read_text())
-    return facts
+        results[name] = Run(process.returncode, stdout, stderr, out / f"{name}.json")
+    return results
+
+
+@pytest.fixture(scope="module")
+def loaded(runs: dict[str, Run]) -> dict[str, Any]:
+    """The probe's facts with this package's plugin loaded."""
+    return json.loads(runs["loaded"].succeeded().facts.read_text())
+
+
+@pytest.fixture(scope="module")
+def opted_out(runs: dict[str, Run]) -> dict[str, Any]:
+    """The probe's facts with ``SGLANG_PLUGINS`` naming only another plugin."""
+    return json.loads(runs["opted_out"].succeeded().facts.read_text())
 
 
 def test_entry_point_names_a_zero_argument_register() -> None:
@@ -103,17 +129,15 @@ def test_dependency_ranges_admit_sglangs_pins() -> None:
             assert version in ours[canonicalize_name(req.name)], f"{req} vs ours"
 
 
-def test_dsv4_resolves_to_this_package_and_builtin_to_sglangs(runs: dict[str, dict]) -> None:
-    assert runs["loaded"]["registry"] == {"dsv4": OUR_FACTORY, "dsv4_builtin": SGLANG_FACTORY}
-    assert runs["opted_out"]["registry"]["dsv4"] == SGLANG_FACTORY
+def test_dsv4_resolves_to_this_package_and_builtin_to_sglangs(loaded: dict[str, Any]) -> None:
+    assert loaded["registry"] == {"dsv4": OUR_FACTORY, "dsv4_builtin": SGLANG_FACTORY}
 
 
-def test_sglang_parser_accepts_both_names(runs: dict[str, dict]) -> None:
-    assert runs["loaded"]["parsed"] == {"dsv4": "dsv4", "dsv4_builtin": "dsv4_builtin"}
+def test_sglang_parser_accepts_both_names(loaded: dict[str, Any]) -> None:
+    assert loaded["parsed"] == {"dsv4": "dsv4", "dsv4_builtin": "dsv4_builtin"}
 
 
-def test_other_plugins_only_leave_sglang_untouched(runs: dict[str, dict]) -> None:
-    opted_out = runs["opted_out"]
+def test_other_plugins_only_leave_sglang_untouched(opted_out: dict[str, Any]) -> None:
     assert opted_out["registry"] == {"dsv4": SGLANG_FACTORY, "dsv4_builtin": None}
     assert opted_out["parsed"] == {"dsv4": "dsv4", "dsv4_builtin": None}
     assert opted_out["draft_functions"] == {
@@ -122,23 +146,31 @@ def test_other_plugins_only_leave_sglang_untouched(runs: dict[str, dict]) -> Non
     }
 
 
-def test_spawned_process_sees_the_same_registration(runs: dict[str, dict]) -> None:
-    assert runs["loaded"]["spawned_registry"] == runs["loaded"]["registry"]
+def test_spawned_process_sees_the_same_registration(loaded: dict[str, Any]) -> None:
+    assert loaded["spawned_registry"] == loaded["registry"]
 
 
 @pytest.mark.parametrize(("kind", "module"), [("decode", DRAFT_MODULE), ("extend", BACKEND_MODULE)])
-def test_draft_factory_entries_are_this_packages(
-    runs: dict[str, dict], kind: str, module: str
+def test_draft_factory_entries_build_this_packages_backends(
+    loaded: dict[str, Any], kind: str, module: str
 ) -> None:
-    assert runs["loaded"]["draft_functions"][kind].startswith("dsv4_backend.")
-    call = runs["loaded"]["draft_calls"][kind]
-    if importlib.util.find_spec(module) is None:
+    """The entry is ours, and calling it reaches ``module``'s class: with the probe's stand-in
+    runner that class either builds, or raises from inside ``module``; without ``module`` the
+    call raises MissingBackendError naming it."""
+    assert loaded["draft_functions"][kind].startswith("dsv4_backend.")
+    call = loaded["draft_calls"][kind]
+    spec = importlib.util.find_spec(module)
+    if spec is None:
         assert call["error"] == "dsv4_backend.errors.MissingBackendError"
         assert module in call["message"]
+    elif "error" in call:
+        assert spec.origin in call["files"], call
+    else:
+        assert call["stamp"] == "dsv4"
+        assert call["backend_module"] == module
 
 
-def test_builtin_draft_factories_stay_reachable(runs: dict[str, dict]) -> None:
-    loaded = runs["loaded"]
+def test_builtin_draft_factories_stay_reachable(loaded: dict[str, Any]) -> None:
     assert loaded["draft_builtin"] == {
         "decode": f"{SGLANG_DRAFT}._create_dsv4_decode_backend",
         "extend": f"{SGLANG_DRAFT}._create_dsv4_prefill_backend",
@@ -146,24 +178,23 @@ def test_builtin_draft_factories_stay_reachable(runs: dict[str, dict]) -> None:
     assert loaded["draft_create_backend"].startswith("dsv4_backend.registration.")
 
 
-def test_explicit_builtin_request_survives_the_model_override(runs: dict[str, dict]) -> None:
-    assert runs["loaded"]["declared"] == {"dsv4_builtin": "dsv4_builtin", "unset": "dsv4"}
+def test_explicit_builtin_request_survives_the_model_override(loaded: dict[str, Any]) -> None:
+    assert loaded["declared"] == {"dsv4_builtin": "dsv4_builtin", "unset": "dsv4"}
 
 
-def test_register_again_changes_nothing_and_one_line_is_logged(runs: dict[str, dict]) -> None:
-    loaded = runs["loaded"]
+def test_register_again_changes_nothing_and_one_line_is_logged(loaded: dict[str, Any]) -> None:
     assert loaded["register_again_same_objects"]
     (line,) = loaded["log"]
     assert "dsv4" in line
     assert "dsv4_backend" in line
 
 
-def test_info_reports_versions_paths_and_registry(runs: dict[str, dict]) -> None:
-    text = runs["info"]["stdout"]
+def test_info_reports_versions_paths_and_registry(runs: dict[str, Run]) -> None:
+    text = runs["info"].succeeded().stdout
     for label in ("torch", "triton", "tvm", "flashinfer", "sglang"):
         assert f"\n  {label} " in text
     assert f"(supported: {SUPPORTED_SGLANG})" in text
-    assert "triton interpreter  yes" in text  # TRITON_INTERPRET=1 is set by conftest
+    assert re.search(r"triton interpreter +yes", text)  # conftest sets TRITON_INTERPRET=1
     assert f"{OUR_FACTORY}   (this package)" in text
 
 

@@ -2,7 +2,7 @@
 
 The records are those of ``planning/metadata.py``: ``[T, 4]`` int32 rows
 ``(ragged_id, batch_id, position, window_len)``, the valid ones first in row order, then ``-1``
-rows; ``planning.compress_plan.compute_compress_plans`` is the torch reference this kernel
+rows; ``kernels.compress_plan_torch.compute_compress_plans`` is the torch reference this kernel
 matches exactly. ``T`` is the symbolic dim ``num_rows`` shared by all six tensors, so one
 compiled kernel serves every batch size, and TVM checks on every call that the tensors agree on
 it: a plan built for another ``T`` (metadata planned before the batch was padded) is refused
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from dsv4_backend.errors import ConfigError, ContractError
-from dsv4_backend.planning.compress_plan import COMPRESS_SPAN, compute_compress_plans
+from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN, compute_compress_plans
 
 #: Name of the symbolic row count in the kernel signature (and in its error messages).
 SYMBOLIC_DIM = "num_rows"
@@ -314,7 +314,7 @@ def compress_plans_tvm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress plan and write plan of ``ratio`` from the TVM kernel.
 
-    Same contract as ``planning.compress_plan.compute_compress_plans``: inputs ``[T]``
+    Same contract as ``kernels.compress_plan_torch.compute_compress_plans``: inputs ``[T]``
     (``row_batch_ids`` int32, ``positions`` int64, ``first_new_positions`` int64,
     ``request_seq_lens`` int32, all on one device), ``ratio`` 4 or 128; returns
     ``(compress_plan, write_plan)``, each ``[T, 4]`` int32. Tensors that disagree on ``T``

@@ -10,7 +10,7 @@ dsv4-attention.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p
   entry ``j``; 2 c128 entries per 256-token page) for ``j < raw`` with ``j // 2 < Pw``, ``-1``
   elsewhere.
 
-``planning.row_fields.compute_row_fields`` is the torch implementation; the Triton kernel
+``kernels.row_fields_torch.compute_row_fields`` is the torch implementation; the Triton kernel
 matches it exactly (floor division and modulo, as torch's, also for negative values). Shapes:
 ``T`` rows, ``Pw`` page-table width, ``N128`` c128 index width, ``K`` ``index_topk``.
 """
@@ -24,7 +24,7 @@ import triton.language as tl
 from dsv4_backend.config import REQUIRED_PAGE_SIZE
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.planning.row_fields import RATIOS, RowFields, compute_row_fields
+from dsv4_backend.kernels.row_fields_torch import RATIOS, RowFields, compute_row_fields
 
 #: Rows per program.
 BLOCK_T = 64
@@ -203,7 +203,7 @@ def row_fields(
     index_topk : ``K`` (ratio 4's sparse lengths).
     c128_width : ``N128``, columns of the c128 page indices (ratio 128).
 
-    Returns ``RowFields`` as ``planning.row_fields.compute_row_fields`` (``page_indices``
+    Returns ``RowFields`` as ``kernels.row_fields_torch.compute_row_fields`` (``page_indices``
     ``[T, N128]`` int32 for ratio 128, None for ratio 4). Runs the Triton kernel when
     ``dispatch.use_triton(positions.device)``; both paths give identical tensors.
     """

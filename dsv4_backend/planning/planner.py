@@ -4,15 +4,17 @@ Each ``ForwardKind`` only says how its requests expand into query rows (``_Rows`
 table in ``planning/batch.py``); one shared body, ``_plan_rows``, builds every field of
 dsv4-attention.md section 4 from those rows. Eager planning, CUDA-graph capture and replay all
 run this same code; the graph path then copies the result into fixed buffers
-(``planning/graph_buffers.py``). Planning never syncs with the device. The per-row compression fields run the Triton kernel of
-``kernels/row_metadata.py`` and the compress / write plans the TVM kernel of
-``kernels/compress_plan_tvm.py`` where they can run (``kernels/dispatch.py``); their torch
-references (``row_fields.py``, ``compress_plan.py``) serve everywhere else.
+(``planning/graph_buffers.py``). Planning never syncs with the device.
 
 Graph safety: with ``widths`` given, the uniform kinds (``GRAPH_KINDS``) plan with shapes fixed by
 the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()``); lengths are
 only checked where the batch already holds them on the host (``BatchView.host_seq_lens``). The
 extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``extend_seq_lens``.
+
+Kernels: the per-row compression fields run the Triton kernel of ``kernels/row_metadata.py`` and
+the compress / write plans the TVM kernel of ``kernels/compress_plan_tvm.py`` where they can run
+(``kernels/dispatch.py``); their torch references (``kernels/row_fields_torch.py``,
+``kernels/compress_plan_torch.py``) serve everywhere else.
 """
 
 from __future__ import annotations

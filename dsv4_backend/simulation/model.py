@@ -3,7 +3,9 @@ reference rows every output must equal."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -29,23 +31,36 @@ class ForwardResult:
     Attributes
     ----------
     metadata : the plan the forward used.
-    outputs : per layer, ``[T, H, D]`` float32.
+    outputs : ``[T, H, D]`` float32 of each of ``layers``.
+    rejected : request -> first position fed a wrong draft (those rows match nothing).
     """
 
     metadata: AttentionMetadata
     rows: list[tuple[int, int]]
     outputs: list[torch.Tensor]
+    layers: list[int]
+    rejected: dict[int, int]
 
 
-def _select_rows(inputs: Sequence[LayerInputs], rows: Sequence[tuple[int, int]]) -> LayerInputs:
-    """Concatenate the rows ``(request, position)`` of per-request inputs into ragged inputs."""
+def _select_rows(
+    inputs: Sequence[LayerInputs], rows: Sequence[tuple[int, int]], rejected: Mapping[int, int]
+) -> LayerInputs:
+    """Concatenate the rows ``(request, position)`` of per-request inputs into ragged inputs.
+
+    Rows at or past ``rejected[request]`` get negated inputs: a draft token the target will
+    reject, whose keys and compressor state later forwards must not see.
+    """
     picked = {}
     for f in fields(LayerInputs):
-        parts = [getattr(inputs[r], f.name) for r, _ in rows[:1]]
-        if not parts or parts[0] is None:
+        if getattr(inputs[rows[0][0]], f.name) is None:
             picked[f.name] = None
             continue
-        picked[f.name] = torch.stack([getattr(inputs[r], f.name)[p] for r, p in rows])
+        picked[f.name] = torch.stack(
+            [
+                getattr(inputs[r], f.name)[p] * (-1.0 if p >= rejected.get(r, p + 1) else 1.0)
+                for r, p in rows
+            ]
+        )
     return LayerInputs(**picked)
 
 
@@ -100,10 +115,23 @@ class RandomModel:
         return torch.stack(out)
 
     def forward(
-        self, batch: BatchView, *, layers: Sequence[int] | None = None, planner: Planner = plan
+        self,
+        batch: BatchView,
+        *,
+        layers: Sequence[int] | None = None,
+        planner: Planner = plan,
+        rejected: Mapping[int, int] | None = None,
+        timings: dict[str, float] | None = None,
     ) -> ForwardResult:
-        """Plan ``batch`` and run ``layers`` (default: every layer the plan serves)."""
-        metadata = planner(self.config, batch)
+        """Plan ``batch`` and run ``layers`` (default: every layer the plan serves).
+
+        ``rejected`` maps a request to the first position whose token is a wrong draft: its
+        rows see other inputs than the reference, so ``assert_matches_reference`` skips them.
+        ``timings``, when given, gains the seconds spent planning (``"plan"``) and in the
+        layers (``"kernels"``, gathering their inputs excluded), timed between device syncs.
+        """
+        with _timed(timings, "plan", self.device):
+            metadata = planner(self.config, batch)
         requests = [int(i) - 1 for i in batch.req_pool_indices.tolist()]
         rows = [
             (requests[b], p)
@@ -115,21 +143,50 @@ class RandomModel:
             layers = self.layers_served(metadata)
         outputs = []
         for layer in layers:
-            inputs = _select_rows(self.inputs[layer], rows) if rows else None
+            inputs = _select_rows(self.inputs[layer], rows, rejected or {}) if rows else None
             if inputs is None:
                 outputs.append(torch.zeros(0, self.config.num_heads, self.config.head_dim))
                 continue
-            outputs.append(
-                forward_layer(
+            with _timed(timings, "kernels", self.device):
+                out = forward_layer(
                     self.state, layer, metadata, batch.req_pool_indices, inputs, self.params[layer]
                 )
-            )
-        return ForwardResult(metadata=metadata, rows=rows, outputs=outputs)
+            outputs.append(out)
+        return ForwardResult(
+            metadata=metadata, rows=rows, outputs=outputs, layers=list(layers),
+            rejected=dict(rejected or {}),
+        )  # fmt: skip
+
+    def max_error(self, result: ForwardResult) -> float:
+        """Largest absolute difference to the reference over the accepted rows of ``result``."""
+        keep = [i for i, (r, p) in enumerate(result.rows) if p < result.rejected.get(r, p + 1)]
+        rows = [result.rows[i] for i in keep]
+        worst = 0.0
+        for layer, out in zip(result.layers, result.outputs, strict=True):
+            if rows:
+                diff = out[keep].cpu() - self.expected(layer, rows)
+                worst = max(worst, diff.abs().max().item())
+        return worst
 
     def layers_served(self, metadata: AttentionMetadata) -> list[int]:
         """Layers a plan can serve: all, or the window-only ones for a window-only plan."""
         ratios = self.config.compress_ratios
         return [i for i, r in enumerate(ratios) if r == 0 or metadata.compressed(r) is not None]
+
+
+@contextlib.contextmanager
+def _timed(timings: dict[str, float] | None, key: str, device: torch.device) -> Iterator[None]:
+    """Add the block's wall time to ``timings[key]`` (no-op, and no sync, when None)."""
+    if timings is None:
+        yield
+        return
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    yield
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
 def _to(obj, device: torch.device):

@@ -1,0 +1,225 @@
+"""The serving trace an A/B run replays: steps of every mode, on the eager and the graph path.
+
+A trace is a list of :class:`Step`\\ s over a fixed set of requests. Applied in order to a
+fresh :class:`~dsv4_backend.simulation.RandomModel` built from the trace's seed, each step is
+one forward batch; both backends of a run replay the same steps on models built from the same
+seed, so their inputs, page layouts and caches stay identical.
+
+The built-in trace (:func:`build_trace`) serves each request like an EAGLE v2 worker with
+topk 1 and 3 draft steps (4 draft tokens):
+
+1. ``prefill``: the prompt in two chunks (eager, then graph);
+2. ``cycles`` speculative rounds from the committed length ``L``, alternating eager / graph:
+   ``draft`` steps 0 and 1 (rows ``L``, ``L + 1``; the last step only samples), ``verify``
+   (rows ``L ... L + 3``), ``draft_extend`` (the window-only MTP layer, the same 4 rows). A
+   random number of drafts is accepted; rows fed a rejected draft see wrong inputs (and are
+   left out of the comparison) and the next round starts from the accepted length;
+3. ``decode`` steps, alternating eager / graph.
+
+Prompts end a few tokens before a multiple of 128 (window, c128 block and, at 256, page
+boundaries), so the rounds and decodes that follow cross it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.planning import BatchView
+from dsv4_backend.simulation import PagedRequestPool, RandomModel
+
+MODES = ("prefill", "draft", "verify", "draft_extend", "decode")
+PATHS = ("eager", "graph")
+#: EAGLE draft steps per round (topk 1); every step but the last runs attention.
+NUM_DRAFT_STEPS = 3
+#: Tokens a verify checks per request: the bonus token and one draft per step.
+NUM_DRAFT_TOKENS = NUM_DRAFT_STEPS + 1
+#: Prompts end just before a multiple of this (window = c128 block = half a page).
+BOUNDARY = 128
+
+Row = tuple[int, int]  # (request, position)
+
+
+@dataclass(frozen=True)
+class Step:
+    """One forward batch of a trace.
+
+    Attributes
+    ----------
+    mode : one of ``MODES``.
+    path : ``"eager"`` or ``"graph"``.
+    requests : request ids in batch order.
+    lens : per request, ``prefix`` (prefill, draft_extend), ``seq_lens`` including the decoded
+        token (decode), or the committed length ``L`` (draft, verify) — what the pool's batch
+        builder of the mode takes.
+    extend_lens : tokens per request of an extend mode; empty otherwise.
+    step_id : the draft step; None for the other modes.
+    rejected : ``(request, first position fed a wrong draft)`` pairs.
+    """
+
+    mode: str
+    path: str
+    requests: tuple[int, ...]
+    lens: tuple[int, ...]
+    extend_lens: tuple[int, ...] = ()
+    step_id: int | None = None
+    rejected: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def label(self) -> str:
+        """``"mode/path"``, e.g. ``"verify/graph"``: the unit the report aggregates over."""
+        return f"{self.mode}/{self.path}"
+
+    @property
+    def rejected_map(self) -> dict[int, int]:
+        return dict(self.rejected)
+
+    def positions(self, index: int) -> range:
+        """Positions of the rows of ``requests[index]``, in row order."""
+        start = self.lens[index]
+        if self.mode in ("prefill", "draft_extend"):
+            return range(start, start + self.extend_lens[index])
+        if self.mode == "decode":
+            return range(start - 1, start)
+        if self.mode == "verify":
+            return range(start, start + NUM_DRAFT_TOKENS)
+        return range(start + self.step_id, start + self.step_id + 1)  # draft
+
+    def rows(self) -> list[Row]:
+        """``(request, position)`` of every query row, in the planner's row order."""
+        return [(r, p) for i, r in enumerate(self.requests) for p in self.positions(i)]
+
+    def accepted(self, row: Row) -> bool:
+        """False for a row fed a rejected draft (its output matches nothing)."""
+        request, position = row
+        return position < self.rejected_map.get(request, position + 1)
+
+    def layers(self, config: DSV4AttentionConfig) -> list[int]:
+        """Layers the step runs: all, or the window-only ones for the MTP draft extend."""
+        ratios = config.compress_ratios
+        return [i for i, r in enumerate(ratios) if r == 0 or self.mode != "draft_extend"]
+
+    def batch(self, pool: PagedRequestPool) -> BatchView:
+        """The batch view of this step over ``pool``."""
+        requests, lens = list(self.requests), list(self.lens)
+        if self.mode in ("prefill", "draft_extend"):
+            return pool.extend(
+                requests, lens, list(self.extend_lens), draft_model=self.mode == "draft_extend"
+            )
+        if self.mode == "decode":
+            return pool.decode(requests, lens)
+        if self.mode == "verify":
+            return pool.verify(requests, lens, NUM_DRAFT_TOKENS)
+        return pool.draft_step(requests, lens, NUM_DRAFT_STEPS, self.step_id)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """Steps over requests of lengths ``max_lens``; ``seed`` builds the models' data."""
+
+    config: DSV4AttentionConfig
+    max_lens: tuple[int, ...]
+    steps: tuple[Step, ...]
+    seed: int
+
+    @property
+    def labels(self) -> list[str]:
+        """Every ``mode/path`` of the trace, in ``MODES`` then ``PATHS`` order."""
+        present = {s.label for s in self.steps}
+        return [f"{m}/{p}" for m in MODES for p in PATHS if f"{m}/{p}" in present]
+
+    @property
+    def max_rows(self) -> int:
+        return max(len(s.rows()) for s in self.steps)
+
+    def build_model(self, device: torch.device | str = "cpu") -> RandomModel:
+        """A fresh model over a fresh pool; equal data and page layout for equal seeds."""
+        generator = torch.Generator().manual_seed(self.seed)
+        pool = PagedRequestPool(self.config, self.max_lens, generator=generator, device=device)
+        return RandomModel(self.config, pool, generator=generator, device=device)
+
+
+def build_trace(
+    config: DSV4AttentionConfig,
+    *,
+    num_requests: int = 3,
+    max_len: int = 400,
+    cycles: int = 4,
+    decode_steps: int = 4,
+    seed: int = 0,
+) -> Trace:
+    """The built-in trace (module docstring) over ``num_requests`` requests of at most
+    ``max_len`` tokens; ``seed`` draws the lengths, the accepted drafts and the data.
+
+    Raises ``ConfigError`` when the sizes cannot make a trace (``max_len`` must leave room for
+    a 2-token prompt, the rounds and the decodes).
+    """
+    if num_requests < 1 or cycles < 0 or decode_steps < 0:
+        raise ConfigError(
+            f"requests={num_requests}, cycles={cycles}, decode_steps={decode_steps}; expected "
+            "requests >= 1 and cycles, decode steps >= 0"
+        )
+    # Positions past the prompt: each round reaches NUM_DRAFT_TOKENS past its committed length
+    # and commits at most as many; each decode commits one.
+    headroom = NUM_DRAFT_TOKENS * cycles + decode_steps
+    if max_len - headroom < 2:
+        raise ConfigError(
+            f"max_len={max_len} leaves no room for a prompt: {cycles} rounds and "
+            f"{decode_steps} decodes need {headroom} positions past it; use a max_len of at "
+            f"least {headroom + 2}"
+        )
+    rng = random.Random(seed)
+    prompts = _prompt_lengths(rng, num_requests, max_len - headroom, cycles + decode_steps)
+    accepted = [[rng.randint(0, NUM_DRAFT_TOKENS - 1) for _ in prompts] for _ in range(cycles)]
+    if cycles and all(a == NUM_DRAFT_TOKENS - 1 for row in accepted for a in row):
+        accepted[0][0] = 0  # keep at least one rejection in every trace
+    requests = tuple(range(num_requests))
+    first = tuple(rng.randint(1, p - 1) for p in prompts)
+    steps = [
+        Step("prefill", "eager", requests, (0,) * num_requests, first),
+        Step("prefill", "graph", requests, first, tuple(p - f for p, f in zip(prompts, first))),
+    ]
+    lens = list(prompts)
+    for cycle, taken in enumerate(accepted):
+        path = PATHS[cycle % 2]
+        committed = tuple(lens)
+        rejected = tuple(
+            (r, committed[r] + 1 + a) for r, a in enumerate(taken) if a < NUM_DRAFT_TOKENS - 1
+        )
+        steps += [
+            Step("draft", path, requests, committed, step_id=i, rejected=rejected)
+            for i in range(NUM_DRAFT_STEPS - 1)
+        ]
+        steps.append(Step("verify", path, requests, committed, rejected=rejected))
+        steps.append(
+            Step(
+                "draft_extend", path, requests, committed,
+                (NUM_DRAFT_TOKENS,) * num_requests, rejected=rejected,
+            )
+        )  # fmt: skip
+        lens = [n + 1 + a for n, a in zip(lens, taken, strict=True)]
+    for i in range(decode_steps):
+        lens = [n + 1 for n in lens]
+        steps.append(Step("decode", PATHS[i % 2], requests, tuple(lens)))
+    reach = [0] * num_requests
+    for step in steps:
+        for r, p in step.rows():
+            reach[r] = max(reach[r], p + 1)
+    return Trace(config=config, max_lens=tuple(reach), steps=tuple(steps), seed=seed)
+
+
+def _prompt_lengths(rng: random.Random, count: int, longest: int, advance: int) -> list[int]:
+    """Prompt lengths ``<= longest`` that end at most ``advance - 1`` tokens before a multiple
+    ``b`` of ``BOUNDARY`` (different ones per request while there are enough), so that the
+    ``advance`` (or more) tokens committed after the prompt reach position ``b``; random
+    lengths when no boundary fits."""
+    gap = max(1, advance - 1)
+    boundaries = [b for b in range(BOUNDARY, longest + 1, BOUNDARY) if b - gap >= 2]
+    if not boundaries:
+        return [rng.randint(2, longest) for _ in range(count)]
+    rng.shuffle(boundaries)
+    return [boundaries[i % len(boundaries)] - rng.randint(1, gap) for i in range(count)]

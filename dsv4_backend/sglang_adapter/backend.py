@@ -1,0 +1,449 @@
+"""``DSV4AttentionBackend``: sglang 0.5.23's ``AttentionBackend`` for DeepSeek-V4, thin over the
+planner (``planning``) and the kernels (``kernels``).
+
+What sglang's ``DeepseekV4ForCausalLM`` calls on its default path (V4, CUDA, no context
+parallelism), per layer, and what each call does here:
+
+* ``store_cache(layer_id=, swa_k=, forward_batch=)`` — writes the window key. The model only
+  routes the key here when ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE`` is true (it reads the variable
+  on every layer call); otherwise it writes sglang's own pool. The constructor therefore sets it.
+* ``forward_c4_indexer(x=, q_lora=, forward_batch=, c4_indexer=, ...)`` (ratio-4 layers) — runs
+  the indexer compressor (``forward_indexer_compressor``), projects and ropes the indexer queries
+  with the module's ``wq_b`` / ``compute_weights``, and writes each row's top-k c4 slots into
+  ``forward_metadata.c4.page_indices``; returns None.
+* ``forward_core_compressor(x, forward_batch, layer_id, compressor)`` (ratio 4 / 128) — the
+  module's ``compute_kv_score`` projections through ``kernels.compressor.compress_forward``, the
+  finished entries stored at ``c{r}.out_loc``.
+* ``forward(q, k, v, layer, forward_batch, compress_ratio=, attn_sink=, save_kv_cache=)`` —
+  sparse attention with sink; returns ``[T, H, D]`` in ``q``'s dtype (``k``/``v`` are the
+  model's sentinel and ``save_kv_cache`` is moot: keys were written by ``store_cache``).
+* ``get_swa_out_cache_loc(forward_batch)``, ``token_to_kv_pool``, ``req_to_token_pool``.
+
+Lazy-init contract: nothing here plans from a forward. ``init_forward_metadata`` (eager) plans
+the batch as it is when called — the host calls it after data-parallel padding — and
+``init_forward_metadata_out_graph`` plans into fixed ``GraphMetadataBuffers`` (CUDA graphs).
+Every call that consumes the plan first checks it was made for this batch's shape
+(``AttentionMetadata.check_matches``) and raises ``ContractError`` otherwise.
+
+Memory: the caches and compressor rings (``compute.AttentionState``) are this package's own,
+sized from the runner's pools, so they duplicate sglang's ``DeepSeekV4TokenToKVPool`` (its FP8
+layout matches; aliasing its buffers is a later step). One state is shared by every backend of a
+runner (the target backend; the draft runner's draft-extend backend and its per-step backends).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from sglang.srt.environ import envs
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+
+from dsv4_backend.cache.token_cache import CacheFormat
+from dsv4_backend.compute import AttentionState
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.kernels.compressor import compress_forward
+from dsv4_backend.kernels.indexer import run_indexer
+from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
+from dsv4_backend.planning import (
+    AttentionMetadata,
+    CompressedMetadata,
+    DraftStep,
+    GraphMetadataBuffers,
+    PlanWidths,
+    plan,
+    seq_len_fill_value,
+)
+from dsv4_backend.reference.rope import apply_rope, rope_cos_sin, rope_for_ratio
+from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
+
+#: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
+_STATE_ATTR = "_dsv4_backend_attention_state"
+#: Largest EAGLE draft topk served (draft trees are not).
+MAX_DRAFT_TOPK = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RunnerSettings:
+    """What the backend reads from an sglang model runner, validated."""
+
+    config: DSV4AttentionConfig
+    draft_topk: int
+    num_draft_tokens: int
+    device: torch.device
+
+    @classmethod
+    def from_runner(cls, runner: Any, topk: int = 0) -> RunnerSettings:
+        """Read and validate ``runner``; ``ConfigError`` names the option that cannot be served.
+
+        Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
+        ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
+        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``).
+        """
+        if runner.page_size != REQUIRED_PAGE_SIZE:
+            raise ConfigError(
+                f"page_size={runner.page_size}; the dsv4 backend needs page_size "
+                f"{REQUIRED_PAGE_SIZE} (--page-size {REQUIRED_PAGE_SIZE})"
+            )
+        args = runner.server_args
+        draft_topk = max(int(topk or 0), int(getattr(args, "speculative_eagle_topk", 0) or 0))
+        if draft_topk > MAX_DRAFT_TOPK:
+            raise ConfigError(
+                f"speculative_eagle_topk={draft_topk}; the dsv4 backend serves EAGLE with "
+                f"--speculative-eagle-topk {MAX_DRAFT_TOPK} only (no draft trees)"
+            )
+        for option, flag in (
+            ("attn_cp_size", "--attention-context-parallel-size"),
+            ("dcp_size", "--decode-context-parallel-size"),
+        ):
+            size = int(getattr(args, option, 1) or 1)
+            if size > 1:
+                raise ConfigError(
+                    f"{option}={size}; the dsv4 backend does not support context parallelism "
+                    f"({flag} must be 1)"
+                )
+        hf = runner.model_config.hf_config
+        speculative = getattr(args, "speculative_algorithm", None) is not None
+        config = DSV4AttentionConfig.from_hf_config(
+            hf if isinstance(hf, Mapping) else hf.to_dict(), speculative=speculative
+        )
+        if getattr(runner, "is_draft_worker", False):
+            # The draft (MTP) model has one window-only layer, layer_id 0.
+            config = dataclasses.replace(config, compress_ratios=(0,))
+        return cls(
+            config=config,
+            draft_topk=draft_topk,
+            num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", 0) or 0),
+            device=torch.device(runner.device),
+        )
+
+
+def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> AttentionState:
+    """The runner's ``AttentionState``, allocated on first use and kept on its KV pool.
+
+    Sizes: full slots ``full_size`` (else ``size``) plus one page, rounded to pages; window slots
+    ``swa_size`` (else ``size``) plus one, rounded to window pages; one ring row per
+    ``req_to_token`` row. Slot 0 is sglang's padding slot and stays addressable.
+    """
+    pool = runner.token_to_kv_pool
+    state = getattr(pool, _STATE_ATTR, None)
+    if state is not None:
+        if state.config != config:
+            raise ConfigError(
+                "backends of one runner disagree on the attention configuration: "
+                f"{state.config} vs {config}"
+            )
+        return state
+    page = config.page_size
+    full = getattr(pool, "full_size", None) or pool.size
+    swa = getattr(pool, "swa_size", None) or pool.size
+    state = AttentionState.allocate(
+        config,
+        num_full_slots=math.ceil((full + page) / page) * page,
+        num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
+        num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
+        fmt=fmt,
+        device=runner.device,
+    )
+    setattr(pool, _STATE_ATTR, state)
+    return state
+
+
+def original_ape(compressor: Any) -> torch.Tensor:
+    """``[r, c*D]`` float32 ape in checkpoint layout.
+
+    sglang's ``Compressor._apply_ape_hotfix`` (``ape_converted``) stores a ratio-4 ape
+    ``[4, 2D]`` as its two halves stacked, ``[2, 4, D]``; undo that.
+    """
+    ape = compressor.ape.float()
+    if compressor.ratio == 4 and getattr(compressor, "ape_converted", False):
+        ape = ape.reshape(2, 4, -1).permute(1, 0, 2).reshape(4, -1)
+    return ape
+
+
+class DSV4AttentionBackend(AttentionBackend):
+    """sglang attention backend for DeepSeek-V4 served by this package.
+
+    Parameters
+    ----------
+    model_runner : sglang ``ModelRunner`` (or a runner exposing the same attributes).
+    skip_prefill : accepted for sglang's signature; unused.
+    speculative_step_id, topk, speculative_num_steps : a multi-step draft's step backend
+        (``speculative_num_steps > 1``); its DECODE batches are planned as step
+        ``speculative_step_id``.
+    cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
+
+    Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios
+    or context parallelism.
+    """
+
+    def __init__(
+        self,
+        model_runner: Any,
+        skip_prefill: bool = False,
+        speculative_step_id: int = 0,
+        topk: int = 0,
+        speculative_num_steps: int = 0,
+        *,
+        cache_format: CacheFormat = "fp8",
+    ) -> None:
+        super().__init__()
+        settings = RunnerSettings.from_runner(model_runner, topk)
+        self.config = settings.config
+        self.device = settings.device
+        self.num_draft_tokens = settings.num_draft_tokens
+        self.topk = settings.draft_topk
+        self.speculative_step_id = speculative_step_id
+        self.speculative_num_steps = speculative_num_steps
+        self.draft_step = (
+            DraftStep(topk=self.topk, num_steps=speculative_num_steps, step_id=speculative_step_id)
+            if self.topk > 0 and speculative_num_steps > 1
+            else None
+        )
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.state = shared_state(model_runner, self.config, cache_format)
+        self.forward_metadata: AttentionMetadata | None = None
+        self.graph_buffers: GraphMetadataBuffers | None = None
+        # The model writes window keys through store_cache only with this set (read per call).
+        envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
+
+    # ------------------------------------------------------------------------- planning
+    def _view(self, fb: Any):
+        return batch_view(
+            fb,
+            req_to_token=self.req_to_token_pool.req_to_token,
+            full_to_swa=getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None),
+            num_draft_tokens=self.num_draft_tokens,
+            draft=self.draft_step,
+        )
+
+    def init_forward_metadata(self, forward_batch: Any) -> None:
+        """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
+        view = self._view(forward_batch)
+        self.forward_metadata = plan(self.config, view)
+        if view.extend_prefix_lens is not None and self.forward_metadata.c4 is not None:
+            fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
+            if fresh:  # a request (re)starting at position 0 must not read a stale ring
+                self.state.reset_requests(view.req_pool_indices[fresh])
+        self.init_forward_metadata_in_graph(forward_batch)
+
+    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+        """CUDA graphs: plan with fixed widths and load the plan into the graph buffers.
+
+        The same planning body as eager; no host sync for the graph kinds (DECODE, draft
+        steps, TARGET_VERIFY, IDLE). Needs ``init_cuda_graph_state`` first.
+        """
+        if self.graph_buffers is None:
+            raise ContractError(
+                "init_forward_metadata_out_graph before init_cuda_graph_state: the graph "
+                "buffers do not exist yet"
+            )
+        metadata = plan(self.config, self._view(forward_batch), widths=self.graph_buffers.widths)
+        self.forward_metadata = self.graph_buffers.load(metadata)
+
+    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+        """Nothing to record: the whole plan is built (and copied into buffers) outside."""
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        """Allocate the fixed metadata buffers for graphs of up to ``max_num_tokens`` rows."""
+        self.graph_buffers = GraphMetadataBuffers(
+            self.config,
+            max_batch_size=max_bs,
+            max_rows=max_num_tokens,
+            widths=PlanWidths.for_max_len(
+                self.req_to_token_pool.req_to_token.shape[1], self.config.page_size
+            ),
+            device=self.device,
+        )
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return seq_len_fill_value
+
+    def on_after_cuda_graph_warmup(self) -> None:
+        """Nothing to reset: planning keeps no per-capture state."""
+
+    # ------------------------------------------------------------------ plan consumers
+    def _metadata(self, forward_batch: Any, num_rows: int, where: str) -> AttentionMetadata:
+        """The current plan, checked against this batch (``ContractError`` when stale)."""
+        metadata = self.forward_metadata
+        if metadata is None:
+            raise ContractError(
+                f"{where}: no attention metadata was planned; the host must call "
+                "init_forward_metadata (eager, after padding) or init_forward_metadata_out_graph "
+                "(CUDA graph) before the forward"
+            )
+        metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
+        kind = forward_kind(forward_batch.forward_mode)
+        if kind is not metadata.kind:
+            raise ContractError(
+                f"{where}: attention metadata was planned for {metadata.kind.name} but the batch "
+                f"is {forward_batch.forward_mode.name}; plan each batch before its forward"
+            )
+        return metadata
+
+    def _compressed(
+        self, metadata: AttentionMetadata, ratio: int, where: str
+    ) -> CompressedMetadata:
+        comp = metadata.compressed(ratio)
+        if comp is None:
+            raise ContractError(
+                f"{where}: compress ratio {ratio} but the metadata has no c{ratio} fields "
+                f"(planned for {metadata.kind.name})"
+            )
+        return comp
+
+    def get_swa_out_cache_loc(self, forward_batch: Any) -> torch.Tensor:
+        """``[T]`` int64 window slot each row writes (its own step's slots for a draft step)."""
+        metadata = self.forward_metadata
+        if metadata is None:
+            raise ContractError("get_swa_out_cache_loc: no attention metadata was planned")
+        return metadata.swa_out_loc
+
+    def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: Any) -> None:
+        """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
+        if forward_batch.forward_mode.is_idle():
+            return
+        metadata = self._metadata(forward_batch, swa_k.shape[0], f"store_cache (layer {layer_id})")
+        self.state.pools.window(layer_id).store(swa_k.float(), metadata.swa_out_loc)
+
+    def forward_core_compressor(
+        self, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any
+    ) -> None:
+        """Run sglang ``Compressor`` ``compressor``'s projections through ``compress_forward``.
+
+        ``compressor.compute_kv_score(x, forward_batch)`` is ``[T, 2*c*D]`` float32: kv, then
+        scores without ape (sglang fuses ``wkv`` and ``wgate`` in that order). Entries completed
+        by this forward go to the layer's compressed cache (or its indexer key cache when
+        ``compressor.is_in_indexer``). The indexer's Hadamard rotation is skipped on both
+        sides (keys here, queries in ``forward_c4_indexer``): it leaves ``q . k`` unchanged.
+        """
+        if forward_batch.forward_mode.is_idle():
+            return
+        where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
+        metadata = self._metadata(forward_batch, x.shape[0], where)
+        comp = self._compressed(metadata, compressor.ratio, where)
+        kv_score = compressor.compute_kv_score(x, forward_batch).float()
+        half = kv_score.shape[-1] // 2
+        indexer = bool(compressor.is_in_indexer)
+        states = self.state.indexer_states if indexer else self.state.compressor_states
+        entries = compress_forward(
+            states[layer_id],
+            kv_score[:, :half],
+            kv_score[:, half:],
+            original_ape(compressor),
+            compressor.norm.weight.float(),
+            rope_for_ratio(self.config, compressor.ratio),
+            forward_batch.req_pool_indices,
+            metadata.positions_causal,
+            comp.compress_plan,
+            comp.write_plan,
+        )
+        pools = self.state.pools
+        cache = pools.indexer(layer_id) if indexer else pools.compressed(layer_id)
+        cache.store(entries, comp.out_loc)
+
+    forward_indexer_compressor = forward_core_compressor
+
+    def forward_c4_indexer(
+        self,
+        x: torch.Tensor,
+        q_lora: torch.Tensor,
+        forward_batch: Any,
+        c4_indexer: Any,
+        alt_streams: Any = None,
+        enable_multi_stream: bool = False,
+        q_lora_ready: Any = None,
+        skip_compressor: bool = False,
+        q_lora_quant: Any = None,
+    ) -> None:
+        """The lightning indexer of sglang ``C4Indexer`` ``c4_indexer``; returns None.
+
+        Queries: ``c4_indexer.wq_b(q_lora)`` as ``[T, HI, DI]``, roped (compressed-layer RoPE,
+        trailing dims) at each row's position; head weights ``c4_indexer.compute_weights(x)``
+        (scaled by ``DI**-0.5 * HI**-0.5``). Writes each row's top-k c4 slots into
+        ``forward_metadata.c4.page_indices``. Streams and the fp8 ``q_lora_quant`` are unused.
+        """
+        if forward_batch.forward_mode.is_idle():
+            return
+        layer_id = c4_indexer.layer_id
+        where = f"c4 indexer (layer {layer_id})"
+        metadata = self._metadata(forward_batch, x.shape[0], where)
+        comp = self._compressed(metadata, 4, where)
+        if not skip_compressor:
+            self.forward_indexer_compressor(x, forward_batch, layer_id, c4_indexer.compressor)
+        q, _ = c4_indexer.wq_b(q_lora)
+        q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
+        cos, sin = rope_cos_sin(self.config, 4, metadata.positions_causal)
+        run_indexer(
+            apply_rope(q, cos, sin),
+            c4_indexer.compute_weights(x).float(),
+            self.state.pools.indexer(layer_id),
+            metadata.page_table,
+            comp.topk_lengths_raw,
+            self.config.index_topk,
+            comp.page_indices,
+        )
+
+    # -------------------------------------------------------------------------- forward
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        save_kv_cache: bool = True,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        """IDLE: an empty ``[0, H, D]``; otherwise sglang's dispatch to decode / extend."""
+        if forward_batch.forward_mode.is_idle():
+            return q.new_empty(q.shape)
+        return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, layer, forward_batch, **kwargs)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._attend(q, layer, forward_batch, **kwargs)
+
+    def _attend(
+        self,
+        q: torch.Tensor,
+        layer: Any,
+        forward_batch: Any,
+        compress_ratio: int | None = None,
+        attn_sink: torch.Tensor | None = None,
+        **_: Any,
+    ) -> torch.Tensor:
+        """``q`` ``[T, H, D]`` (normed, roped) -> ``[T, H, D]`` in ``q``'s dtype."""
+        layer_id = layer.layer_id
+        where = f"forward (layer {layer_id})"
+        ratio = self.config.compress_ratios[layer_id]
+        if compress_ratio is not None and compress_ratio != ratio:
+            raise ContractError(
+                f"{where}: compress_ratio={compress_ratio} but the model config gives layer "
+                f"{layer_id} ratio {ratio}"
+            )
+        if attn_sink is None:
+            raise ContractError(f"{where}: attn_sink is required (the per-head sink logits)")
+        if q.dim() == 2:
+            q = q.view(q.shape[0], -1, self.config.head_dim)
+        metadata = self._metadata(forward_batch, q.shape[0], where)
+        comp = self._compressed(metadata, ratio, where) if ratio else None
+        out = sparse_attention_with_sink(
+            q,
+            self.state.pools.window(layer_id),
+            metadata.swa_page_indices,
+            metadata.swa_topk_lengths,
+            None if comp is None else self.state.pools.compressed(layer_id),
+            None if comp is None else comp.page_indices,
+            None if comp is None else comp.sparse_topk_lengths,
+            attn_sink.float(),
+            self.config.softmax_scale,
+        )
+        return out.to(q.dtype)

@@ -1,0 +1,123 @@
+"""Map an sglang 0.5.23 ``ForwardBatch`` onto the planner's ``BatchView`` (the one place that
+knows how sglang lays out each forward mode).
+
+==================  ==============  =======================================================
+sglang mode         ForwardKind     what sglang hands over (``L`` = committed length)
+==================  ==============  =======================================================
+IDLE                IDLE            no requests
+DECODE              DECODE          ``seq_lens`` includes the decoded token
+DECODE (draft i)    DECODE + step   ``seq_lens = L`` on every step, ``positions = L + i``,
+                                    ``out_cache_loc`` = the whole ``[bs, topk, num_steps]``
+                                    buffer; the planner takes row ``i`` (never slice here)
+EXTEND              EXTEND          host ``extend_prefix_lens_cpu`` / ``extend_seq_lens_cpu``
+TARGET_VERIFY       TARGET_VERIFY   ``seq_lens = L``; ``num_draft_tokens`` rows per request
+DRAFT_EXTEND_V2     DRAFT_EXTEND    ``seq_lens = L + n`` with extend lens ``n`` (window only)
+==================  ==============  =======================================================
+
+Draft step ``i`` is planned with the causal length ``L + i + 1`` (its own token and the earlier
+steps' tokens are attended), as sglang's HIP backend does. This deliberately differs from
+sglang's CUDA ``DeepseekV4AttnBackend``, which plans every step with ``seq_lens = L`` and so
+attends without the draft tokens.
+
+Rows that data-parallel padding added (``seq_lens`` fill value 1, ``req_pool_indices`` 0,
+``out_cache_loc`` 0) plan like ordinary rows; their outputs are discarded by the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from dsv4_backend.errors import BatchError
+from dsv4_backend.planning import BatchView, DraftStep, ForwardKind
+
+_KINDS = {
+    ForwardMode.IDLE: ForwardKind.IDLE,
+    ForwardMode.DECODE: ForwardKind.DECODE,
+    ForwardMode.EXTEND: ForwardKind.EXTEND,
+    ForwardMode.TARGET_VERIFY: ForwardKind.TARGET_VERIFY,
+    ForwardMode.DRAFT_EXTEND_V2: ForwardKind.DRAFT_EXTEND,
+}
+SUPPORTED_MODES = tuple(mode.name for mode in _KINDS)
+
+
+def forward_kind(forward_mode: ForwardMode) -> ForwardKind:
+    """The planner kind of an sglang forward mode; ``BatchError`` naming unsupported ones."""
+    kind = _KINDS.get(forward_mode)
+    if kind is None:
+        raise BatchError(
+            f"forward mode {getattr(forward_mode, 'name', forward_mode)} is not supported by the "
+            f"dsv4_backend attention backend; supported modes: {', '.join(SUPPORTED_MODES)}"
+        )
+    return kind
+
+
+def _host(values: Any) -> list[int] | None:
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu":
+            return None
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+def batch_view(
+    fb: Any,
+    *,
+    req_to_token: torch.Tensor,
+    full_to_swa: torch.Tensor | None,
+    num_draft_tokens: int,
+    draft: DraftStep | None = None,
+) -> BatchView:
+    """The ``BatchView`` of ``fb`` (a ``ForwardBatch`` or the graph runners' namespace view).
+
+    Parameters
+    ----------
+    fb : reads ``forward_mode, req_pool_indices, seq_lens, seq_lens_cpu, out_cache_loc,
+        extend_prefix_lens_cpu, extend_seq_lens_cpu``.
+    req_to_token : ``[pool_rows, max_context]`` int32 of the runner's ``ReqToTokenPool``.
+    full_to_swa : the KV pool's ``full_to_swa_index_mapping`` (None: identity).
+    num_draft_tokens : ``speculative_num_draft_tokens`` (TARGET_VERIFY and DRAFT_EXTEND_V2).
+    draft : the step of a multi-step draft backend; used for DECODE batches only.
+
+    Raises ``BatchError`` for an unsupported mode or inconsistent shapes (e.g. a draft step fed
+    a write-slot buffer other than the whole ``[bs, topk, num_steps]`` one).
+    """
+    kind = forward_kind(fb.forward_mode)
+    seq_lens_cpu = _host(getattr(fb, "seq_lens_cpu", None))
+    common: dict[str, Any] = dict(
+        req_to_token=req_to_token, full_to_swa=full_to_swa, seq_lens_cpu=seq_lens_cpu
+    )
+    if kind is ForwardKind.IDLE:
+        empty = torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
+        return BatchView(
+            kind=kind, req_pool_indices=empty, seq_lens=empty, out_cache_loc=empty,
+            req_to_token=req_to_token, full_to_swa=full_to_swa,
+        )  # fmt: skip
+    if kind is ForwardKind.DECODE:
+        common["draft"] = draft
+    elif kind is ForwardKind.TARGET_VERIFY:
+        common["num_draft_tokens"] = num_draft_tokens
+    else:
+        extend = _host(getattr(fb, "extend_seq_lens_cpu", None))
+        prefix = _host(getattr(fb, "extend_prefix_lens_cpu", None))
+        if kind is ForwardKind.DRAFT_EXTEND and extend is None:
+            extend = [num_draft_tokens] * int(fb.seq_lens.numel())
+        if prefix is None and extend is not None and seq_lens_cpu is not None:
+            prefix = [s - e for s, e in zip(seq_lens_cpu, extend, strict=True)]
+        if prefix is None or extend is None:
+            raise BatchError(
+                f"{fb.forward_mode.name} batch without host extend lengths: expected "
+                "extend_seq_lens_cpu and extend_prefix_lens_cpu (or seq_lens_cpu)"
+            )
+        common.update(extend_prefix_lens=prefix, extend_seq_lens=extend)
+    return BatchView(
+        kind=kind,
+        req_pool_indices=fb.req_pool_indices,
+        seq_lens=fb.seq_lens,
+        out_cache_loc=fb.out_cache_loc,
+        **common,
+    )

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The GPU check, one command: on a machine with a CUDA device, run the kernel and serving tests
+# with compiled Triton kernels (TRITON_INTERPRET=0), then the EAGLE v2 loop with CUDA graphs
+# captured and replayed, compared with eager (benchmarks/gpu_eagle_loop.py). Prints a summary.
+# Without a CUDA device it exits 3 at once, saying so. PYTHON overrides the interpreter
+# (default: .venv/bin/python).
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+cd "$repo"
+py=${PYTHON:-$repo/.venv/bin/python}
+if ! "$py" -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: no CUDA device (torch.cuda.is_available() is False); this check needs a GPU." >&2
+    echo "gpu_check: nothing was run. On a GPU machine: scripts/gpu_check.sh" >&2
+    exit 3
+fi
+export TRITON_INTERPRET=0
+"$py" -m pytest -q tests/test_sparse_attention.py tests/test_compressor.py tests/test_indexer.py \
+    tests/test_plan_kernels.py tests/test_cache.py tests/test_serving_modes.py \
+    tests/test_eagle_loop.py
+tests=$?
+"$py" benchmarks/gpu_eagle_loop.py
+loop=$?
+echo "gpu_check summary: kernel/serving tests $([ $tests -eq 0 ] && echo PASS || echo FAIL)," \
+     "CUDA-graph loop $([ $loop -eq 0 ] && echo PASS || echo FAIL)"
+[ $tests -eq 0 ] && [ $loop -eq 0 ]

@@ -1,0 +1,158 @@
+"""An EAGLE v2 serving loop on the CPU with real sglang objects, through the backend's
+sglang-facing methods (store_cache, forward_c4_indexer, forward_core_compressor, forward):
+
+prefill (EXTEND) -> multi-step draft (topk 1, 3 steps: steps 0 and 1 run) -> TARGET_VERIFY
+(4 draft tokens) -> DRAFT_EXTEND_V2 -> DECODE, repeated, for requests whose lengths cross the
+window (128), block (4 / 128) and page (256) boundaries. Every attention output of every real
+row equals the reference's full causal pass.
+
+Two hosts: ``graph`` plans the uniform batches with ``init_forward_metadata_out_graph`` into
+graph buffers and marks them ready (the verify batch padded to the graph bucket first, as the
+graph runner does); ``eager`` leaves them unmarked, pads the verify batch for data-parallel
+sync after its preparation (one extra request, as ``_pad_inputs_to_size`` does) and only then
+plans, as sglang's eager runner does when ``needs_forward_metadata_init()``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.sglang_adapter import harness
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
+from dsv4_backend.simulation import PagedRequestPool, RandomModel
+
+CONFIG = DSV4AttentionConfig.tiny(speculative=True)
+ATOL = 2e-5
+NUM_STEPS, NUM_DRAFT = 3, 4
+GRAPH_BUCKET = 4  # requests per verify graph
+
+
+class Loop:
+    """One model, one runner, its target backend and its multi-step draft backend."""
+
+    def __init__(self, lens: list[int], max_lens: list[int], graph: bool, seed: int = 0) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        pool = PagedRequestPool(CONFIG, max_lens, generator=generator)
+        self.model = RandomModel(CONFIG, pool, generator=generator)
+        harness.reserve_padding_slot(pool)
+        self.runner = harness.mock_runner(
+            pool, harness.tiny_hf_config(CONFIG), num_steps=NUM_STEPS,
+            num_draft_tokens=NUM_DRAFT,
+        )  # fmt: skip
+        self.target = DSV4AttentionBackend(self.runner, cache_format="dense")
+        self.runner.attn_backend = self.target
+        self.draft = DSV4MultiStepDraftBackend(self.runner, 1, NUM_STEPS, cache_format="dense")
+        self.sim = harness.SimulatedModel(self.model)
+        self.batches = harness.BatchBuilder(pool)
+        self.graph = graph
+        if graph:
+            max_tokens = GRAPH_BUCKET * NUM_DRAFT
+            self.target.init_cuda_graph_state(GRAPH_BUCKET, max_tokens)
+            self.draft.init_cuda_graph_state(GRAPH_BUCKET, max_tokens)
+        self.requests = list(range(len(lens)))
+        self.lens = list(lens)
+        self.checked = 0
+
+    def plan(self, backend: Any, step: harness.Step, graphable: bool = True) -> None:
+        """The host: graph runners plan and mark; the eager runner plans unmarked batches."""
+        if self.graph and graphable:
+            backend.init_forward_metadata_out_graph(step.batch)
+            step.batch.mark_forward_metadata_ready()
+        if step.batch.needs_forward_metadata_init():
+            backend.init_forward_metadata(step.batch)
+
+    def run(self, backend: Any, step: harness.Step, layers: list[int] | None = None) -> None:
+        for layer in layers if layers is not None else range(len(CONFIG.compress_ratios)):
+            out = self.sim.layer(backend, step, layer)
+            assert out.shape[0] == len(step.rows)
+            error = self.sim.max_error(step.rows, layer, out)
+            assert error <= ATOL, (step.batch.forward_mode.name, layer, error)
+            self.checked += 1
+
+    def prefill(self) -> None:
+        step = self.batches.extend(self.requests, [0] * len(self.lens), self.lens)
+        self.plan(self.target, step, graphable=False)
+        self.run(self.target, step)
+
+    def round(self) -> None:
+        """Draft, verify (all accepted), draft extend, one decode."""
+        step = self.batches.draft(self.requests, self.lens, NUM_STEPS)
+        self.plan(self.draft, step)
+        for i in range(NUM_STEPS - 1):  # the last step only samples
+            self.run(self.draft.attn_backends[i], step)
+            step = self.batches.advance(step)
+
+        step = self.batches.verify(self.requests, self.lens, NUM_DRAFT)
+        extra = GRAPH_BUCKET - len(self.requests) if self.graph else 1
+        if self.graph:  # the graph runner pads to its bucket, then plans
+            step = self.batches.pad(step, self.runner, extra, NUM_DRAFT)
+            self.plan(self.target, step)
+        else:  # prepared unmarked; data-parallel padding; the eager runner plans after it
+            assert step.batch.needs_forward_metadata_init()
+            step = self.batches.pad(step, self.runner, extra, NUM_DRAFT)
+            self.plan(self.target, step)
+        assert self.target.forward_metadata.batch_size == len(self.requests) + extra
+        self.run(self.target, step)
+
+        # The draft model's extend over the verify window: window only (the MTP layer).
+        step = self.batches.draft_extend(self.requests, self.lens, NUM_DRAFT)
+        self.plan(self.target, step, graphable=False)
+        assert self.target.forward_metadata.c4 is None
+        self.run(self.target, step, layers=[0])
+
+        self.lens = [n + NUM_DRAFT + 1 for n in self.lens]
+        step = self.batches.decode(self.requests, self.lens)
+        self.plan(self.target, step)
+        self.run(self.target, step)
+
+
+@pytest.fixture(autouse=True)
+def torch_path():
+    with force_path("torch"):
+        yield
+
+
+@pytest.mark.parametrize("graph", [True, False], ids=["graph", "eager"])
+def test_eagle_v2_loop_matches_the_full_causal_pass(graph: bool) -> None:
+    # 124 -> 144 crosses the window and c128 boundary at 128; 250 -> 270 the page and c128
+    # boundary at 256; 7 -> 27 starts inside the first c4 block; every round ends on another
+    # position mod 4.
+    loop = Loop([124, 250, 7], [150, 280, 40], graph)
+    loop.prefill()
+    for _ in range(4):
+        loop.round()
+    assert loop.lens == [144, 270, 27]
+    # prefill 4 layers + per round: 2 draft steps x 4, verify 4, draft extend 1, decode 4.
+    assert loop.checked == 4 + 4 * (8 + 4 + 1 + 4)
+
+
+def test_one_round_through_the_triton_kernels() -> None:
+    """A short segment with every Triton kernel (interpreter on the CPU)."""
+    loop = Loop([126, 9], [140, 24], graph=True, seed=3)
+    loop.prefill()
+    with force_path("triton-interpreter"):
+        loop.round()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message path")
+def test_gpu_check_says_it_needs_a_gpu_and_stops() -> None:
+    script = Path(__file__).parents[1] / "scripts" / "gpu_check.sh"
+    done = subprocess.run(
+        ["bash", str(script)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 3
+    assert "no CUDA device" in done.stderr and "nothing was run" in done.stderr
