@@ -9,3 +9,6 @@ compiled).
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# One intra-op thread: on a 2-core machine torch's default thread pool oversubscribes the cores
+# (the suite ran several times slower with it); set OMP_NUM_THREADS to override.
+os.environ.setdefault("OMP_NUM_THREADS", "1")

@@ -1,0 +1,241 @@
+"""The backends an A/B run compares, by name (``--a`` / ``--b``).
+
+=================  =========================================================================
+name               what runs a step
+=================  =========================================================================
+``dsv4``           this package: the planner and the kernels of the default dispatch
+                   (Triton on CUDA, the interpreter with ``TRITON_INTERPRET=1``, else torch)
+``dsv4-torch``     the same with the torch kernel path forced
+``reference``      the plain float32 torch reference (``reference_layer``) on the CPU: each
+                   request's full causal pass over its tokens ``0 ... p`` (``p`` its last
+                   position in the step), whose rows are the step's rows
+``sglang:<name>``  the sglang attention backend registered as ``<name>`` (after this
+                   package's plugin registered; ``dsv4`` is then this package's adapter and
+                   ``dsv4_builtin`` sglang's own), driven by the simulated sglang host of
+                   ``dsv4_backend.sglang_adapter.harness``; CUDA only
+=================  =========================================================================
+
+Every backend builds its own :class:`~dsv4_backend.simulation.RandomModel` from the trace's
+seed, so both sides of a run see the same inputs and caches. On the graph path the ``dsv4``
+backends plan with fixed ``PlanWidths`` and load the plan into ``GraphMetadataBuffers`` padded
+to a graph bucket of rows (the next power of two), as a CUDA-graph replay does.
+
+Tests perturb a backend through the Python API: ``DSV4Backend(planner=...)`` takes any
+function with ``plan``'s signature.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.kernels.dispatch import force_path, select_path
+from dsv4_backend.planning import (
+    AttentionMetadata,
+    BatchView,
+    GraphMetadataBuffers,
+    PlanWidths,
+    plan,
+)
+from dsv4_backend.reference.layer import LayerInputs, reference_layer
+from dsv4_backend.simulation import RandomModel
+
+from .trace import Row, Step, Trace
+
+#: ``plan``'s signature: ``planner(config, batch, widths=None) -> AttentionMetadata``.
+Planner = Callable[..., AttentionMetadata]
+#: Names accepted by :func:`make_backend` besides ``sglang:<name>``.
+BACKEND_NAMES = ("dsv4", "dsv4-torch", "reference")
+SGLANG_PREFIX = "sglang:"
+
+
+@dataclass
+class StepOutput:
+    """One backend's result of one step.
+
+    Attributes
+    ----------
+    rows : ``(request, position)`` of each output row (graph padding removed).
+    layers : layer ids of ``outputs``.
+    outputs : per layer ``[T, H, D]`` float32 on the CPU.
+    plan_s, kernel_s : seconds spent planning and in the layers' kernels.
+    """
+
+    rows: list[Row]
+    layers: list[int]
+    outputs: list[torch.Tensor]
+    plan_s: float
+    kernel_s: float
+
+
+class Backend:
+    """What the runner drives: ``prepare`` once per trace, then ``run`` every step in order."""
+
+    name: str
+
+    @property
+    def kernel_path(self) -> str:
+        """Which kernels run, for the report."""
+        raise NotImplementedError
+
+    def prepare(self, trace: Trace, device: torch.device) -> None:
+        raise NotImplementedError
+
+    def run(self, step: Step) -> StepOutput:
+        raise NotImplementedError
+
+
+def graph_rows(num_rows: int) -> int:
+    """The graph bucket of a batch of ``num_rows`` rows: the next power of two."""
+    return 1 << max(num_rows - 1, 0).bit_length()
+
+
+class DSV4Backend(Backend):
+    """This package's planner and kernels over a ``RandomModel`` (module docstring).
+
+    Parameters
+    ----------
+    name : the report's name.
+    path : a kernel path to force (``"torch"``, ...); None for the default dispatch.
+    planner : the planner to run (``plan``, or a perturbed one in tests).
+    """
+
+    def __init__(self, name: str = "dsv4", *, path: str | None = None, planner: Planner = plan):
+        self.name = name
+        self.path = path
+        self.planner = planner
+        self.model: RandomModel | None = None
+        self.buffers: GraphMetadataBuffers | None = None
+        self.device = torch.device("cpu")
+
+    @property
+    def kernel_path(self) -> str:
+        return self.path or select_path(self.device)
+
+    def _paths(self) -> contextlib.AbstractContextManager:
+        return force_path(self.path) if self.path else contextlib.nullcontext()
+
+    def prepare(self, trace: Trace, device: torch.device) -> None:
+        """Build the model and the graph buffers; warm up planning and kernels.
+
+        The warm-up plans the first step of every ``mode/path`` (planning changes no state)
+        and runs a short extend and decode on a scratch model, so JIT compilation (TVM
+        plans, Triton kernels) is not timed.
+        """
+        self.device = device
+        self.model = trace.build_model(device)
+        pool = self.model.pool
+        self.buffers = GraphMetadataBuffers(
+            trace.config,
+            max_batch_size=pool.num_requests,
+            max_rows=graph_rows(trace.max_rows),
+            widths=PlanWidths.for_max_len(pool.max_context, trace.config.page_size),
+            device=device,
+        )
+        firsts = {step.label: step for step in trace.steps}
+        scratch = Trace(trace.config, (8,), (), trace.seed).build_model(device)
+        with self._paths():
+            for step in firsts.values():
+                self._planner(step)(trace.config, step.batch(pool))
+            scratch.forward(scratch.pool.extend([0], [0], [6]))
+            scratch.forward(scratch.pool.decode([0], [7]))
+
+    def _planner(self, step: Step) -> Callable[[DSV4AttentionConfig, BatchView], AttentionMetadata]:
+        if step.path == "eager":
+            return self.planner
+        buffers = self.buffers
+
+        def graph_plan(config: DSV4AttentionConfig, batch: BatchView) -> AttentionMetadata:
+            metadata = self.planner(config, batch, widths=buffers.widths)
+            return buffers.load(metadata, num_rows=graph_rows(metadata.num_rows))
+
+        return graph_plan
+
+    def run(self, step: Step) -> StepOutput:
+        model = self.model
+        batch = step.batch(model.pool)
+        timings: dict[str, float] = {}
+        with self._paths():
+            result = model.forward(
+                batch,
+                layers=step.layers(model.config),
+                planner=self._planner(step),
+                rejected=step.rejected_map,
+                timings=timings,
+            )
+        n = batch.num_rows  # rows past it are graph padding
+        return StepOutput(
+            rows=result.rows[:n],
+            layers=result.layers,
+            outputs=[out[:n].float().cpu() for out in result.outputs],
+            plan_s=timings.get("plan", 0.0),
+            kernel_s=timings.get("kernels", 0.0),
+        )
+
+
+class ReferenceBackend(Backend):
+    """The plain torch reference (module docstring); planning time is 0."""
+
+    def __init__(self, name: str = "reference") -> None:
+        self.name = name
+        self.model: RandomModel | None = None
+
+    @property
+    def kernel_path(self) -> str:
+        return "torch reference (cpu)"
+
+    def prepare(self, trace: Trace, device: torch.device) -> None:
+        self.model = trace.build_model("cpu")
+
+    def run(self, step: Step) -> StepOutput:
+        model = self.model
+        config = model.config
+        rows = step.rows()
+        layers = step.layers(config)
+        outputs, elapsed = [], 0.0
+        for layer in layers:
+            ratio = config.compress_ratios[layer]
+            out = []
+            for i, request in enumerate(step.requests):
+                positions = step.positions(i)
+                inputs = _truncate(model.inputs[layer][request], positions[-1] + 1)
+                start = time.perf_counter()
+                full = reference_layer(config, ratio, inputs, model.params[layer]).out
+                elapsed += time.perf_counter() - start
+                out.append(full[positions.start : positions.stop])
+            outputs.append(torch.cat(out))
+        return StepOutput(rows=rows, layers=layers, outputs=outputs, plan_s=0.0, kernel_s=elapsed)
+
+
+def _truncate(inputs: LayerInputs, length: int) -> LayerInputs:
+    """The first ``length`` tokens of a request's inputs."""
+    values = {f.name: getattr(inputs, f.name) for f in fields(LayerInputs)}
+    return LayerInputs(**{k: None if v is None else v[:length] for k, v in values.items()})
+
+
+def make_backend(name: str, device: torch.device) -> Backend:
+    """The backend called ``name`` (module table) for tensors on ``device``.
+
+    Raises ``ConfigError`` naming the problem for an unknown name, and for an sglang backend
+    that cannot run here (no CUDA device, not registered).
+    """
+    if name == "dsv4":
+        return DSV4Backend(name)
+    if name == "dsv4-torch":
+        return DSV4Backend(name, path="torch")
+    if name == "reference":
+        return ReferenceBackend(name)
+    if name.startswith(SGLANG_PREFIX) and name != SGLANG_PREFIX:
+        from .sglang_backend import SglangBackend
+
+        return SglangBackend(name[len(SGLANG_PREFIX) :], device)
+    raise ConfigError(
+        f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or "
+        f"{SGLANG_PREFIX}<name> (an sglang attention backend, CUDA only)"
+    )

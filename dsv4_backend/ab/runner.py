@@ -1,0 +1,180 @@
+"""Run a trace through backends A and B and compare their outputs step by step.
+
+Per ``mode/path`` (e.g. ``"verify/graph"``) the runner collects, over the rows both backends
+agree were fed the right tokens (rows after a rejected draft are left out):
+
+* ``max_abs_error``: ``max |A - B|``;
+* ``max_rel_error``: ``max |A - B| / max |B|``;
+* ``min_cosine``: the smallest cosine similarity of one row of one layer (``H * D`` values);
+* the planning and kernel seconds of every step, per backend.
+
+A step that raises in either backend stops the run (the two caches no longer match); the
+error is recorded against that step's ``mode/path``.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+from .backends import Backend, StepOutput
+from .trace import MODES, Step, Trace
+
+#: Default absolute tolerance per device type: float32 dense caches on the CPU differ from the
+#: reference by summation order only; on CUDA the attention dots run on TF32 tensor cores.
+DEFAULT_ATOL = {"cpu": 1e-4, "cuda": 5e-3}
+
+
+@dataclass
+class ModeStats:
+    """Everything the report says about one ``mode/path``."""
+
+    label: str
+    atol: float
+    steps: int = 0
+    rows: int = 0
+    max_abs_error: float = 0.0
+    max_ref: float = 0.0
+    min_cosine: float = 1.0
+    #: ``times[side][kind]``: seconds per step, side ``"a"`` / ``"b"``, kind ``"plan"`` /
+    #: ``"kernel"``.
+    times: dict[str, dict[str, list[float]]] = field(
+        default_factory=lambda: {s: {"plan": [], "kernel": []} for s in ("a", "b")}
+    )
+    error: str | None = None
+
+    @property
+    def mode(self) -> str:
+        return self.label.split("/")[0]
+
+    @property
+    def path(self) -> str:
+        return self.label.split("/")[1]
+
+    @property
+    def max_rel_error(self) -> float:
+        return self.max_abs_error / self.max_ref if self.max_ref > 0 else 0.0
+
+    @property
+    def passed(self) -> bool:
+        return self.error is None and self.max_abs_error <= self.atol
+
+
+@dataclass
+class ABResult:
+    """The outcome of one A/B run."""
+
+    trace: Trace
+    a: Backend
+    b: Backend
+    device: torch.device
+    modes: dict[str, ModeStats]
+    wall_s: float
+
+    @property
+    def failed(self) -> list[str]:
+        """``mode/path`` labels over tolerance or with an error, in trace order."""
+        return [label for label, stats in self.modes.items() if not stats.passed]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failed
+
+
+def resolve_atol(
+    labels: list[str], device: torch.device, overrides: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """Tolerance per label: the device default, then ``overrides`` keyed ``"*"`` (all),
+    a mode (``"verify"``) or a label (``"verify/graph"``), the most specific winning."""
+    overrides = dict(overrides or {})
+    base = overrides.get("*", DEFAULT_ATOL.get(device.type, DEFAULT_ATOL["cuda"]))
+    return {
+        label: overrides.get(label, overrides.get(label.split("/")[0], base)) for label in labels
+    }
+
+
+def check_atol_keys(overrides: Mapping[str, float]) -> list[str]:
+    """Keys of ``overrides`` that name no mode or label (for the CLI's error message)."""
+    known = {"*", *MODES} | {f"{m}/{p}" for m in MODES for p in ("eager", "graph")}
+    return [key for key in overrides if key not in known]
+
+
+def run_ab(
+    trace: Trace,
+    a: Backend,
+    b: Backend,
+    *,
+    device: torch.device | str = "cpu",
+    atol: Mapping[str, float] | None = None,
+    progress: bool = False,
+) -> ABResult:
+    """Replay ``trace`` through ``a`` and ``b`` on ``device`` and compare every step.
+
+    ``atol`` overrides tolerances (see :func:`resolve_atol`); ``progress`` shows a tqdm bar on
+    stderr.
+    """
+    device = torch.device(device)
+    start = time.perf_counter()
+    tolerances = resolve_atol(trace.labels, device, atol)
+    modes = {label: ModeStats(label, tolerances[label]) for label in trace.labels}
+    a.prepare(trace, device)
+    b.prepare(trace, device)
+    for step in _progress(trace.steps, progress):
+        stats = modes[step.label]
+        try:
+            out_a = a.run(step)
+            out_b = b.run(step)
+            _compare(stats, step, out_a, out_b)
+        except Exception as exc:  # noqa: BLE001 - a failing backend is a result, not a crash
+            stats.error = f"step {trace.steps.index(step)}: {type(exc).__name__}: {exc}"
+            break
+        stats.steps += 1
+        for side, out in (("a", out_a), ("b", out_b)):
+            stats.times[side]["plan"].append(out.plan_s)
+            stats.times[side]["kernel"].append(out.kernel_s)
+    return ABResult(
+        trace=trace, a=a, b=b, device=device, modes=modes, wall_s=time.perf_counter() - start
+    )
+
+
+def _progress(steps: tuple[Step, ...], enabled: bool):  # noqa: ANN202 - an iterable of steps
+    if not enabled:
+        return steps
+    from tqdm import tqdm
+
+    return tqdm(steps, desc="ab", unit="step", file=sys.stderr, disable=not sys.stderr.isatty())
+
+
+def _compare(stats: ModeStats, step: Step, out_a: StepOutput, out_b: StepOutput) -> None:
+    """Fold the accepted rows of one step into ``stats``."""
+    if out_a.layers != out_b.layers:
+        raise ValueError(f"A ran layers {out_a.layers}, B ran {out_b.layers}")
+    if sorted(out_a.rows) != sorted(out_b.rows):
+        raise ValueError(f"A returned rows {out_a.rows}, B returned {out_b.rows}")
+    index_b = {row: i for i, row in enumerate(out_b.rows)}
+    keep = [(i, index_b[row]) for i, row in enumerate(out_a.rows) if step.accepted(row)]
+    if not keep or not out_a.layers:
+        return
+    rows_a = torch.tensor([i for i, _ in keep])
+    rows_b = torch.tensor([j for _, j in keep])
+    stats.rows += len(keep)
+    for got, want in zip(out_a.outputs, out_b.outputs, strict=True):
+        got, want = got[rows_a].flatten(1), want[rows_b].flatten(1)
+        # NaN anywhere must fail, not vanish in max().
+        diff = torch.nan_to_num((got - want).abs(), nan=float("inf"))
+        stats.max_abs_error = max(stats.max_abs_error, diff.max().item())
+        stats.max_ref = max(stats.max_ref, want.abs().max().item())
+        stats.min_cosine = min(stats.min_cosine, _min_cosine(got, want))
+
+
+def _min_cosine(got: torch.Tensor, want: torch.Tensor) -> float:
+    """Smallest row cosine similarity of ``[N, F]`` tensors; two zero rows count as 1."""
+    norms = got.norm(dim=1) * want.norm(dim=1)
+    cosine = (got * want).sum(dim=1) / norms.clamp_min(1e-30)
+    both_zero = (got.norm(dim=1) == 0) & (want.norm(dim=1) == 0)
+    cosine = torch.where(both_zero, torch.ones_like(cosine), cosine)
+    return torch.nan_to_num(cosine, nan=-1.0).min().item()
