@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, one command: on a machine with a CUDA device, run the kernel and serving tests
 # with compiled Triton kernels (TRITON_INTERPRET=0), then the EAGLE v2 loop with CUDA graphs
-# captured and replayed, compared with eager (benchmarks/gpu_eagle_loop.py). Prints a summary.
+# captured and replayed, compared with eager (benchmarks/gpu_eagle_loop.py); then the per-op,
+# attention and planning benchmarks. Prints a summary.
 # Without a CUDA device it exits 3 at once, saying so. PYTHON overrides the interpreter
 # (default: .venv/bin/python).
 set -uo pipefail
@@ -20,6 +21,10 @@ export TRITON_INTERPRET=0
 tests=$?
 "$py" benchmarks/gpu_eagle_loop.py
 loop=$?
+# Figures for the notes (they print; they do not decide the exit status).
+"$py" benchmarks/bench_ops.py
+"$py" benchmarks/bench_attention.py
+"$py" benchmarks/bench_planning.py --device cuda
 echo "gpu_check summary: kernel/serving tests $([ $tests -eq 0 ] && echo PASS || echo FAIL)," \
      "CUDA-graph loop $([ $loop -eq 0 ] && echo PASS || echo FAIL)"
 [ $tests -eq 0 ] && [ $loop -eq 0 ]

@@ -133,3 +133,20 @@ def test_every_kernel_in_the_interpreter() -> None:
         for step in range(2):
             check(model, pool.draft_step([0, 1], [129, 9], 2, step))
         check(model, pool.decode([0, 1], [131, 11]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernels_on_cuda() -> None:
+    """Every mode with the compiled Triton kernels (GPU machines: scripts/gpu_check.sh).
+
+    fp32 ``tl.dot`` runs in TF32 on a GPU, hence the looser tolerance.
+    """
+    generator = torch.Generator().manual_seed(0)
+    pool = PagedRequestPool(CONFIG, [140, 270], generator=generator, device="cuda")
+    model = RandomModel(CONFIG, pool, generator=generator, device="cuda")
+    with force_path("triton"):
+        check(model, pool.extend([0, 1], [0, 0], [126, 253]), atol=5e-3)
+        check(model, pool.verify([0, 1], [126, 253], 4), atol=5e-3)
+        for step in range(3):
+            check(model, pool.draft_step([0, 1], [130, 257], 3, step), atol=5e-3)
+        check(model, pool.decode([0, 1], [134, 261]), atol=5e-3)

@@ -6,6 +6,7 @@ name               what runs a step
 ``dsv4``           this package: the planner and the kernels of the default dispatch
                    (Triton on CUDA, the interpreter with ``TRITON_INTERPRET=1``, else torch)
 ``dsv4-torch``     the same with the torch kernel path forced
+``dsv4-fp8``       ``dsv4`` with sglang's FP8 cache format (dense float32 otherwise)
 ``reference``      the plain float32 torch reference (``reference_layer``) on the CPU: each
                    request's full causal pass over its tokens ``0 ... p`` (``p`` its last
                    position in the step), whose rows are the step's rows
@@ -26,6 +27,7 @@ function with ``plan``'s signature.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from collections.abc import Callable
@@ -51,7 +53,7 @@ from .trace import Row, Step, Trace
 #: ``plan``'s signature: ``planner(config, batch, widths=None) -> AttentionMetadata``.
 Planner = Callable[..., AttentionMetadata]
 #: Names accepted by :func:`make_backend` besides ``sglang:<name>``.
-BACKEND_NAMES = ("dsv4", "dsv4-torch", "reference")
+BACKEND_NAMES = ("dsv4", "dsv4-torch", "dsv4-fp8", "reference")
 SGLANG_PREFIX = "sglang:"
 
 
@@ -74,21 +76,23 @@ class StepOutput:
     kernel_s: float
 
 
-class Backend:
+class Backend(abc.ABC):
     """What the runner drives: ``prepare`` once per trace, then ``run`` every step in order."""
 
     name: str
 
     @property
+    @abc.abstractmethod
     def kernel_path(self) -> str:
         """Which kernels run, for the report."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def prepare(self, trace: Trace, device: torch.device) -> None:
-        raise NotImplementedError
+        """Build this backend's model (from ``trace``'s seed) and state on ``device``."""
 
+    @abc.abstractmethod
     def run(self, step: Step) -> StepOutput:
-        raise NotImplementedError
+        """Run the next step of the trace (steps come in trace order)."""
 
 
 def graph_rows(num_rows: int) -> int:
@@ -104,12 +108,21 @@ class DSV4Backend(Backend):
     name : the report's name.
     path : a kernel path to force (``"torch"``, ...); None for the default dispatch.
     planner : the planner to run (``plan``, or a perturbed one in tests).
+    fmt : cache format, ``"dense"`` (float32) or ``"fp8"`` (sglang's layout).
     """
 
-    def __init__(self, name: str = "dsv4", *, path: str | None = None, planner: Planner = plan):
+    def __init__(
+        self,
+        name: str = "dsv4",
+        *,
+        path: str | None = None,
+        planner: Planner = plan,
+        fmt: str = "dense",
+    ) -> None:
         self.name = name
         self.path = path
         self.planner = planner
+        self.fmt = fmt
         self.model: RandomModel | None = None
         self.buffers: GraphMetadataBuffers | None = None
         self.device = torch.device("cpu")
@@ -129,7 +142,7 @@ class DSV4Backend(Backend):
         plans, Triton kernels) is not timed.
         """
         self.device = device
-        self.model = trace.build_model(device)
+        self.model = trace.build_model(device, fmt=self.fmt)
         pool = self.model.pool
         self.buffers = GraphMetadataBuffers(
             trace.config,
@@ -139,10 +152,13 @@ class DSV4Backend(Backend):
             device=device,
         )
         firsts = {step.label: step for step in trace.steps}
-        scratch = Trace(trace.config, (8,), (), trace.seed).build_model(device)
+        scratch = Trace(trace.config, (8,), (), trace.seed).build_model(device, fmt=self.fmt)
         with self._paths():
             for step in firsts.values():
-                self._planner(step)(trace.config, step.batch(pool))
+                # A planner that raises here raises again in its step, where the runner
+                # records the error against the step's mode.
+                with contextlib.suppress(Exception):
+                    self._planner(step)(trace.config, step.batch(pool))
             scratch.forward(scratch.pool.extend([0], [0], [6]))
             scratch.forward(scratch.pool.decode([0], [7]))
 
@@ -229,12 +245,20 @@ def make_backend(name: str, device: torch.device) -> Backend:
         return DSV4Backend(name)
     if name == "dsv4-torch":
         return DSV4Backend(name, path="torch")
+    if name == "dsv4-fp8":
+        return DSV4Backend(name, fmt="fp8")
     if name == "reference":
         return ReferenceBackend(name)
     if name.startswith(SGLANG_PREFIX) and name != SGLANG_PREFIX:
+        if device.type != "cuda":
+            raise ConfigError(
+                f"backend {name!r} needs a CUDA device (sglang's attention backends run on "
+                f"GPUs), got device {device}; on the CPU compare dsv4, dsv4-torch, dsv4-fp8 "
+                "and reference"
+            )
         from .sglang_backend import SglangBackend
 
-        return SglangBackend(name[len(SGLANG_PREFIX) :], device)
+        return SglangBackend(name[len(SGLANG_PREFIX) :])
     raise ConfigError(
         f"unknown backend {name!r}; expected one of {', '.join(BACKEND_NAMES)} or "
         f"{SGLANG_PREFIX}<name> (an sglang attention backend, CUDA only)"

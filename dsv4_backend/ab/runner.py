@@ -8,15 +8,17 @@ agree were fed the right tokens (rows after a rejected draft are left out):
 * ``min_cosine``: the smallest cosine similarity of one row of one layer (``H * D`` values);
 * the planning and kernel seconds of every step, per backend.
 
-A step that raises in either backend stops the run (the two caches no longer match); the
-error is recorded against that step's ``mode/path``.
+A step that raises in either backend (or whose rows or layers differ between them) stops the
+run, since the two caches may no longer match; the error is recorded against that step's
+``mode/path``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -103,7 +105,7 @@ def check_atol_keys(overrides: Mapping[str, float]) -> list[str]:
     return [key for key in overrides if key not in known]
 
 
-def run_ab(
+def run_trace(
     trace: Trace,
     a: Backend,
     b: Backend,
@@ -123,14 +125,13 @@ def run_ab(
     modes = {label: ModeStats(label, tolerances[label]) for label in trace.labels}
     a.prepare(trace, device)
     b.prepare(trace, device)
-    for step in _progress(trace.steps, progress):
+    for index, step in enumerate(_progress(trace.steps, progress)):
         stats = modes[step.label]
         try:
-            out_a = a.run(step)
-            out_b = b.run(step)
+            out_a, out_b = _run(a, step), _run(b, step)
             _compare(stats, step, out_a, out_b)
-        except Exception as exc:  # noqa: BLE001 - a failing backend is a result, not a crash
-            stats.error = f"step {trace.steps.index(step)}: {type(exc).__name__}: {exc}"
+        except Exception as exc:
+            stats.error = f"step {index}: {exc}"
             break
         stats.steps += 1
         for side, out in (("a", out_a), ("b", out_b)):
@@ -141,8 +142,18 @@ def run_ab(
     )
 
 
-def _progress(steps: tuple[Step, ...], enabled: bool):  # noqa: ANN202 - an iterable of steps
-    if not enabled:
+def _run(backend: Backend, step: Step) -> StepOutput:
+    """``backend.run(step)``; whatever it raises is re-raised naming the backend."""
+    try:
+        return backend.run(step)
+    except Exception as exc:
+        raise RuntimeError(f"{backend.name} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _progress(steps: tuple[Step, ...], enabled: bool) -> Iterable[Step]:
+    """``steps``, behind a tqdm bar on stderr when enabled, tqdm is installed and stderr is a
+    terminal."""
+    if not enabled or importlib.util.find_spec("tqdm") is None:
         return steps
     from tqdm import tqdm
 

@@ -136,18 +136,19 @@ class Trace:
     def max_rows(self) -> int:
         return max(len(s.rows()) for s in self.steps)
 
-    def build_model(self, device: torch.device | str = "cpu") -> RandomModel:
-        """A fresh model over a fresh pool; equal data and page layout for equal seeds."""
+    def build_model(self, device: torch.device | str = "cpu", fmt: str = "dense") -> RandomModel:
+        """A fresh model over a fresh pool with ``fmt`` caches; equal data and page layout
+        for equal seeds."""
         generator = torch.Generator().manual_seed(self.seed)
         pool = PagedRequestPool(self.config, self.max_lens, generator=generator, device=device)
-        return RandomModel(self.config, pool, generator=generator, device=device)
+        return RandomModel(self.config, pool, generator=generator, fmt=fmt, device=device)
 
 
 def build_trace(
     config: DSV4AttentionConfig,
     *,
     num_requests: int = 3,
-    max_len: int = 400,
+    max_len: int = 300,
     cycles: int = 4,
     decode_steps: int = 4,
     seed: int = 0,
@@ -179,9 +180,10 @@ def build_trace(
         accepted[0][0] = 0  # keep at least one rejection in every trace
     requests = tuple(range(num_requests))
     first = tuple(rng.randint(1, p - 1) for p in prompts)
+    rest = tuple(p - f for p, f in zip(prompts, first, strict=True))
     steps = [
         Step("prefill", "eager", requests, (0,) * num_requests, first),
-        Step("prefill", "graph", requests, first, tuple(p - f for p, f in zip(prompts, first))),
+        Step("prefill", "graph", requests, first, rest),
     ]
     lens = list(prompts)
     for cycle, taken in enumerate(accepted):

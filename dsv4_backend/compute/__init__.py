@@ -1,5 +1,23 @@
-"""One DeepSeek-V4 attention layer over a planned batch: caches, compressors, indexer, attention."""
+"""One DeepSeek-V4 attention layer over a planned batch: caches, compressors, indexer, attention.
 
-from dsv4_backend.compute.layer import AttentionState, forward_layer
+``forward_layer`` runs a whole layer; the steps it is made of are public too, for hosts (the
+sglang model) that call them separately.
+"""
 
-__all__ = ["AttentionState", "forward_layer"]
+from dsv4_backend.compute.layer import (
+    AttentionState,
+    attend,
+    compress_and_store,
+    forward_layer,
+    select_c4_entries,
+    store_window_keys,
+)
+
+__all__ = [
+    "AttentionState",
+    "attend",
+    "compress_and_store",
+    "forward_layer",
+    "select_c4_entries",
+    "store_window_keys",
+]

@@ -21,7 +21,7 @@ from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.compressor import CompressorState, compress_forward
 from dsv4_backend.kernels.indexer import run_indexer
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
-from dsv4_backend.planning.metadata import AttentionMetadata
+from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 from dsv4_backend.reference.layer import LayerInputs, LayerParams
 from dsv4_backend.reference.rope import rope_for_ratio
 
@@ -81,9 +81,100 @@ class AttentionState:
             state.reset(pool_indices)
 
 
-def _required(value: torch.Tensor | None, name: str, layer: int, ratio: int) -> torch.Tensor:
+def _compressed(metadata: AttentionMetadata, ratio: int, where: str) -> CompressedMetadata:
+    comp = metadata.compressed(ratio)
+    if comp is None:
+        raise ContractError(
+            f"{where}: compress ratio {ratio} but the metadata has no c{ratio} fields "
+            f"(planned for {metadata.kind.name})"
+        )
+    return comp
+
+
+def store_window_keys(
+    state: AttentionState, layer: int, metadata: AttentionMetadata, kv: torch.Tensor
+) -> None:
+    """Write this forward's window keys ``kv`` ``[T, D]`` (normed, roped) of ``layer``."""
+    state.pools.window(layer).store(kv, metadata.swa_out_loc)
+
+
+def compress_and_store(
+    state: AttentionState,
+    layer: int,
+    metadata: AttentionMetadata,
+    req_pool_indices: torch.Tensor,
+    kv_proj: torch.Tensor,
+    score_proj: torch.Tensor,
+    ape: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    indexer: bool = False,
+) -> None:
+    """Run ``layer``'s compressor (or its indexer's, ``indexer=True``) over this forward.
+
+    ``kv_proj`` / ``score_proj`` ``[T, c*D]`` (scores without ``ape``); the rings are updated
+    and the entries completed by this forward are stored in the layer's compressed cache (or
+    indexer key cache) at ``out_loc``.
+    """
+    ratio = 4 if indexer else state.config.compress_ratios[layer]
+    comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
+    rings = (state.indexer_states if indexer else state.compressor_states)[layer]
+    entries = compress_forward(
+        rings, kv_proj, score_proj, ape, norm_weight, rope_for_ratio(state.config, ratio),
+        req_pool_indices, metadata.positions_causal, comp.compress_plan, comp.write_plan,
+    )  # fmt: skip
+    pools = state.pools
+    (pools.indexer(layer) if indexer else pools.compressed(layer)).store(entries, comp.out_loc)
+
+
+def select_c4_entries(
+    state: AttentionState,
+    layer: int,
+    metadata: AttentionMetadata,
+    index_q: torch.Tensor,
+    index_weights: torch.Tensor,
+) -> None:
+    """The lightning indexer: each row's top-k c4 slots into ``metadata.c4.page_indices``.
+
+    ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled).
+    """
+    comp = _compressed(metadata, 4, f"indexer of layer {layer}")
+    run_indexer(
+        index_q, index_weights, state.pools.indexer(layer), metadata.page_table,
+        comp.topk_lengths_raw, state.config.index_topk, comp.page_indices,
+    )  # fmt: skip
+
+
+def attend(
+    state: AttentionState,
+    layer: int,
+    metadata: AttentionMetadata,
+    q: torch.Tensor,
+    sink: torch.Tensor,
+) -> torch.Tensor:
+    """Sparse attention with sink of ``layer``: ``q`` ``[T, H, D]`` -> ``[T, H, D]`` float32.
+
+    Keys: the window plus, on compressed layers, the c4 top-k (selected earlier in this
+    forward) or every visible c128 entry.
+    """
+    ratio = state.config.compress_ratios[layer]
+    comp = _compressed(metadata, ratio, f"attention of layer {layer}") if ratio else None
+    return sparse_attention_with_sink(
+        q,
+        state.pools.window(layer),
+        metadata.swa_page_indices,
+        metadata.swa_topk_lengths,
+        None if comp is None else state.pools.compressed(layer),
+        None if comp is None else comp.page_indices,
+        None if comp is None else comp.sparse_topk_lengths,
+        sink,
+        state.config.softmax_scale,
+    )
+
+
+def _required(value: torch.Tensor | None, name: str, layer: int) -> torch.Tensor:
     if value is None:
-        raise ContractError(f"layer {layer} (compress ratio {ratio}) needs {name}, got None")
+        raise ContractError(f"layer {layer} needs {name}, got None")
     return value
 
 
@@ -95,7 +186,7 @@ def forward_layer(
     inputs: LayerInputs,
     params: LayerParams,
 ) -> torch.Tensor:
-    """Write this forward's keys and compressor state, then attend.
+    """Write this forward's keys and compressor state, then attend (the steps above, in order).
 
     Parameters
     ----------
@@ -108,69 +199,32 @@ def forward_layer(
 
     Returns ``[T, H, D]`` float32 attention output (before the inverse RoPE and ``wo``).
     """
-    config = state.config
-    ratio = config.compress_ratios[layer]
+    ratio = state.config.compress_ratios[layer]
     metadata.check_matches(
         batch_size=req_pool_indices.numel(), num_rows=inputs.q.shape[0], where=f"layer {layer}"
     )
-    window = state.pools.window(layer)
-    window.store(inputs.kv, metadata.swa_out_loc)
-    comp = metadata.compressed(ratio)
-    extra = None
-    if ratio and comp is None:
-        raise ContractError(
-            f"layer {layer} has compress ratio {ratio} but the metadata has no c{ratio} fields "
-            f"(planned for {metadata.kind.name})"
-        )
-    if comp is not None:
-        rope = rope_for_ratio(config, ratio)
-        positions = metadata.positions_causal
-        if ratio == 4:
-            index_entries = compress_forward(
-                state.indexer_states[layer],
-                _required(inputs.index_kv_proj, "index_kv_proj", layer, ratio),
-                _required(inputs.index_score_proj, "index_score_proj", layer, ratio),
-                _required(params.index_ape, "index_ape", layer, ratio),
-                _required(params.index_norm_weight, "index_norm_weight", layer, ratio),
-                rope,
-                req_pool_indices,
-                positions,
-                comp.compress_plan,
-                comp.write_plan,
-            )
-            keys = state.pools.indexer(layer)
-            keys.store(index_entries, comp.out_loc)
-            run_indexer(
-                _required(inputs.index_q, "index_q", layer, ratio),
-                _required(inputs.index_weights, "index_weights", layer, ratio),
-                keys,
-                metadata.page_table,
-                comp.topk_lengths_raw,
-                config.index_topk,
-                comp.page_indices,
-            )
-        entries = compress_forward(
-            state.compressor_states[layer],
-            _required(inputs.kv_proj, "kv_proj", layer, ratio),
-            _required(inputs.score_proj, "score_proj", layer, ratio),
-            _required(params.ape, "ape", layer, ratio),
-            _required(params.norm_weight, "norm_weight", layer, ratio),
-            rope,
-            req_pool_indices,
-            positions,
-            comp.compress_plan,
-            comp.write_plan,
-        )
-        extra = state.pools.compressed(layer)
-        extra.store(entries, comp.out_loc)
-    return sparse_attention_with_sink(
-        inputs.q,
-        window,
-        metadata.swa_page_indices,
-        metadata.swa_topk_lengths,
-        extra,
-        None if comp is None else comp.page_indices,
-        None if comp is None else comp.sparse_topk_lengths,
-        params.sink,
-        config.softmax_scale,
-    )
+
+    def need(value: torch.Tensor | None, name: str) -> torch.Tensor:
+        return _required(value, name, layer)
+
+    store_window_keys(state, layer, metadata, inputs.kv)
+    if ratio == 4:
+        compress_and_store(
+            state, layer, metadata, req_pool_indices,
+            need(inputs.index_kv_proj, "index_kv_proj"),
+            need(inputs.index_score_proj, "index_score_proj"),
+            need(params.index_ape, "index_ape"),
+            need(params.index_norm_weight, "index_norm_weight"),
+            indexer=True,
+        )  # fmt: skip
+        select_c4_entries(
+            state, layer, metadata,
+            need(inputs.index_q, "index_q"), need(inputs.index_weights, "index_weights"),
+        )  # fmt: skip
+    if ratio:
+        compress_and_store(
+            state, layer, metadata, req_pool_indices,
+            need(inputs.kv_proj, "kv_proj"), need(inputs.score_proj, "score_proj"),
+            need(params.ape, "ape"), need(params.norm_weight, "norm_weight"),
+        )  # fmt: skip
+    return attend(state, layer, metadata, inputs.q, params.sink)

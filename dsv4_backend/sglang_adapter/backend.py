@@ -43,22 +43,24 @@ from sglang.srt.environ import envs
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.compute import AttentionState
+from dsv4_backend.compute import (
+    AttentionState,
+    attend,
+    compress_and_store,
+    select_c4_entries,
+    store_window_keys,
+)
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
-from dsv4_backend.kernels.compressor import compress_forward
-from dsv4_backend.kernels.indexer import run_indexer
-from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
 from dsv4_backend.planning import (
     AttentionMetadata,
-    CompressedMetadata,
     DraftStep,
     GraphMetadataBuffers,
     PlanWidths,
     plan,
     seq_len_fill_value,
 )
-from dsv4_backend.reference.rope import apply_rope, rope_cos_sin, rope_for_ratio
+from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
 
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
@@ -286,17 +288,6 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         return metadata
 
-    def _compressed(
-        self, metadata: AttentionMetadata, ratio: int, where: str
-    ) -> CompressedMetadata:
-        comp = metadata.compressed(ratio)
-        if comp is None:
-            raise ContractError(
-                f"{where}: compress ratio {ratio} but the metadata has no c{ratio} fields "
-                f"(planned for {metadata.kind.name})"
-            )
-        return comp
-
     def get_swa_out_cache_loc(self, forward_batch: Any) -> torch.Tensor:
         """``[T]`` int64 window slot each row writes (its own step's slots for a draft step)."""
         metadata = self.forward_metadata
@@ -309,7 +300,7 @@ class DSV4AttentionBackend(AttentionBackend):
         if forward_batch.forward_mode.is_idle():
             return
         metadata = self._metadata(forward_batch, swa_k.shape[0], f"store_cache (layer {layer_id})")
-        self.state.pools.window(layer_id).store(swa_k.float(), metadata.swa_out_loc)
+        store_window_keys(self.state, layer_id, metadata, swa_k.float())
 
     def forward_core_compressor(
         self, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any
@@ -326,26 +317,19 @@ class DSV4AttentionBackend(AttentionBackend):
             return
         where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
         metadata = self._metadata(forward_batch, x.shape[0], where)
-        comp = self._compressed(metadata, compressor.ratio, where)
         kv_score = compressor.compute_kv_score(x, forward_batch).float()
         half = kv_score.shape[-1] // 2
-        indexer = bool(compressor.is_in_indexer)
-        states = self.state.indexer_states if indexer else self.state.compressor_states
-        entries = compress_forward(
-            states[layer_id],
+        compress_and_store(
+            self.state,
+            layer_id,
+            metadata,
+            forward_batch.req_pool_indices,
             kv_score[:, :half],
             kv_score[:, half:],
             original_ape(compressor),
             compressor.norm.weight.float(),
-            rope_for_ratio(self.config, compressor.ratio),
-            forward_batch.req_pool_indices,
-            metadata.positions_causal,
-            comp.compress_plan,
-            comp.write_plan,
+            indexer=bool(compressor.is_in_indexer),
         )
-        pools = self.state.pools
-        cache = pools.indexer(layer_id) if indexer else pools.compressed(layer_id)
-        cache.store(entries, comp.out_loc)
 
     forward_indexer_compressor = forward_core_compressor
 
@@ -371,22 +355,18 @@ class DSV4AttentionBackend(AttentionBackend):
         if forward_batch.forward_mode.is_idle():
             return
         layer_id = c4_indexer.layer_id
-        where = f"c4 indexer (layer {layer_id})"
-        metadata = self._metadata(forward_batch, x.shape[0], where)
-        comp = self._compressed(metadata, 4, where)
+        metadata = self._metadata(forward_batch, x.shape[0], f"c4 indexer (layer {layer_id})")
         if not skip_compressor:
             self.forward_indexer_compressor(x, forward_batch, layer_id, c4_indexer.compressor)
         q, _ = c4_indexer.wq_b(q_lora)
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
         cos, sin = rope_cos_sin(self.config, 4, metadata.positions_causal)
-        run_indexer(
+        select_c4_entries(
+            self.state,
+            layer_id,
+            metadata,
             apply_rope(q, cos, sin),
             c4_indexer.compute_weights(x).float(),
-            self.state.pools.indexer(layer_id),
-            metadata.page_table,
-            comp.topk_lengths_raw,
-            self.config.index_topk,
-            comp.page_indices,
         )
 
     # -------------------------------------------------------------------------- forward
@@ -434,16 +414,5 @@ class DSV4AttentionBackend(AttentionBackend):
         if q.dim() == 2:
             q = q.view(q.shape[0], -1, self.config.head_dim)
         metadata = self._metadata(forward_batch, q.shape[0], where)
-        comp = self._compressed(metadata, ratio, where) if ratio else None
-        out = sparse_attention_with_sink(
-            q,
-            self.state.pools.window(layer_id),
-            metadata.swa_page_indices,
-            metadata.swa_topk_lengths,
-            None if comp is None else self.state.pools.compressed(layer_id),
-            None if comp is None else comp.page_indices,
-            None if comp is None else comp.sparse_topk_lengths,
-            attn_sink.float(),
-            self.config.softmax_scale,
-        )
+        out = attend(self.state, layer_id, metadata, q, attn_sink.float())
         return out.to(q.dtype)

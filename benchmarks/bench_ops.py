@@ -1,0 +1,135 @@
+"""Throughput of every op of one decode step, per kernel path (a script, not a test).
+
+A decode batch of ``--batch`` requests at context ``--context`` is planned once; then each op of
+``dsv4_backend.compute`` runs on it: the window-key store, the c4 and c128 compressors, the
+indexer compressor and lightning indexer, and sparse attention with sink on a window-only, a c4
+and a c128 layer. Cache contents are whatever earlier calls left (zeros at first): timings do
+not depend on the values.
+
+* GPU: DeepSeek-V4-Flash attention shapes (H = 64, D = 512, top-k 512, indexer 64 x 128), FP8
+  caches, the compiled Triton path; times are medians of ``triton.testing.do_bench``.
+* CPU: the tiny configuration, dense caches; the torch path, and the Triton path in the
+  interpreter (this script sets ``TRITON_INTERPRET=1`` when no GPU is visible), whose times say
+  nothing about GPU speed.
+
+    python benchmarks/bench_ops.py [--batch 1 8 32] [--context 600] [--reps 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+from dsv4_backend.compute import (  # noqa: E402
+    AttentionState,
+    attend,
+    compress_and_store,
+    select_c4_entries,
+    store_window_keys,
+)
+from dsv4_backend.config import DSV4AttentionConfig  # noqa: E402
+from dsv4_backend.kernels.dispatch import PATHS, TORCH, TRITON, force_path  # noqa: E402
+from dsv4_backend.planning import plan  # noqa: E402
+from dsv4_backend.simulation import PagedRequestPool  # noqa: E402
+
+#: Layers: 0 window only, 1 ratio 4, 2 ratio 128.
+RATIOS = (0, 4, 128)
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    """Median seconds per call."""
+    if ON_GPU:
+        import triton.testing
+
+        return triton.testing.do_bench(fn, rep=50 * reps) / 1e3
+    fn()  # warm up (interpreter set-up, first allocations)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _ops(config: DSV4AttentionConfig, batch: int, context: int, device: str, fmt: str):
+    """``name -> zero-argument callable`` for every op of one decode step."""
+    generator = torch.Generator().manual_seed(0)
+    pool = PagedRequestPool(config, [context] * batch, generator=generator, device=device)
+    state = AttentionState.allocate(
+        config,
+        num_full_slots=pool.num_full_slots,
+        num_swa_slots=pool.num_full_slots,
+        num_request_slots=batch + 1,
+        fmt=fmt,  # type: ignore[arg-type]
+        dtype=torch.bfloat16 if ON_GPU else torch.float32,
+        device=device,
+    )
+    view = pool.decode(list(range(batch)), [context] * batch)
+    metadata = plan(config, view)
+    h, d, hi, di = config.num_heads, config.head_dim, config.index_n_heads, config.index_head_dim
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device)
+
+    rows, req = metadata.num_rows, view.req_pool_indices
+    q, kv, sink = randn(rows, h, d), randn(rows, d), randn(h)
+    c4 = (randn(rows, 2 * d), randn(rows, 2 * d), randn(4, 2 * d), randn(d))
+    c128 = (randn(rows, d), randn(rows, d), randn(128, d), randn(d))
+    index = (randn(rows, 2 * di), randn(rows, 2 * di), randn(4, 2 * di), randn(di))
+    index_q, index_w = randn(rows, hi, di), randn(rows, hi).abs()
+    return {
+        "store window keys": lambda: store_window_keys(state, 0, metadata, kv),
+        "compressor c4": lambda: compress_and_store(state, 1, metadata, req, *c4),
+        "compressor c128": lambda: compress_and_store(state, 2, metadata, req, *c128),
+        "indexer compressor": lambda: compress_and_store(
+            state, 1, metadata, req, *index, indexer=True
+        ),
+        "indexer (scores+top-k)": lambda: select_c4_entries(state, 1, metadata, index_q, index_w),
+        "attention window": lambda: attend(state, 0, metadata, q, sink),
+        "attention c4": lambda: attend(state, 1, metadata, q, sink),
+        "attention c128": lambda: attend(state, 2, metadata, q, sink),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32] if ON_GPU else [1, 8])
+    parser.add_argument("--context", type=int, default=4096 if ON_GPU else 600)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=None, help="torch intra-op threads")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if ON_GPU:
+        config = DSV4AttentionConfig(compress_ratios=RATIOS)
+        device, fmt, paths = "cuda", "fp8", [TRITON]
+    else:
+        config = DSV4AttentionConfig.tiny(compress_ratios=RATIOS)
+        device, fmt, paths = "cpu", "dense", [TORCH, PATHS[1]]
+    name = torch.cuda.get_device_name() if ON_GPU else "cpu"
+    print(
+        f"device={name} fmt={fmt} context={args.context} H={config.num_heads} "
+        f"D={config.head_dim} topk={config.index_topk} threads={torch.get_num_threads()}"
+    )
+    print(f"{'op':24} {'batch':>5} {'path':>18} {'us/call':>12} {'rows/s':>12}")
+    for batch in args.batch:
+        ops = _ops(config, batch, args.context, device, fmt)
+        for op, fn in ops.items():
+            for path in paths:
+                with force_path(path):
+                    seconds = _time(fn, args.reps)
+                print(f"{op:24} {batch:5d} {path:>18} {seconds * 1e6:12.1f} "
+                      f"{batch / seconds:12.0f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""``python -m dsv4_backend ab``: replay a serving trace through backends A and B.
+
+``add_ab_parser(subparsers)`` adds the command (its ``run`` default is :func:`run_ab`);
+``main(argv)`` runs it standalone. Exit status: 0 when every mode is within tolerance, 1 when
+one is not (or a backend raised), 2 for bad input (unknown backend, a config without
+DeepSeek-V4 fields, an unusable device, ...), reported as one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError, DSV4Error
+
+from .backends import BACKEND_NAMES, SGLANG_PREFIX, make_backend
+from .report import build_report, render_markdown, write_report
+from .runner import check_atol_keys, run_trace
+from .trace import build_trace
+
+DESCRIPTION = """\
+Replay one serving trace through backend A and backend B on identical inputs and caches and
+compare them per mode (prefill, draft, verify, draft_extend, decode; each on the eager and
+the graph path): max absolute and relative error and cosine similarity of the outputs,
+planning and kernel time of each backend (median, p90) and their ratio. Writes report.md,
+report.json and times.png to --out. Exit status 0: every mode within tolerance; 1: a mode over
+tolerance or a backend failed; 2: bad input.
+
+Backends: dsv4 (this package, default kernel dispatch: Triton on CUDA, the Triton interpreter
+with TRITON_INTERPRET=1, torch otherwise), dsv4-torch (torch kernels forced), dsv4-fp8 (dsv4
+with sglang's FP8 caches), reference (the plain torch reference), sglang:<name> (an
+sglang-registered attention backend, e.g. sglang:dsv4_builtin; CUDA only).
+"""
+
+
+def _add_options(parser: argparse.ArgumentParser) -> None:
+    names = f"{', '.join(BACKEND_NAMES)} or {SGLANG_PREFIX}<name>"
+    parser.add_argument("--a", default="dsv4", metavar="NAME", help=f"backend A ({names})")
+    parser.add_argument("--b", default="reference", metavar="NAME", help="backend B (as --a)")
+    trace = parser.add_argument_group("trace")
+    trace.add_argument("--requests", type=int, default=3, help="requests (default 3)")
+    trace.add_argument(
+        "--max-len", type=int, default=300,
+        help="longest request, prompt plus generated tokens (default 300)",
+    )  # fmt: skip
+    trace.add_argument(
+        "--cycles", type=int, default=4,
+        help="speculative rounds: draft, verify, draft extend (default 4)",
+    )  # fmt: skip
+    trace.add_argument("--decode-steps", type=int, default=4, help="decodes (default 4)")
+    trace.add_argument("--seed", type=int, default=0, help="lengths, drafts and data (default 0)")
+    model = parser.add_argument_group("model")
+    model.add_argument(
+        "--config", type=Path, metavar="PATH",
+        help="a DeepSeek-V4 config.json for real dimensions (default: the tiny configuration)",
+    )  # fmt: skip
+    model.add_argument(
+        "--layers", metavar="IDS",
+        help="comma-separated layer ids to simulate (default: all layers of the tiny "
+        "configuration; with --config, the first layer of each compress ratio)",
+    )  # fmt: skip
+    run = parser.add_argument_group("run")
+    run.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda (default: cuda when available)",
+    )  # fmt: skip
+    run.add_argument(
+        "--atol", action="append", default=[], metavar="[MODE=]VALUE",
+        help="absolute tolerance for every mode, a mode (verify=2e-4) or a mode/path "
+        "(verify/graph=2e-4); repeatable (default 1e-4 on cpu, 5e-3 on cuda)",
+    )  # fmt: skip
+    run.add_argument(
+        "--threads", type=int, default=1,
+        help="torch CPU threads (default 1: fastest for these small ops on a shared machine; "
+        "0 keeps torch's default)",
+    )  # fmt: skip
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--out", type=Path, default=Path("ab-report"),
+        help="folder for report.md, report.json and times.png (default ./ab-report)",
+    )  # fmt: skip
+    out.add_argument("--json", action="store_true", help="print the JSON report to stdout")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def add_ab_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``ab`` command to ``subparsers``; its ``run`` default is :func:`run_ab`."""
+    parser = subparsers.add_parser(
+        "ab",
+        help="compare two attention backends on one serving trace",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_options(parser)
+    parser.set_defaults(run=run_ab)
+    return parser
+
+
+def _device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise ConfigError(f"--device {name!r} is not a device; expected cpu or cuda") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {name!r}: expected cpu or cuda")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(
+                f"--device {name}: CUDA is not available here (torch {torch.__version__}, "
+                f"{torch.cuda.device_count()} GPUs visible); use --device cpu"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ConfigError(
+                f"--device {name}: only {torch.cuda.device_count()} CUDA devices are visible"
+            )
+    return device
+
+
+def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
+    """The tiny configuration or ``path``'s, restricted to ``layers``."""
+    if path is None:
+        config = DSV4AttentionConfig.tiny(speculative=True)
+        ids = list(range(len(config.compress_ratios)))
+    else:
+        try:
+            hf = json.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"--config {path}: cannot read it ({exc.strerror})") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"--config {path}: not a JSON file ({exc})") from None
+        if not isinstance(hf, dict):
+            raise ConfigError(f"--config {path}: expected a JSON object, got {type(hf).__name__}")
+        try:
+            config = DSV4AttentionConfig.from_hf_config(hf, speculative=True)
+        except ConfigError as exc:
+            raise ConfigError(f"--config {path}: {exc}") from None
+        ratios = config.compress_ratios
+        ids = sorted({ratios.index(r) for r in ratios})
+    if layers is not None:
+        try:
+            ids = [int(i) for i in layers.split(",")]
+        except ValueError:
+            raise ConfigError(f"--layers {layers!r}: expected comma-separated layer ids") from None
+        count = len(config.compress_ratios)
+        bad = [i for i in ids if not 0 <= i < count]
+        if bad or not ids:
+            raise ConfigError(f"--layers {layers!r}: layer ids must be in 0 ... {count - 1}")
+    return replace(config, compress_ratios=tuple(config.compress_ratios[i] for i in ids))
+
+
+def _atol(values: list[str]) -> dict[str, float]:
+    """``["1e-4", "verify=2e-4"]`` -> ``{"*": 1e-4, "verify": 2e-4}``."""
+    out = {}
+    for value in values:
+        key, _, number = value.rpartition("=")
+        try:
+            out[key or "*"] = float(number)
+        except ValueError:
+            raise ConfigError(f"--atol {value!r}: expected [MODE=]NUMBER") from None
+    unknown = check_atol_keys(out)
+    if unknown:
+        raise ConfigError(
+            f"--atol names {unknown}; expected a mode (prefill, draft, verify, draft_extend, "
+            "decode) or mode/path (e.g. verify/graph)"
+        )
+    return out
+
+
+def run_ab(args: argparse.Namespace) -> int:
+    """Run the ``ab`` command from parsed arguments; return the exit status."""
+    try:
+        device = _device(args.device)
+        if args.threads > 0:
+            torch.set_num_threads(args.threads)
+        a = make_backend(args.a, device)
+        b = make_backend(args.b, device)
+        config = _config(args.config, args.layers)
+        atol = _atol(args.atol)
+        trace = build_trace(
+            config,
+            num_requests=args.requests,
+            max_len=args.max_len,
+            cycles=args.cycles,
+            decode_steps=args.decode_steps,
+            seed=args.seed,
+        )
+        result = run_trace(trace, a, b, device=device, atol=atol, progress=not args.quiet)
+    except DSV4Error as exc:
+        print(f"dsv4-backend ab: error: {exc}", file=sys.stderr)
+        return 2
+    report = build_report(result)
+    paths = write_report(report, args.out)
+    if "plot" not in paths:
+        print(
+            "dsv4-backend ab: matplotlib is not installed (pip install 'dsv4-backend[report]'); "
+            "no plot written",
+            file=sys.stderr,
+        )
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(render_markdown(report).rsplit("\n![", 1)[0])
+        print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
+    return 0 if result.passed else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``ab`` standalone: ``main(["--requests", "2"])``."""
+    parser = argparse.ArgumentParser(
+        prog="python -m dsv4_backend ab",
+        description=DESCRIPTION,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_options(parser)
+    return run_ab(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,259 @@
+"""The A/B tool (``python -m dsv4_backend ab``): traces, backends, verdicts, reports, refusals.
+
+Runs use a small trace (2 requests crossing the 128-token window / c128 block, 2 speculative
+rounds, 2 decodes) and the torch kernel path, so the file stays fast in the interpreter
+session the suite runs in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dsv4_backend.ab import (
+    MODES,
+    PATHS,
+    DSV4Backend,
+    ReferenceBackend,
+    build_report,
+    build_trace,
+    render_markdown,
+    run_trace,
+)
+from dsv4_backend.ab.cli import add_ab_parser, main, run_ab
+from dsv4_backend.ab.trace import BOUNDARY, NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError
+from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
+from dsv4_backend.simulation import PagedRequestPool
+
+CONFIG = DSV4AttentionConfig.tiny(speculative=True)
+SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
+SMALL_ARGS = ["--requests", "2", "--max-len", "150", "--cycles", "2", "--decode-steps", "2"]
+ALL_LABELS = [f"{m}/{p}" for m in MODES for p in PATHS]
+
+
+@pytest.fixture(scope="module")
+def trace():
+    return build_trace(CONFIG, **SMALL, seed=0)
+
+
+def torch_dsv4(**kwargs) -> DSV4Backend:
+    return DSV4Backend("dsv4-torch", path="torch", **kwargs)
+
+
+# --------------------------------------------------------------------------------- the trace
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    requests=st.integers(1, 4),
+    max_len=st.integers(30, 700),
+    cycles=st.integers(0, 4),
+    decode_steps=st.integers(0, 4),
+)
+def test_trace_fits_its_pool_and_covers_every_mode(
+    seed: int, requests: int, max_len: int, cycles: int, decode_steps: int
+) -> None:
+    trace = build_trace(
+        CONFIG, num_requests=requests, max_len=max_len, cycles=cycles,
+        decode_steps=decode_steps, seed=seed,
+    )  # fmt: skip
+    assert max(trace.max_lens) <= max_len
+    pool = PagedRequestPool(CONFIG, trace.max_lens, generator=torch.Generator().manual_seed(0))
+    for step in trace.steps:
+        batch = step.batch(pool)  # the pool's builders accept every step
+        assert batch.num_rows == len(step.rows())
+        assert all(p < trace.max_lens[r] for r, p in step.rows())
+    expected = {"prefill/eager", "prefill/graph"}
+    expected |= {f"{m}/{p}" for m in MODES[1:4] for p in PATHS[: min(cycles, 2)]}
+    expected |= {f"decode/{p}" for p in PATHS[: min(decode_steps, 2)]}
+    assert set(trace.labels) == expected
+    if cycles:
+        assert any(step.rejected for step in trace.steps), "no verify rejects a draft"
+        drafts = {s.step_id for s in trace.steps if s.mode == "draft"}
+        assert drafts == set(range(NUM_DRAFT_STEPS - 1))  # the last step only samples
+    if max_len - NUM_DRAFT_TOKENS * cycles - decode_steps >= BOUNDARY and cycles + decode_steps:
+        # Every request crosses a multiple of 128 after its prompt.
+        for r in range(requests):
+            prompt = next(s for s in trace.steps if s.mode == "prefill" and s.path == "graph")
+            start = prompt.lens[r] + prompt.extend_lens[r]
+            assert trace.max_lens[r] // BOUNDARY > (start - 1) // BOUNDARY
+
+
+# ------------------------------------------------------------------------------ the verdict
+def test_reference_against_itself_is_exact(trace) -> None:
+    result = run_trace(trace, ReferenceBackend(), ReferenceBackend())
+    assert result.passed and list(result.modes) == ALL_LABELS
+    for stats in result.modes.values():
+        assert stats.steps > 0 and stats.rows > 0
+        assert stats.max_abs_error == 0.0 and stats.min_cosine == pytest.approx(1.0)
+
+
+def test_package_matches_reference_on_every_mode(trace) -> None:
+    result = run_trace(trace, torch_dsv4(), ReferenceBackend())
+    assert result.passed, result.failed
+    assert list(result.modes) == ALL_LABELS
+    for stats in result.modes.values():
+        assert 0 < stats.max_abs_error < 1e-4
+        assert stats.min_cosine > 0.99999
+        assert all(len(t) == stats.steps for side in stats.times.values() for t in side.values())
+    # Rows after a rejected draft are not compared.
+    verify_rows = sum(len(s.rows()) for s in trace.steps if s.mode == "verify")
+    compared = result.modes["verify/eager"].rows + result.modes["verify/graph"].rows
+    assert compared < verify_rows
+
+
+def stale_draft_slice_plan(config, batch, *, widths=None):
+    """Section 5, bug 1: every draft step planned with step 0's write slots."""
+    if batch.draft is not None:
+        d = batch.draft
+        per_step = per_step_draft_out_cache_loc(
+            batch.out_cache_loc, batch.batch_size, 1, d.num_steps
+        )
+        batch = dataclasses.replace(batch, out_cache_loc=per_step[0].repeat_interleave(d.num_steps))
+    return plan(config, batch, widths=widths)
+
+
+def test_wrong_draft_slice_fails_and_names_the_draft_modes(trace) -> None:
+    result = run_trace(trace, torch_dsv4(planner=stale_draft_slice_plan), ReferenceBackend())
+    assert not result.passed
+    # The verify that follows rewrites those slots, so only the draft steps go wrong.
+    assert result.failed == ["draft/eager", "draft/graph"]
+    assert result.modes["draft/eager"].max_abs_error > 1e-2
+    report = build_report(result)
+    assert report["failed"] == ["draft/eager", "draft/graph"]
+    assert "**FAILED**: draft/eager, draft/graph" in render_markdown(report)
+
+
+def test_a_backend_that_raises_fails_its_mode_and_stops(trace) -> None:
+    def no_verify(config, batch, *, widths=None):
+        if batch.kind is ForwardKind.TARGET_VERIFY:
+            raise BatchError("verify refused")
+        return plan(config, batch, widths=widths)
+
+    result = run_trace(trace, torch_dsv4(planner=no_verify), ReferenceBackend())
+    assert result.failed == ["verify/eager"]
+    assert "BatchError: verify refused" in result.modes["verify/eager"].error
+    assert result.modes["decode/graph"].steps == 0  # nothing ran after the failure
+
+
+def test_tolerance_is_per_mode_and_overridable(trace) -> None:
+    result = run_trace(trace, torch_dsv4(), ReferenceBackend(), atol={"*": 1e-3, "verify": 1e-12})
+    assert result.failed == ["verify/eager", "verify/graph"]
+    assert result.modes["decode/eager"].atol == 1e-3
+
+
+def test_sglang_registry_backend_runs_the_trace(trace) -> None:
+    """``sglang:dsv4`` (this package's adapter, FP8 caches, built through sglang's registry and
+    draft factory) equals ``dsv4-fp8``. The CLI allows it on CUDA only; the driver itself is
+    host-agnostic, so it is exercised here through the Python API."""
+    from dsv4_backend.ab.sglang_backend import SglangBackend
+
+    with force_path("torch"):
+        result = run_trace(trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))
+    assert result.passed and list(result.modes) == ALL_LABELS
+    assert all(s.max_abs_error < 1e-5 for s in result.modes.values())
+
+
+# ----------------------------------------------------------------------------------- the CLI
+def test_cli_writes_markdown_png_and_json(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "report"
+    status = main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", str(out), "--json"])
+    captured = capsys.readouterr()
+    assert status == 0
+    assert captured.err == ""  # no progress bar when stderr is not a terminal
+    report = json.loads(captured.out)
+    assert report == json.loads((out / "report.json").read_text())
+    assert report["passed"] and report["failed"] == []
+    assert report["a"] == {"name": "dsv4-torch", "kernels": "torch"}
+    assert report["b"]["name"] == "reference" and report["device"] == "cpu"
+    assert report["trace"]["requests"] == 2 and report["trace"]["seed"] == 0
+    assert [m["label"] for m in report["modes"]] == ALL_LABELS
+    for mode in report["modes"]:
+        assert mode["max_abs_error"] < mode["atol"] == 1e-4 and mode["passed"]
+        timing = mode["timing"]
+        for side in ("a", "b"):
+            for kind in ("plan_ms", "kernel_ms"):
+                assert timing[side][kind]["median"] <= timing[side][kind]["p90"]
+        assert timing["ratio_a_over_b"]["plan"] is None  # the reference does not plan
+        assert timing["ratio_a_over_b"]["kernel"] > 0
+    markdown = (out / "report.md").read_text()
+    assert "**PASSED**" in markdown and "![time per mode](times.png)" in markdown
+    assert all(f"| {label} |" in markdown for label in ALL_LABELS)
+    assert (out / "times.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_file_gives_the_dimensions(tmp_path: Path, capsys) -> None:
+    hf = {
+        "num_hidden_layers": 5,
+        "compress_ratios": [1, 0, 4, 128, 4, 0],  # 1 = window only; the last is the MTP slot
+        "num_attention_heads": 4,
+        "head_dim": 192,
+        "qk_rope_head_dim": 64,
+        "index_topk": 8,
+        "index_n_heads": 2,
+        "index_head_dim": 64,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(hf))
+    args = ["--a", "dsv4-torch", "--config", str(path), "--requests", "1", "--max-len", "40"]
+    status = main([*args, "--cycles", "2", "--decode-steps", "2", "--out", str(tmp_path), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0, report["failed"]
+    # One layer per compress ratio by default.
+    assert report["config"]["compress_ratios"] == [0, 4, 128]
+    assert (report["config"]["num_heads"], report["config"]["head_dim"]) == (4, 192)
+
+
+def test_add_ab_parser_wires_the_command() -> None:
+    parser = argparse.ArgumentParser(prog="dsv4-backend")
+    add_ab_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["ab", "--requests", "2", "--atol", "verify=2e-4", "--quiet"])
+    assert args.run is run_ab and args.requests == 2 and args.atol == ["verify=2e-4"]
+    assert (args.a, args.b, args.max_len, args.out) == ("dsv4", "reference", 300, Path("ab-report"))
+
+
+def _bad_config(tmp_path: Path) -> list[str]:
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps({"num_attention_heads": 32, "head_dim": 128}))
+    return ["--config", str(path)]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--a", "flashattn"], "unknown backend 'flashattn'"),
+        (["--b", "sglang:dsv4_builtin", "--device", "cpu"], "needs a CUDA device"),
+        (["--device", "tpu"], "--device 'tpu'"),
+        ("bad-config", "missing DeepSeek-V4 fields ['compress_ratios', 'index_topk']"),
+        (["--config", "/nonexistent/config.json"], "cannot read it"),
+        (["--layers", "0,9"], "layer ids must be in 0 ... 3"),
+        (["--atol", "prefil=1e-3"], "--atol names ['prefil']"),
+        (["--max-len", "12"], "max_len=12 leaves no room for a prompt"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(
+    args: list[str] | str, message: str, tmp_path: Path, capsys
+) -> None:
+    if args == "bad-config":
+        args = _bad_config(tmp_path)
+    status = main([*args, "--out", str(tmp_path / "never"), "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 2
+    assert message in err and "Traceback" not in err
+    assert err.count("\n") == 1 and err.startswith("dsv4-backend ab: error: ")
+    assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_refused(capsys) -> None:
+    assert main(["--device", "cuda", "--quiet"]) == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
