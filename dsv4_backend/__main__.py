@@ -10,6 +10,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dsv4_backend.ab.cli import add_ab_parser
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of all commands."""
@@ -19,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_info_command(commands)
+    add_ab_parser(commands)
     return parser
 
 

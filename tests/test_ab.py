@@ -17,18 +17,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_backend.ab import (
-    MODES,
-    PATHS,
-    DSV4Backend,
-    ReferenceBackend,
-    build_report,
-    build_trace,
-    render_markdown,
-    run_trace,
-)
+from dsv4_backend.ab.backends import DSV4Backend, ReferenceBackend
 from dsv4_backend.ab.cli import add_ab_parser, main, run_ab
-from dsv4_backend.ab.trace import BOUNDARY, NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS
+from dsv4_backend.ab.report import build_report, render_markdown
+from dsv4_backend.ab.runner import run_trace
+from dsv4_backend.ab.trace import (
+    BOUNDARY,
+    MODES,
+    NUM_DRAFT_STEPS,
+    NUM_DRAFT_TOKENS,
+    PATHS,
+    build_trace,
+)
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.dispatch import force_path
@@ -155,7 +155,7 @@ def test_sglang_registry_backend_runs_the_trace(trace) -> None:
     """``sglang:dsv4`` (this package's adapter, FP8 caches, built through sglang's registry and
     draft factory) equals ``dsv4-fp8``. The CLI allows it on CUDA only; the driver itself is
     host-agnostic, so it is exercised here through the Python API."""
-    from dsv4_backend.ab.sglang_backend import SglangBackend
+    from dsv4_backend.sglang_adapter.ab_backend import SglangBackend
 
     with force_path("torch"):
         result = run_trace(trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))
@@ -189,6 +189,13 @@ def test_cli_writes_markdown_png_and_json(tmp_path: Path, capsys) -> None:
     assert "**PASSED**" in markdown and "![time per mode](times.png)" in markdown
     assert all(f"| {label} |" in markdown for label in ALL_LABELS)
     assert (out / "times.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_exits_1_naming_the_modes_over_tolerance(tmp_path: Path, capsys) -> None:
+    args = ["--a", "dsv4-torch", "--requests", "1", "--max-len", "40", "--cycles", "1"]
+    status = main([*args, "--decode-steps", "1", "--atol", "decode=1e-12", "--out", str(tmp_path)])
+    assert status == 1
+    assert "**FAILED**: decode/eager" in capsys.readouterr().out
 
 
 def test_config_file_gives_the_dimensions(tmp_path: Path, capsys) -> None:

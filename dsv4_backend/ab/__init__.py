@@ -1,29 +1,10 @@
 """The A/B tool: replay one serving trace through two attention backends and compare them.
 
-``python -m dsv4_backend ab`` (``cli``); from Python: build a ``Trace`` (``build_trace``), two
-backends (``make_backend`` or ``DSV4Backend`` / ``ReferenceBackend`` directly), ``run_trace``,
-then ``build_report`` / ``write_report``.
+``python -m dsv4_backend ab`` runs :mod:`~dsv4_backend.ab.cli`. From Python: build a trace
+(:func:`~dsv4_backend.ab.trace.build_trace`), two backends
+(:func:`~dsv4_backend.ab.backends.make_backend`, or ``DSV4Backend`` / ``ReferenceBackend``
+directly), run :func:`~dsv4_backend.ab.runner.run_trace`, then
+:func:`~dsv4_backend.ab.report.build_report` / ``write_report``.
+
+Nothing is imported here, so that adding the ``ab`` command to the CLI's parser stays cheap.
 """
-
-from dsv4_backend.ab.backends import Backend, DSV4Backend, ReferenceBackend, make_backend
-from dsv4_backend.ab.report import build_report, render_markdown, write_report
-from dsv4_backend.ab.runner import ABResult, ModeStats, run_trace
-from dsv4_backend.ab.trace import MODES, PATHS, Step, Trace, build_trace
-
-__all__ = [
-    "MODES",
-    "PATHS",
-    "ABResult",
-    "Backend",
-    "DSV4Backend",
-    "ModeStats",
-    "ReferenceBackend",
-    "Step",
-    "Trace",
-    "build_report",
-    "build_trace",
-    "make_backend",
-    "render_markdown",
-    "run_trace",
-    "write_report",
-]

@@ -35,6 +35,7 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from dsv4_backend.ab.trace import Row, Step, Trace
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.dispatch import force_path, select_path
@@ -47,8 +48,6 @@ from dsv4_backend.planning import (
 )
 from dsv4_backend.reference.layer import LayerInputs, reference_layer
 from dsv4_backend.simulation import RandomModel
-
-from .trace import Row, Step, Trace
 
 #: ``plan``'s signature: ``planner(config, batch, widths=None) -> AttentionMetadata``.
 Planner = Callable[..., AttentionMetadata]
@@ -256,7 +255,7 @@ def make_backend(name: str, device: torch.device) -> Backend:
                 f"GPUs), got device {device}; on the CPU compare dsv4, dsv4-torch, dsv4-fp8 "
                 "and reference"
             )
-        from .sglang_backend import SglangBackend
+        from dsv4_backend.sglang_adapter.ab_backend import SglangBackend
 
         return SglangBackend(name[len(SGLANG_PREFIX) :])
     raise ConfigError(

@@ -12,18 +12,16 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
-from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+# Light imports only: the lead's parser adds this command for every ``dsv4-backend`` call;
+# torch and the A/B modules load when ``ab`` runs.
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, DSV4Error
 
-from .backends import BACKEND_NAMES, SGLANG_PREFIX, make_backend
-from .report import build_report, render_markdown, write_report
-from .runner import check_atol_keys, run_trace
-from .trace import build_trace
+if TYPE_CHECKING:
+    import torch
 
 DESCRIPTION = """\
 Replay one serving trace through backend A and backend B on identical inputs and caches and
@@ -41,9 +39,10 @@ sglang-registered attention backend, e.g. sglang:dsv4_builtin; CUDA only).
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
-    names = f"{', '.join(BACKEND_NAMES)} or {SGLANG_PREFIX}<name>"
-    parser.add_argument("--a", default="dsv4", metavar="NAME", help=f"backend A ({names})")
-    parser.add_argument("--b", default="reference", metavar="NAME", help="backend B (as --a)")
+    parser.add_argument("--a", default="dsv4", metavar="NAME", help="backend A (default dsv4)")
+    parser.add_argument(
+        "--b", default="reference", metavar="NAME", help="backend B (default reference)"
+    )
     trace = parser.add_argument_group("trace")
     trace.add_argument("--requests", type=int, default=3, help="requests (default 3)")
     trace.add_argument(
@@ -67,10 +66,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         "configuration; with --config, the first layer of each compress ratio)",
     )  # fmt: skip
     run = parser.add_argument_group("run")
-    run.add_argument(
-        "--device", default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda (default: cuda when available)",
-    )  # fmt: skip
+    run.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     run.add_argument(
         "--atol", action="append", default=[], metavar="[MODE=]VALUE",
         help="absolute tolerance for every mode, a mode (verify=2e-4) or a mode/path "
@@ -103,7 +99,11 @@ def add_ab_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     return parser
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str | None) -> torch.device:
+    import torch
+
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         device = torch.device(name)
     except RuntimeError:
@@ -125,6 +125,8 @@ def _device(name: str) -> torch.device:
 
 def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
     """The tiny configuration or ``path``'s, restricted to ``layers``."""
+    from dataclasses import replace
+
     if path is None:
         config = DSV4AttentionConfig.tiny(speculative=True)
         ids = list(range(len(config.compress_ratios)))
@@ -139,7 +141,7 @@ def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
             raise ConfigError(f"--config {path}: expected a JSON object, got {type(hf).__name__}")
         try:
             config = DSV4AttentionConfig.from_hf_config(hf, speculative=True)
-        except ConfigError as exc:
+        except (ValueError, TypeError) as exc:  # ConfigError, or a field of the wrong type
             raise ConfigError(f"--config {path}: {exc}") from None
         ratios = config.compress_ratios
         ids = sorted({ratios.index(r) for r in ratios})
@@ -157,6 +159,8 @@ def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
 
 def _atol(values: list[str]) -> dict[str, float]:
     """``["1e-4", "verify=2e-4"]`` -> ``{"*": 1e-4, "verify": 2e-4}``."""
+    from dsv4_backend.ab.runner import check_atol_keys
+
     out = {}
     for value in values:
         key, _, number = value.rpartition("=")
@@ -175,6 +179,13 @@ def _atol(values: list[str]) -> dict[str, float]:
 
 def run_ab(args: argparse.Namespace) -> int:
     """Run the ``ab`` command from parsed arguments; return the exit status."""
+    import torch
+
+    from dsv4_backend.ab.backends import make_backend
+    from dsv4_backend.ab.report import build_report, render_markdown, write_report
+    from dsv4_backend.ab.runner import run_trace
+    from dsv4_backend.ab.trace import build_trace
+
     try:
         device = _device(args.device)
         if args.threads > 0:

@@ -1,7 +1,7 @@
 """Run a trace through backends A and B and compare their outputs step by step.
 
 Per ``mode/path`` (e.g. ``"verify/graph"``) the runner collects, over the rows both backends
-agree were fed the right tokens (rows after a rejected draft are left out):
+were fed the right tokens (rows at or after a rejected draft are left out):
 
 * ``max_abs_error``: ``max |A - B|``;
 * ``max_rel_error``: ``max |A - B| / max |B|``;
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backends import Backend, StepOutput
-from .trace import MODES, Step, Trace
+from dsv4_backend.ab.backends import Backend, StepOutput
+from dsv4_backend.ab.trace import MODES, Step, Trace
 
 #: Default absolute tolerance per device type: float32 dense caches on the CPU differ from the
 #: reference by summation order only; on CUDA the attention dots run on TF32 tensor cores.

@@ -30,10 +30,9 @@ from typing import Any
 
 import torch
 
+from dsv4_backend.ab.backends import Backend, StepOutput
+from dsv4_backend.ab.trace import NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS, Step, Trace
 from dsv4_backend.errors import ConfigError
-
-from .backends import Backend, StepOutput
-from .trace import NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS, Step, Trace
 
 
 class SglangBackend(Backend):
