@@ -47,6 +47,15 @@ def make_backend(pool: PagedRequestPool, **runner_kwargs) -> DSV4AttentionBacken
     return backend
 
 
+
+def idle_batch() -> ForwardBatch:
+    """An sglang IDLE batch: no requests, no rows."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    return ForwardBatch(
+        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=None, req_pool_indices=empty,
+        seq_lens=empty, out_cache_loc=empty, seq_lens_sum=0,
+    )  # fmt: skip
+
 def test_backend_is_an_sglang_backend_exposing_its_pools(pool: PagedRequestPool) -> None:
     backend = make_backend(pool)
     assert isinstance(backend, AttentionBackend)
@@ -127,12 +136,7 @@ def test_every_supported_mode_maps_to_its_kind(pool: PagedRequestPool) -> None:
     # DRAFT_EXTEND_V2: sglang passes seq_lens = L + n; the prefix is L.
     extend = view(builder.draft_extend([0, 1], [6, 9], 4))
     assert extend.kind is ForwardKind.DRAFT_EXTEND and extend.extend_prefix_lens == [6, 9]
-    idle = ForwardBatch(
-        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=None,
-        req_pool_indices=torch.zeros(0, dtype=torch.int64),
-        seq_lens=torch.zeros(0, dtype=torch.int64),
-        out_cache_loc=torch.zeros(0, dtype=torch.int64), seq_lens_sum=0,
-    )  # fmt: skip
+    idle = idle_batch()
     assert view(harness.Step(idle, [])).num_rows == 0
 
 
@@ -194,12 +198,7 @@ def test_a_plan_for_another_batch_is_refused(pool: PagedRequestPool) -> None:
 
 def test_idle_forward_is_empty_and_plans_no_rows(pool: PagedRequestPool) -> None:
     backend = make_backend(pool)
-    idle = ForwardBatch(
-        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=None,
-        req_pool_indices=torch.zeros(0, dtype=torch.int64),
-        seq_lens=torch.zeros(0, dtype=torch.int64),
-        out_cache_loc=torch.zeros(0, dtype=torch.int64), seq_lens_sum=0,
-    )  # fmt: skip
+    idle = idle_batch()
     backend.init_forward_metadata(idle)
     assert backend.forward_metadata.num_rows == 0
     q = torch.zeros(0, CONFIG.num_heads, CONFIG.head_dim, dtype=torch.bfloat16)
