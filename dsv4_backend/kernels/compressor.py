@@ -40,11 +40,10 @@ import triton.language as tl
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
 from dsv4_backend.reference.compressor import finish_entries, overlap, pool_slots
 from dsv4_backend.reference.rope import RopeParams
 
-#: Tokens pooled into one entry: c4 entries overlap the previous block.
-SPAN = {4: 8, 128: 128}
 #: Upper bound on ``span * BLOCK_D`` elements of one pooling tile.
 POOL_TILE = 4096
 #: Columns per ring-write program.
@@ -210,7 +209,7 @@ def _pool_triton(
 ) -> torch.Tensor:
     """Launch ``_compress_pool_kernel``: ``[T, D]`` fp32 pooled entries aligned to rows."""
     d, ratio, ring = state.head_dim, state.ratio, state.ring
-    span = SPAN[ratio]
+    span = COMPRESS_SPAN[ratio]
     out = torch.zeros(kv_proj.shape[0], d, dtype=torch.float32, device=kv_proj.device)
     block_d = min(triton.next_power_of_2(d), max(POOL_TILE // span, 16))
     grid = (compress_plan.shape[0], triton.cdiv(d, block_d))
@@ -255,7 +254,7 @@ def _pool_torch(
 ) -> torch.Tensor:
     """Torch implementation of the pooling kernel (same gathers, vectorised over records)."""
     d, ratio, ring = state.head_dim, state.ratio, state.ring
-    span, rows = SPAN[ratio], kv_proj.shape[0]
+    span, rows = COMPRESS_SPAN[ratio], kv_proj.shape[0]
     out = torch.zeros(rows, d, dtype=torch.float32, device=kv_proj.device)
     plan = compress_plan.long()
     plan = plan[plan[:, 0] >= 0]
@@ -312,7 +311,7 @@ def _check(
     write_plan: torch.Tensor,
 ) -> None:
     ratio, d = state.ratio, state.head_dim
-    if ratio not in SPAN:
+    if ratio not in COMPRESS_SPAN:
         raise ConfigError(f"compressor ratio={ratio}; expected 4 or 128")
     t, cd = kv_proj.shape[0], overlap(ratio) * d
     want = {
