@@ -37,7 +37,12 @@ from dsv4_backend.compute import (  # noqa: E402
     store_window_keys,
 )
 from dsv4_backend.config import DSV4AttentionConfig  # noqa: E402
-from dsv4_backend.kernels.dispatch import PATHS, TORCH, TRITON, force_path  # noqa: E402
+from dsv4_backend.kernels.dispatch import (  # noqa: E402
+    TORCH,
+    TRITON,
+    TRITON_INTERPRETER,
+    force_path,
+)
 from dsv4_backend.planning import plan  # noqa: E402
 from dsv4_backend.simulation import PagedRequestPool  # noqa: E402
 
@@ -50,7 +55,7 @@ def _time(fn: Callable[[], object], reps: int) -> float:
     if ON_GPU:
         import triton.testing
 
-        return triton.testing.do_bench(fn, rep=50 * reps) / 1e3
+        return triton.testing.do_bench(fn, rep=50 * reps, return_mode="median") / 1e3
     fn()  # warm up (interpreter set-up, first allocations)
     times = []
     for _ in range(reps):
@@ -114,7 +119,7 @@ def main() -> None:
         device, fmt, paths = "cuda", "fp8", [TRITON]
     else:
         config = DSV4AttentionConfig.tiny(compress_ratios=RATIOS)
-        device, fmt, paths = "cpu", "dense", [TORCH, PATHS[1]]
+        device, fmt, paths = "cpu", "dense", [TORCH, TRITON_INTERPRETER]
     name = torch.cuda.get_device_name() if ON_GPU else "cpu"
     print(
         f"device={name} fmt={fmt} context={args.context} H={config.num_heads} "

@@ -26,15 +26,12 @@ from typing import Any
 from dsv4_backend.errors import ConfigError
 
 SUPPORTED_RATIOS = (0, 4, 128)
+#: Ratios with compressed caches, state rings and per-ratio metadata (0 is window only).
+COMPRESSED_RATIOS = (4, 128)
 REQUIRED_PAGE_SIZE = 256
 SWA_PAGE_SIZE = 128
 #: Window page indices are padded to a multiple of this many columns.
 SWA_INDEX_ALIGN = 64
-
-
-def _ring_rows(ratio: int, speculative: bool) -> int:
-    base = 2 * ratio if ratio == 4 else ratio
-    return 2 * base if speculative else base
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,16 +104,22 @@ class DSV4AttentionConfig:
 
     @property
     def nope_dim(self) -> int:
+        """``D - R``: the head dims without RoPE (448 for Flash, 64 tiny)."""
         return self.head_dim - self.rope_dim
 
     def ring_rows(self, ratio: int) -> int:
         """Rows of a compressor state ring: c4 8 (16 speculative), c128 128 (256)."""
-        if ratio not in (4, 128):
-            raise ConfigError(f"ratio={ratio}; state rings exist for ratios 4 and 128")
-        return _ring_rows(ratio, self.speculative)
+        if ratio not in COMPRESSED_RATIOS:
+            raise ConfigError(f"ratio={ratio}; state rings exist for ratios {COMPRESSED_RATIOS}")
+        base = 2 * ratio if ratio == 4 else ratio  # c4 entries overlap the previous block
+        return 2 * base if self.speculative else base
 
     def entries_per_page(self, ratio: int) -> int:
         """Compressed entries per full page: 64 for c4, 2 for c128."""
+        if ratio not in COMPRESSED_RATIOS:
+            raise ConfigError(
+                f"ratio={ratio}; compressed caches exist for ratios {COMPRESSED_RATIOS}"
+            )
         return self.page_size // ratio
 
     # ------------------------------------------------------------------------ constructors

@@ -7,8 +7,6 @@ Reads package metadata for versions; imports torch (GPU check), tvm (llvm check)
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 import platform
 from collections.abc import Callable, Iterable, Sequence
@@ -17,7 +15,7 @@ from importlib import metadata
 from dsv4_backend import _versions
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.sglang_adapter import factory
-from dsv4_backend.sglang_adapter.factory import BACKEND_MODULE, BACKEND_NAME, BUILTIN_NAME
+from dsv4_backend.sglang_adapter.factory import BACKEND_NAME, BUILTIN_NAME
 
 #: (label, distribution) of each package whose version the report prints.
 PACKAGES = (
@@ -27,9 +25,6 @@ PACKAGES = (
     ("flashinfer", "flashinfer-python"),
     ("sglang", "sglang"),
 )
-#: The per-op dispatch table, once the kernels provide one: ``describe_paths()`` returns
-#: ``(op, path, reason)`` rows.
-DISPATCH_MODULE = "dsv4_backend.kernels.dispatch"
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 ENTRY_POINT_NAME = "dsv4_backend"
 NO_GPU = "no CUDA GPU visible to torch"
@@ -133,13 +128,10 @@ def _flashinfer(gpu: str | None) -> tuple[bool, str]:
 
 
 def _dispatch_lines() -> list[str]:
-    try:
-        dispatch = importlib.import_module(DISPATCH_MODULE)
-    except ModuleNotFoundError as exc:
-        if exc.name != DISPATCH_MODULE:
-            raise
-        return [f"  not available yet (no module {DISPATCH_MODULE}); see the paths above"]
-    return _table(dispatch.describe_paths())
+    """The ``(op, path, reason)`` rows of the kernels' dispatch table."""
+    from dsv4_backend.kernels.dispatch import describe_paths
+
+    return _table(describe_paths())
 
 
 def _registry_lines() -> list[str]:
@@ -158,8 +150,6 @@ def _registry_lines() -> list[str]:
     ]
     if not ours:
         rows.append(("why", _why_not_registered()))
-    elif importlib.util.find_spec(BACKEND_MODULE) is None:
-        rows.append(("note", f"building dsv4 raises MissingBackendError: no {BACKEND_MODULE}"))
     return _table(rows)
 
 

@@ -236,6 +236,29 @@ def test_triton_interpreter_equals_torch(layer: Layer) -> None:
     torch.testing.assert_close(rings[0], rings[1], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("path", [TORCH, INTERP])
+def test_strided_pool_indices(path: str) -> None:
+    """A strided ``req_pool_indices`` view is read through its stride (ring slots 3 and 1)."""
+    reqs = [make_request(C4, 12, 0, seed=s) for s in (11, 12)]
+    kv, score = torch.cat([r.kv for r in reqs]), torch.cat([r.score for r in reqs])
+    batch_ids = torch.arange(2).repeat_interleave(12).int()
+    positions = torch.arange(12).repeat(2)
+    plans = compute_compress_plans(
+        batch_ids, positions, torch.zeros(24, dtype=torch.int64),
+        torch.full((24,), 12, dtype=torch.int32), 4,
+    )  # fmt: skip
+    rope = rope_for_ratio(CONFIG, 4)
+    rings = []
+    for pool_indices in (torch.tensor([3, 1]), torch.tensor([3, 0, 1, 2])[::2]):
+        state = CompressorState.allocate(CONFIG, 4, C4.head_dim, 4)
+        with dispatch.force_path(path):
+            compress_forward(state, kv, score, C4.ape, C4.norm_weight, rope, pool_indices,
+                             positions, *plans)  # fmt: skip
+        rings.append(state.ring)
+    assert torch.isfinite(rings[0][[1, 3], :4]).all()  # positions 8-11 kept in slots 3 and 1
+    torch.testing.assert_close(rings[1], rings[0], atol=0, rtol=0)
+
+
 def test_state_reset_and_allocation_sizes() -> None:
     for config, rows in ((CONFIG, {4: 8, 128: 128}), (SPEC_CONFIG, {4: 16, 128: 256})):
         for ratio, width in ((4, 4 * 128), (128, 2 * 128)):
@@ -246,6 +269,7 @@ def test_state_reset_and_allocation_sizes() -> None:
     state.ring.fill_(1.0)
     state.reset(torch.tensor([1]))
     assert (state.ring[0] == 1).all() and (state.ring[1, :, 128:] == float("-inf")).all()
+    assert not state.ring[1, :, :128].any()
 
 
 @pytest.mark.parametrize(

@@ -26,6 +26,7 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.planning import per_step_draft_out_cache_loc
 from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
@@ -88,7 +89,13 @@ class Loop:
         """Draft, verify (all accepted), draft extend, one decode."""
         step = self.batches.draft(self.requests, self.lens, NUM_STEPS)
         self.plan(self.draft, step)
+        # Planned from the whole buffer; then, as sglang's draft_forward does, each step's
+        # forward sees only its own slots in out_cache_loc (the plan must not re-read it).
+        per_step = per_step_draft_out_cache_loc(
+            step.batch.out_cache_loc, len(self.requests), 1, NUM_STEPS
+        )
         for i in range(NUM_STEPS - 1):  # the last step only samples
+            step.batch.out_cache_loc = per_step[i]
             self.run(self.draft.attn_backends[i], step)
             step = self.batches.advance(step)
 

@@ -123,15 +123,16 @@ def test_triton_scores_match_torch_and_brute_force(fmt, cache_dtype, q_dtype):
     assert torch.equal(torch.isfinite(ref), finite)
 
 
-def test_scores_clamp_candidates_to_columns_and_strided_queries():
+def test_scores_clamp_candidates_to_columns_and_strided_inputs():
     b = make_batch(2)
     q = torch.randn(HI, len(SEQ_LENS), DI).transpose(0, 1)  # non-contiguous [T, HI, DI]
+    num = torch.stack([b.num, b.num.flip(0)], dim=1)[:, 0]  # non-contiguous [T]
     cache = b.cache("dense")
     cols = 20  # fewer columns than some rows' candidates
     with force_path(TRITON_INTERPRETER):
-        tri = indexer.index_scores(q, b.w, cache, b.page_table, b.num, cols)
+        tri = indexer.index_scores(q, b.w, cache, b.page_table, num, cols)
     with force_path(TORCH):
-        ref = indexer.index_scores(q, b.w, cache, b.page_table, b.num, cols)
+        ref = indexer.index_scores(q, b.w, cache, b.page_table, num, cols)
     torch.testing.assert_close(tri, ref, atol=1e-5, rtol=1e-5)
     assert torch.equal(torch.isfinite(ref).sum(1), b.num.clamp(max=cols).long())
 

@@ -54,9 +54,7 @@ def assert_plans_equal(got: tuple, want: tuple) -> None:
         assert torch.equal(g, w), f"{name} differs:\n{g}\nvs torch\n{w}"
 
 
-requests = st.lists(
-    st.tuples(st.integers(0, 1100), st.integers(1, 400)), min_size=0, max_size=8
-)
+requests = st.lists(st.tuples(st.integers(0, 1100), st.integers(1, 400)), min_size=0, max_size=8)
 
 
 # -------------------------------------------------------------------- TVM compress plans
@@ -213,8 +211,9 @@ def row_inputs(
     boundary = torch.randint(1, page_width * 256 // ratio + 3, (rows,), generator=g) * ratio - 1
     pick = torch.randint(0, 3, (rows,), generator=g)
     positions = torch.where(pick == 0, boundary, positions)
-    positions = torch.where(pick == 1, boundary + torch.randint(-1, 2, (rows,), generator=g),
-                            positions).clamp(min=0)
+    positions = torch.where(
+        pick == 1, boundary + torch.randint(-1, 2, (rows,), generator=g), positions
+    ).clamp(min=0)
     raw_out_loc = torch.randint(0, 1 << 40, (rows,), generator=g)
     page_table = torch.randperm(1 << 16, generator=g)[: rows * page_width]
     return positions, raw_out_loc, page_table.reshape(rows, page_width).to(torch.int32)
@@ -287,3 +286,17 @@ def test_row_fields_torch_path_and_contract_errors() -> None:
         row_fields(positions, raw_out_loc, page_table[:, :0], **kw)
     with pytest.raises(ConfigError, match="ratio=2"):
         row_fields(positions, raw_out_loc, page_table, ratio=2, index_topk=16, c128_width=5)
+
+
+def test_forced_paths_and_their_refusals() -> None:
+    cpu = torch.device("cpu")
+    with dispatch.force_path(dispatch.TORCH):
+        assert dispatch.select_path(cpu) == dispatch.TORCH and not dispatch.use_triton(cpu)
+        refused = pytest.raises(ConfigError, match="'triton' was forced for tensors on cpu")
+        with dispatch.force_path(dispatch.TRITON), refused:  # the innermost block wins
+            dispatch.select_path(cpu)
+        assert dispatch.select_path(cpu) == dispatch.TORCH
+    unknown = pytest.raises(ConfigError, match=r"unknown kernel path 'cuda'; expected one of \(")
+    with unknown, dispatch.force_path("cuda"):
+        pass
+    assert dispatch.select_path("meta") == dispatch.TORCH

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 from planning_spec import BatchSpec, assert_same, expected_metadata, flatten, make_batch
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import BatchError, ConfigError
+from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.planning import (
     GRAPH_KINDS,
     BatchView,
@@ -325,3 +327,54 @@ def test_bad_widths_and_ratios() -> None:
         compute_compress_plans(one.int(), one, one, one.int() + 1, 8)
     with pytest.raises(ConfigError, match=r"row fields ratio=0; expected one of \(4, 128\)"):
         compute_row_fields(one, one, one.int()[None], ratio=0, index_topk=16, c128_width=1)
+
+
+def test_idle_plans_eagerly_on_any_device() -> None:
+    """An IDLE batch (no requests) needs no host lengths: its empty shape sizes the plan.
+
+    (It used to demand ``seq_lens_cpu`` when its tensors were off the CPU, so eager IDLE
+    batches on CUDA, which sglang builds without host lengths, failed to plan.)
+    """
+    empty = torch.zeros(0, dtype=torch.int64, device="meta")
+    batch = BatchView(
+        kind=ForwardKind.IDLE,
+        req_pool_indices=empty,
+        seq_lens=empty,
+        out_cache_loc=empty,
+        req_to_token=torch.zeros(4, 512, dtype=torch.int32, device="meta"),
+    )
+    assert batch.host_seq_lens == []
+    meta = plan(CONFIG, batch)
+    assert meta.num_rows == 0 and meta.page_table.shape == (0, 1)
+    assert meta.c128.page_indices.shape == (0, 1) and meta.c4.compress_plan.shape == (0, 4)
+
+
+def test_batch_tensors_on_another_device() -> None:
+    with pytest.raises(BatchError, match="out_cache_loc is on meta but req_to_token is on cpu"):
+        _decode(out_cache_loc=torch.zeros(2, dtype=torch.int64, device="meta"))
+    with pytest.raises(BatchError, match="seq_lens_cpu is on meta; host lengths must be CPU"):
+        _decode(seq_lens_cpu=torch.tensor([5, 300], device="meta"))
+
+
+def test_metadata_refuses_rows_and_ratios_it_does_not_hold() -> None:
+    meta = plan(CONFIG, _decode())
+    with pytest.raises(ContractError, match=r"field c128.out_loc has 1 rows, expected num_rows=2"):
+        dataclasses.replace(meta, c128=dataclasses.replace(meta.c128, out_loc=meta.c4.out_loc[:1]))
+    with pytest.raises(ContractError, match="field page_table has 3 rows, expected num_rows=2"):
+        dataclasses.replace(meta, page_table=torch.zeros(3, 2, dtype=torch.int32))
+    assert meta.compressed(0) is None and meta.compressed(128) is meta.c128
+    with pytest.raises(ContractError, match="ratio=2; expected a layer's compress ratio 0, 4"):
+        meta.compressed(2)
+
+
+def test_config_sizes_per_ratio() -> None:
+    assert [CONFIG.ring_rows(4), CONFIG.ring_rows(128)] == [8, 128]
+    speculative = DSV4AttentionConfig.tiny(speculative=True)
+    assert [speculative.ring_rows(4), speculative.ring_rows(128)] == [16, 256]
+    assert [CONFIG.entries_per_page(4), CONFIG.entries_per_page(128)] == [64, 2]
+    with pytest.raises(
+        ConfigError, match=r"ratio=0; compressed caches exist for ratios \(4, 128\)"
+    ):
+        CONFIG.entries_per_page(0)
+    with pytest.raises(ConfigError, match=r"ratio=0; state rings exist for ratios \(4, 128\)"):
+        CONFIG.ring_rows(0)

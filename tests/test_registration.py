@@ -155,15 +155,13 @@ def test_draft_factory_entries_build_this_packages_backends(
     loaded: dict[str, Any], kind: str, module: str
 ) -> None:
     """The entry is ours, and calling it reaches ``module``'s class: with the probe's stand-in
-    runner that class either builds, or raises from inside ``module``; without ``module`` the
-    call raises MissingBackendError naming it."""
+    runner that class either builds, or raises from inside ``module`` (a missing module's
+    MissingBackendError is tested with ``adapter_class`` below)."""
     assert loaded["draft_functions"][kind].startswith("dsv4_backend.")
     call = loaded["draft_calls"][kind]
     spec = importlib.util.find_spec(module)
-    if spec is None:
-        assert call["error"] == "dsv4_backend.errors.MissingBackendError"
-        assert module in call["message"]
-    elif "error" in call:
+    assert spec is not None, f"{module} is not installed"
+    if "error" in call:
         assert spec.origin in call["files"], call
     else:
         assert call["stamp"] == "dsv4"

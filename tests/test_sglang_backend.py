@@ -47,7 +47,6 @@ def make_backend(pool: PagedRequestPool, **runner_kwargs) -> DSV4AttentionBacken
     return backend
 
 
-
 def idle_batch() -> ForwardBatch:
     """An sglang IDLE batch: no requests, no rows."""
     empty = torch.zeros(0, dtype=torch.int64)
@@ -55,6 +54,7 @@ def idle_batch() -> ForwardBatch:
         forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=None, req_pool_indices=empty,
         seq_lens=empty, out_cache_loc=empty, seq_lens_sum=0,
     )  # fmt: skip
+
 
 def test_backend_is_an_sglang_backend_exposing_its_pools(pool: PagedRequestPool) -> None:
     backend = make_backend(pool)
@@ -129,13 +129,22 @@ def test_every_supported_mode_maps_to_its_kind(pool: PagedRequestPool) -> None:
     view = lambda step, **kw: batch_view(  # noqa: E731
         step.batch, req_to_token=r2t, full_to_swa=pool.full_to_swa, num_draft_tokens=4, **kw
     )
-    assert view(builder.extend([0, 1], [0, 3], [5, 2])).kind is ForwardKind.EXTEND
-    assert view(builder.decode([0, 1], [6, 6])).kind is ForwardKind.DECODE
-    verify = view(builder.verify([0, 1], [6, 6], 4))
-    assert verify.kind is ForwardKind.TARGET_VERIFY and verify.num_rows == 8
+    steps = {
+        ForwardMode.EXTEND: (builder.extend([0, 1], [0, 3], [5, 2]), ForwardKind.EXTEND),
+        ForwardMode.DECODE: (builder.decode([0, 1], [6, 6]), ForwardKind.DECODE),
+        ForwardMode.TARGET_VERIFY: (builder.verify([0, 1], [6, 6], 4), ForwardKind.TARGET_VERIFY),
+        ForwardMode.DRAFT_EXTEND_V2: (
+            builder.draft_extend([0, 1], [6, 9], 4), ForwardKind.DRAFT_EXTEND
+        ),
+    }
+    for mode, (step, kind) in steps.items():
+        assert step.batch.forward_mode is mode  # the harness builds sglang's own modes
+        assert view(step).kind is kind
+    verify = view(steps[ForwardMode.TARGET_VERIFY][0])
+    assert verify.num_rows == 8
     # DRAFT_EXTEND_V2: sglang passes seq_lens = L + n; the prefix is L.
-    extend = view(builder.draft_extend([0, 1], [6, 9], 4))
-    assert extend.kind is ForwardKind.DRAFT_EXTEND and extend.extend_prefix_lens == [6, 9]
+    extend = view(steps[ForwardMode.DRAFT_EXTEND_V2][0])
+    assert extend.extend_prefix_lens == [6, 9]
     idle = idle_batch()
     assert view(harness.Step(idle, [])).num_rows == 0
 
@@ -158,11 +167,20 @@ def test_per_step_slots_equal_sglangs(bs: int, topk: int, steps: int) -> None:
     assert ours.is_contiguous() and ours.stride() == (bs * topk, 1)
 
 
-def test_draft_step_plans_its_own_slot_and_causal_length(pool: PagedRequestPool) -> None:
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_draft_step_plans_its_own_slot_and_causal_length(
+    pool: PagedRequestPool, graph: bool
+) -> None:
     runner = harness.mock_runner(pool, HF)
     draft = DSV4MultiStepDraftBackend(runner, 1, 3, cache_format="dense")
     step = harness.BatchBuilder(pool).draft([0, 1], [130, 257], 3)
-    draft.init_forward_metadata(step.batch)
+    if graph:
+        draft.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
+        # The last step only samples: it gets no graph buffers.
+        assert draft.attn_backends[2].graph_buffers is None
+        draft.init_forward_metadata_out_graph(step.batch)
+    else:
+        draft.init_forward_metadata(step.batch)
     assert draft.attn_backends[2].forward_metadata is None  # the last step only samples
     per_step = per_step_draft_out_cache_loc(step.batch.out_cache_loc, 2, 1, 3)
     for i, backend in enumerate(draft.attending_backends):
@@ -216,6 +234,30 @@ def test_graph_planning_needs_the_graph_state(pool: PagedRequestPool) -> None:
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
     backend.init_forward_metadata_out_graph(step.batch)
     assert backend.forward_metadata.page_table.shape == (2, backend.graph_buffers.widths.page_table)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_planning_resets_the_rings_of_requests_starting_at_zero(
+    pool: PagedRequestPool, graph: bool
+) -> None:
+    """Pool rows are reused: a request (re)starting at position 0 must not see the rings of
+    the row's earlier request, on either planning path."""
+    backend = make_backend(pool)
+    rings = [*backend.state.compressor_states.values(), *backend.state.indexer_states.values()]
+    for state in rings:
+        state.ring.fill_(7.0)  # an earlier request's state in every pool row
+    step = harness.BatchBuilder(pool).extend([0, 1], [0, 3], [5, 2])
+    if graph:
+        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
+        backend.init_forward_metadata_out_graph(step.batch)
+    else:
+        backend.init_forward_metadata(step.batch)
+    fresh, continuing = pool.pool_index(0), pool.pool_index(1)
+    for state in rings:
+        half = state.ring.shape[-1] // 2
+        assert (state.ring[fresh, :, :half] == 0).all()
+        assert (state.ring[fresh, :, half:] == float("-inf")).all()
+        assert (state.ring[continuing] == 7.0).all()
 
 
 # ---------------------------------------------------------------------------- seed failures

@@ -15,6 +15,7 @@ each softmax weight by a factor within ``exp(+-2 delta)``, and the output by at 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,6 +27,8 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.sparse_attention import (
+    MAX_SPLITS,
+    _default_num_splits,
     sparse_attention_torch,
     sparse_attention_triton,
     sparse_attention_with_sink,
@@ -393,3 +396,17 @@ def test_bad_input_is_refused(change, error, text):
 def test_bad_split_count_is_refused():
     with pytest.raises(BatchError, match="num_splits=40"):
         sparse_attention_triton(**_valid_args(), num_splits=40)
+    with pytest.raises(BatchError, match="num_splits=0"):  # not taken as "pick one"
+        sparse_attention_triton(**_valid_args(), num_splits=0)
+
+
+def test_default_split_count_on_a_gpu(monkeypatch):
+    """The CUDA split heuristic (its device query stubbed): about two programs per SM, never
+    more splits than key blocks or ``MAX_SPLITS``, and an empty batch (0 rows) is fine."""
+    props = SimpleNamespace(multi_processor_count=132)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    cuda = torch.device("cuda")
+    assert _default_num_splits(1, 64, 640, 32, cuda) == 20  # 4 programs; 20 key blocks
+    assert _default_num_splits(1, 64, 4096, 32, cuda) == MAX_SPLITS
+    assert _default_num_splits(512, 64, 640, 32, cuda) == 1
+    assert 1 <= _default_num_splits(0, 64, 640, 32, cuda) <= MAX_SPLITS

@@ -160,6 +160,7 @@ def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
 def _atol(values: list[str]) -> dict[str, float]:
     """``["1e-4", "verify=2e-4"]`` -> ``{"*": 1e-4, "verify": 2e-4}``."""
     from dsv4_backend.ab.runner import check_atol_keys
+    from dsv4_backend.ab.trace import MODES
 
     out = {}
     for value in values:
@@ -171,8 +172,8 @@ def _atol(values: list[str]) -> dict[str, float]:
     unknown = check_atol_keys(out)
     if unknown:
         raise ConfigError(
-            f"--atol names {unknown}; expected a mode (prefill, draft, verify, draft_extend, "
-            "decode) or mode/path (e.g. verify/graph)"
+            f"--atol names {unknown}; expected a mode ({', '.join(MODES)}) or mode/path "
+            "(e.g. verify/graph)"
         )
     return out
 

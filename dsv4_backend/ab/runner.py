@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dsv4_backend.ab.backends import Backend, StepOutput
-from dsv4_backend.ab.trace import MODES, Step, Trace
+from dsv4_backend.ab.trace import MODES, PATHS, Step, Trace
 
 #: Default absolute tolerance per device type: float32 dense caches on the CPU differ from the
 #: reference by summation order only; on CUDA the attention dots run on TF32 tensor cores.
@@ -101,7 +101,7 @@ def resolve_atol(
 
 def check_atol_keys(overrides: Mapping[str, float]) -> list[str]:
     """Keys of ``overrides`` that name no mode or label (for the CLI's error message)."""
-    known = {"*", *MODES} | {f"{m}/{p}" for m in MODES for p in ("eager", "graph")}
+    known = {"*", *MODES} | {f"{m}/{p}" for m in MODES for p in PATHS}
     return [key for key in overrides if key not in known]
 
 

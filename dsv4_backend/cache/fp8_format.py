@@ -235,10 +235,6 @@ class Fp8IndexerLayout(_PagedBytes):
             )
 
     @property
-    def head_dim(self) -> int:
-        return self.dim
-
-    @property
     def token_bytes(self) -> int:
         return self.dim
 

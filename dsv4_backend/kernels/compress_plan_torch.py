@@ -17,6 +17,12 @@ from dsv4_backend.errors import ConfigError
 COMPRESS_SPAN = {4: 8, 128: 128}
 
 
+def check_plan_ratio(ratio: int) -> None:
+    """Raise ``ConfigError`` unless ``ratio`` has plans (4 or 128)."""
+    if ratio not in COMPRESS_SPAN:
+        raise ConfigError(f"compress plan ratio={ratio}; expected one of {tuple(COMPRESS_SPAN)}")
+
+
 def _compact(records: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Rows of ``records`` [T, 4] where ``valid`` [T] bool, first and in order; then -1 rows."""
     rows = records.shape[0]
@@ -55,8 +61,7 @@ def compute_compress_plans(
     plan rows with ``position >= (seq_len // ratio) * ratio`` (``- ratio`` for ratio 4).
     ``window_len = min(span, position - first_new_position + 1)`` with span 8 (c4) / 128 (c128).
     """
-    if ratio not in COMPRESS_SPAN:
-        raise ConfigError(f"compress plan ratio={ratio}; expected one of {tuple(COMPRESS_SPAN)}")
+    check_plan_ratio(ratio)
     positions = positions.long()
     ragged_ids = torch.arange(positions.shape[0], device=positions.device)
     window_len = torch.clamp(positions - first_new_positions + 1, max=COMPRESS_SPAN[ratio])

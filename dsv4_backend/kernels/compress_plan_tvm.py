@@ -35,8 +35,12 @@ from typing import Any
 
 import torch
 
-from dsv4_backend.errors import ConfigError, ContractError
-from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN, compute_compress_plans
+from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels.compress_plan_torch import (
+    COMPRESS_SPAN,
+    check_plan_ratio,
+    compute_compress_plans,
+)
 
 #: Name of the symbolic row count in the kernel signature (and in its error messages).
 SYMBOLIC_DIM = "num_rows"
@@ -44,22 +48,16 @@ SYMBOLIC_DIM = "num_rows"
 CUDA_THREADS = 1024
 #: Virtual threads of the CPU kernel: one is a plain serial scan, the fastest on a CPU core.
 CPU_THREADS = 1
-#: Tensor arguments, in the kernel's order: 4 inputs ``[T]``, 2 outputs ``[T, 4]`` (then the
-#: scalars ``ratio`` and ``span``).
-KERNEL_ARGS = (
-    "row_batch_ids",
-    "positions",
-    "first_new_positions",
-    "request_seq_lens",
-    "compress_plan",
-    "write_plan",
-)
+#: The ``[T]`` inputs, in the kernel's order, and their dtypes.
 _INPUT_DTYPES = {
     "row_batch_ids": torch.int32,
     "positions": torch.int64,
     "first_new_positions": torch.int64,
     "request_seq_lens": torch.int32,
 }
+#: Tensor arguments, in the kernel's order: 4 inputs ``[T]``, 2 outputs ``[T, 4]`` (then the
+#: scalars ``ratio`` and ``span``).
+KERNEL_ARGS = (*_INPUT_DTYPES, "compress_plan", "write_plan")
 
 
 # -------------------------------------------------------------------------------- kernel
@@ -180,7 +178,7 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
                         scan_write(t, counts, partial)
                         T.tvm_storage_sync("shared")
                     emit(t, num_rows, chunk, ratio, span, overlap, ins, compress_plan, write_plan,
-                         counts)
+                         counts)  # fmt: skip
                     pad(t, num_rows, compress_plan, write_plan, counts)
         else:
             counts = T.alloc_buffer((2, nt + 1), "int32")
@@ -193,8 +191,9 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
                 for t in T.serial(nt):
                     scan_write(t, counts, partial)
             for t in T.serial(nt):
-                emit(t, num_rows, chunk, ratio, span, overlap, ins, compress_plan, write_plan,
-                     counts)
+                emit(
+                    t, num_rows, chunk, ratio, span, overlap, ins, compress_plan, write_plan, counts
+                )
             for t in T.serial(nt):
                 pad(t, num_rows, compress_plan, write_plan, counts)
 
@@ -270,7 +269,7 @@ def launch_compress_plan_kernel(
     ``positions`` int64, ``first_new_positions`` int64, ``request_seq_lens`` int32; outputs
     ``[T, 4]`` int32; ``ratio`` 4 or 128. On CUDA the kernel runs on torch's current stream.
     """
-    _check_ratio(ratio)
+    check_plan_ratio(ratio)
     args = (row_batch_ids, positions, first_new_positions, request_seq_lens, compress_plan,
             write_plan)  # fmt: skip
     kernel, on_cuda = _kernel_for(positions.device)
@@ -320,25 +319,15 @@ def compress_plans_tvm(
     ``(compress_plan, write_plan)``, each ``[T, 4]`` int32. Tensors that disagree on ``T``
     raise ``ContractError``; a bad ratio ``ConfigError``.
     """
-    _check_ratio(ratio)
-    tensors = {
-        "row_batch_ids": row_batch_ids,
-        "positions": positions,
-        "first_new_positions": first_new_positions,
-        "request_seq_lens": request_seq_lens,
-    }
+    check_plan_ratio(ratio)
+    inputs = (row_batch_ids, positions, first_new_positions, request_seq_lens)
+    tensors = dict(zip(_INPUT_DTYPES, inputs, strict=True))
     _check_inputs(tensors)
     rows = positions.shape[0]
     compress_plan = torch.empty(rows, 4, dtype=torch.int32, device=positions.device)
     write_plan = torch.empty_like(compress_plan)
-    inputs = (t.contiguous() for t in tensors.values())
-    launch_compress_plan_kernel(*inputs, compress_plan, write_plan, ratio)
+    launch_compress_plan_kernel(*(t.contiguous() for t in inputs), compress_plan, write_plan, ratio)
     return compress_plan, write_plan
-
-
-def _check_ratio(ratio: int) -> None:
-    if ratio not in COMPRESS_SPAN:
-        raise ConfigError(f"compress plan ratio={ratio}; expected one of {tuple(COMPRESS_SPAN)}")
 
 
 # ---------------------------------------------------------------------------- dispatcher

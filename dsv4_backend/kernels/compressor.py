@@ -385,8 +385,9 @@ def compress_forward(
     """
     _check(state, kv_proj, score_proj, ape, norm_weight, req_pool_indices, positions,
            compress_plan, write_plan)  # fmt: skip
+    # The kernels step channels and batch ids with unit stride (no-ops when already so).
     args = (state, kv_proj.contiguous(), score_proj.contiguous(), ape.contiguous(),
-            req_pool_indices)  # fmt: skip
+            req_pool_indices.contiguous())  # fmt: skip
     if dispatch.use_triton(kv_proj.device):
         pooled = _pool_triton(*args, compress_plan.contiguous())
         _write_triton(*args, write_plan.contiguous())

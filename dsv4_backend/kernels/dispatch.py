@@ -18,6 +18,8 @@ from collections.abc import Iterator
 
 import torch
 
+from dsv4_backend.errors import ConfigError
+
 TRITON = "triton"
 TRITON_INTERPRETER = "triton-interpreter"
 TORCH = "torch"
@@ -57,14 +59,14 @@ def select_path(device: torch.device | str) -> str:
     if _forced:
         forced = _forced[-1]
         if forced == TRITON and device.type != "cuda":
-            raise RuntimeError(
+            raise ConfigError(
                 f"path {TRITON!r} was forced for tensors on {device}; compiled Triton kernels "
                 f"need a CUDA device (use {TRITON_INTERPRETER!r} on the CPU)"
             )
         if forced == TRITON_INTERPRETER and not interpreter_enabled():
-            raise RuntimeError(
-                f"path {TRITON_INTERPRETER!r} needs TRITON_INTERPRET=1 set before triton is "
-                "imported"
+            raise ConfigError(
+                f"path {TRITON_INTERPRETER!r} was forced but needs TRITON_INTERPRET=1 set before "
+                "triton is imported"
             )
         return forced
     return _default_path(device)[0]
@@ -78,7 +80,7 @@ def use_triton(device: torch.device | str) -> bool:
 def force_path(path: str) -> Iterator[None]:
     """Run every op on ``path`` inside the block."""
     if path not in PATHS:
-        raise ValueError(f"unknown kernel path {path!r}; expected one of {PATHS}")
+        raise ConfigError(f"unknown kernel path {path!r}; expected one of {PATHS}")
     _forced.append(path)
     try:
         yield

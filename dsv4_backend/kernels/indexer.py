@@ -143,7 +143,10 @@ def _check_inputs(
     if keys.dim != dim:
         raise ContractError(f"the indexer key cache has dim {keys.dim}; q_idx has DI={dim}")
     if keys.fmt == "dense" and keys.storage.stride(1) != 1:
-        raise ContractError("the dense indexer key cache needs contiguous rows (stride(1) == 1)")
+        raise ContractError(
+            f"the dense indexer key cache has channel stride {keys.storage.stride(1)}; "
+            "expected contiguous rows (stride(1) == 1)"
+        )
     if max_candidates < 0:
         raise ContractError(f"max_candidates={max_candidates}; expected >= 0")
 
@@ -194,8 +197,7 @@ def _index_scores_triton(
     out = torch.empty(rows, max_candidates, dtype=torch.float32, device=q_idx.device)
     if rows == 0 or max_candidates == 0:
         return out
-    fp8 = keys.fmt == "fp8"
-    page_tokens = keys.layout.page_tokens if fp8 else C4_ENTRIES_PER_PAGE  # unused when dense
+    num_candidates = num_candidates.contiguous()  # read with unit stride
     grid = (rows, triton.cdiv(max_candidates, BLOCK_N))
     _indexer_scores_kernel[grid](
         q_idx, weights, keys.storage, page_table, num_candidates, out,
@@ -207,12 +209,12 @@ def _index_scores_triton(
         max_candidates,
         HI=heads,
         DIM=dim,
-        PAGE_TOKENS=page_tokens,
+        PAGE_TOKENS=keys.page_tokens,  # fp8 layout only
         E=C4_ENTRIES_PER_PAGE,
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N,
-        FP8=fp8,
+        FP8=keys.fmt == "fp8",
     )  # fmt: skip
     return out
 

@@ -10,10 +10,8 @@ from typing import NamedTuple
 
 import torch
 
-from dsv4_backend.config import REQUIRED_PAGE_SIZE
+from dsv4_backend.config import COMPRESSED_RATIOS, REQUIRED_PAGE_SIZE
 from dsv4_backend.errors import ConfigError
-
-RATIOS = (4, 128)
 
 
 class RowFields(NamedTuple):
@@ -55,8 +53,8 @@ def compute_row_fields(
     ``j``, ``page_table[t, j // 2] * 2 + j % 2``, for ``j < raw`` and -1 elsewhere (also where
     column ``j // 2`` lies beyond the table's ``Pw``: a page the table does not hold).
     """
-    if ratio not in RATIOS:
-        raise ConfigError(f"row fields ratio={ratio}; expected one of {RATIOS}")
+    if ratio not in COMPRESSED_RATIOS:
+        raise ConfigError(f"row fields ratio={ratio}; expected one of {COMPRESSED_RATIOS}")
     positions = positions.long()
     completes = (positions + 1) % ratio == 0
     out_loc = torch.where(completes, raw_out_loc.long() // ratio, -1)

@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.config import REQUIRED_PAGE_SIZE
+from dsv4_backend.config import COMPRESSED_RATIOS, REQUIRED_PAGE_SIZE
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.row_fields_torch import RATIOS, RowFields, compute_row_fields
+from dsv4_backend.kernels.row_fields_torch import RowFields, compute_row_fields
 
 #: Rows per program.
 BLOCK_T = 64
@@ -81,8 +81,7 @@ def _row_metadata_kernel(
     if tl.program_id(1) == 0:
         loc = tl.load(raw_out_loc_ptr + rows * stride_loc, mask=row_mask, other=0)
         completes = _floor_mod(next_len, RATIO) == 0
-        tl.store(out_loc_ptr + rows, tl.where(completes, _floor_div(loc, RATIO), -1),
-                 mask=row_mask)
+        tl.store(out_loc_ptr + rows, tl.where(completes, _floor_div(loc, RATIO), -1), mask=row_mask)
         raw32 = raw.to(tl.int32)
         clamp1 = tl.maximum(raw32, 1)
         sparse = tl.minimum(clamp1, index_topk) if RATIO == 4 else clamp1
@@ -118,8 +117,8 @@ def _check_inputs(
     index_topk: int,
     c128_width: int,
 ) -> None:
-    if ratio not in RATIOS:
-        raise ConfigError(f"row fields ratio={ratio}; expected one of {RATIOS}")
+    if ratio not in COMPRESSED_RATIOS:
+        raise ConfigError(f"row fields ratio={ratio}; expected one of {COMPRESSED_RATIOS}")
     if index_topk < 1 or c128_width < 0:
         raise ConfigError(
             f"index_topk={index_topk}, c128_width={c128_width}; expected >= 1 and >= 0"
@@ -209,9 +208,7 @@ def row_fields(
     """
     _check_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
     if dispatch.use_triton(positions.device):
-        return _row_fields_triton(
-            positions, raw_out_loc, page_table, ratio, index_topk, c128_width
-        )
+        return _row_fields_triton(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
     return compute_row_fields(
         positions, raw_out_loc, page_table, ratio=ratio, index_topk=index_topk,
         c128_width=c128_width,

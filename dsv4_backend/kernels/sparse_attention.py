@@ -350,7 +350,7 @@ def _default_num_splits(
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = rows * triton.cdiv(heads, BLOCK_H)
+    programs = max(1, rows * triton.cdiv(heads, BLOCK_H))  # rows may be 0 (nothing to split)
     return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(width, block_n), MAX_SPLITS))
 
 
@@ -389,14 +389,20 @@ def sparse_attention_triton(
         extra, extra_indices, extra_lengths = window, swa_indices, swa_lengths
     for name, cache in (("window", window), ("extra", extra)):
         if not cache.storage.is_contiguous():
-            raise BatchError(f"the {name} cache storage must be contiguous")
+            raise BatchError(
+                f"the {name} cache storage has strides {cache.storage.stride()}; the kernel "
+                "needs it contiguous"
+            )
     # The kernel steps index columns, lengths and sink with unit stride (no-ops when so).
     swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
     extra_indices, extra_lengths = extra_indices.contiguous(), extra_lengths.contiguous()
     sink = sink.contiguous()
     block_n, num_warps, num_stages = _launch_config(dim, "fp8" in (window.fmt, extra.fmt))
     width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
-    splits = num_splits or _default_num_splits(rows, heads, width, block_n, q.device)
+    if num_splits is None:
+        splits = _default_num_splits(rows, heads, width, block_n, q.device)
+    else:
+        splits = num_splits
     if not 1 <= splits <= MAX_SPLITS:
         raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
 
@@ -411,7 +417,7 @@ def sparse_attention_triton(
         m = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
         l_s = torch.empty_like(m)
         stride_ps, stride_mt, stride_mh = part.stride(2), m.stride(0), m.stride(1)
-    block_d = triton.next_power_of_2(dim)
+    block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs K >= 16 on a GPU
     grid = (rows, triton.cdiv(heads, BLOCK_H), splits)
     _sparse_attention_kernel[grid](
         q, window.storage, swa_indices, swa_lengths,

@@ -67,13 +67,14 @@ class DraftStep:
             )
 
 
-def _host_ints(values: torch.Tensor | Sequence[int] | None) -> list[int] | None:
+def _host_ints(name: str, values: torch.Tensor | Sequence[int] | None) -> list[int] | None:
+    """``values`` as a list of ints; ``name`` is the field, for the error message."""
     if values is None:
         return None
     if isinstance(values, torch.Tensor):
         if values.device.type != "cpu":
             raise BatchError(
-                f"host lengths must be CPU tensors or lists, got device {values.device}"
+                f"{name} is on {values.device}; host lengths must be CPU tensors or lists"
             )
         return [int(v) for v in values.tolist()]
     return [int(v) for v in values]
@@ -98,6 +99,8 @@ class BatchView:
     draft : the step of a multi-step draft, for DECODE only.
     full_to_swa : optional Tensor ``[full_pool_slots]`` int — window-cache slot of each full
         slot; identity when omitted.
+
+    The tensors all live on ``req_to_token``'s device; the host lengths are lists.
     """
 
     kind: ForwardKind
@@ -114,7 +117,7 @@ class BatchView:
 
     def __post_init__(self) -> None:
         for name in ("seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens"):
-            object.__setattr__(self, name, _host_ints(getattr(self, name)))
+            object.__setattr__(self, name, _host_ints(name, getattr(self, name)))
         bs = self.req_pool_indices.numel()
         if self.req_pool_indices.dim() != 1 or self.seq_lens.dim() != 1:
             raise BatchError(
@@ -131,6 +134,14 @@ class BatchView:
                 "req_to_token must be 2-D [pool_rows, max_context], got "
                 f"{tuple(self.req_to_token.shape)}"
             )
+        device = self.req_to_token.device
+        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "full_to_swa"):
+            tensor = getattr(self, name)
+            if tensor is not None and tensor.device != device:
+                raise BatchError(
+                    f"{name} is on {tensor.device} but req_to_token is on {device}; planning "
+                    "reads every batch tensor on one device"
+                )
         if self.seq_lens_cpu is not None and len(self.seq_lens_cpu) != bs:
             raise BatchError(f"seq_lens_cpu has {len(self.seq_lens_cpu)} entries, expected {bs}")
         if self.draft is not None and self.kind is not ForwardKind.DECODE:
@@ -153,6 +164,8 @@ class BatchView:
         """``seq_lens`` on the host when known without a device sync."""
         if self.seq_lens_cpu is not None:
             return list(self.seq_lens_cpu)
+        if self.seq_lens.numel() == 0:  # IDLE: its shape says it all, on any device
+            return []
         if self.seq_lens.device.type == "cpu":
             return [int(v) for v in self.seq_lens.tolist()]
         return None

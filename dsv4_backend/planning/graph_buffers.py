@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import PlanWidths
@@ -190,7 +190,7 @@ class GraphMetadataBuffers:
                 f"plan tensors are on {plan.row_batch_ids.device}, the buffers on {self.device}; "
                 "plan on the buffers' device"
             )
-        for ratio in (4, 128):
+        for ratio in COMPRESSED_RATIOS:
             if plan.compressed(ratio) is not None and ratio not in self.compressed:
                 raise ContractError(
                     f"plan has c{ratio} fields but the buffers' config has no ratio-{ratio} layers"

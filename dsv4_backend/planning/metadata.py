@@ -102,26 +102,23 @@ class AttentionMetadata:
 
     def __post_init__(self) -> None:
         rows = self.num_rows
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, torch.Tensor) and value.shape[0] != rows:
-                raise ContractError(
-                    f"metadata field {f.name} has {value.shape[0]} rows, expected num_rows={rows}"
-                )
-        for comp in (self.c4, self.c128):
-            if comp is None:
+        for prefix, part in (("", self), ("c4.", self.c4), ("c128.", self.c128)):
+            if part is None:
                 continue
-            for f in fields(comp):
-                value = getattr(comp, f.name)
+            for f in fields(part):
+                value = getattr(part, f.name)
                 if isinstance(value, torch.Tensor) and value.shape[0] != rows:
                     raise ContractError(
-                        f"metadata field c{comp.ratio}.{f.name} has {value.shape[0]} rows, "
-                        f"expected num_rows={rows}"
+                        f"metadata field {prefix}{f.name} has {value.shape[0]} rows, expected "
+                        f"num_rows={rows}"
                     )
 
     def compressed(self, ratio: int) -> CompressedMetadata | None:
         """The fields of ``ratio`` (0 gives None: window-only layers)."""
-        return {0: None, 4: self.c4, 128: self.c128}[ratio]
+        parts = {0: None, 4: self.c4, 128: self.c128}
+        if ratio not in parts:
+            raise ContractError(f"ratio={ratio}; expected a layer's compress ratio 0, 4 or 128")
+        return parts[ratio]
 
     def check_matches(self, *, batch_size: int, num_rows: int, where: str = "forward") -> None:
         """Raise ``ContractError`` unless this plan was made for a batch of these shapes.

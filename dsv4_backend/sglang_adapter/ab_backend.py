@@ -26,13 +26,13 @@ sglang's real KV pool, which the mock runner only stands in for.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 import torch
 
 from dsv4_backend.ab.backends import Backend, StepOutput
 from dsv4_backend.ab.trace import NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS, Step, Trace
 from dsv4_backend.errors import ConfigError
+from dsv4_backend.sglang_adapter import harness
 
 
 class SglangBackend(Backend):
@@ -68,8 +68,6 @@ class SglangBackend(Backend):
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
         from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
-        from dsv4_backend.sglang_adapter import harness
-
         self.device = device
         model = trace.build_model(device)
         pool = model.pool
@@ -96,26 +94,9 @@ class SglangBackend(Backend):
                 f"host: {type(exc).__name__}: {exc}"
             ) from exc
         self.model = harness.SimulatedModel(model)
-        self.builder = harness.BatchBuilder(pool)
-
-    def _forward_batch(self, step: Step) -> Any:
-        """The harness ``Step`` (ForwardBatch and rows) of ``step``."""
-        builder, requests, lens = self.builder, list(step.requests), list(step.lens)
-        if step.mode == "prefill":
-            return builder.extend(requests, lens, list(step.extend_lens))
-        if step.mode == "draft_extend":
-            return builder.draft_extend(requests, lens, NUM_DRAFT_TOKENS)
-        if step.mode == "decode":
-            return builder.decode(requests, lens)
-        if step.mode == "verify":
-            return builder.verify(requests, lens, NUM_DRAFT_TOKENS)
-        batch = builder.draft(requests, lens, NUM_DRAFT_STEPS)
-        for _ in range(step.step_id):
-            batch = builder.advance(batch)
-        return batch
 
     def run(self, step: Step) -> StepOutput:
-        sim_step = self._forward_batch(step)
+        sim_step = harness.forward_batch(step.batch(self.model.model.pool), step.rows())
         backend = self.target if step.mode != "draft" else self.draft.attn_backends[step.step_id]
         sync = torch.cuda.synchronize if self.device.type == "cuda" else lambda: None
         start = time.perf_counter()

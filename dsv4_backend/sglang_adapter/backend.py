@@ -181,6 +181,12 @@ class DSV4AttentionBackend(AttentionBackend):
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios
     or context parallelism.
+
+    Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
+    to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
+    hands the window keys to ``store_cache`` instead of writing its own pool). It is
+    process-wide: a DeepSeek-V4 model served by sglang's own backend in the same process (or
+    a child inheriting the environment) takes sglang's bf16-quant-source path too.
     """
 
     def __init__(
@@ -211,28 +217,34 @@ class DSV4AttentionBackend(AttentionBackend):
         self.state = shared_state(model_runner, self.config, cache_format)
         self.forward_metadata: AttentionMetadata | None = None
         self.graph_buffers: GraphMetadataBuffers | None = None
-        # The model writes window keys through store_cache only with this set (read per call).
+        # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
     # ------------------------------------------------------------------------- planning
-    def _view(self, fb: Any):
-        return batch_view(
-            fb,
+    def _plan(self, forward_batch: Any, widths: PlanWidths | None) -> AttentionMetadata:
+        """Plan ``forward_batch`` (the one planning body of the eager and the graph path).
+
+        Also resets the compressor rings of requests that (re)start at position 0: the
+        overlapping ratio-4 windows read ring rows before a request's first position, which
+        may still hold an earlier request's state (pool rows are reused).
+        """
+        view = batch_view(
+            forward_batch,
             req_to_token=self.req_to_token_pool.req_to_token,
             full_to_swa=getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None),
             num_draft_tokens=self.num_draft_tokens,
             draft=self.draft_step,
         )
+        metadata = plan(self.config, view, widths=widths)
+        if view.extend_prefix_lens is not None and metadata.c4 is not None:
+            fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
+            if fresh:
+                self.state.reset_requests(view.req_pool_indices[fresh])
+        return metadata
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
-        view = self._view(forward_batch)
-        self.forward_metadata = plan(self.config, view)
-        if view.extend_prefix_lens is not None and self.forward_metadata.c4 is not None:
-            fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
-            if fresh:  # a request (re)starting at position 0 must not read a stale ring
-                self.state.reset_requests(view.req_pool_indices[fresh])
-        self.init_forward_metadata_in_graph(forward_batch)
+        self.forward_metadata = self._plan(forward_batch, widths=None)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """CUDA graphs: plan with fixed widths and load the plan into the graph buffers.
@@ -245,7 +257,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 "init_forward_metadata_out_graph before init_cuda_graph_state: the graph "
                 "buffers do not exist yet"
             )
-        metadata = plan(self.config, self._view(forward_batch), widths=self.graph_buffers.widths)
+        metadata = self._plan(forward_batch, widths=self.graph_buffers.widths)
         self.forward_metadata = self.graph_buffers.load(metadata)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
@@ -317,6 +329,19 @@ class DSV4AttentionBackend(AttentionBackend):
             return
         where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
         metadata = self._metadata(forward_batch, x.shape[0], where)
+        self._compress(metadata, x, forward_batch, layer_id, compressor)
+
+    forward_indexer_compressor = forward_core_compressor
+
+    def _compress(
+        self,
+        metadata: AttentionMetadata,
+        x: torch.Tensor,
+        forward_batch: Any,
+        layer_id: int,
+        compressor: Any,
+    ) -> None:
+        """``forward_core_compressor``'s body, for a plan already checked against the batch."""
         kv_score = compressor.compute_kv_score(x, forward_batch).float()
         half = kv_score.shape[-1] // 2
         compress_and_store(
@@ -330,8 +355,6 @@ class DSV4AttentionBackend(AttentionBackend):
             compressor.norm.weight.float(),
             indexer=bool(compressor.is_in_indexer),
         )
-
-    forward_indexer_compressor = forward_core_compressor
 
     def forward_c4_indexer(
         self,
@@ -357,7 +380,7 @@ class DSV4AttentionBackend(AttentionBackend):
         layer_id = c4_indexer.layer_id
         metadata = self._metadata(forward_batch, x.shape[0], f"c4 indexer (layer {layer_id})")
         if not skip_compressor:
-            self.forward_indexer_compressor(x, forward_batch, layer_id, c4_indexer.compressor)
+            self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
         q, _ = c4_indexer.wq_b(q_lora)
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
         cos, sin = rope_cos_sin(self.config, 4, metadata.positions_causal)

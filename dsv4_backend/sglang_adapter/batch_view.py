@@ -33,19 +33,20 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from dsv4_backend.errors import BatchError
 from dsv4_backend.planning import BatchView, DraftStep, ForwardKind
 
-_KINDS = {
+#: The planner kind of each supported sglang forward mode.
+KIND_OF_MODE = {
     ForwardMode.IDLE: ForwardKind.IDLE,
     ForwardMode.DECODE: ForwardKind.DECODE,
     ForwardMode.EXTEND: ForwardKind.EXTEND,
     ForwardMode.TARGET_VERIFY: ForwardKind.TARGET_VERIFY,
     ForwardMode.DRAFT_EXTEND_V2: ForwardKind.DRAFT_EXTEND,
 }
-SUPPORTED_MODES = tuple(mode.name for mode in _KINDS)
+SUPPORTED_MODES = tuple(mode.name for mode in KIND_OF_MODE)
 
 
 def forward_kind(forward_mode: ForwardMode) -> ForwardKind:
     """The planner kind of an sglang forward mode; ``BatchError`` naming unsupported ones."""
-    kind = _KINDS.get(forward_mode)
+    kind = KIND_OF_MODE.get(forward_mode)
     if kind is None:
         raise BatchError(
             f"forward mode {getattr(forward_mode, 'name', forward_mode)} is not supported by the "

@@ -71,7 +71,8 @@ class DSV4MultiStepDraftBackend(AttentionBackend):
             backend.init_forward_metadata_in_graph(forward_batch)
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        for backend in self.attn_backends:
+        """Graph buffers for the attending steps only (the last step never plans)."""
+        for backend in self.attending_backends:
             backend.init_cuda_graph_state(max_bs, max_num_tokens)
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:

@@ -19,10 +19,12 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, DSV4AttentionConfig
+from dsv4_backend.planning import BatchView
 from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
+from dsv4_backend.sglang_adapter.batch_view import KIND_OF_MODE
 from dsv4_backend.simulation import PagedRequestPool, RandomModel
 
 Row = tuple[int, int] | None  # (request, position); None for a padding row
@@ -67,7 +69,7 @@ def mock_runner(
     pool: PagedRequestPool,
     hf_config: dict[str, Any],
     *,
-    page_size: int = 256,
+    page_size: int = REQUIRED_PAGE_SIZE,
     topk: int = 1,
     num_steps: int = 3,
     num_draft_tokens: int = 4,
@@ -109,7 +111,7 @@ def reserve_padding_slot(pool: PagedRequestPool) -> None:
 
     Call before ``mock_runner`` copies the page table.
     """
-    page = 256
+    page = REQUIRED_PAGE_SIZE
     owned = [pool.req_to_token[i + 1, : -(-n // page) * page] for i, n in enumerate(pool.max_lens)]
     used = {int(p) for cols in owned for p in (cols[::page] // page).tolist()}
     if 0 not in used:
@@ -128,76 +130,71 @@ class Step:
     rows: list[Row]
 
 
-def _long(values: Sequence[int], device: torch.device) -> torch.Tensor:
-    return torch.tensor(list(values), dtype=torch.int64, device=device)
+#: The sglang forward mode of each planner kind (the inverse of ``batch_view``'s mapping).
+FORWARD_MODES = {kind: mode for mode, kind in KIND_OF_MODE.items()}
+
+
+def forward_batch(view: BatchView, rows: Sequence[Row]) -> Step:
+    """The sglang ``ForwardBatch`` of a simulation ``view`` whose query rows are ``rows``.
+
+    Laid out as sglang's EAGLE v2 workers hand it over (``batch_view``'s table): a draft step's
+    ``out_cache_loc`` is the whole ``[bs, 1, num_steps]`` buffer and its ``positions`` are the
+    step's; extend kinds carry host and device extend lengths.
+    """
+    device = view.seq_lens.device
+    positions = torch.tensor([row[1] for row in rows], dtype=torch.int64, device=device)
+    extra: dict[str, Any] = {}
+    if view.extend_seq_lens is not None:
+        extra = dict(
+            extend_seq_lens=torch.tensor(view.extend_seq_lens, device=device),
+            extend_prefix_lens=torch.tensor(view.extend_prefix_lens, device=device),
+            extend_seq_lens_cpu=list(view.extend_seq_lens),
+            extend_prefix_lens_cpu=list(view.extend_prefix_lens),
+            extend_num_tokens=len(rows),
+        )
+    batch = ForwardBatch(
+        forward_mode=FORWARD_MODES[view.kind],
+        batch_size=view.batch_size,
+        input_ids=torch.zeros(len(rows), dtype=torch.int64, device=device),
+        req_pool_indices=view.req_pool_indices,
+        seq_lens=view.seq_lens,
+        seq_lens_cpu=torch.tensor(view.seq_lens_cpu, dtype=torch.int64),
+        seq_lens_sum=sum(view.seq_lens_cpu),
+        out_cache_loc=view.out_cache_loc,
+        positions=positions,
+        **extra,
+    )
+    return Step(batch, list(rows))
 
 
 class BatchBuilder:
-    """``ForwardBatch``es of every EAGLE v2 mode over the requests of ``pool``."""
+    """``ForwardBatch``es of every EAGLE v2 mode over the requests of ``pool`` (its views)."""
 
     def __init__(self, pool: PagedRequestPool) -> None:
         self.pool = pool
-        self.device = pool.device
-
-    def _batch(
-        self, mode: ForwardMode, requests: Sequence[int], seq_lens: Sequence[int],
-        out_cache_loc: torch.Tensor, positions: torch.Tensor, **extra: Any,
-    ) -> ForwardBatch:  # fmt: skip
-        return ForwardBatch(
-            forward_mode=mode,
-            batch_size=len(requests),
-            input_ids=torch.zeros(positions.numel(), dtype=torch.int64, device=self.device),
-            req_pool_indices=_long([self.pool.pool_index(r) for r in requests], self.device),
-            seq_lens=_long(seq_lens, self.device),
-            seq_lens_cpu=torch.tensor(list(seq_lens), dtype=torch.int64),
-            seq_lens_sum=sum(seq_lens),
-            out_cache_loc=out_cache_loc,
-            positions=positions,
-            **extra,
-        )
-
-    def _extend(
-        self, mode: ForwardMode, requests: Sequence[int], prefix: Sequence[int],
-        extend: Sequence[int],
-    ) -> Step:  # fmt: skip
-        rows = [(r, p + i) for r, p, e in zip(requests, prefix, extend, strict=True)
-                for i in range(e)]  # fmt: skip
-        seq_lens = [p + e for p, e in zip(prefix, extend, strict=True)]
-        loc = torch.cat([self.pool.slots(r, [p]) for r, p in rows])
-        positions = _long([p for _, p in rows], self.device)
-        batch = self._batch(
-            mode, requests, seq_lens, loc, positions,
-            extend_seq_lens=_long(extend, self.device),
-            extend_prefix_lens=_long(prefix, self.device),
-            extend_seq_lens_cpu=list(extend),
-            extend_prefix_lens_cpu=list(prefix),
-            extend_num_tokens=len(rows),
-        )  # fmt: skip
-        return Step(batch, list(rows))
 
     def extend(self, requests: Sequence[int], prefix: Sequence[int], extend: Sequence[int]) -> Step:
         """EXTEND (prefill, chunked when ``prefix > 0``)."""
-        return self._extend(ForwardMode.EXTEND, requests, prefix, extend)
+        rows = _extend_rows(requests, prefix, extend)
+        return forward_batch(self.pool.extend(requests, prefix, extend), rows)
 
     def draft_extend(self, requests: Sequence[int], seq_lens: Sequence[int], n: int) -> Step:
         """DRAFT_EXTEND_V2 after verify: ``n`` tokens each from committed ``seq_lens`` ``L``;
         sglang passes ``seq_lens = L + n``."""
-        return self._extend(ForwardMode.DRAFT_EXTEND_V2, requests, seq_lens, [n] * len(requests))
+        extend = [n] * len(requests)
+        view = self.pool.extend(requests, seq_lens, extend, draft_model=True)
+        return forward_batch(view, _extend_rows(requests, seq_lens, extend))
 
     def decode(self, requests: Sequence[int], seq_lens: Sequence[int]) -> Step:
         """DECODE: ``seq_lens`` include the decoded token."""
         rows = [(r, s - 1) for r, s in zip(requests, seq_lens, strict=True)]
-        loc = torch.cat([self.pool.slots(r, [p]) for r, p in rows])
-        positions = _long([p for _, p in rows], self.device)
-        return Step(self._batch(ForwardMode.DECODE, requests, seq_lens, loc, positions), rows)
+        return forward_batch(self.pool.decode(requests, seq_lens), rows)
 
     def draft(self, requests: Sequence[int], seq_lens: Sequence[int], num_steps: int) -> Step:
         """The multi-step draft batch (topk 1) at step 0: ``seq_lens = L``, ``positions = L``,
         ``out_cache_loc`` the whole ``[bs, 1, num_steps]`` buffer. ``advance`` moves a step."""
-        loc = self.pool.draft_out_cache_loc(requests, seq_lens, num_steps)
-        positions = _long(seq_lens, self.device)
         rows = [(r, s) for r, s in zip(requests, seq_lens, strict=True)]
-        return Step(self._batch(ForwardMode.DECODE, requests, seq_lens, loc, positions), rows)
+        return forward_batch(self.pool.draft_step(requests, seq_lens, num_steps, 0), rows)
 
     @staticmethod
     def advance(step: Step) -> Step:
@@ -208,10 +205,7 @@ class BatchBuilder:
     def verify(self, requests: Sequence[int], seq_lens: Sequence[int], n: int) -> Step:
         """TARGET_VERIFY: ``seq_lens = L``; rows ``L ... L + n - 1`` per request."""
         rows = [(r, s + i) for r, s in zip(requests, seq_lens, strict=True) for i in range(n)]
-        loc = torch.cat([self.pool.slots(r, [p]) for r, p in rows])
-        positions = _long([p for _, p in rows], self.device)
-        step = self._batch(ForwardMode.TARGET_VERIFY, requests, seq_lens, loc, positions)
-        return Step(step, list(rows))
+        return forward_batch(self.pool.verify(requests, seq_lens, n), rows)
 
     @staticmethod
     def pad(step: Step, runner: Any, extra_requests: int, rows_per_request: int) -> Step:
@@ -222,6 +216,12 @@ class BatchBuilder:
         batch._pad_inputs_to_size(runner, num_tokens, bs)
         batch.batch_size = bs
         return Step(batch, step.rows + [None] * (extra_requests * rows_per_request))
+
+
+def _extend_rows(
+    requests: Sequence[int], prefix: Sequence[int], extend: Sequence[int]
+) -> list[Row]:
+    return [(r, p + i) for r, p, e in zip(requests, prefix, extend, strict=True) for i in range(e)]
 
 
 # ---------------------------------------------------------------------- model stand-ins
