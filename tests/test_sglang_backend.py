@@ -86,6 +86,7 @@ def test_draft_worker_serves_the_window_only_mtp_layer(pool: PagedRequestPool) -
         ({"page_size": 128}, {}, "page_size=128"),
         ({"topk": 2}, {}, "speculative_eagle_topk=2"),
         ({"attn_cp_size": 2}, {}, "attn_cp_size=2"),
+        ({"disable_radix_cache": False}, {}, "--disable-radix-cache"),
         ({}, {"compress_ratios": [0, 4, 2, 128, 0]}, "compress_ratios contains [2]"),
     ],
 )

@@ -84,7 +84,8 @@ class RunnerSettings:
 
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
-        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``).
+        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``,
+        ``disable_radix_cache``).
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -108,6 +109,14 @@ class RunnerSettings:
                     f"{option}={size}; the dsv4 backend does not support context parallelism "
                     f"({flag} must be 1)"
                 )
+        if not getattr(args, "disable_radix_cache", False):
+            # Compressor state rings live per request pool row: a request that starts from a
+            # cached prefix of another request has no ring state for the prefix's last block.
+            raise ConfigError(
+                "disable_radix_cache=False; the dsv4 backend keeps compressor state per request "
+                "and cannot resume from a radix-cache prefix hit (start sglang with "
+                "--disable-radix-cache)"
+            )
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
         config = DSV4AttentionConfig.from_hf_config(

@@ -74,6 +74,7 @@ def mock_runner(
     num_steps: int = 3,
     num_draft_tokens: int = 4,
     attn_cp_size: int = 1,
+    disable_radix_cache: bool = True,
     is_draft_worker: bool = False,
 ) -> SimpleNamespace:
     """A model runner with a real ``ReqToTokenPool`` holding ``pool``'s page table."""
@@ -93,6 +94,7 @@ def mock_runner(
         attn_cp_size=attn_cp_size,
         dcp_size=1,
         page_size=page_size,
+        disable_radix_cache=disable_radix_cache,
     )
     return SimpleNamespace(
         device=device,
