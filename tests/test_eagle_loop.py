@@ -115,7 +115,16 @@ class Loop:
         step = self.batches.draft_extend(self.requests, self.lens, NUM_DRAFT)
         self.plan(self.target, step, graphable=False)
         assert self.target.forward_metadata.c4 is None
+        if not self.graph:
+            # As sglang does: the draft extend is planned and marked ready, then padded for
+            # data-parallel sync; the padded rows must attend to nothing and write nothing.
+            step.batch.mark_forward_metadata_ready()
+            step = self.batches.pad(step, self.runner, 1, NUM_DRAFT)
+            assert not step.batch.needs_forward_metadata_init()
         self.run(self.target, step, layers=[0])
+        if not self.graph:
+            padded = [i for i, row in enumerate(step.rows) if row is None]
+            assert padded and self.sim.layer(self.target, step, 0)[padded].abs().max() == 0
 
         self.lens = [n + NUM_DRAFT + 1 for n in self.lens]
         step = self.batches.decode(self.requests, self.lens)

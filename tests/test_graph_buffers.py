@@ -17,6 +17,7 @@ from dsv4_backend.planning import (
     ForwardKind,
     GraphMetadataBuffers,
     PlanWidths,
+    pad_plan,
     plan,
     seq_len_fill_value,
 )
@@ -128,6 +129,18 @@ def test_draft_extend_has_no_compressed_fields() -> None:
     batch = make_batch(BatchSpec("de", ForwardKind.DRAFT_EXTEND, (4, 130), extend_lens=(1, 4)))
     loaded = buffers().load(plan(CONFIG, batch))
     assert loaded.c4 is None and loaded.c128 is None and loaded.num_rows == 5
+
+
+def test_pad_plan_appends_sentinel_rows_and_requests() -> None:
+    """A plan padded after planning (sglang's draft extend): real rows kept, sentinels after."""
+    batch = make_batch(BatchSpec("de", ForwardKind.DRAFT_EXTEND, (4, 130), extend_lens=(1, 4)))
+    source = plan(CONFIG, batch)
+    grown = pad_plan(CONFIG, source, batch_size=3, num_rows=9)
+    assert (grown.batch_size, grown.num_rows) == (3, 9)
+    widths = PlanWidths(page_table=source.page_table.shape[1], c128=1)
+    assert_same(flatten(grown), padded(source, 9, widths), "pad_plan")
+    with pytest.raises(ContractError, match="padding only appends"):
+        pad_plan(CONFIG, source, batch_size=1, num_rows=9)
 
 
 def test_refuses_plans_larger_than_the_buffers() -> None:

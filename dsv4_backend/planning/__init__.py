@@ -4,7 +4,7 @@ from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.row_fields_torch import RowFields, compute_row_fields
 from dsv4_backend.planning.batch import SUPPORTED_DRAFT_TOPK, BatchView, DraftStep, ForwardKind
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
-from dsv4_backend.planning.graph_buffers import GraphMetadataBuffers, seq_len_fill_value
+from dsv4_backend.planning.graph_buffers import GraphMetadataBuffers, pad_plan, seq_len_fill_value
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import GRAPH_KINDS, PlanWidths, plan
 
@@ -22,6 +22,7 @@ __all__ = [
     "RowFields",
     "compute_compress_plans",
     "compute_row_fields",
+    "pad_plan",
     "per_step_draft_out_cache_loc",
     "plan",
     "seq_len_fill_value",

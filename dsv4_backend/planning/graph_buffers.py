@@ -22,6 +22,8 @@ fields                                      sentinel  why
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
@@ -195,3 +197,32 @@ class GraphMetadataBuffers:
                 raise ContractError(
                     f"plan has c{ratio} fields but the buffers' config has no ratio-{ratio} layers"
                 )
+
+
+def pad_plan(
+    config: DSV4AttentionConfig, plan: AttentionMetadata, *, batch_size: int, num_rows: int
+) -> AttentionMetadata:
+    """``plan`` grown to ``batch_size`` requests and ``num_rows`` rows of padding.
+
+    For a host that pads a batch after planning it on purpose (sglang plans a draft-extend
+    batch, then pads it for data-parallel sync): the appended rows get the sentinels of the
+    module table, so they write nothing and attend to nothing (their output is 0). Allocates new
+    tensors (eager use only). Raises ``ContractError`` when the batch shrank.
+    """
+    if batch_size < plan.batch_size or num_rows < plan.num_rows:
+        raise ContractError(
+            f"cannot pad a plan of batch_size={plan.batch_size}, num_rows={plan.num_rows} to "
+            f"batch_size={batch_size}, num_rows={num_rows}: padding only appends"
+        )
+    widths = PlanWidths(
+        page_table=max(plan.page_table.shape[1], 1),
+        c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
+    )
+    buffers = GraphMetadataBuffers(
+        config,
+        max_batch_size=batch_size,
+        max_rows=num_rows,
+        widths=widths,
+        device=plan.row_batch_ids.device,
+    )
+    return dataclasses.replace(buffers.load(plan, num_rows=num_rows), batch_size=batch_size)

@@ -55,8 +55,10 @@ from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.planning import (
     AttentionMetadata,
     DraftStep,
+    ForwardKind,
     GraphMetadataBuffers,
     PlanWidths,
+    pad_plan,
     plan,
     seq_len_fill_value,
 )
@@ -300,6 +302,17 @@ class DSV4AttentionBackend(AttentionBackend):
                 "init_forward_metadata (eager, after padding) or init_forward_metadata_out_graph "
                 "(CUDA graph) before the forward"
             )
+        if (
+            metadata.kind is ForwardKind.DRAFT_EXTEND
+            and forward_batch.batch_size > metadata.batch_size
+            and num_rows > metadata.num_rows
+        ):
+            # sglang plans the draft-extend batch before data-parallel padding on purpose (it
+            # marks it ready and never replans); the requests it appends are padding.
+            metadata = pad_plan(
+                self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
+            )
+            self.forward_metadata = metadata
         metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
         kind = forward_kind(forward_batch.forward_mode)
         if kind is not metadata.kind:
