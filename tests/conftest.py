@@ -12,3 +12,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # One intra-op thread: on a 2-core machine torch's default thread pool oversubscribes the cores
 # (the suite ran several times slower with it); set OMP_NUM_THREADS to override.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+from hypothesis import settings
+
+# CI runs the same examples every time (a red run is reproducible); locally hypothesis explores.
+settings.register_profile("ci", derandomize=True, deadline=None)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
