@@ -190,8 +190,8 @@ class DSV4AttentionBackend(AttentionBackend):
         ``speculative_step_id``.
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
-    Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios
-    or context parallelism.
+    Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios,
+    context parallelism or an enabled radix cache.
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
     to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
