@@ -23,7 +23,18 @@ class IndexerKeyCache(SlotCache):
         fmt: CacheFormat,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        *,
+        storage: torch.Tensor | None = None,
+        storage_name: str = "storage",
     ) -> None:
         layout = Fp8IndexerLayout(dim, INDEXER_PAGE_TOKENS) if fmt == "fp8" else None
-        super().__init__(num_slots, dim, fmt, layout, dtype, device)
+        super().__init__(num_slots, dim, fmt, layout, dtype, device, storage, storage_name)
         self.page_tokens = INDEXER_PAGE_TOKENS
+
+    @classmethod
+    def over(
+        cls, storage: torch.Tensor, num_slots: int, dim: int, *, name: str = "storage"
+    ) -> IndexerKeyCache:
+        """An fp8 cache whose pages are the first bytes of ``storage`` (no allocation, not
+        zeroed); ``ConfigError`` naming ``name`` when the bytes do not fit."""
+        return cls(num_slots, dim, "fp8", device=storage.device, storage=storage, storage_name=name)

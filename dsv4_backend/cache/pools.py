@@ -10,11 +10,13 @@ c128        ratio-128 layers                 2             ``num_full_slots // 1
 ==========  ===============================  ============  =========================
 
 Compressed caches reuse the full page table (256 tokens per page), so ``num_full_slots`` must be
-a multiple of 256. Compressor state rings live in ``kernels/compressor.py``, not here.
+a multiple of 256. ``build`` allocates; ``over`` builds fp8 caches over given per-layer storages
+(e.g. a host's KV pool buffers). Compressor state rings live in ``kernels/compressor.py``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -46,6 +48,77 @@ class DSV4CachePools:
         device: torch.device | str = "cpu",
     ) -> DSV4CachePools:
         """Allocate every layer's caches (zero filled) in format ``fmt`` (``dense`` or ``fp8``)."""
+
+        def token_cache(kind: str, layer: int, num_slots: int, page_tokens: int) -> TokenCache:
+            return TokenCache(
+                num_slots, config.head_dim, config.rope_dim, page_tokens, fmt, dtype, device
+            )
+
+        def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache:
+            return IndexerKeyCache(num_slots, config.index_head_dim, fmt, dtype, device)
+
+        return cls._assemble(config, num_full_slots, num_swa_slots, token_cache, indexer_cache)
+
+    @classmethod
+    def over(
+        cls,
+        config: DSV4AttentionConfig,
+        *,
+        num_full_slots: int,
+        num_swa_slots: int,
+        windows: Sequence[torch.Tensor],
+        compressed: Mapping[int, torch.Tensor],
+        indexers: Mapping[int, torch.Tensor],
+        name: str = "storage",
+    ) -> DSV4CachePools:
+        """fp8 caches built over given per-layer uint8 storages (views, nothing allocated).
+
+        ``windows[layer]`` for every layer, ``compressed[layer]`` for ratio-4 / 128 layers,
+        ``indexers[layer]`` for ratio-4 layers; each contiguous and at least as large as the
+        layout of its slot count (slot counts as in :meth:`build`). ``ConfigError`` names the
+        missing or too small storage (``f"{name} window[3]"`` etc.) and both byte counts.
+        """
+
+        def given(kind: str, storages: Mapping[int, torch.Tensor], layer: int) -> torch.Tensor:
+            if layer not in storages:
+                raise ConfigError(f"{name}: no {kind} storage for layer {layer}")
+            return storages[layer]
+
+        window_map = dict(enumerate(windows))
+
+        def token_cache(kind: str, layer: int, num_slots: int, page_tokens: int) -> TokenCache:
+            storages = window_map if kind == "window" else compressed
+            return TokenCache.over(
+                given(kind, storages, layer),
+                num_slots,
+                config.head_dim,
+                config.rope_dim,
+                page_tokens,
+                name=f"{name} {kind}[{layer}]",
+            )
+
+        def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache:
+            return IndexerKeyCache.over(
+                given("indexer", indexers, layer),
+                num_slots,
+                config.index_head_dim,
+                name=f"{name} indexer[{layer}]",
+            )
+
+        return cls._assemble(config, num_full_slots, num_swa_slots, token_cache, indexer_cache)
+
+    @classmethod
+    def _assemble(
+        cls,
+        config: DSV4AttentionConfig,
+        num_full_slots: int,
+        num_swa_slots: int,
+        token_cache: Callable[[str, int, int, int], TokenCache],
+        indexer_cache: Callable[[int, int], IndexerKeyCache],
+    ) -> DSV4CachePools:
+        """Check the slot counts and make every layer's caches with the given factories:
+        ``token_cache(kind, layer, num_slots, page_tokens)`` (kind ``window`` / ``compressed``)
+        and ``indexer_cache(layer, num_slots)``."""
         if num_full_slots <= 0 or num_full_slots % config.page_size:
             raise ConfigError(
                 f"num_full_slots={num_full_slots}; expected a positive multiple of the page size "
@@ -53,22 +126,19 @@ class DSV4CachePools:
             )
         if num_swa_slots <= 0:
             raise ConfigError(f"num_swa_slots={num_swa_slots}; expected a positive integer")
-
-        def token_cache(num_slots: int, page_tokens: int) -> TokenCache:
-            return TokenCache(
-                num_slots, config.head_dim, config.rope_dim, page_tokens, fmt, dtype, device
-            )
-
-        windows = tuple(token_cache(num_swa_slots, SWA_PAGE_SIZE) for _ in config.compress_ratios)
+        windows = tuple(
+            token_cache("window", layer, num_swa_slots, SWA_PAGE_SIZE)
+            for layer in range(len(config.compress_ratios))
+        )
         compressed, indexers = {}, {}
         for layer, ratio in enumerate(config.compress_ratios):
             if not ratio:
                 continue
-            compressed[layer] = token_cache(num_full_slots // ratio, config.entries_per_page(ratio))
+            compressed[layer] = token_cache(
+                "compressed", layer, num_full_slots // ratio, config.entries_per_page(ratio)
+            )
             if ratio == 4:
-                indexers[layer] = IndexerKeyCache(
-                    num_full_slots // ratio, config.index_head_dim, fmt, dtype, device
-                )
+                indexers[layer] = indexer_cache(layer, num_full_slots // ratio)
         return cls(
             config=config, windows=windows, compressed_caches=compressed, indexer_caches=indexers
         )

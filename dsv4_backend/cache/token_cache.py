@@ -4,7 +4,8 @@ A cache holds ``num_slots`` rows of ``dim`` channels, addressed by int64 slot id
 
 * ``dense``: ``storage`` is ``[num_slots, dim]`` of a float dtype; slot = row.
 * ``fp8``: ``storage`` is ``[num_pages, page_bytes]`` uint8 in the layout of
-  :mod:`dsv4_backend.cache.fp8_format` (sglang's DeepSeek-V4 pool format).
+  :mod:`dsv4_backend.cache.fp8_format` (sglang's DeepSeek-V4 pool format). An fp8 cache can be
+  built over given bytes instead of allocating (``over``: a view, e.g. of a host's KV buffer).
 
 Kernels read ``storage`` directly (device helpers in ``fp8_format``); ``gather`` is the torch
 reader used by torch paths and tests.
@@ -27,7 +28,9 @@ _INT_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
 class SlotCache:
     """Storage plus slot addressing shared by :class:`TokenCache` and ``IndexerKeyCache``.
 
-    ``layout`` is the fp8 byte layout, or None for a dense cache.
+    ``layout`` is the fp8 byte layout, or None for a dense cache. ``storage`` (fp8 only): build
+    over these bytes (see :func:`fp8_pages_over`, ``storage_name`` names them in errors)
+    instead of allocating zeroed pages.
     """
 
     def __init__(
@@ -38,6 +41,8 @@ class SlotCache:
         layout: Fp8TokenLayout | Fp8IndexerLayout | None,
         dtype: torch.dtype,
         device: torch.device | str,
+        storage: torch.Tensor | None = None,
+        storage_name: str = "storage",
     ) -> None:
         if fmt not in FORMATS:
             raise ConfigError(f"fmt={fmt!r}; expected one of {FORMATS}")
@@ -50,12 +55,17 @@ class SlotCache:
             if not dtype.is_floating_point:
                 raise ConfigError(f"dtype={dtype}; a dense cache needs a float dtype")
             self.layout: Fp8TokenLayout | Fp8IndexerLayout | None = None
+            if storage is not None:
+                raise ConfigError(f"{storage_name}: only an fp8 cache can be built over storage")
             self.storage = torch.zeros(num_slots, dim, dtype=dtype, device=device)
         else:
             self.layout = layout
-            self.storage = torch.zeros(
-                layout.num_pages(num_slots), layout.page_bytes, dtype=torch.uint8, device=device
-            )
+            if storage is None:
+                self.storage = torch.zeros(
+                    layout.num_pages(num_slots), layout.page_bytes, dtype=torch.uint8, device=device
+                )
+            else:
+                self.storage = fp8_pages_over(storage, layout, num_slots, storage_name)
 
     @property
     def device(self) -> torch.device:
@@ -126,15 +136,68 @@ class TokenCache(SlotCache):
         fmt: CacheFormat,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        *,
+        storage: torch.Tensor | None = None,
+        storage_name: str = "storage",
     ) -> None:
         if not 0 <= rope_dim <= head_dim:
             raise ConfigError(f"rope_dim={rope_dim}; expected 0 <= rope_dim <= head_dim={head_dim}")
         layout = None
         if fmt == "fp8":
             layout = Fp8TokenLayout(head_dim - rope_dim, rope_dim, page_tokens)
-        super().__init__(num_slots, head_dim, fmt, layout, dtype, device)
+        super().__init__(num_slots, head_dim, fmt, layout, dtype, device, storage, storage_name)
         self.rope_dim = rope_dim
         self.page_tokens = page_tokens
+
+    @classmethod
+    def over(
+        cls,
+        storage: torch.Tensor,
+        num_slots: int,
+        head_dim: int,
+        rope_dim: int,
+        page_tokens: int,
+        *,
+        name: str = "storage",
+    ) -> TokenCache:
+        """An fp8 cache whose pages are the first bytes of ``storage`` (no allocation, not
+        zeroed); ``ConfigError`` naming ``name`` when the bytes do not fit."""
+        return cls(
+            num_slots,
+            head_dim,
+            rope_dim,
+            page_tokens,
+            "fp8",
+            device=storage.device,
+            storage=storage,
+            storage_name=name,
+        )
+
+
+def fp8_pages_over(
+    storage: torch.Tensor,
+    layout: Fp8TokenLayout | Fp8IndexerLayout,
+    num_slots: int,
+    name: str = "storage",
+) -> torch.Tensor:
+    """``[num_pages, page_bytes]`` uint8 view of the first bytes of ``storage`` for ``num_slots``.
+
+    ``storage``: a contiguous uint8 tensor of any shape holding at least
+    ``layout.num_pages(num_slots) * layout.page_bytes`` bytes; the view shares its memory.
+    Raises ``ConfigError`` naming ``name`` (dtype, layout, or both byte counts).
+    """
+    if not isinstance(storage, torch.Tensor) or storage.dtype != torch.uint8:
+        raise ConfigError(f"{name} is {_describe(storage)}; expected a uint8 tensor")
+    if not storage.is_contiguous():
+        raise ConfigError(f"{name} (shape {tuple(storage.shape)}) is not contiguous")
+    pages = layout.num_pages(num_slots)
+    need = pages * layout.page_bytes
+    if storage.numel() < need:
+        raise ConfigError(
+            f"{name} holds {storage.numel()} bytes; {num_slots} slots need {need} "
+            f"({pages} pages of {layout.page_bytes} B)"
+        )
+    return storage.view(-1)[:need].view(pages, layout.page_bytes)
 
 
 def _describe(x: object) -> str:

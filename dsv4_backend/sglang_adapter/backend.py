@@ -25,10 +25,11 @@ the batch as it is when called — the host calls it after data-parallel padding
 Every call that consumes the plan first checks it was made for this batch's shape
 (``AttentionMetadata.check_matches``) and raises ``ContractError`` otherwise.
 
-Memory: the caches and compressor rings (``compute.AttentionState``) are this package's own,
-sized from the runner's pools, so they duplicate sglang's ``DeepSeekV4TokenToKVPool`` (its FP8
-layout matches; aliasing its buffers is a later step). One state is shared by every backend of a
-runner (the target backend; the draft runner's draft-extend backend and its per-step backends).
+Memory: the caches and compressor rings (``compute.AttentionState``) are sized from the runner's
+pools. With fp8 caches and an sglang ``DeepSeekV4TokenToKVPool`` the caches (and the c128 rings)
+are views of that pool's buffers, which sglang leaves unwritten on this path (``pool_alias``);
+otherwise they are allocated. One state is shared by every backend of a runner (the target
+backend; the draft runner's draft-extend backend and its per-step backends).
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ from dsv4_backend.planning import (
 )
 from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
+from dsv4_backend.sglang_adapter.pool_alias import (
+    aliased_state,
+    log_state_memory,
+    unaliasable_reason,
+)
 
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
 _STATE_ATTR = "_dsv4_backend_attention_state"
@@ -136,11 +142,14 @@ class RunnerSettings:
 
 
 def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> AttentionState:
-    """The runner's ``AttentionState``, allocated on first use and kept on its KV pool.
+    """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
     Sizes: full slots ``full_size`` (else ``size``) plus one page, rounded to pages; window slots
     ``swa_size`` (else ``size``) plus one, rounded to window pages; one ring row per
-    ``req_to_token`` row. Slot 0 is sglang's padding slot and stays addressable.
+    ``req_to_token`` row. Slot 0 is sglang's padding slot and stays addressable. With an fp8
+    format and an sglang ``DeepSeekV4TokenToKVPool`` the caches are views of that pool's
+    buffers (``pool_alias``; ``ConfigError`` when one is too small), otherwise allocated; one
+    INFO line says which.
     """
     pool = runner.token_to_kv_pool
     state = getattr(pool, _STATE_ATTR, None)
@@ -154,14 +163,17 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
     page = config.page_size
     full = getattr(pool, "full_size", None) or pool.size
     swa = getattr(pool, "swa_size", None) or pool.size
-    state = AttentionState.allocate(
-        config,
+    sizes = dict(
         num_full_slots=math.ceil((full + page) / page) * page,
         num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
         num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
-        fmt=fmt,
-        device=runner.device,
     )
+    reason = unaliasable_reason(pool, config, fmt)
+    if reason is None:
+        state = aliased_state(pool, config, **sizes)
+    else:
+        state = AttentionState.allocate(config, **sizes, fmt=fmt, device=runner.device)
+    log_state_memory(state, pool, reason)
     setattr(pool, _STATE_ATTR, state)
     return state
 

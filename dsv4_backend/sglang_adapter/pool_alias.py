@@ -1,0 +1,197 @@
+"""This package's caches as views over sglang's ``DeepSeekV4TokenToKVPool`` buffers.
+
+With the dsv4 backend, sglang never writes its pool's KV buffers on the default path (window
+keys reach ``store_cache`` because the backend sets ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``;
+the compressors and the indexer run through the backend), so the backend's fp8 caches use those
+buffers' bytes instead of allocating a second copy:
+
+* window cache of layer ``l``: ``get_swa_raw_buffer(l)`` (``[pages, 149760]`` uint8, 256 tokens
+  per sglang page = two of our 128-token pages, same 584 B per token);
+* c4 / c128 cache: ``get_extra_key_buffer(l)`` (fp8 view of ``[pages, 37440]`` / ``[pages,
+  1728]`` bytes), read as uint8;
+* indexer keys: ``get_index_k_with_scale_buffer(l)`` (``[pages, 64 * 132]`` uint8);
+* c128 compressor rings: ``get_attention_compress_states(l)`` when it is request-addressed
+  fp32 ``[rows, 2 * D]`` with our ring length (row ``req * R + pos % R``, our ring's layout).
+
+Not aliased: the c4 attention and indexer compressor rings (sglang's are addressed by window
+page, ``swa_loc // 256 * R + swa_loc % R``, and sized from the window pool, not per request), and
+anything of a pool whose layout this package does not serve (the reasons in
+:func:`unaliasable_reason`); those are allocated as before.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
+    DeepSeekV4SingleKVPool,
+    DeepSeekV4TokenToKVPool,
+)
+
+from dsv4_backend.cache import DSV4CachePools
+from dsv4_backend.cache.token_cache import CacheFormat
+from dsv4_backend.compute import AttentionState
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.kernels.compressor import CompressorState
+from dsv4_backend.reference.compressor import overlap
+
+logger = logging.getLogger(__name__)
+
+
+def unaliasable_reason(pool: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> str | None:
+    """Why this package's caches cannot be views of ``pool``'s buffers, or None when they can."""
+    if fmt != "fp8":
+        return f"cache format {fmt!r} (only fp8 caches alias sglang's pool)"
+    if not isinstance(pool, DeepSeekV4TokenToKVPool):
+        return f"token_to_kv_pool is a {type(pool).__name__}, not a DeepSeekV4TokenToKVPool"
+    checks = (
+        (getattr(pool.kv_layout, "value", pool.kv_layout) == "v4", "its KV layout is not V4"),
+        (not pool.uniform_fp8, "it keeps the uniform fp8 layout (trtllm)"),
+        (not pool._unified_kv, "it keeps the unified KV layout"),
+        (pool.request_window is None, "its window lives in a per-request window"),
+        (pool.swa_kv_pool is not None, "it has no paged window pool"),
+        (
+            list(pool.compression_ratios) == list(config.compress_ratios)
+            and (pool._stage_start, pool._stage_end) == (0, len(config.compress_ratios)),
+            f"its layers (ratios {list(pool.compression_ratios)}, stage "
+            f"[{pool._stage_start}, {pool._stage_end})) are not the model's "
+            f"{list(config.compress_ratios)}",
+        ),
+        (
+            pool.qk_nope_head_dim + pool.qk_rope_head_dim == config.head_dim
+            and pool.qk_rope_head_dim == config.rope_dim,
+            f"its head dims ({pool.qk_nope_head_dim} + {pool.qk_rope_head_dim}) are not "
+            f"{config.head_dim - config.rope_dim} + {config.rope_dim}",
+        ),
+        (
+            all(type(p) is DeepSeekV4SingleKVPool for p in pool.kv_pools.values() if p),
+            "a compressed pool is not a plain DeepSeekV4SingleKVPool (HiSparse?)",
+        ),
+        (
+            all(
+                not p.use_fp4_indexer and p.index_head_dim == config.index_head_dim
+                for p in pool.index_pools.values()
+            ),
+            "its indexer pool is fp4 or of another head dim",
+        ),
+    )
+    failed = [why for ok, why in checks if not ok]
+    return "sglang's pool: " + "; ".join(failed) if failed else None
+
+
+def aliased_state(
+    pool: DeepSeekV4TokenToKVPool,
+    config: DSV4AttentionConfig,
+    *,
+    num_full_slots: int,
+    num_swa_slots: int,
+    num_request_slots: int,
+) -> AttentionState:
+    """``AttentionState`` whose caches (and fitting c128 rings) are views of ``pool``'s buffers.
+
+    Call only when :func:`unaliasable_reason` is None. The views are not zeroed (every slot is
+    written before it is read); aliased rings are reset. Raises ``ConfigError`` naming a buffer
+    too small for its slot count.
+    """
+    layers = range(len(config.compress_ratios))
+    compressed = [layer for layer in layers if config.compress_ratios[layer]]
+    pools = DSV4CachePools.over(
+        config,
+        num_full_slots=num_full_slots,
+        num_swa_slots=num_swa_slots,
+        windows=[pool.get_swa_raw_buffer(layer) for layer in layers],
+        compressed={
+            layer: pool.get_extra_key_buffer(layer).view(torch.uint8) for layer in compressed
+        },
+        indexers={
+            layer: pool.get_index_k_with_scale_buffer(layer)
+            for layer in compressed
+            if config.compress_ratios[layer] == 4
+        },
+        name="sglang DeepSeekV4TokenToKVPool",
+    )
+    device = pool.get_swa_raw_buffer(0).device
+    core, index = {}, {}
+    for layer in compressed:
+        ratio = config.compress_ratios[layer]
+        ring = _c128_ring_view(pool, config, layer, num_request_slots) if ratio == 128 else None
+        if ring is None:
+            core[layer] = CompressorState.allocate(
+                config, ratio, config.head_dim, num_request_slots, device
+            )
+        else:
+            core[layer] = CompressorState(ratio=ratio, head_dim=config.head_dim, ring=ring)
+            core[layer].reset()
+        if ratio == 4:
+            index[layer] = CompressorState.allocate(
+                config, 4, config.index_head_dim, num_request_slots, device
+            )
+    return AttentionState(config=config, pools=pools, compressor_states=core, indexer_states=index)
+
+
+def _c128_ring_view(
+    pool: DeepSeekV4TokenToKVPool, config: DSV4AttentionConfig, layer: int, num_request_slots: int
+) -> torch.Tensor | None:
+    """``[num_request_slots, R, 2 * D]`` fp32 view of sglang's c128 state of ``layer``, or None.
+
+    Only a request-addressed, offline (ring, not online max/sum) fp32 state with our ring length
+    and enough rows fits: sglang then addresses row ``req * R + pos % R`` exactly as we do, so
+    its own resets of rejected draft rows (``clear_unaccepted_c128_draft_states``) hit the rows
+    we would reset too.
+    """
+    states = pool.get_attention_compress_states(layer)
+    buf = states.kv_score_buffer.kv_score
+    rows = config.ring_rows(128)
+    width = 2 * overlap(128) * config.head_dim
+    fits = (
+        states.request_scoped
+        and not states.online
+        and states.ring_size == rows
+        and buf.dtype == torch.float32
+        and buf.is_contiguous()
+        and buf.shape[-1] == width
+        and buf.shape[0] >= num_request_slots * rows
+    )
+    return buf[: num_request_slots * rows].view(num_request_slots, rows, width) if fits else None
+
+
+def log_state_memory(state: AttentionState, pool: Any, reason: str | None) -> None:
+    """One INFO line: bytes aliased from sglang's pool and bytes this package allocated."""
+    rings = [*state.compressor_states.values(), *state.indexer_states.values()]
+    tensors = [c.storage for c in _caches(state.pools)] + [r.ring for r in rings]
+    owned = _owned_ranges(pool) if reason is None else []
+    aliased = sum(t.nbytes for t in tensors if _inside(t, owned))
+    allocated = sum(t.nbytes for t in tensors) - aliased
+    if reason is None:
+        logger.info(
+            "dsv4 backend: aliased %d bytes of sglang's DeepSeekV4TokenToKVPool (caches%s); "
+            "allocated %d bytes (compressor rings)",
+            aliased,
+            ", c128 rings" if any(_inside(r.ring, owned) for r in rings) else "",
+            allocated,
+        )
+    else:
+        logger.info("dsv4 backend: allocated %d bytes of caches and rings (%s)", allocated, reason)
+
+
+def _caches(pools: DSV4CachePools) -> list[Any]:
+    return [*pools.windows, *pools.compressed_caches.values(), *pools.indexer_caches.values()]
+
+
+def _owned_ranges(pool: DeepSeekV4TokenToKVPool) -> list[tuple[int, int]]:
+    """``[start, end)`` addresses of the pool's KV buffers and compress states."""
+    bufs = list(pool.swa_kv_pool.kv_buffer)
+    for kv_pool in pool.kv_pools.values():
+        bufs += kv_pool.kv_buffer if kv_pool is not None else []
+    for index_pool in pool.index_pools.values():
+        bufs += index_pool.index_k_with_scale_buffer or []
+    for states in (*pool.compress_state_pools, *pool.indexer_compress_state_pools):
+        if states is not None:
+            bufs.append(states.kv_score_buffer.kv_score)
+    return [(b.data_ptr(), b.data_ptr() + b.nbytes) for b in bufs]
+
+
+def _inside(t: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
+    return any(lo <= t.data_ptr() and t.data_ptr() + t.nbytes <= hi for lo, hi in ranges)

@@ -1,0 +1,179 @@
+"""The backend's fp8 caches as views of a real sglang ``DeepSeekV4TokenToKVPool`` (on the CPU).
+
+sglang's pool hard-codes the Flash geometry (448 nope + 64 rope, indexer dim 128), so the
+config here is Flash-width with four layers and a few hundred slots.
+"""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+import torch
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+from sglang.srt.runtime_context import get_context
+
+from dsv4_backend.cache import DSV4CachePools, IndexerKeyCache, TokenCache
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.sglang_adapter.backend import shared_state
+
+CONFIG = DSV4AttentionConfig(compress_ratios=(0, 4, 128, 4), num_heads=8, index_topk=16)
+REQUEST_SLOTS = 4
+
+
+def make_pool(swa_size: int = 512, full_size: int = 1024) -> DeepSeekV4TokenToKVPool:
+    """A pool as sglang's configurator builds it (page 256, paged window, offline c128)."""
+    with get_context().override_server_args(device="cpu"):
+        return DeepSeekV4TokenToKVPool(
+            max_num_reqs=REQUEST_SLOTS - 1,
+            num_req_slots=REQUEST_SLOTS,
+            swa_size=swa_size,
+            c4_size=full_size // 4,
+            c128_size=full_size // 128,
+            c4_state_pool_size=swa_size // 256 * 8,
+            c128_state_pool_size=REQUEST_SLOTS * 128,
+            page_size=256,
+            swa_page_size=256,
+            dtype=torch.float8_e4m3fn,
+            c4_state_dtype=torch.float32,
+            c128_state_dtype=torch.float32,
+            qk_nope_head_dim=448,
+            qk_rope_head_dim=64,
+            indexer_head_dim=128,
+            layer_num=len(CONFIG.compress_ratios),
+            device="cpu",
+            enable_memory_saver=False,
+            compression_ratios=list(CONFIG.compress_ratios),
+            full_size=full_size,
+        )
+
+
+def make_runner(pool: DeepSeekV4TokenToKVPool) -> SimpleNamespace:
+    return SimpleNamespace(
+        token_to_kv_pool=pool,
+        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(REQUEST_SLOTS, 2048)),
+        device="cpu",
+    )
+
+
+def inside(view: torch.Tensor, buf: torch.Tensor) -> bool:
+    lo = buf.data_ptr()
+    return lo <= view.data_ptr() and view.data_ptr() + view.nbytes <= lo + buf.nbytes
+
+
+@pytest.fixture(scope="module")
+def pool() -> DeepSeekV4TokenToKVPool:
+    return make_pool()
+
+
+@pytest.fixture(scope="module")
+def state(pool):
+    return shared_state(make_runner(pool), CONFIG, "fp8")
+
+
+def test_caches_are_views_of_the_pool_buffers(pool, state) -> None:
+    pools = state.pools
+    for layer, ratio in enumerate(CONFIG.compress_ratios):
+        assert inside(pools.window(layer).storage, pool.get_swa_raw_buffer(layer))
+        if ratio:
+            assert inside(pools.compressed(layer).storage, pool.get_extra_key_buffer(layer))
+        if ratio == 4:
+            assert inside(pools.indexer(layer).storage, pool.get_index_k_with_scale_buffer(layer))
+    ring128 = state.compressor_states[2].ring
+    c128_states = pool.get_attention_compress_states(2).kv_score_buffer.kv_score
+    assert inside(ring128, c128_states)
+    assert ring128.shape == (REQUEST_SLOTS, CONFIG.ring_rows(128), 2 * CONFIG.head_dim)
+    assert torch.all(ring128[..., : CONFIG.head_dim] == 0)
+    assert torch.all(ring128[..., CONFIG.head_dim :] == float("-inf"))
+    # c4 rings: sglang's are addressed by window page, so they stay this package's own.
+    for ring_state in (state.compressor_states[1], state.indexer_states[1]):
+        assert not inside(
+            ring_state.ring, pool.get_attention_compress_states(1).kv_score_buffer.kv_score
+        )
+        assert not inside(
+            ring_state.ring, pool.get_indexer_compress_states(1).kv_score_buffer.kv_score
+        )
+
+
+def test_store_gather_round_trip_through_the_pool(pool, state) -> None:
+    gen = torch.Generator().manual_seed(0)
+    cases = [
+        (state.pools.window(1), pool.get_swa_raw_buffer(1), CONFIG.head_dim),
+        (
+            state.pools.compressed(1),
+            pool.get_extra_key_buffer(1).view(torch.uint8),
+            CONFIG.head_dim,
+        ),
+        (
+            state.pools.compressed(2),
+            pool.get_extra_key_buffer(2).view(torch.uint8),
+            CONFIG.head_dim,
+        ),
+        (state.pools.indexer(3), pool.get_index_k_with_scale_buffer(3), CONFIG.index_head_dim),
+    ]
+    for cache, buf, dim in cases:
+        cache_slots = torch.randperm(cache.num_slots, generator=gen)[:5]
+        rows = torch.randn(len(cache_slots), dim, generator=gen)
+        before = buf.clone()
+        cache.store(rows, cache_slots)
+        assert not torch.equal(before, buf), f"{cache} did not write sglang's buffer"
+        # Same bytes as a freshly allocated cache of the same layout.
+        if isinstance(cache, IndexerKeyCache):
+            fresh = IndexerKeyCache(cache.num_slots, dim, "fp8")
+        else:
+            fresh = TokenCache(cache.num_slots, dim, CONFIG.rope_dim, cache.page_tokens, "fp8")
+        fresh.store(rows, cache_slots)
+        torch.testing.assert_close(
+            cache.gather(cache_slots), fresh.gather(cache_slots), rtol=0, atol=0
+        )
+        torch.testing.assert_close(cache.gather(cache_slots), rows, rtol=0.07, atol=0.01)
+
+
+def test_too_small_pool_buffer_is_refused(caplog) -> None:
+    pool = make_pool()
+    pool.swa_size = 4096  # sizes our window caches past sglang's 3 pages of 256 tokens
+    with pytest.raises(ConfigError, match=r"window\[0\] holds 449280 bytes; 4224 slots need"):
+        shared_state(make_runner(pool), CONFIG, "fp8")
+
+
+def test_logs_aliased_or_allocated(caplog) -> None:
+    pool = make_pool()
+    with caplog.at_level(logging.INFO, logger="dsv4_backend.sglang_adapter.pool_alias"):
+        fp8 = shared_state(make_runner(pool), CONFIG, "fp8")
+    assert "aliased" in caplog.text and "DeepSeekV4TokenToKVPool" in caplog.text
+    expected = fp8.pools.nbytes + fp8.compressor_states[2].ring.nbytes
+    assert f"aliased {expected} bytes" in caplog.text
+    caplog.clear()
+    dense_pool = make_pool()
+    with caplog.at_level(logging.INFO, logger="dsv4_backend.sglang_adapter.pool_alias"):
+        dense = shared_state(make_runner(dense_pool), CONFIG, "dense")
+    assert "allocated" in caplog.text and "cache format 'dense'" in caplog.text
+    assert not inside(dense.pools.window(0).storage, dense_pool.get_swa_raw_buffer(0))
+
+
+@pytest.mark.parametrize(
+    ("storage", "match"),
+    [
+        (torch.zeros(10**6, dtype=torch.int8), "expected a uint8 tensor"),
+        (torch.zeros(2000, 1000, dtype=torch.uint8)[:, :500], "not contiguous"),
+        (torch.zeros(1000, dtype=torch.uint8), "test buf holds 1000 bytes; 300 slots need 224640"),
+    ],
+)
+def test_over_validates_storage(storage: torch.Tensor, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        TokenCache.over(storage, 300, 512, 64, 128, name="test buf")
+
+
+def test_pools_over_needs_every_layer() -> None:
+    big = torch.zeros(1 << 20, dtype=torch.uint8)
+    with pytest.raises(ConfigError, match="no compressed storage for layer 2"):
+        DSV4CachePools.over(
+            CONFIG,
+            num_full_slots=512,
+            num_swa_slots=256,
+            windows=[big] * 4,
+            compressed={1: big, 3: big},
+            indexers={1: big, 3: big},
+        )
