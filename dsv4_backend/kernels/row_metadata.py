@@ -192,19 +192,9 @@ def row_fields(
 ) -> RowFields:
     """The per-row fields of ``ratio``: the Triton kernel or the torch implementation.
 
-    Parameters
-    ----------
-    positions : ``[T]`` int64 — absolute position ``p`` of each row.
-    raw_out_loc : ``[T]`` int64 — full-cache slot each row writes.
-    page_table : ``[T, Pw]`` int32 — full-cache pages of each row's request (ratio 128 reads
-        it; ``Pw >= 1`` when ``T > 0``).
-    ratio : 4 or 128.
-    index_topk : ``K`` (ratio 4's sparse lengths).
-    c128_width : ``N128``, columns of the c128 page indices (ratio 128).
-
-    Returns ``RowFields`` as ``kernels.row_fields_torch.compute_row_fields`` (``page_indices``
-    ``[T, N128]`` int32 for ratio 128, None for ratio 4). Runs the Triton kernel when
-    ``dispatch.use_triton(positions.device)``; both paths give identical tensors.
+    Arguments, shapes and result as ``kernels.row_fields_torch.compute_row_fields`` (the
+    reference). Runs the Triton kernel when ``dispatch.use_triton(positions.device)``; both
+    paths give identical tensors.
     """
     _check_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
     if dispatch.use_triton(positions.device):
