@@ -19,6 +19,7 @@ import torch
 
 from dsv4_backend.cache.fp8_format import Fp8IndexerLayout, Fp8TokenLayout
 from dsv4_backend.errors import BatchError, ConfigError
+from dsv4_backend.utils.op_counter import uncounted
 
 CacheFormat = Literal["dense", "fp8"]
 FORMATS = ("dense", "fp8")
@@ -82,7 +83,8 @@ class SlotCache:
         if slots.device != self.device:
             raise BatchError(f"{name} is on {slots.device}; the cache is on {self.device}")
         if slots.device.type == "cpu" and slots.numel():
-            lo, hi = int(slots.min()), int(slots.max())
+            with uncounted():  # a CPU-only check: no launch on a GPU
+                lo, hi = int(slots.min()), int(slots.max())
             if lo < -1 or hi >= self.num_slots:
                 raise BatchError(
                     f"{name} spans [{lo}, {hi}]; expected slot ids in [0, {self.num_slots}) "

@@ -18,19 +18,22 @@ State: each request (by its pool index) owns a ring of ``R`` rows ``[kv | score 
 2. **write**: each write-plan record stores its row ``[kv | score + ape]`` at ring row
    ``p % R``. Writing after every entry is pooled means no row of this forward can overwrite
    ring state an entry of the same forward still needs.
-3. **finish**: RMSNorm and RoPE at the entry's position ``p + 1 - r`` (torch, on every row:
-   rows that complete no entry stay exactly 0).
+3. **finish**: RMSNorm and RoPE at the entry's position ``p + 1 - r``; rows that complete no
+   entry are exactly 0.
 
 The output is **aligned to rows**: ``entries[i]`` is the entry completed by ragged row ``i``,
 zeros where row ``i`` completes none. Nothing reads a tensor value on the host, so a forward
 can be captured in a CUDA graph (warm up first: the first call compiles).
 
-Paths: pooling and ring writes run the Triton kernels or the torch implementation per
-``dispatch.use_triton``; the finish is shared torch code.
+Paths (``dispatch.use_triton``): two Triton launches, ``_compress_entry_kernel`` (pool, norm,
+RoPE and the zero rows, one program per record) then ``_ring_write_kernel``; the storing of the
+entries into the cache is the third (``compute.compress_and_store``). The torch path pools with
+the same gathers and finishes with ``reference.compressor.finish_entries``.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,8 +47,10 @@ from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
 from dsv4_backend.reference.compressor import finish_entries, overlap, pool_slots
 from dsv4_backend.reference.rope import RopeParams
 
-#: Upper bound on ``span * BLOCK_D`` elements of one pooling tile.
+#: Upper bound on the ``[BLOCK_S, 2 * BLOCK_P]`` elements of one pooling step.
 POOL_TILE = 4096
+#: RMSNorm epsilon of the compressed entries (``reference.norm.rms_norm``'s default).
+RMS_NORM_EPS = 1e-6
 #: Columns per ring-write program.
 WRITE_BLOCK = 256
 
@@ -97,16 +102,64 @@ class CompressorState:
 
 # --------------------------------------------------------------------------------- kernels
 @triton.jit
-def _compress_pool_kernel(
+def _slot_tile(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    ring_base,  # [BLOCK_S] pointers to each slot's ring row (masked where not from the ring)
+    rows,  # [BLOCK_S] int64 ragged row of each slot (masked where not from this forward)
+    ape_row,  # [BLOCK_S] int64
+    col,  # [BLOCK_S, BLOCK_P] projection column of each (slot, channel)
+    m_rows,  # [BLOCK_S, BLOCK_P] bool: from this forward's rows
+    m_ring,  # [BLOCK_S, BLOCK_P] bool: from the ring
+    stride_kv,
+    stride_score,
+    stride_ape,
+    CD,  # offset of the score half in a ring row
+):
+    """``(kv, score)`` ``[BLOCK_S, BLOCK_P]`` fp32 of a span chunk; missing slots kv 0, -inf."""
+    kv = tl.load(kv_ptr + rows[:, None] * stride_kv + col, mask=m_rows, other=0.0)
+    kv = kv.to(tl.float32) + tl.load(ring_base[:, None] + col, mask=m_ring, other=0.0)
+    score = tl.load(score_ptr + rows[:, None] * stride_score + col, mask=m_rows, other=0.0)
+    score = score.to(tl.float32) + tl.load(
+        ape_ptr + ape_row[:, None] * stride_ape + col, mask=m_rows, other=0.0
+    ).to(tl.float32)
+    score_ring = tl.load(ring_base[:, None] + CD + col, mask=m_ring, other=0.0)
+    score = tl.where(m_rows, score, tl.where(m_ring, score_ring, float("-inf")))
+    return kv, score
+
+
+@triton.jit
+def _online_softmax_step(m, l, acc, kv, score):
+    """Fold a ``[BLOCK_S, BLOCK_P]`` chunk into the per-channel running max / sum / kv sum."""
+    m_new = tl.maximum(m, tl.max(score, axis=0))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all slots so far missing
+    alpha = tl.exp(m - m_safe)
+    p = tl.exp(score - m_safe[None, :])
+    return m_new, l * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p * kv, axis=0)
+
+
+@triton.jit
+def _zero_row(row_ptr, pair, zeros, pair_ok):
+    tl.store(row_ptr + 2 * pair, zeros, mask=pair_ok)
+    tl.store(row_ptr + 2 * pair + 1, zeros, mask=pair_ok)
+
+
+@triton.jit
+def _compress_entry_kernel(
     kv_ptr,  # [T, C*D] float kv projection
     score_ptr,  # [T, C*D] float score projection (without ape)
     ape_ptr,  # [RATIO, C*D] float
     ring_ptr,  # [num_slots, ring_rows, 2*C*D] fp32 [kv | score + ape]
     pool_ptr,  # [B] int request pool index of each batch id
     plan_ptr,  # [T, 4] int32 compress plan records
-    out_ptr,  # [T, D] fp32 pooled entries, pre-zeroed
+    norm_ptr,  # [D] float RMSNorm weight
+    freq_ptr,  # [ROPE_PAIRS] fp64 RoPE angular frequencies
+    out_ptr,  # [T, D] fp32 finished entries aligned to rows
+    num_rows,
     D,
     ring_rows,
+    eps,
     stride_kv,
     stride_score,
     stride_ape,
@@ -117,48 +170,80 @@ def _compress_pool_kernel(
     RATIO: tl.constexpr,
     SPAN: tl.constexpr,
     OVERLAP: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    BLOCK_P: tl.constexpr,  # channel pairs per program (>= D / 2)
+    BLOCK_S: tl.constexpr,  # span slots per pooling step
 ):
-    """One (record, channel block): per-channel softmax over the entry's ``SPAN`` slots."""
+    """One compress-plan record: pool its entry, RMSNorm, RoPE, store at its row.
+
+    Channels are handled as pairs ``(2i, 2i + 1)`` (even and odd tiles), the layout the
+    interleaved RoPE rotates. Rows that complete no entry are zeroed by the record before
+    them (the gap up to its own row, and after the last record, up to ``T``), so every output
+    row is written exactly once without a separate fill.
+    """
     rec = tl.program_id(0)
-    ragged = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
-    if ragged < 0:  # padding record
-        return
-    batch = tl.load(plan_ptr + rec * stride_plan + 1)
-    pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
-    window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
-    slot = tl.load(pool_ptr + batch).to(tl.int64)
-
-    j = tl.arange(0, SPAN)
-    ch = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    ch_ok = ch < D
-    q = pos - SPAN + 1 + j  # [SPAN] token position of each slot
-    # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
-    col = (j >= RATIO).to(tl.int64)[:, None] * D + ch[None, :]  # [SPAN, BLOCK_D]
-    from_rows = q > pos - window_len
-    from_ring = (q >= 0) & ~from_rows
-    rows = tl.where(from_rows, ragged - (pos - q), 0)
-    ring_row = tl.where(from_ring, q, 0) % ring_rows
-    m_rows = from_rows[:, None] & ch_ok[None, :]
-    m_ring = from_ring[:, None] & ch_ok[None, :]
-
-    ring_base = ring_ptr + slot * stride_ring_slot + ring_row[:, None] * stride_ring_row + col
-    kv = tl.load(kv_ptr + rows[:, None] * stride_kv + col, mask=m_rows, other=0.0).to(tl.float32)
-    kv += tl.load(ring_base, mask=m_ring, other=0.0)
-    ape_row = tl.where(from_rows, q, 0) % RATIO
-    score_rows = tl.load(score_ptr + rows[:, None] * stride_score + col, mask=m_rows, other=0.0)
-    score_rows = score_rows.to(tl.float32) + tl.load(
-        ape_ptr + ape_row[:, None] * stride_ape + col, mask=m_rows, other=0.0
-    ).to(tl.float32)
-    score_ring = tl.load(ring_base + OVERLAP * D, mask=m_ring, other=0.0)
-    score = tl.where(m_rows, score_rows, tl.where(m_ring, score_ring, float("-inf")))
-    # Channels past D have no finite slot; give them a harmless 0 score (never stored).
-    score = tl.where(ch_ok[None, :], score, 0.0)
-
-    mx = tl.max(score, axis=0)
-    p = tl.exp(score - mx[None, :])
-    pooled = tl.sum(p * kv, axis=0) / tl.sum(p, axis=0)
-    tl.store(out_ptr + ragged * stride_out + ch, pooled, mask=ch_ok)
+    ragged = tl.load(plan_ptr + rec * stride_plan)
+    prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
+    nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
+    pair = tl.arange(0, BLOCK_P)
+    pair_ok = pair < D // 2
+    zeros = tl.zeros([BLOCK_P], tl.float32)
+    valid = ragged >= 0
+    last = valid & (nxt < 0)
+    # Gap before this record, then (last record, or record 0 of an empty plan) up to T.
+    gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
+    for r in range(gap_from, tl.where(valid, ragged, 0).to(tl.int64)):
+        _zero_row(out_ptr + r * stride_out, pair, zeros, pair_ok)
+    tail_to = tl.where(last | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
+    for r in range(tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to):
+        _zero_row(out_ptr + r * stride_out, pair, zeros, pair_ok)
+    if valid:
+        row = ragged.to(tl.int64)
+        batch = tl.load(plan_ptr + rec * stride_plan + 1)
+        pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
+        window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
+        ring_slot = ring_ptr + tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
+        m_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
+        m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
+        for j0 in range(0, SPAN, BLOCK_S):
+            j = j0 + tl.arange(0, BLOCK_S)
+            q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
+            from_rows = q > pos - window_len
+            from_ring = (q >= 0) & ~from_rows
+            rows = tl.where(from_rows, row - (pos - q), 0)
+            ring_base = ring_slot + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
+            ape_row = tl.where(from_rows, q, 0) % RATIO
+            # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
+            col = (j >= RATIO).to(tl.int64)[:, None] * D + 2 * pair[None, :]
+            m_rows = from_rows[:, None] & pair_ok[None, :]
+            m_ring = from_ring[:, None] & pair_ok[None, :]
+            args = (stride_kv, stride_score, stride_ape, OVERLAP * D)
+            kv, score = _slot_tile(
+                kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring, *args
+            )
+            score = tl.where(pair_ok[None, :], score, 0.0)  # padded channels: finite, unused
+            m_e, l_e, acc_e = _online_softmax_step(m_e, l_e, acc_e, kv, score)
+            kv, score = _slot_tile(
+                kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col + 1, m_rows, m_ring,
+                *args,
+            )  # fmt: skip
+            score = tl.where(pair_ok[None, :], score, 0.0)
+            m_o, l_o, acc_o = _online_softmax_step(m_o, l_o, acc_o, kv, score)
+        even, odd = acc_e / l_e, acc_o / l_o
+        # RMSNorm over the D channels (padded pairs pooled to 0).
+        inv = tl.math.rsqrt((tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D + eps)
+        even *= inv * tl.load(norm_ptr + 2 * pair, mask=pair_ok, other=0.0).to(tl.float32)
+        odd *= inv * tl.load(norm_ptr + 2 * pair + 1, mask=pair_ok, other=0.0).to(tl.float32)
+        # RoPE of the trailing ROPE_PAIRS pairs at the entry's first position (fp64 angles).
+        rope_pair = pair - (D // 2 - ROPE_PAIRS)
+        is_rope = (rope_pair >= 0) & pair_ok
+        freq = tl.load(freq_ptr + rope_pair, mask=is_rope, other=0.0)
+        angle = (pos + 1 - RATIO).to(tl.float64) * freq
+        cos, sin = tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32)
+        rot_e = tl.where(is_rope, even * cos - odd * sin, even)
+        rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
+        tl.store(out_ptr + row * stride_out + 2 * pair, rot_e, mask=pair_ok)
+        tl.store(out_ptr + row * stride_out + 2 * pair + 1, rot_o, mask=pair_ok)
 
 
 @triton.jit
@@ -199,26 +284,39 @@ def _ring_write_kernel(
 
 
 # ------------------------------------------------------------------------------- launchers
-def _pool_triton(
+@functools.cache
+def _rope_frequencies(rope: RopeParams, device: torch.device) -> torch.Tensor:
+    """``[R/2]`` float64 frequencies of ``rope`` on ``device``, built once (not under capture)."""
+    return rope.frequencies(device)
+
+
+def _entries_triton(
     state: CompressorState,
     kv_proj: torch.Tensor,
     score_proj: torch.Tensor,
     ape: torch.Tensor,
     req_pool_indices: torch.Tensor,
     compress_plan: torch.Tensor,
+    norm_weight: torch.Tensor,
+    rope: RopeParams,
 ) -> torch.Tensor:
-    """Launch ``_compress_pool_kernel``: ``[T, D]`` fp32 pooled entries aligned to rows."""
+    """Launch ``_compress_entry_kernel``: ``[T, D]`` fp32 finished entries aligned to rows."""
     d, ratio, ring = state.head_dim, state.ratio, state.ring
+    rows = kv_proj.shape[0]
+    out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
+    if rows == 0:
+        return out
     span = COMPRESS_SPAN[ratio]
-    out = torch.zeros(kv_proj.shape[0], d, dtype=torch.float32, device=kv_proj.device)
-    block_d = min(triton.next_power_of_2(d), max(POOL_TILE // span, 16))
-    grid = (compress_plan.shape[0], triton.cdiv(d, block_d))
-    _compress_pool_kernel[grid](
-        kv_proj, score_proj, ape, ring, req_pool_indices, compress_plan, out,
-        d, ring.shape[1],
+    block_p = triton.next_power_of_2(max(d // 2, 1))
+    block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
+    _compress_entry_kernel[(rows,)](
+        kv_proj, score_proj, ape, ring, req_pool_indices, compress_plan, norm_weight,
+        _rope_frequencies(rope, kv_proj.device), out,
+        rows, d, ring.shape[1], RMS_NORM_EPS,
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
         compress_plan.stride(0), out.stride(0),
-        RATIO=ratio, SPAN=span, OVERLAP=overlap(ratio), BLOCK_D=block_d,
+        RATIO=ratio, SPAN=span, OVERLAP=overlap(ratio), ROPE_PAIRS=rope.rope_dim // 2,
+        BLOCK_P=block_p, BLOCK_S=block_s,
     )  # fmt: skip
     return out
 
@@ -241,6 +339,10 @@ def _write_triton(
         write_plan.stride(0),
         RATIO=state.ratio, BLOCK=WRITE_BLOCK,
     )  # fmt: skip
+
+
+def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 # ------------------------------------------------------------------------------ torch path
@@ -385,14 +487,17 @@ def compress_forward(
     """
     _check(state, kv_proj, score_proj, ape, norm_weight, req_pool_indices, positions,
            compress_plan, write_plan)  # fmt: skip
-    # The kernels step channels and batch ids with unit stride (no-ops when already so).
-    args = (state, kv_proj.contiguous(), score_proj.contiguous(), ape.contiguous(),
-            req_pool_indices.contiguous())  # fmt: skip
+    # The kernels step channels and batch ids with unit stride (rows may be strided: the
+    # kv and score halves of one projection are used in place).
+    args = (state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
+            ape.contiguous(), req_pool_indices.contiguous())  # fmt: skip
     if dispatch.use_triton(kv_proj.device):
-        pooled = _pool_triton(*args, compress_plan.contiguous())
+        entries = _entries_triton(
+            *args, compress_plan.contiguous(), norm_weight.contiguous(), rope
+        )
         _write_triton(*args, write_plan.contiguous())
-    else:
-        pooled = _pool_torch(*args, compress_plan)
-        _write_torch(*args, write_plan)
+        return entries
+    pooled = _pool_torch(*args, compress_plan)
+    _write_torch(*args, write_plan)
     entry_ids = torch.div(positions.long() + 1, state.ratio, rounding_mode="floor") - 1
     return finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope)
