@@ -492,9 +492,7 @@ def compress_forward(
     args = (state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
             ape.contiguous(), req_pool_indices.contiguous())  # fmt: skip
     if dispatch.use_triton(kv_proj.device):
-        entries = _entries_triton(
-            *args, compress_plan.contiguous(), norm_weight.contiguous(), rope
-        )
+        entries = _entries_triton(*args, compress_plan.contiguous(), norm_weight.contiguous(), rope)
         _write_triton(*args, write_plan.contiguous())
         return entries
     pooled = _pool_torch(*args, compress_plan)

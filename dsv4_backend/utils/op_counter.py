@@ -170,4 +170,5 @@ class LaunchCounter(OpCounter):
         """``"N (torch a, triton b, other c)"`` for benchmark tables."""
         triton = sum(n for k, n in self.kernels.items() if k.startswith("triton:"))
         other = sum(self.kernels.values()) - triton
-        return f"{self.total} (torch {sum(self.torch_ops.values())}, triton {triton}, other {other})"
+        torch_ops = sum(self.torch_ops.values())
+        return f"{self.total} (torch {torch_ops}, triton {triton}, other {other})"
