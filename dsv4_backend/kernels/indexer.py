@@ -32,6 +32,7 @@ import triton.language as tl
 from dsv4_backend.cache.fp8_format import load_dense_block, load_fp8_indexer_block
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.utils.op_counter import launch
 
 if TYPE_CHECKING:
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
@@ -69,8 +70,11 @@ def _indexer_scores_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
+    DOT_BF16: tl.constexpr,  # bf16 tensor-core dots (GPU); fp32 in the interpreter
 ):
-    """One program: row ``program_id(0)``, candidate columns ``[n0, n0 + BLOCK_N)``."""
+    """One program: row ``program_id(0)``, candidate columns ``[n0, n0 + BLOCK_N)``: the
+    ``[BLOCK_N, DIM]`` gathered keys (dequantised in registers) times the row's ``[DIM, HI]``
+    queries on tensor cores, then ReLU, the head weights and the head sum."""
     row = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
     cols = n0 + tl.arange(0, BLOCK_N)
@@ -93,11 +97,46 @@ def _indexer_scores_kernel(
             keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
         else:
             keys = load_dense_block(key_ptr, stride_key_slot, slots, d, valid, DIM)
-        dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
+        if DOT_BF16:
+            dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
+        else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
+            dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
         scores = tl.sum(tl.maximum(dots, 0.0) * w.to(tl.float32)[None, :], axis=1)
         tl.store(out_ptrs, tl.where(valid, scores, float("-inf")), mask=in_matrix)
     else:
         tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_matrix)
+
+
+@triton.jit
+def _selected_slots_kernel(
+    picked_ptr,  # [T, K] int top-k columns of each row, any order (unused without HAS_PICKED)
+    num_ptr,  # [T] int32 candidates per row
+    page_table_ptr,  # [T, Pw] int32
+    out_ptr,  # [T, K] int32 c4 slots, ascending entry order, -1 padded
+    stride_picked_t,
+    stride_pt_t,
+    stride_pt_p,
+    stride_out_t,
+    num_cols,  # N
+    K,
+    E: tl.constexpr,  # c4 entries per full-cache page
+    HAS_PICKED: tl.constexpr,  # False when N <= K: every column is picked
+    BLOCK_K: tl.constexpr,
+):
+    """One row: keep the picked columns below its candidate count, sort them, write slots."""
+    row = tl.program_id(0).to(tl.int64)
+    k = tl.arange(0, BLOCK_K)
+    num = tl.minimum(tl.maximum(tl.load(num_ptr + row), 0), num_cols)
+    if HAS_PICKED:
+        col = tl.load(picked_ptr + row * stride_picked_t + k, mask=k < K, other=num_cols)
+        col = col.to(tl.int32)
+    else:
+        col = k
+    col = tl.sort(tl.where((col < num) & (k < K), col, num_cols))  # dropped columns last
+    valid = col < num
+    page = tl.load(page_table_ptr + row * stride_pt_t + (col // E) * stride_pt_p, mask=valid)
+    slots = tl.where(valid, page * E + col % E, -1)
+    tl.store(out_ptr + row * stride_out_t + k, slots, mask=k < K)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -215,6 +254,7 @@ def _index_scores_triton(
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N,
         FP8=keys.fmt == "fp8",
+        DOT_BF16=q_idx.device.type == "cuda",
     )  # fmt: skip
     return out
 
@@ -259,9 +299,10 @@ def _best_columns(masked: torch.Tensor, k: int) -> torch.Tensor:
     if _use_flashinfer_topk(masked.device):
         import flashinfer
 
-        return flashinfer.top_k(
-            masked, k, tie_break=flashinfer.TopKTieBreak.SMALL, dsa_graph_safe=True
-        )[1]
+        with launch("flashinfer.top_k"):  # its radix kernel (plus an int64 cast of the ids)
+            return flashinfer.top_k(
+                masked, k, tie_break=flashinfer.TopKTieBreak.SMALL, dsa_graph_safe=True
+            )[1]
     # A stable descending sort keeps equal scores in column order (torch.topk does not promise
     # which of equal scores it keeps, and relu makes exact ties common).
     return torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
@@ -306,6 +347,20 @@ def select_topk(
     out : ``[T, K]`` int32, e.g. ``c4.page_indices``; receives the slots of the selected
         entries in ascending entry order, then ``-1`` (rows with 0 candidates are all ``-1``).
     """
+    _check_selection(scores, num_candidates, page_table, topk, out)
+    if dispatch.use_triton(scores.device):
+        column = torch.arange(scores.shape[1], device=scores.device)
+        scores = scores.float().masked_fill(column >= num_candidates[:, None], float("-inf"))
+    _select_masked(scores, num_candidates, page_table, topk, out)
+
+
+def _check_selection(
+    scores: torch.Tensor,
+    num_candidates: torch.Tensor,
+    page_table: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+) -> None:
     if scores.dim() != 2 or num_candidates.shape != scores.shape[:1]:
         raise ContractError(
             f"scores {tuple(scores.shape)} and num_candidates {tuple(num_candidates.shape)}; "
@@ -321,8 +376,33 @@ def select_topk(
         raise ContractError(
             f"page_table has shape {tuple(page_table.shape)}; expected [{rows}, Pw]"
         )
-    entries = select_entries(scores, num_candidates, topk)
-    out.copy_(c4_entry_slots(page_table, entries))
+
+
+def _select_masked(
+    scores: torch.Tensor,
+    num_candidates: torch.Tensor,
+    page_table: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+) -> None:
+    """``select_topk`` for scores already ``-inf`` at columns ``>= num_candidates`` (on the
+    Triton path: the top-k, then ``_selected_slots_kernel``; two launches)."""
+    if not dispatch.use_triton(scores.device):
+        out.copy_(c4_entry_slots(page_table, select_entries(scores, num_candidates, topk)))
+        return
+    rows, cols = scores.shape
+    if rows == 0 or topk == 0:
+        return
+    picked = _best_columns(scores, topk) if cols > topk else None
+    _selected_slots_kernel[(rows,)](
+        out if picked is None else picked, num_candidates, page_table, out,
+        0 if picked is None else picked.stride(0),
+        page_table.stride(0), page_table.stride(1), out.stride(0),
+        cols, topk,
+        E=C4_ENTRIES_PER_PAGE,
+        HAS_PICKED=picked is not None,
+        BLOCK_K=triton.next_power_of_2(topk),
+    )  # fmt: skip
 
 
 def run_indexer(
@@ -344,4 +424,5 @@ def run_indexer(
     if max_candidates is None:
         max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
     scores = index_scores(q_idx, weights, keys, page_table, num_candidates, max_candidates)
-    select_topk(scores, num_candidates, page_table, topk, out)
+    _check_selection(scores, num_candidates, page_table, topk, out)
+    _select_masked(scores, num_candidates, page_table, topk, out)
