@@ -1,0 +1,413 @@
+"""Every field of a plan in one Triton launch (the fused planner, ``planning.plan``'s GPU path).
+
+The kernel computes, for each query row ``t``, what ``planning/planner.py``'s torch body builds
+with some forty torch ops (field definitions: ``planning/metadata.py``):
+
+* the row expansion: request ``b``, position, first new position, the request's length and the
+  length the write plan keeps (uniform kinds from ``seq_lens``; extend kinds from the host's
+  per-request starts and prefixes, uploaded as one ``[3, B]`` tensor);
+* ``page_table``, ``swa_page_indices`` (through ``full_to_swa``), the write slots, causal
+  lengths, window lengths;
+* per compress ratio, the per-row fields of ``kernels/row_metadata.py`` (c4 ``page_indices``
+  filled with ``-1``, c128 indices from the page table) and the compress / write plans of
+  ``kernels/compress_plan_torch.py``. The plans need no scan: a request's rows are consecutive
+  positions, so the number of rows it contributes to each plan has a closed form, and a row's
+  record index is the sum over earlier requests plus its rank inside its own.
+
+Grid ``(row blocks, column blocks)``: column block ``c`` writes columns ``[c * BLOCK_C, ...)``
+of the wide fields; column block 0 also writes the per-row fields and the plan records. Shapes
+depend only on ``T``, ``B`` and the widths, and nothing is read on the host, so a graph kind
+plans inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from dataclasses import fields as dc_fields
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
+from dsv4_backend.kernels.row_metadata import _floor_div, _floor_mod
+
+#: Rows per program (an upper bound: fewer when the batch has many requests).
+BLOCK_T = 32
+#: Columns of the wide fields per program.
+BLOCK_C = 128
+#: Elements of the ``[rows, requests]`` tile each program reduces for the plan offsets.
+REQUEST_TILE = 4096
+
+
+@triton.jit
+def _plan_counts(p0, n, keep, R: tl.constexpr, OVERLAP_BACK: tl.constexpr):
+    """Rows of a request (positions ``p0 ... p0 + n - 1``) in the compress and write plans."""
+    compress = _floor_div(p0 + n, R) - _floor_div(p0, R)
+    keep_from = _floor_div(keep, R) * R - OVERLAP_BACK
+    write = tl.minimum(tl.maximum(p0 + n - tl.maximum(p0, keep_from), 0), n)
+    return compress, write
+
+
+@triton.jit
+def _ratio_fields(
+    t,  # [BLOCK_T] int64 rows
+    row_ok,  # [BLOCK_T] bool
+    b,  # [BLOCK_T] int64 request of each row
+    i,  # [BLOCK_T] int64 rank of the row inside its request
+    pos,  # [BLOCK_T] int64
+    p0,  # [BLOCK_T] int64 first new position of the row's request
+    out_loc,  # [BLOCK_T] int64
+    r,  # [BLOCK_B] request ids
+    req_p0,  # [BLOCK_B] int64 per request: first new position
+    req_n,  # [BLOCK_B] int64 rows
+    req_keep,  # [BLOCK_B] int64 kept length
+    req_ok,  # [BLOCK_B] bool
+    keep,  # [BLOCK_T] int64 the row's request's kept length
+    first_col,  # the column block's first column
+    req_to_token_ptr,
+    stride_rt,
+    req,  # [BLOCK_T] int64 pool row of each row's request
+    page_width,
+    index_topk,
+    c128_width,
+    out_loc_ptr,  # [T] int64
+    raw_ptr,  # [T] int32
+    clamp1_ptr,  # [T] int32
+    sparse_ptr,  # [T] int32
+    indices_ptr,  # [T, K] (ratio 4) or [T, N128] (ratio 128) int32
+    stride_idx,
+    compress_ptr,  # [T, 4] int32
+    write_ptr,  # [T, 4] int32
+    R: tl.constexpr,
+    SPAN: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The fields of one compress ratio ``R`` for a block of rows."""
+    OVERLAP_BACK: tl.constexpr = R if R == 4 else 0
+    next_len = pos + 1
+    raw = _floor_div(next_len, R)
+    cols = first_col + tl.arange(0, BLOCK_C)
+    col_mask = row_ok[:, None] & (cols < (index_topk if R == 4 else c128_width))[None, :]
+    if R == 4:  # filled by the indexer's top-k later
+        value = (t[:, None] * 0 + cols[None, :] * 0 - 1).to(tl.int32)
+    else:
+        # c128 entry j lives on page j // 2 of the request (2 entries per 256-token page); it
+        # is visible once complete (j < raw), which also puts its page inside the request.
+        per_page: tl.constexpr = PAGE // R
+        visible = (
+            col_mask & (cols[None, :] < raw[:, None]) & (cols // per_page < page_width)[None, :]
+        )
+        token = (cols // per_page)[None, :] * PAGE
+        slot = tl.load(req_to_token_ptr + req[:, None] * stride_rt + token, mask=visible, other=0)
+        page = slot.to(tl.int64) // PAGE
+        value = tl.where(visible, page * per_page + (cols % per_page)[None, :], -1).to(tl.int32)
+    tl.store(indices_ptr + t[:, None] * stride_idx + cols[None, :], value, mask=col_mask)
+    if first_col == 0:
+        completes = _floor_mod(next_len, R) == 0
+        tl.store(out_loc_ptr + t, tl.where(completes, _floor_div(out_loc, R), -1), mask=row_ok)
+        raw32 = raw.to(tl.int32)
+        clamp1 = tl.maximum(raw32, 1)
+        tl.store(raw_ptr + t, raw32, mask=row_ok)
+        tl.store(clamp1_ptr + t, clamp1, mask=row_ok)
+        sparse = tl.minimum(clamp1, index_topk) if R == 4 else clamp1
+        tl.store(sparse_ptr + t, sparse, mask=row_ok)
+        # Plan records: earlier requests' counts plus the row's rank in its request.
+        c_req, w_req = _plan_counts(req_p0, req_n, req_keep, R, OVERLAP_BACK)
+        earlier = (r[None, :] < b[:, None]) & req_ok[None, :]
+        c_before = tl.sum(tl.where(earlier, c_req[None, :], 0), axis=1)
+        w_before = tl.sum(tl.where(earlier, w_req[None, :], 0), axis=1)
+        c_total = tl.sum(tl.where(req_ok, c_req, 0), axis=0)
+        w_total = tl.sum(tl.where(req_ok, w_req, 0), axis=0)
+        keep_from = _floor_div(keep, R) * R - OVERLAP_BACK
+        c_idx = c_before + _floor_div(pos, R) - _floor_div(p0, R)  # earlier completing rows
+        w_idx = w_before + i - tl.maximum(keep_from - p0, 0)
+        window = tl.minimum(pos - p0 + 1, SPAN)
+        field = tl.arange(0, 4)[None, :]
+        record = tl.where(field == 0, t[:, None], tl.where(field == 1, b[:, None], pos[:, None]))
+        record = tl.where(field == 3, window[:, None], record).to(tl.int32)
+        kept = (row_ok & completes)[:, None] & (field < 4)
+        tl.store(compress_ptr + c_idx[:, None] * 4 + field, record, mask=kept)
+        kept = (row_ok & (pos >= keep_from))[:, None] & (field < 4)
+        tl.store(write_ptr + w_idx[:, None] * 4 + field, record, mask=kept)
+        # Records past each plan's total are -1 (no valid record lands there).
+        pad = record * 0 - 1
+        tail = (row_ok & (t >= c_total))[:, None] & (field < 4)
+        tl.store(compress_ptr + t[:, None] * 4 + field, pad, mask=tail)
+        tail = (row_ok & (t >= w_total))[:, None] & (field < 4)
+        tl.store(write_ptr + t[:, None] * 4 + field, pad, mask=tail)
+
+
+@triton.jit
+def _plan_kernel(
+    seq_ptr,  # [B] int request lengths before this forward (uniform kinds)
+    host_ptr,  # [3, B] int64 extend kinds: first row, first new position, rows of each request
+    req_pool_ptr,  # [B] int
+    out_cache_loc_ptr,  # [N] int64
+    req_to_token_ptr,  # [pool_rows, ctx] int
+    full_to_swa_ptr,  # [num_full_slots] int (HAS_SWA_MAP)
+    # outputs
+    batch_ids_ptr,  # [T] int32
+    positions_ptr,  # [T] int64
+    raw_out_loc_ptr,  # [T] int64
+    swa_out_loc_ptr,  # [T] int64 (HAS_SWA_MAP)
+    seq_lens_ptr,  # [T] int32
+    swa_lengths_ptr,  # [T] int32
+    page_table_ptr,  # [T, Pw] int32
+    swa_indices_ptr,  # [T, Ws] int32
+    c4_out_loc_ptr,
+    c4_raw_ptr,
+    c4_clamp1_ptr,
+    c4_sparse_ptr,
+    c4_indices_ptr,
+    c4_compress_ptr,
+    c4_write_ptr,
+    c128_out_loc_ptr,
+    c128_raw_ptr,
+    c128_clamp1_ptr,
+    c128_sparse_ptr,
+    c128_indices_ptr,
+    c128_compress_ptr,
+    c128_write_ptr,
+    num_rows,  # T
+    batch_size,  # B
+    context,  # req_to_token columns
+    stride_rt,
+    page_width,  # Pw
+    swa_width,  # Ws
+    index_topk,  # K
+    c128_width,  # N128
+    rows_per_request,  # uniform kinds: rows of each request
+    pos_shift,  # uniform kinds: first new position = seq_len + pos_shift
+    loc_stride,  # uniform kinds: out_cache_loc index = b * loc_stride + loc_offset + i
+    loc_offset,
+    window,  # window_size
+    EXTEND: tl.constexpr,
+    HAS_SWA_MAP: tl.constexpr,
+    HAS_C4: tl.constexpr,
+    HAS_C128: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPAN4: tl.constexpr,
+    SPAN128: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Rows ``[t0, t0 + BLOCK_T)``, columns ``[c0, c0 + BLOCK_C)`` of the wide fields."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < num_rows
+    first_col = tl.program_id(1) * BLOCK_C
+    # Per request: first new position, rows, kept length (the write plans keep state for it).
+    r = tl.arange(0, BLOCK_B)
+    req_ok = r < batch_size
+    if EXTEND:
+        req_start = tl.load(host_ptr + r, mask=req_ok, other=num_rows)
+        req_p0 = tl.load(host_ptr + batch_size + r, mask=req_ok, other=0)
+        req_n = tl.load(host_ptr + 2 * batch_size + r, mask=req_ok, other=0)
+        req_keep = req_p0 + req_n
+        # A row's request: the last one starting at or before it (empty requests skipped).
+        b = tl.sum((req_start[None, :] <= t[:, None]).to(tl.int64), axis=1) - 1
+        b = tl.maximum(b, 0)
+        start = tl.load(host_ptr + b, mask=row_ok, other=0)
+        p0 = tl.load(host_ptr + batch_size + b, mask=row_ok, other=0)
+        n = tl.load(host_ptr + 2 * batch_size + b, mask=row_ok, other=0)
+        i = t - start
+        length = p0 + n
+        keep = length
+        loc = tl.load(out_cache_loc_ptr + t, mask=row_ok, other=0).to(tl.int64)
+    else:
+        req_p0 = tl.load(seq_ptr + r, mask=req_ok, other=0).to(tl.int64) + pos_shift
+        req_n = tl.where(req_ok, rows_per_request, 0).to(tl.int64)
+        req_keep = req_p0 + 1  # decode / draft: the row itself; verify: drafts may be rejected
+        b = t // rows_per_request
+        i = t - b * rows_per_request
+        p0 = tl.load(seq_ptr + b, mask=row_ok, other=1).to(tl.int64) + pos_shift
+        length = p0 + rows_per_request
+        keep = p0 + 1
+        loc_idx = b * loc_stride + loc_offset + i
+        loc = tl.load(out_cache_loc_ptr + loc_idx, mask=row_ok, other=0).to(tl.int64)
+    pos = p0 + i
+    req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
+    cols = first_col + tl.arange(0, BLOCK_C)
+    # page_table[t, k]: page of the request's token k * PAGE, -1 past its length.
+    m = row_ok[:, None] & (cols < page_width)[None, :]
+    token = cols.to(tl.int64)[None, :] * PAGE
+    in_req = m & (token < length[:, None])
+    slot = tl.load(
+        req_to_token_ptr + req[:, None] * stride_rt + tl.minimum(token, context - 1),
+        mask=in_req,
+        other=0,
+    ).to(tl.int64)
+    page = tl.where(in_req, slot // PAGE, -1).to(tl.int32)
+    tl.store(page_table_ptr + t[:, None] * page_width + cols[None, :], page, mask=m)
+    # swa_page_indices[t, j]: window slot of position pos - j inside the window, else -1.
+    m = row_ok[:, None] & (cols < swa_width)[None, :]
+    key_pos = pos[:, None] - cols[None, :]
+    valid = m & (cols < window)[None, :] & (key_pos >= 0)
+    slot = tl.load(
+        req_to_token_ptr + req[:, None] * stride_rt + tl.maximum(key_pos, 0), mask=valid, other=0
+    ).to(tl.int64)
+    if HAS_SWA_MAP:
+        slot = tl.load(full_to_swa_ptr + slot, mask=valid, other=0).to(tl.int64)
+    swa = tl.where(valid, slot, -1).to(tl.int32)
+    tl.store(swa_indices_ptr + t[:, None] * swa_width + cols[None, :], swa, mask=m)
+    if first_col == 0:
+        tl.store(batch_ids_ptr + t, b.to(tl.int32), mask=row_ok)
+        tl.store(positions_ptr + t, pos, mask=row_ok)
+        tl.store(raw_out_loc_ptr + t, loc, mask=row_ok)
+        if HAS_SWA_MAP:
+            writes = row_ok & (loc >= 0)
+            swa_loc = tl.load(full_to_swa_ptr + tl.maximum(loc, 0), mask=writes, other=0)
+            tl.store(swa_out_loc_ptr + t, tl.where(writes, swa_loc.to(tl.int64), -1), mask=row_ok)
+        tl.store(seq_lens_ptr + t, (pos + 1).to(tl.int32), mask=row_ok)
+        tl.store(swa_lengths_ptr + t, tl.minimum(pos + 1, window).to(tl.int32), mask=row_ok)
+    per_request = (r, req_p0, req_n, req_keep, req_ok)
+    if HAS_C4:
+        _ratio_fields(
+            t, row_ok, b, i, pos, p0, loc, *per_request, keep, first_col,
+            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
+            c4_out_loc_ptr, c4_raw_ptr, c4_clamp1_ptr, c4_sparse_ptr, c4_indices_ptr,
+            index_topk, c4_compress_ptr, c4_write_ptr,
+            R=4, SPAN=SPAN4, PAGE=PAGE, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
+    if HAS_C128:
+        _ratio_fields(
+            t, row_ok, b, i, pos, p0, loc, *per_request, keep, first_col,
+            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
+            c128_out_loc_ptr, c128_raw_ptr, c128_clamp1_ptr, c128_sparse_ptr, c128_indices_ptr,
+            c128_width, c128_compress_ptr, c128_write_ptr,
+            R=128, SPAN=SPAN128, PAGE=PAGE, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RatioFields:
+    """The fields of one compress ratio (``CompressedMetadata``'s, same shapes and dtypes)."""
+
+    out_loc: torch.Tensor
+    topk_lengths_raw: torch.Tensor
+    topk_lengths_clamp1: torch.Tensor
+    sparse_topk_lengths: torch.Tensor
+    page_indices: torch.Tensor
+    compress_plan: torch.Tensor
+    write_plan: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PlanFields:
+    """Every per-row field of a plan (``AttentionMetadata``'s, same shapes and dtypes)."""
+
+    row_batch_ids: torch.Tensor
+    positions: torch.Tensor
+    raw_out_loc: torch.Tensor
+    swa_out_loc: torch.Tensor
+    seq_lens_causal: torch.Tensor
+    swa_topk_lengths: torch.Tensor
+    page_table: torch.Tensor
+    swa_page_indices: torch.Tensor
+    ratios: dict[int, RatioFields]
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a batch's requests expand into rows, for ``plan_fields``.
+
+    Uniform kinds: request ``b`` has ``rows_per_request`` rows from position
+    ``seq_lens[b] + pos_shift``, writing ``out_cache_loc[b * loc_stride + loc_offset + i]``.
+    Extend kinds (``host`` given): ``host`` is ``[3, B]`` int64 (first row, first new position,
+    rows of each request) and row ``t`` writes ``out_cache_loc[t]``.
+    """
+
+    rows_per_request: int = 1
+    pos_shift: int = 0
+    loc_stride: int = 1
+    loc_offset: int = 0
+    host: torch.Tensor | None = None
+
+
+def _ratio_outputs(rows: int, width: int, device: torch.device) -> RatioFields:
+    def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    return RatioFields(
+        empty(rows, dtype=torch.int64), empty(rows), empty(rows), empty(rows),
+        empty(rows, width), empty(rows, 4), empty(rows, 4),
+    )  # fmt: skip
+
+
+def plan_fields(
+    *,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa: torch.Tensor | None,
+    layout: RowLayout,
+    num_rows: int,
+    page_width: int,
+    swa_width: int,
+    window: int,
+    index_topk: int,
+    c128_width: int,
+    ratios: frozenset[int],
+    page_size: int,
+) -> PlanFields:
+    """Launch ``_plan_kernel`` once: every field of the plan of ``num_rows`` rows.
+
+    Widths: ``page_width`` (``Pw``), ``swa_width`` (``Ws``), ``index_topk`` (``K``),
+    ``c128_width`` (``N128``); ``ratios`` the compress ratios whose fields are built.
+    """
+    device, rows, bs = req_to_token.device, num_rows, req_pool_indices.numel()
+
+    def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    raw_out_loc = empty(rows, dtype=torch.int64)
+    swa_out_loc = raw_out_loc if full_to_swa is None else empty(rows, dtype=torch.int64)
+    fields = PlanFields(
+        row_batch_ids=empty(rows),
+        positions=empty(rows, dtype=torch.int64),
+        raw_out_loc=raw_out_loc,
+        swa_out_loc=swa_out_loc,
+        seq_lens_causal=empty(rows),
+        swa_topk_lengths=empty(rows),
+        page_table=empty(rows, page_width),
+        swa_page_indices=empty(rows, swa_width),
+        ratios={
+            r: _ratio_outputs(rows, index_topk if r == 4 else c128_width, device) for r in ratios
+        },
+    )
+    if rows == 0:
+        return fields
+    block_b = triton.next_power_of_2(max(bs, 1))
+    block_t = max(1, min(BLOCK_T, REQUEST_TILE // block_b))
+    widest = max(page_width, swa_width, *(index_topk if r == 4 else c128_width for r in ratios))
+    grid = (triton.cdiv(rows, block_t), triton.cdiv(widest, BLOCK_C))
+    stand_in = (raw_out_loc,) * 7  # pointers of an absent ratio, never read
+
+    def ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
+        out = fields.ratios.get(ratio)
+        return stand_in if out is None else tuple(getattr(out, f.name) for f in dc_fields(out))
+
+    _plan_kernel[grid](
+        seq_lens, raw_out_loc if layout.host is None else layout.host, req_pool_indices,
+        out_cache_loc, req_to_token, raw_out_loc if full_to_swa is None else full_to_swa,
+        fields.row_batch_ids, fields.positions, raw_out_loc, swa_out_loc,
+        fields.seq_lens_causal, fields.swa_topk_lengths, fields.page_table,
+        fields.swa_page_indices, *ratio_args(4), *ratio_args(128),
+        rows, bs, req_to_token.shape[1], req_to_token.stride(0),
+        page_width, swa_width, index_topk, c128_width,
+        layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
+        EXTEND=layout.host is not None,
+        HAS_SWA_MAP=full_to_swa is not None,
+        HAS_C4=4 in ratios,
+        HAS_C128=128 in ratios,
+        PAGE=page_size,
+        SPAN4=COMPRESS_SPAN[4],
+        SPAN128=COMPRESS_SPAN[128],
+        BLOCK_T=block_t,
+        BLOCK_B=block_b,
+        BLOCK_C=BLOCK_C,
+    )  # fmt: skip
+    return fields
