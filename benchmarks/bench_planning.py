@@ -3,8 +3,8 @@
 For each mode (decode, extend, verify, draft step) and batch size it prints:
 
 * ``eager ms`` — median wall time of ``plan(config, batch)`` (widths from host lengths);
-* ``graph ms`` — median of the graph path: ``plan(..., widths=...)`` then
-  ``GraphMetadataBuffers.load``;
+* ``graph ms`` — median of the graph path, ``GraphMetadataBuffers.plan`` (the fused planner
+  writing into the buffers; elsewhere ``plan(..., widths=...)`` then ``load``);
 * ``launches`` — device launches of one eager plan and of one graph-path plan + load
   (``LaunchCounter``: torch kernels plus Triton / TVM launches; the same on a CPU as on a GPU);
 * ``graph syncs`` — host-sync ops on the graph path (must be 0; extend is not a graph kind
@@ -133,7 +133,7 @@ def main() -> None:
             )
 
             def graph_path(batch: BatchView = batch, bufs: GraphMetadataBuffers = bufs) -> None:
-                bufs.load(plan(config, batch, widths=widths))
+                bufs.plan(batch)
 
             eager = median_ms(lambda batch=batch: plan(config, batch), args.repeat, args.device)
             graph = median_ms(graph_path, args.repeat, args.device)

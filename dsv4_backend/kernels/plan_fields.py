@@ -52,7 +52,8 @@ def _plan_counts(p0, n, keep, R: tl.constexpr, OVERLAP_BACK: tl.constexpr):
 @triton.jit
 def _ratio_fields(
     t,  # [BLOCK_T] int64 rows
-    row_ok,  # [BLOCK_T] bool
+    row_ok,  # [BLOCK_T] bool: a row of the plan
+    live,  # [BLOCK_T] bool: a row of the plan or a padded row (written with sentinels)
     b,  # [BLOCK_T] int64 request of each row
     i,  # [BLOCK_T] int64 rank of the row inside its request
     pos,  # [BLOCK_T] int64
@@ -89,7 +90,8 @@ def _ratio_fields(
     next_len = pos + 1
     raw = _floor_div(next_len, R)
     cols = first_col + tl.arange(0, BLOCK_C)
-    col_mask = row_ok[:, None] & (cols < (index_topk if R == 4 else c128_width))[None, :]
+    in_width = (cols < (index_topk if R == 4 else c128_width))[None, :]
+    col_mask = row_ok[:, None] & in_width
     if R == 4:  # filled by the indexer's top-k later
         value = (t[:, None] * 0 + cols[None, :] * 0 - 1).to(tl.int32)
     else:
@@ -103,16 +105,19 @@ def _ratio_fields(
         slot = tl.load(req_to_token_ptr + req[:, None] * stride_rt + token, mask=visible, other=0)
         page = slot.to(tl.int64) // PAGE
         value = tl.where(visible, page * per_page + (cols % per_page)[None, :], -1).to(tl.int32)
-    tl.store(indices_ptr + t[:, None] * stride_idx + cols[None, :], value, mask=col_mask)
+    tl.store(
+        indices_ptr + t[:, None] * stride_idx + cols[None, :], value, mask=live[:, None] & in_width
+    )
     if first_col == 0:
         completes = _floor_mod(next_len, R) == 0
-        tl.store(out_loc_ptr + t, tl.where(completes, _floor_div(out_loc, R), -1), mask=row_ok)
+        entry_loc = tl.where(completes & row_ok, _floor_div(out_loc, R), -1)
+        tl.store(out_loc_ptr + t, entry_loc, mask=live)
         raw32 = raw.to(tl.int32)
         clamp1 = tl.maximum(raw32, 1)
-        tl.store(raw_ptr + t, raw32, mask=row_ok)
-        tl.store(clamp1_ptr + t, clamp1, mask=row_ok)
+        tl.store(raw_ptr + t, tl.where(row_ok, raw32, 0), mask=live)
+        tl.store(clamp1_ptr + t, tl.where(row_ok, clamp1, 1), mask=live)
         sparse = tl.minimum(clamp1, index_topk) if R == 4 else clamp1
-        tl.store(sparse_ptr + t, sparse, mask=row_ok)
+        tl.store(sparse_ptr + t, tl.where(row_ok, sparse, 1), mask=live)
         # Plan records: earlier requests' counts plus the row's rank in its request.
         c_req, w_req = _plan_counts(req_p0, req_n, req_keep, R, OVERLAP_BACK)
         earlier = (r[None, :] < b[:, None]) & req_ok[None, :]
@@ -133,9 +138,9 @@ def _ratio_fields(
         tl.store(write_ptr + w_idx[:, None] * 4 + field, record, mask=kept)
         # Records past each plan's total are -1 (no valid record lands there).
         pad = record * 0 - 1
-        tail = (row_ok & (t >= c_total))[:, None] & (field < 4)
+        tail = (live & (t >= c_total))[:, None] & (field < 4)
         tl.store(compress_ptr + t[:, None] * 4 + field, pad, mask=tail)
-        tail = (row_ok & (t >= w_total))[:, None] & (field < 4)
+        tail = (live & (t >= w_total))[:, None] & (field < 4)
         tl.store(write_ptr + t[:, None] * 4 + field, pad, mask=tail)
 
 
@@ -171,6 +176,7 @@ def _plan_kernel(
     c128_compress_ptr,
     c128_write_ptr,
     num_rows,  # T
+    padded_rows,  # rows written: T plus padded rows (sentinels) up to a graph's row count
     batch_size,  # B
     context,  # req_to_token columns
     stride_rt,
@@ -197,6 +203,7 @@ def _plan_kernel(
     """Rows ``[t0, t0 + BLOCK_T)``, columns ``[c0, c0 + BLOCK_C)`` of the wide fields."""
     t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     row_ok = t < num_rows
+    live = t < padded_rows
     first_col = tl.program_id(1) * BLOCK_C
     # Per request: first new position, rows, kept length (the write plans keep state for it).
     r = tl.arange(0, BLOCK_B)
@@ -240,6 +247,7 @@ def _plan_kernel(
         other=0,
     ).to(tl.int64)
     page = tl.where(in_req, slot // PAGE, -1).to(tl.int32)
+    m = live[:, None] & (cols < page_width)[None, :]
     tl.store(page_table_ptr + t[:, None] * page_width + cols[None, :], page, mask=m)
     # swa_page_indices[t, j]: window slot of position pos - j inside the window, else -1.
     m = row_ok[:, None] & (cols < swa_width)[None, :]
@@ -251,21 +259,27 @@ def _plan_kernel(
     if HAS_SWA_MAP:
         slot = tl.load(full_to_swa_ptr + slot, mask=valid, other=0).to(tl.int64)
     swa = tl.where(valid, slot, -1).to(tl.int32)
+    m = live[:, None] & (cols < swa_width)[None, :]
     tl.store(swa_indices_ptr + t[:, None] * swa_width + cols[None, :], swa, mask=m)
     if first_col == 0:
-        tl.store(batch_ids_ptr + t, b.to(tl.int32), mask=row_ok)
-        tl.store(positions_ptr + t, pos, mask=row_ok)
-        tl.store(raw_out_loc_ptr + t, loc, mask=row_ok)
+        # Padded rows get the sentinels of planning/graph_buffers.py.
+        tl.store(batch_ids_ptr + t, tl.where(row_ok, b, 0).to(tl.int32), mask=live)
+        tl.store(positions_ptr + t, tl.where(row_ok, pos, 0), mask=live)
+        tl.store(raw_out_loc_ptr + t, tl.where(row_ok, loc, -1), mask=live)
         if HAS_SWA_MAP:
             writes = row_ok & (loc >= 0)
             swa_loc = tl.load(full_to_swa_ptr + tl.maximum(loc, 0), mask=writes, other=0)
-            tl.store(swa_out_loc_ptr + t, tl.where(writes, swa_loc.to(tl.int64), -1), mask=row_ok)
-        tl.store(seq_lens_ptr + t, (pos + 1).to(tl.int32), mask=row_ok)
-        tl.store(swa_lengths_ptr + t, tl.minimum(pos + 1, window).to(tl.int32), mask=row_ok)
+            swa_loc = tl.where(writes, swa_loc.to(tl.int64), -1)
+        else:
+            swa_loc = tl.where(row_ok, loc, -1)
+        tl.store(swa_out_loc_ptr + t, swa_loc, mask=live)
+        tl.store(seq_lens_ptr + t, tl.where(row_ok, pos + 1, 1).to(tl.int32), mask=live)
+        swa_len = tl.where(row_ok, tl.minimum(pos + 1, window), 1).to(tl.int32)
+        tl.store(swa_lengths_ptr + t, swa_len, mask=live)
     per_request = (r, req_p0, req_n, req_keep, req_ok)
     if HAS_C4:
         _ratio_fields(
-            t, row_ok, b, i, pos, p0, loc, *per_request, keep, first_col,
+            t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
             req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
             c4_out_loc_ptr, c4_raw_ptr, c4_clamp1_ptr, c4_sparse_ptr, c4_indices_ptr,
             index_topk, c4_compress_ptr, c4_write_ptr,
@@ -273,7 +287,7 @@ def _plan_kernel(
         )  # fmt: skip
     if HAS_C128:
         _ratio_fields(
-            t, row_ok, b, i, pos, p0, loc, *per_request, keep, first_col,
+            t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
             req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
             c128_out_loc_ptr, c128_raw_ptr, c128_clamp1_ptr, c128_sparse_ptr, c128_indices_ptr,
             c128_width, c128_compress_ptr, c128_write_ptr,
@@ -283,7 +297,7 @@ def _plan_kernel(
 
 @dataclass(frozen=True)
 class RatioFields:
-    """The fields of one compress ratio (``CompressedMetadata``'s, same shapes and dtypes)."""
+    """The fields of one compress ratio (named, shaped and typed as ``CompressedMetadata``'s)."""
 
     out_loc: torch.Tensor
     topk_lengths_raw: torch.Tensor
@@ -296,17 +310,45 @@ class RatioFields:
 
 @dataclass(frozen=True)
 class PlanFields:
-    """Every per-row field of a plan (``AttentionMetadata``'s, same shapes and dtypes)."""
+    """Every per-row field of a plan (named, shaped and typed as ``AttentionMetadata``'s)."""
 
     row_batch_ids: torch.Tensor
-    positions: torch.Tensor
+    page_table: torch.Tensor
     raw_out_loc: torch.Tensor
     swa_out_loc: torch.Tensor
     seq_lens_causal: torch.Tensor
-    swa_topk_lengths: torch.Tensor
-    page_table: torch.Tensor
+    positions_causal: torch.Tensor
     swa_page_indices: torch.Tensor
+    swa_topk_lengths: torch.Tensor
     ratios: dict[int, RatioFields]
+
+    @classmethod
+    def empty(
+        cls, rows: int, widths: dict[str, int], ratios: frozenset[int], device: torch.device
+    ) -> PlanFields:
+        """Uninitialised outputs for ``rows`` rows; ``widths`` maps ``page_table``,
+        ``swa_page_indices``, ``c4`` and ``c128`` to their column counts."""
+
+        def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        def ratio(r: int) -> RatioFields:
+            return RatioFields(
+                empty(rows, dtype=torch.int64), empty(rows), empty(rows), empty(rows),
+                empty(rows, widths[f"c{r}"]), empty(rows, 4), empty(rows, 4),
+            )  # fmt: skip
+
+        return cls(
+            row_batch_ids=empty(rows),
+            page_table=empty(rows, widths["page_table"]),
+            raw_out_loc=empty(rows, dtype=torch.int64),
+            swa_out_loc=empty(rows, dtype=torch.int64),
+            seq_lens_causal=empty(rows),
+            positions_causal=empty(rows, dtype=torch.int64),
+            swa_page_indices=empty(rows, widths["swa_page_indices"]),
+            swa_topk_lengths=empty(rows),
+            ratios={r: ratio(r) for r in ratios},
+        )
 
 
 @dataclass(frozen=True)
@@ -326,16 +368,6 @@ class RowLayout:
     host: torch.Tensor | None = None
 
 
-def _ratio_outputs(rows: int, width: int, device: torch.device) -> RatioFields:
-    def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.empty(*shape, dtype=dtype, device=device)
-
-    return RatioFields(
-        empty(rows, dtype=torch.int64), empty(rows), empty(rows), empty(rows),
-        empty(rows, width), empty(rows, 4), empty(rows, 4),
-    )  # fmt: skip
-
-
 def plan_fields(
     *,
     seq_lens: torch.Tensor,
@@ -345,64 +377,55 @@ def plan_fields(
     full_to_swa: torch.Tensor | None,
     layout: RowLayout,
     num_rows: int,
-    page_width: int,
-    swa_width: int,
+    out: PlanFields,
     window: int,
     index_topk: int,
-    c128_width: int,
-    ratios: frozenset[int],
     page_size: int,
-) -> PlanFields:
-    """Launch ``_plan_kernel`` once: every field of the plan of ``num_rows`` rows.
+) -> None:
+    """Launch ``_plan_kernel`` once: fill ``out`` with the plan of ``num_rows`` rows.
 
-    Widths: ``page_width`` (``Pw``), ``swa_width`` (``Ws``), ``index_topk`` (``K``),
-    ``c128_width`` (``N128``); ``ratios`` the compress ratios whose fields are built.
+    ``out``'s tensors (contiguous) fix the widths: ``page_table`` ``Pw``, ``swa_page_indices``
+    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and the ratios planned. Rows of
+    ``out`` past ``num_rows`` (a graph bucket larger than the batch) get the sentinels of
+    ``planning/graph_buffers.py``.
     """
-    device, rows, bs = req_to_token.device, num_rows, req_pool_indices.numel()
-
-    def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.empty(*shape, dtype=dtype, device=device)
-
-    raw_out_loc = empty(rows, dtype=torch.int64)
-    swa_out_loc = raw_out_loc if full_to_swa is None else empty(rows, dtype=torch.int64)
-    fields = PlanFields(
-        row_batch_ids=empty(rows),
-        positions=empty(rows, dtype=torch.int64),
-        raw_out_loc=raw_out_loc,
-        swa_out_loc=swa_out_loc,
-        seq_lens_causal=empty(rows),
-        swa_topk_lengths=empty(rows),
-        page_table=empty(rows, page_width),
-        swa_page_indices=empty(rows, swa_width),
-        ratios={
-            r: _ratio_outputs(rows, index_topk if r == 4 else c128_width, device) for r in ratios
-        },
-    )
-    if rows == 0:
-        return fields
+    padded_rows, bs = out.row_batch_ids.shape[0], req_pool_indices.numel()
+    if padded_rows == 0:
+        return
+    page_width, swa_width = out.page_table.shape[1], out.swa_page_indices.shape[1]
+    c128 = out.ratios.get(128)
+    c128_width = 0 if c128 is None else c128.page_indices.shape[1]
+    index_widths = [f.page_indices.shape[1] for f in out.ratios.values()]
     block_b = triton.next_power_of_2(max(bs, 1))
     block_t = max(1, min(BLOCK_T, REQUEST_TILE // block_b))
-    widest = max(page_width, swa_width, *(index_topk if r == 4 else c128_width for r in ratios))
-    grid = (triton.cdiv(rows, block_t), triton.cdiv(widest, BLOCK_C))
-    stand_in = (raw_out_loc,) * 7  # pointers of an absent ratio, never read
+    grid = (
+        triton.cdiv(padded_rows, block_t),
+        triton.cdiv(max(page_width, swa_width, *index_widths), BLOCK_C),
+    )
+    stand_in = (out.raw_out_loc,) * 7  # pointers of an absent ratio, never written
 
     def ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
-        out = fields.ratios.get(ratio)
-        return stand_in if out is None else tuple(getattr(out, f.name) for f in dc_fields(out))
+        fields = out.ratios.get(ratio)
+        return (
+            stand_in
+            if fields is None
+            else tuple(getattr(fields, f.name) for f in dc_fields(fields))
+        )
 
+    host = out.raw_out_loc if layout.host is None else layout.host
     _plan_kernel[grid](
-        seq_lens, raw_out_loc if layout.host is None else layout.host, req_pool_indices,
-        out_cache_loc, req_to_token, raw_out_loc if full_to_swa is None else full_to_swa,
-        fields.row_batch_ids, fields.positions, raw_out_loc, swa_out_loc,
-        fields.seq_lens_causal, fields.swa_topk_lengths, fields.page_table,
-        fields.swa_page_indices, *ratio_args(4), *ratio_args(128),
-        rows, bs, req_to_token.shape[1], req_to_token.stride(0),
+        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
+        out.raw_out_loc if full_to_swa is None else full_to_swa,
+        out.row_batch_ids, out.positions_causal, out.raw_out_loc, out.swa_out_loc,
+        out.seq_lens_causal, out.swa_topk_lengths, out.page_table, out.swa_page_indices,
+        *ratio_args(4), *ratio_args(128),
+        num_rows, padded_rows, bs, req_to_token.shape[1], req_to_token.stride(0),
         page_width, swa_width, index_topk, c128_width,
         layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
         EXTEND=layout.host is not None,
         HAS_SWA_MAP=full_to_swa is not None,
-        HAS_C4=4 in ratios,
-        HAS_C128=128 in ratios,
+        HAS_C4=4 in out.ratios,
+        HAS_C128=128 in out.ratios,
         PAGE=page_size,
         SPAN4=COMPRESS_SPAN[4],
         SPAN128=COMPRESS_SPAN[128],
@@ -410,4 +433,3 @@ def plan_fields(
         BLOCK_B=block_b,
         BLOCK_C=BLOCK_C,
     )  # fmt: skip
-    return fields

@@ -19,6 +19,7 @@ the compress / write plans the TVM kernel of ``kernels/compress_plan_tvm.py`` wh
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +31,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
-from dsv4_backend.kernels.plan_fields import RowLayout, plan_fields
+from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, plan_fields
 from dsv4_backend.kernels.row_metadata import row_fields
 from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
@@ -166,14 +167,9 @@ def plan(
             f"cannot plan forward kind {batch.kind!r}; expected one of "
             f"{[kind.name for kind in _KINDS]}"
         )
-    if dispatch.use_triton(batch.req_to_token.device) and _fusable(batch):
-        return _plan_fused(config, batch, widths, compressed=spec.compressed)
+    if fuses(batch):
+        return plan_into(config, batch, widths, None)
     return _plan_rows(config, batch, spec.expand(batch), widths, compressed=spec.compressed)
-
-
-def _fusable(batch: BatchView) -> bool:
-    """The fused kernel covers every kind but IDLE (no rows) and draft trees (topk > 1)."""
-    return batch.num_rows > 0 and (batch.draft is None or batch.draft.topk == 1)
 
 
 def _host_lens(batch: BatchView) -> list[int] | None:
@@ -208,17 +204,36 @@ def _row_layout(batch: BatchView) -> RowLayout:
     return RowLayout(pos_shift=-1)
 
 
-def _plan_fused(
-    config: DSV4AttentionConfig,
-    batch: BatchView,
-    widths: PlanWidths | None,
-    *,
-    compressed: bool,
+def fuses(batch: BatchView) -> bool:
+    """Whether ``batch`` is planned by the fused kernel (``kernels/plan_fields.py``): on the
+    Triton paths, every kind but IDLE (no rows) and draft trees (topk > 1)."""
+    return (
+        dispatch.use_triton(batch.req_to_token.device)
+        and batch.num_rows > 0
+        and (batch.draft is None or batch.draft.topk == 1)
+    )
+
+
+def plan_into(
+    config: DSV4AttentionConfig, batch: BatchView, widths: PlanWidths | None, out: PlanFields | None
 ) -> AttentionMetadata:
-    """``_plan_rows``' result from one launch of ``kernels/plan_fields.py`` (same fields)."""
+    """The fused planner: ``plan``'s result from one launch (for a batch that ``fuses``).
+
+    ``out`` (``None``: allocated here) receives the fields; rows past ``batch.num_rows`` get
+    the sentinels of ``planning/graph_buffers.py``, and its widths must be ``widths``'.
+    """
+    spec = _KINDS[batch.kind]
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
-    present = config.ratios_present if compressed else frozenset()
-    fields = plan_fields(
+    if out is None:
+        present = config.ratios_present if spec.compressed else frozenset()
+        columns = {
+            "page_table": widths.page_table,
+            "swa_page_indices": config.swa_index_width,
+            "c4": config.index_topk,
+            "c128": widths.c128,
+        }
+        out = PlanFields.empty(batch.num_rows, columns, present, batch.req_to_token.device)
+    plan_fields(
         seq_lens=batch.seq_lens,
         req_pool_indices=batch.req_pool_indices,
         out_cache_loc=batch.out_cache_loc,
@@ -226,27 +241,18 @@ def _plan_fused(
         full_to_swa=batch.full_to_swa,
         layout=_row_layout(batch),
         num_rows=batch.num_rows,
-        page_width=widths.page_table,
-        swa_width=config.swa_index_width,
+        out=out,
         window=config.window_size,
         index_topk=config.index_topk,
-        c128_width=widths.c128,
-        ratios=present,
         page_size=config.page_size,
     )
-    comp = {r: CompressedMetadata(ratio=r, **vars(f)) for r, f in fields.ratios.items()}
+    common = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.name != "ratios"}
+    comp = {r: CompressedMetadata(ratio=r, **vars(f)) for r, f in out.ratios.items()}
     return AttentionMetadata(
         kind=batch.kind,
         batch_size=batch.batch_size,
-        num_rows=batch.num_rows,
-        row_batch_ids=fields.row_batch_ids,
-        page_table=fields.page_table,
-        raw_out_loc=fields.raw_out_loc,
-        swa_out_loc=fields.swa_out_loc,
-        seq_lens_causal=fields.seq_lens_causal,
-        positions_causal=fields.positions,
-        swa_page_indices=fields.swa_page_indices,
-        swa_topk_lengths=fields.swa_topk_lengths,
+        num_rows=out.row_batch_ids.shape[0],
+        **common,
         c4=comp.get(4),
         c128=comp.get(128),
     )

@@ -244,8 +244,9 @@ class DSV4AttentionBackend(AttentionBackend):
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
     # ------------------------------------------------------------------------- planning
-    def _plan(self, forward_batch: Any, widths: PlanWidths | None) -> AttentionMetadata:
-        """Plan ``forward_batch`` (the one planning body of the eager and the graph path).
+    def _plan(self, forward_batch: Any, buffers: GraphMetadataBuffers | None) -> AttentionMetadata:
+        """Plan ``forward_batch``: eager (``buffers`` None) or into the graph buffers (the
+        same planning body).
 
         Also resets the compressor rings of requests that (re)start at position 0: the
         overlapping ratio-4 windows read ring rows before a request's first position, which
@@ -258,7 +259,7 @@ class DSV4AttentionBackend(AttentionBackend):
             num_draft_tokens=self.num_draft_tokens,
             draft=self.draft_step,
         )
-        metadata = plan(self.config, view, widths=widths)
+        metadata = plan(self.config, view) if buffers is None else buffers.plan(view)
         if view.extend_prefix_lens is not None and metadata.c4 is not None:
             fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
             if fresh:
@@ -267,7 +268,7 @@ class DSV4AttentionBackend(AttentionBackend):
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
-        self.forward_metadata = self._plan(forward_batch, widths=None)
+        self.forward_metadata = self._plan(forward_batch, None)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """CUDA graphs: plan with fixed widths and load the plan into the graph buffers.
@@ -280,8 +281,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 "init_forward_metadata_out_graph before init_cuda_graph_state: the graph "
                 "buffers do not exist yet"
             )
-        metadata = self._plan(forward_batch, widths=self.graph_buffers.widths)
-        self.forward_metadata = self.graph_buffers.load(metadata)
+        self.forward_metadata = self._plan(forward_batch, self.graph_buffers)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""
