@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from dsv4_backend.kernels import compressor, indexer
+from dsv4_backend.kernels import compressor, indexer, plan_fields
 
 HOPPER = GPUTarget("cuda", 90, 32)
 MMA = re.compile(r"\b(wgmma\.mma_async[\w.]*|mma\.sync[\w.]*)")
@@ -101,6 +101,36 @@ def main() -> None:
             dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, ROPE_PAIRS=32, BLOCK_P=256, BLOCK_S=8),
             floats=("eps",),
         )
+    outputs = "batch_ids_ptr positions_ptr raw_out_loc_ptr swa_out_loc_ptr seq_lens_ptr"
+    outputs += " swa_lengths_ptr page_table_ptr swa_indices_ptr"
+    ratio_outputs = "out_loc_ptr raw_ptr clamp1_ptr sparse_ptr indices_ptr compress_ptr write_ptr"
+    pointers = dict(seq_ptr="i32", host_ptr="i64", req_pool_ptr="i64", out_cache_loc_ptr="i64",
+                    req_to_token_ptr="i32", full_to_swa_ptr="i64")  # fmt: skip
+    pointers.update({name: "i32" for name in outputs.split()})
+    for ratio in (4, 128):
+        pointers.update({f"c{ratio}_{name}": "i32" for name in ratio_outputs.split()})
+    for name in ("positions_ptr", "raw_out_loc_ptr", "swa_out_loc_ptr", "c4_out_loc_ptr",
+                 "c128_out_loc_ptr"):  # fmt: skip
+        pointers[name] = "i64"
+    scalars = "num_rows padded_rows batch_size context stride_rt page_width swa_width index_topk"
+    scalars += " c128_width rows_per_request pos_shift loc_stride loc_offset window"
+    report["plan_fields"] = _compile(
+        plan_fields._plan_kernel,
+        pointers,
+        scalars.split(),
+        dict(
+            EXTEND=False,
+            HAS_SWA_MAP=True,
+            HAS_C4=True,
+            HAS_C128=True,
+            PAGE=256,
+            SPAN4=8,
+            SPAN128=128,
+            BLOCK_T=16,
+            BLOCK_B=256,
+            BLOCK_C=plan_fields.BLOCK_C,
+        ),
+    )
     print(json.dumps(report))
 
 

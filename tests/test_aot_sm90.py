@@ -34,7 +34,8 @@ def test_indexer_scores_use_bf16_tensor_cores(report: dict) -> None:
 
 
 @pytest.mark.parametrize(
-    "kernel", ["indexer_selected_slots", "compress_entry_c4", "compress_entry_c128"]
+    "kernel",
+    ["indexer_selected_slots", "compress_entry_c4", "compress_entry_c128", "plan_fields"],
 )
 def test_fused_kernels_compile_for_sm90a(report: dict, kernel: str) -> None:
     assert report[kernel]["num_warps"] >= 1

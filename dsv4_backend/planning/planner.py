@@ -11,10 +11,13 @@ the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()`
 only checked where the batch already holds them on the host (``BatchView.host_seq_lens``). The
 extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``extend_seq_lens``.
 
-Kernels: the per-row compression fields run the Triton kernel of ``kernels/row_metadata.py`` and
-the compress / write plans the TVM kernel of ``kernels/compress_plan_tvm.py`` where they can run
-(``kernels/dispatch.py``); their torch references (``kernels/row_fields_torch.py``,
-``kernels/compress_plan_torch.py``) serve everywhere else.
+Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` builds every field in one
+launch of ``kernels/plan_fields.py`` (two for extend kinds: their host lengths are uploaded
+first), and ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The
+torch body below serves the torch path; there the per-row compression fields run
+``kernels/row_metadata.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
+where they can, else their torch references (``kernels/row_fields_torch.py``,
+``kernels/compress_plan_torch.py``).
 """
 
 from __future__ import annotations
