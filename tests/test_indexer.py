@@ -324,3 +324,15 @@ def test_flashinfer_branch_passes_arguments_flashinfer_accepts(monkeypatch):
     indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
     assert calls == [{"tie_break": 1, "dsa_graph_safe": True}]
     assert torch.equal(out, brute_select(scores, b.num, b.page_table, TOPK))
+
+
+def test_warm_up_topk_runs_flashinfer_once_before_capture(monkeypatch):
+    """On a flashinfer device the warm-up runs one top-k (JIT build, workspace); elsewhere
+    nothing."""
+    calls = []
+    monkeypatch.setattr(indexer, "_best_columns", lambda x, k: calls.append((x.shape, k)))
+    indexer.warm_up_topk("cpu", 8)
+    assert calls == []
+    monkeypatch.setattr(indexer, "_use_flashinfer_topk", lambda device: True)
+    indexer.warm_up_topk("cpu", 8)
+    assert calls == [((1, 9), 8)]

@@ -308,6 +308,16 @@ def _best_columns(masked: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
 
 
+def warm_up_topk(device: torch.device | str, topk: int) -> None:
+    """Build flashinfer's top-k kernels and its workspace on ``device`` (no-op elsewhere).
+
+    Its first call JIT-compiles and allocates, which must not happen inside a CUDA-graph
+    capture: call this before capturing.
+    """
+    if _use_flashinfer_topk(torch.device(device)):
+        _best_columns(torch.zeros(1, topk + 1, device=device), topk)
+
+
 def select_entries(scores: torch.Tensor, num_candidates: torch.Tensor, topk: int) -> torch.Tensor:
     """Selected entry indices per row: ``[T, topk]`` int64, ascending, ``-1`` padded.
 

@@ -53,6 +53,7 @@ from dsv4_backend.compute import (
 )
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.kernels.indexer import warm_up_topk
 from dsv4_backend.planning import (
     AttentionMetadata,
     DraftStep,
@@ -287,7 +288,9 @@ class DSV4AttentionBackend(AttentionBackend):
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the fixed metadata buffers for graphs of up to ``max_num_tokens`` rows."""
+        """Allocate the fixed metadata buffers for graphs of up to ``max_num_tokens`` rows, and
+        build flashinfer's top-k before any capture."""
+        warm_up_topk(self.device, self.config.index_topk)
         self.graph_buffers = GraphMetadataBuffers(
             self.config,
             max_batch_size=max_bs,
