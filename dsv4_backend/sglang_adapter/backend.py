@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -127,9 +126,8 @@ class RunnerSettings:
             )
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
-        config = DSV4AttentionConfig.from_hf_config(
-            hf if isinstance(hf, Mapping) else hf.to_dict(), speculative=speculative
-        )
+        # The config object itself (not to_dict()): its attributes are what sglang's model reads.
+        config = DSV4AttentionConfig.from_hf_config(hf, speculative=speculative)
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))

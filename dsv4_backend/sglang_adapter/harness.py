@@ -45,6 +45,7 @@ def tiny_hf_config(config: DSV4AttentionConfig, **overrides: Any) -> dict[str, A
         "index_head_dim": config.index_head_dim,
         "rope_theta": config.rope_theta,
         "compress_rope_theta": config.compress_rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
         "rope_scaling": {
             "type": "yarn",
             "factor": config.yarn_factor,
