@@ -109,12 +109,14 @@ def compress_and_store(
     norm_weight: torch.Tensor,
     *,
     indexer: bool = False,
+    norm_eps: float | None = None,
 ) -> None:
     """Run ``layer``'s compressor (or its indexer's, ``indexer=True``) over this forward.
 
     ``kv_proj`` / ``score_proj`` ``[T, c*D]`` (scores without ``ape``); the rings are updated
     and the entries completed by this forward are stored in the layer's compressed cache (or
-    indexer key cache) at ``out_loc``.
+    indexer key cache) at ``out_loc``. ``norm_eps``: the RMSNorm epsilon (default
+    ``config.rms_norm_eps``).
     """
     ratio = 4 if indexer else state.config.compress_ratios[layer]
     comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
@@ -122,6 +124,7 @@ def compress_and_store(
     entries = compress_forward(
         rings, kv_proj, score_proj, ape, norm_weight, rope_for_ratio(state.config, ratio),
         req_pool_indices, metadata.positions_causal, comp.compress_plan, comp.write_plan,
+        norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
     )  # fmt: skip
     pools = state.pools
     (pools.indexer(layer) if indexer else pools.compressed(layer)).store(entries, comp.out_loc)

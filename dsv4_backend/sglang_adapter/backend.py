@@ -36,6 +36,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -139,6 +141,20 @@ class RunnerSettings:
         )
 
 
+class CudaStreams:
+    """The two stream calls of sglang's multi-stream indexer path (``torch.cuda``): the
+    current stream, and a context making another stream current. A backend's ``streams``
+    attribute; tests swap in a recorder."""
+
+    @staticmethod
+    def current() -> Any:
+        return torch.cuda.current_stream()
+
+    @staticmethod
+    def use(stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+
 def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> AttentionState:
     """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
@@ -238,6 +254,7 @@ class DSV4AttentionBackend(AttentionBackend):
         self.state = shared_state(model_runner, self.config, cache_format)
         self.forward_metadata: AttentionMetadata | None = None
         self.graph_buffers: GraphMetadataBuffers | None = None
+        self.streams = CudaStreams()
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
@@ -386,6 +403,7 @@ class DSV4AttentionBackend(AttentionBackend):
             original_ape(compressor),
             compressor.norm.weight.float(),
             indexer=bool(compressor.is_in_indexer),
+            norm_eps=float(compressor.norm.variance_epsilon),
         )
 
     def forward_c4_indexer(
@@ -394,7 +412,7 @@ class DSV4AttentionBackend(AttentionBackend):
         q_lora: torch.Tensor,
         forward_batch: Any,
         c4_indexer: Any,
-        alt_streams: Any = None,
+        alt_streams: Sequence[Any] | None = None,
         enable_multi_stream: bool = False,
         q_lora_ready: Any = None,
         skip_compressor: bool = False,
@@ -403,26 +421,70 @@ class DSV4AttentionBackend(AttentionBackend):
         """The lightning indexer of sglang ``C4Indexer`` ``c4_indexer``; returns None.
 
         Queries: ``c4_indexer.wq_b(q_lora)`` as ``[T, HI, DI]``, roped (compressed-layer RoPE,
-        trailing dims) at each row's position; head weights ``c4_indexer.compute_weights(x)``
-        (scaled by ``DI**-0.5 * HI**-0.5``). Writes each row's top-k c4 slots into
-        ``forward_metadata.c4.page_indices``. Streams and the fp8 ``q_lora_quant`` are unused.
+        trailing dims) at each row's position; head weights ``compute_weights(x, skip_scale=
+        True)`` scaled by ``c4_indexer.weight_scale`` in float32 (as sglang's fused query kernel
+        does). Writes each row's top-k c4 slots into ``forward_metadata.c4.page_indices``. The
+        indexer compressor runs first unless ``skip_compressor``. ``q_lora_quant`` (sglang's fp8
+        copy of ``q_lora``) is unused: queries are projected from ``q_lora``.
+
+        Streams, as sglang's ``C4IndexerBackendMixin``: with ``enable_multi_stream`` the model
+        calls this on its indexer stream *before* ``q_lora`` is computed, handing the event
+        ``q_lora_ready``; the compressor runs on the current stream, the head weights on
+        ``alt_streams[1]``, the queries on ``alt_streams[0]`` after waiting for
+        ``q_lora_ready`` (and the weights), and the current stream joins ``alt_streams[0]``
+        before the top-k. ``q_lora_ready`` without ``enable_multi_stream`` is a
+        ``ContractError`` (sglang asserts it is None).
         """
         if forward_batch.forward_mode.is_idle():
             return
         layer_id = c4_indexer.layer_id
-        metadata = self._metadata(forward_batch, x.shape[0], f"c4 indexer (layer {layer_id})")
+        where = f"c4 indexer (layer {layer_id})"
+        metadata = self._metadata(forward_batch, x.shape[0], where)
+        if not enable_multi_stream and q_lora_ready is not None:
+            raise ContractError(
+                f"{where}: q_lora_ready given without enable_multi_stream; the event belongs to "
+                "the multi-stream path (sglang asserts it is None otherwise)"
+            )
         if not skip_compressor:
             self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+        if enable_multi_stream:
+            if alt_streams is None or len(alt_streams) < 2:
+                raise ContractError(
+                    f"{where}: enable_multi_stream needs two alt_streams (queries, weights), "
+                    f"got {alt_streams!r}"
+                )
+            streams = self.streams
+            current = streams.current()
+            stream_q, stream_weights = alt_streams[0], alt_streams[1]
+            stream_q.wait_stream(current)
+            stream_weights.wait_stream(current)
+            with streams.use(stream_weights):
+                weights = self._index_weights(c4_indexer, x)
+                weights_ready = stream_weights.record_event()
+            with streams.use(stream_q):
+                if q_lora_ready is not None:
+                    stream_q.wait_event(q_lora_ready)
+                stream_q.wait_event(weights_ready)
+                q = self._index_queries(c4_indexer, q_lora, metadata)
+            current.wait_stream(stream_q)
+        else:
+            weights = self._index_weights(c4_indexer, x)
+            q = self._index_queries(c4_indexer, q_lora, metadata)
+        select_c4_entries(self.state, layer_id, metadata, q, weights)
+
+    @staticmethod
+    def _index_weights(c4_indexer: Any, x: torch.Tensor) -> torch.Tensor:
+        """``[T, HI]`` float32 head weights: the projection times ``weight_scale`` in fp32."""
+        return c4_indexer.compute_weights(x, skip_scale=True).float() * c4_indexer.weight_scale
+
+    def _index_queries(
+        self, c4_indexer: Any, q_lora: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """``[T, HI, DI]`` float32 indexer queries, roped at each row's position."""
         q, _ = c4_indexer.wq_b(q_lora)
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
         cos, sin = rope_cos_sin(self.config, 4, metadata.positions_causal)
-        select_c4_entries(
-            self.state,
-            layer_id,
-            metadata,
-            apply_rope(q, cos, sin),
-            c4_indexer.compute_weights(x).float(),
-        )
+        return apply_rope(q, cos, sin)
 
     # -------------------------------------------------------------------------- forward
     def forward(

@@ -285,7 +285,7 @@ class CompressorStandIn:
         if self.ape_converted:
             ape = torch.cat(torch.chunk(ape, 2, dim=-1), dim=0).reshape(self.ratio, -1)
         self.ape = ape
-        self.norm = SimpleNamespace(weight=norm, variance_epsilon=1e-6)
+        self.norm = SimpleNamespace(weight=norm, variance_epsilon=model.config.rms_norm_eps)
         self.feed: Feed | None = None
 
     def compute_kv_score(self, x: torch.Tensor, forward_batch: Any) -> torch.Tensor:
@@ -294,14 +294,16 @@ class CompressorStandIn:
 
 
 class IndexerStandIn:
-    """sglang ``C4Indexer`` surface: ``wq_b`` (un-roped queries), ``compute_weights``,
-    ``n_heads``, ``head_dim``, ``layer_id``, ``compressor``."""
+    """sglang ``C4Indexer`` surface: ``wq_b`` (un-roped queries), ``compute_weights`` (the
+    feed's weights, already scaled: ``weight_scale`` is 1), ``n_heads``, ``head_dim``,
+    ``layer_id``, ``compressor``."""
 
     def __init__(self, model: RandomModel, layer: int) -> None:
         self.layer_id = layer
         self.n_heads = model.config.index_n_heads
         self.head_dim = model.config.index_head_dim
         self.compressor = CompressorStandIn(model, layer, indexer=True)
+        self.weight_scale = 1.0
         self.feed: Feed | None = None
 
     def wq_b(self, q_lora: torch.Tensor) -> tuple[torch.Tensor, None]:
