@@ -198,8 +198,9 @@ def _layer_ratios(hf: Any) -> list[int]:
     return ratios
 
 
-def _rope_sections(hf: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
-    """``(main, compress)`` RoPE parameter mappings (either may be empty).
+def _rope_sections(hf: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], bool]:
+    """``(main, compress, nested)``: RoPE parameter mappings (either may be empty), and whether
+    they are transformers' nested sections (only those carry the compressed layers' theta).
 
     transformers nests ``rope_parameters`` as ``{"main": ..., "compress": ...}``; sglang's
     config object (transformers 5 standardisation of the hub's ``rope_scaling``) keeps one flat
@@ -208,11 +209,11 @@ def _rope_sections(hf: Any) -> tuple[Mapping[str, Any], Mapping[str, Any]]:
     """
     params = _field(hf, "rope_parameters")
     if isinstance(params, Mapping) and isinstance(params.get("main"), Mapping):
-        return params["main"], params.get("compress") or {}
+        return params["main"], params.get("compress") or {}, True
     if isinstance(params, Mapping):
-        return params, params
+        return params, params, False
     scaling = _field(hf, "rope_scaling")
-    return {}, scaling if isinstance(scaling, Mapping) else {}
+    return {}, scaling if isinstance(scaling, Mapping) else {}, False
 
 
 def read_hf_config(hf: Any) -> dict[str, Any]:
@@ -250,9 +251,9 @@ def read_hf_config(hf: Any) -> dict[str, Any]:
                                  YaRN (``yarn_original_max_position = 0``)
     ===========================  =================================================================
     """
-    main, compress = _rope_sections(hf)
+    main, compress, nested = _rope_sections(hf)
     rope_theta = main.get("rope_theta")
-    compress_theta = compress.get("rope_theta") if compress is not main else None
+    compress_theta = compress.get("rope_theta") if nested else None
     original = int(compress.get("original_max_position_embeddings") or 0)
     values: dict[str, Any] = dict(
         compress_ratios=tuple(_layer_ratios(hf)),

@@ -123,6 +123,15 @@ def test_a_config_without_layer_ratios_is_refused() -> None:
         read_hf_config({"num_attention_heads": 32, "head_dim": 128})
 
 
+def test_a_rope_scaling_edited_by_transformers_keeps_the_hub_thetas() -> None:
+    """transformers writes the main ``rope_theta`` into the hub dict's ``rope_scaling``; the
+    compressed theta still comes from ``compress_rope_theta``."""
+    values = hub()
+    sglang_object(values)
+    assert values["rope_scaling"].get("rope_theta") == 20000.0
+    assert DSV4AttentionConfig.from_hf_config(values) == EXPECTED
+
+
 def test_main_theta_missing_everywhere_is_refused() -> None:
     values = hub()
     del values["rope_theta"]

@@ -65,7 +65,7 @@ from dsv4_backend.planning import (
     seq_len_fill_value,
 )
 from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
-from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
+from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind, padding_rows
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
@@ -274,6 +274,16 @@ class DSV4AttentionBackend(AttentionBackend):
             draft=self.draft_step,
         )
         metadata = plan(self.config, view, widths=widths)
+        padding = padding_rows(forward_batch, view)
+        if padding > 0:
+            # Data-parallel padding tokens (EXTEND / DRAFT_EXTEND_V2, eager only): sentinel rows
+            # that write nothing and output 0, as sglang's own backend plans them.
+            metadata = pad_plan(
+                self.config,
+                metadata,
+                batch_size=metadata.batch_size,
+                num_rows=metadata.num_rows + padding,
+            )
         if view.extend_prefix_lens is not None and metadata.c4 is not None:
             fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
             if fresh:
@@ -331,11 +341,11 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if (
             metadata.kind is ForwardKind.DRAFT_EXTEND
-            and forward_batch.batch_size > metadata.batch_size
+            and forward_batch.batch_size >= metadata.batch_size
             and num_rows > metadata.num_rows
         ):
             # sglang plans the draft-extend batch before data-parallel padding on purpose (it
-            # marks it ready and never replans); the requests it appends are padding.
+            # marks it ready and never replans); the requests and tokens it appends are padding.
             metadata = pad_plan(
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
@@ -445,8 +455,6 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: q_lora_ready given without enable_multi_stream; the event belongs to "
                 "the multi-stream path (sglang asserts it is None otherwise)"
             )
-        if not skip_compressor:
-            self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
         if enable_multi_stream:
             if alt_streams is None or len(alt_streams) < 2:
                 raise ContractError(
@@ -458,6 +466,8 @@ class DSV4AttentionBackend(AttentionBackend):
             stream_q, stream_weights = alt_streams[0], alt_streams[1]
             stream_q.wait_stream(current)
             stream_weights.wait_stream(current)
+            if not skip_compressor:
+                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
             with streams.use(stream_weights):
                 weights = self._index_weights(c4_indexer, x)
                 weights_ready = stream_weights.record_event()
@@ -468,6 +478,8 @@ class DSV4AttentionBackend(AttentionBackend):
                 q = self._index_queries(c4_indexer, q_lora, metadata)
             current.wait_stream(stream_q)
         else:
+            if not skip_compressor:
+                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
             weights = self._index_weights(c4_indexer, x)
             q = self._index_queries(c4_indexer, q_lora, metadata)
         select_c4_entries(self.state, layer_id, metadata, q, weights)

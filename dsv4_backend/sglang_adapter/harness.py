@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.planning import BatchView
@@ -211,14 +211,22 @@ class BatchBuilder:
         return forward_batch(self.pool.verify(requests, seq_lens, n), rows)
 
     @staticmethod
-    def pad(step: Step, runner: Any, extra_requests: int, rows_per_request: int) -> Step:
-        """Data-parallel padding by sglang's own ``ForwardBatch._pad_inputs_to_size``."""
+    def pad(
+        step: Step, runner: Any, extra_requests: int, rows_per_request: int, extra_tokens: int = 0
+    ) -> Step:
+        """Data-parallel padding by sglang's own ``ForwardBatch._pad_inputs_to_size``:
+        ``extra_requests`` whole requests of ``rows_per_request`` rows, then ``extra_tokens``
+        tokens of no request (``prepare_mlp_sync_batch`` pads an EXTEND batch to the
+        data-parallel token count this way, setting ``extend_num_tokens`` to it)."""
         batch = step.batch
         bs = batch.batch_size + extra_requests
-        num_tokens = batch.out_cache_loc.numel() + extra_requests * rows_per_request
+        num_tokens = batch.out_cache_loc.numel() + extra_requests * rows_per_request + extra_tokens
+        if batch.forward_mode == ForwardMode.EXTEND:
+            batch.extend_num_tokens = num_tokens
         batch._pad_inputs_to_size(runner, num_tokens, bs)
         batch.batch_size = bs
-        return Step(batch, step.rows + [None] * (extra_requests * rows_per_request))
+        padding: list[Row] = [None] * (extra_requests * rows_per_request + extra_tokens)
+        return Step(batch, step.rows + padding)
 
 
 def _extend_rows(
