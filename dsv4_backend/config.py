@@ -26,6 +26,8 @@ from typing import Any
 from dsv4_backend.errors import ConfigError
 
 SUPPORTED_RATIOS = (0, 4, 128)
+#: ``DSV4AttentionConfig.indexer_selection`` values (exact scores, or sglang's fp8 ones).
+INDEXER_SELECTIONS = ("exact", "fp8")
 #: Ratios with compressed caches, state rings and per-ratio metadata (0 is window only).
 COMPRESSED_RATIOS = (4, 128)
 REQUIRED_PAGE_SIZE = 256
@@ -60,6 +62,9 @@ class DSV4AttentionConfig:
     yarn_beta_slow: float = 1.0
     #: RMSNorm epsilon of the compressors (sglang reads each module's ``variance_epsilon``).
     rms_norm_eps: float = 1e-6
+    #: Lightning-indexer scores: ``"exact"`` (fp32 queries and keys) or ``"fp8"`` (sglang's
+    #: built-in selection: Hadamard-rotated, e4m3-quantised; ``kernels.indexer_fp8``).
+    indexer_selection: str = "exact"
     #: Speculative decoding doubles the compressor state rings.
     speculative: bool = False
     softmax_scale: float = field(init=False)
@@ -87,6 +92,17 @@ class DSV4AttentionConfig:
         for name in ("num_heads", "head_dim", "index_topk", "index_n_heads", "index_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}; expected a positive integer")
+        if self.indexer_selection not in INDEXER_SELECTIONS:
+            raise ConfigError(
+                f"indexer_selection={self.indexer_selection!r}; expected one of "
+                f"{INDEXER_SELECTIONS}"
+            )
+        di = self.index_head_dim
+        if self.indexer_selection == "fp8" and di & (di - 1):
+            raise ConfigError(
+                f"indexer_selection='fp8' with index_head_dim={di}; the Hadamard rotation "
+                "needs a power of two"
+            )
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ConfigError(
                 f"rope_dim={self.rope_dim}; expected an even number in (0, head_dim="

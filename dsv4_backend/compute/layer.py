@@ -20,6 +20,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.compressor import CompressorState, compress_forward
 from dsv4_backend.kernels.indexer import run_indexer
+from dsv4_backend.kernels.indexer_fp8 import quantised_view
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 from dsv4_backend.reference.layer import LayerInputs, LayerParams
@@ -127,6 +128,8 @@ def compress_and_store(
         norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
     )  # fmt: skip
     pools = state.pools
+    if indexer and state.config.indexer_selection == "fp8":
+        entries = quantised_view(entries)  # rows completing no entry stay 0
     (pools.indexer(layer) if indexer else pools.compressed(layer)).store(entries, comp.out_loc)
 
 
@@ -139,9 +142,13 @@ def select_c4_entries(
 ) -> None:
     """The lightning indexer: each row's top-k c4 slots into ``metadata.c4.page_indices``.
 
-    ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled).
+    ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled). With
+    ``config.indexer_selection == "fp8"`` the queries (and, in ``compress_and_store``, the
+    keys) are sglang's rotated e4m3 values (``kernels.indexer_fp8``).
     """
     comp = _compressed(metadata, 4, f"indexer of layer {layer}")
+    if state.config.indexer_selection == "fp8":
+        index_q = quantised_view(index_q)
     run_indexer(
         index_q, index_weights, state.pools.indexer(layer), metadata.page_table,
         comp.topk_lengths_raw, state.config.index_topk, comp.page_indices,

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -52,7 +53,12 @@ from dsv4_backend.compute import (
     select_c4_entries,
     store_window_keys,
 )
-from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
+from dsv4_backend.config import (
+    INDEXER_SELECTIONS,
+    REQUIRED_PAGE_SIZE,
+    SWA_PAGE_SIZE,
+    DSV4AttentionConfig,
+)
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.planning import (
     AttentionMetadata,
@@ -76,6 +82,9 @@ from dsv4_backend.sglang_adapter.pool_alias import (
 _STATE_ATTR = "_dsv4_backend_attention_state"
 #: Largest EAGLE draft topk served (draft trees are not).
 MAX_DRAFT_TOPK = 1
+#: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
+#: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
+INDEXER_SELECTION_ENV = "DSV4_BACKEND_INDEXER_SELECTION"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +103,7 @@ class RunnerSettings:
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
         ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``,
-        ``disable_radix_cache``).
+        ``disable_radix_cache``), and the environment variable ``INDEXER_SELECTION_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -126,10 +135,17 @@ class RunnerSettings:
                 "and cannot resume from a radix-cache prefix hit (start sglang with "
                 "--disable-radix-cache)"
             )
+        selection = os.environ.get(INDEXER_SELECTION_ENV, "exact")
+        if selection not in INDEXER_SELECTIONS:
+            raise ConfigError(
+                f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
+            )
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.
-        config = DSV4AttentionConfig.from_hf_config(hf, speculative=speculative)
+        config = DSV4AttentionConfig.from_hf_config(
+            hf, speculative=speculative, indexer_selection=selection
+        )
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))
