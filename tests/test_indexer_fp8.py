@@ -12,9 +12,9 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.kernels.indexer_fp8 import E4M3_MAX, hadamard, quantised_view
-from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import INDEXER_SELECTION_ENV, DSV4AttentionBackend
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 
 def butterfly_128(x: torch.Tensor) -> torch.Tensor:

@@ -30,9 +30,9 @@ from sglang.srt.utils.hf_transformers.common import _CONFIG_REGISTRY, get_rope_c
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
-from dsv4_backend.simulation import PagedRequestPool
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 HIDDEN, Q_LORA = 64, 32
