@@ -10,7 +10,9 @@ parallelism), per layer, and what each call does here:
 * ``forward_c4_indexer(x=, q_lora=, forward_batch=, c4_indexer=, ...)`` (ratio-4 layers) — runs
   the indexer compressor (``forward_indexer_compressor``), projects and ropes the indexer queries
   with the module's ``wq_b`` / ``compute_weights``, and writes each row's top-k c4 slots into
-  ``forward_metadata.c4.page_indices``; returns None.
+  ``forward_metadata.c4.page_indices``; returns None. With ``enable_multi_stream`` it keeps
+  sglang's stream handshake (``alt_streams``, waits for ``q_lora_ready`` before reading
+  ``q_lora``).
 * ``forward_core_compressor(x, forward_batch, layer_id, compressor)`` (ratio 4 / 128) — the
   module's ``compute_kv_score`` projections through ``kernels.compressor.compress_forward``, the
   finished entries stored at ``c{r}.out_loc``.
