@@ -39,7 +39,7 @@ from dsv4_backend.planning import (
     PlanWidths,
     plan,
 )
-from dsv4_backend.utils.op_counter import LaunchCounter
+from dsv4_backend.testing.op_counter import LaunchCounter
 
 PAGE = 256
 MAX_CONTEXT = 8192

@@ -83,7 +83,8 @@ def main() -> None:
                 pool_ptr="i64",
                 plan_ptr="i32",
                 norm_ptr="fp32",
-                freq_ptr="fp64",
+                cos_ptr="fp32",
+                sin_ptr="fp32",
                 out_ptr="fp32",
             ),
             [
@@ -97,8 +98,17 @@ def main() -> None:
                 "stride_ring_row",
                 "stride_plan",
                 "stride_out",
+                "stride_rope",
             ],
-            dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, ROPE_PAIRS=32, BLOCK_P=256, BLOCK_S=8),
+            dict(
+                RATIO=ratio,
+                SPAN=span,
+                OVERLAP=ovl,
+                ROPE_PAIRS=32,
+                ROPE_BY_ROW=False,
+                BLOCK_P=256,
+                BLOCK_S=8,
+            ),
             floats=("eps",),
         )
     outputs = "batch_ids_ptr positions_ptr raw_out_loc_ptr swa_out_loc_ptr seq_lens_ptr"

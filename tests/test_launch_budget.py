@@ -15,8 +15,8 @@ from dsv4_backend.compute import AttentionState, compress_and_store, select_c4_e
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
 from dsv4_backend.planning import plan
-from dsv4_backend.simulation import PagedRequestPool
-from dsv4_backend.utils.op_counter import LaunchCounter
+from dsv4_backend.testing.op_counter import LaunchCounter
+from dsv4_backend.testing.simulation import PagedRequestPool
 
 CONFIG = DSV4AttentionConfig.tiny(compress_ratios=(4, 128))
 LENGTHS = [130, 7]

@@ -36,10 +36,10 @@ from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
 from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, plan_fields
 from dsv4_backend.kernels.row_metadata import row_fields
+from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
-from dsv4_backend.utils.op_counter import launch
 
 
 @dataclass(frozen=True)
