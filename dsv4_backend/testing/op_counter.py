@@ -82,6 +82,7 @@ NO_KERNEL_OPS = frozenset(
     }
 )
 
+
 def _counting_run(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def run(self: Any, *args: Any, warmup: bool = False, **kwargs: Any) -> Any:
