@@ -23,6 +23,7 @@ where they can, else their torch references (``kernels/row_fields_torch.py``,
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -191,7 +192,7 @@ def _row_layout(batch: BatchView) -> RowLayout:
     """How ``batch``'s requests expand into rows (the expansions above, as kernel scalars)."""
     if batch.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
         extend = batch.extend_seq_lens
-        starts = [sum(extend[:b]) for b in range(len(extend))]
+        starts = [0, *itertools.accumulate(extend)][: len(extend)]
         host = [starts, list(batch.extend_prefix_lens), list(extend)]
         with launch("copy: extend lengths to the device"):
             table = torch.tensor(host, dtype=torch.int64, device=batch.seq_lens.device)
