@@ -33,11 +33,11 @@ from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
 from dsv4_backend.kernels.row_metadata import _floor_div, _floor_mod
 
 #: Rows per program (an upper bound: fewer when the batch has many requests).
-BLOCK_T = 32
+BLOCK_T = 8
 #: Columns of the wide fields per program.
-BLOCK_C = 128
+BLOCK_C = 64
 #: Elements of the ``[rows, requests]`` tile each program reduces for the plan offsets.
-REQUEST_TILE = 4096
+REQUEST_TILE = 1024
 
 
 @triton.jit
