@@ -28,7 +28,7 @@ from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.sparse_attention import (
     MAX_SPLITS,
-    _default_num_splits,
+    default_num_splits,
     sparse_attention_torch,
     sparse_attention_triton,
     sparse_attention_with_sink,
