@@ -555,6 +555,27 @@ def sparse_attention_triton(
     return out
 
 
+def dot_operand_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of the attention dots' operands for tensors on ``device``: bf16 on a GPU
+    (tensor cores, fp32 accumulation), fp32 in the interpreter and the torch path."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+#: Output error per unit roundoff of the dot operands (logits and weights are each rounded
+#: once), measured against the fp32 reference on the tiny model: TF32 operands (roundoff
+#: 2^-11) gave 2.0-2.4e-3, about 5 roundoffs; 8 leaves a margin.
+ROUNDOFFS_PER_OUTPUT = 8
+#: Floor of the tolerance: fp32 sums in another order.
+FP32_ATOL = 2e-5
+
+
+def attention_tolerance(device: torch.device | str) -> float:
+    """Absolute tolerance of this op's output against an fp32 reference (outputs of order 1),
+    derived from :func:`dot_operand_dtype`: bf16 (roundoff 2^-8) gives 8 * 2^-8 = 0.031."""
+    roundoff = torch.finfo(dot_operand_dtype(device)).eps / 2
+    return max(FP32_ATOL, ROUNDOFFS_PER_OUTPUT * roundoff)
+
+
 # ---------------------------------------------------------------------------- torch path
 def sparse_attention_torch(
     q: torch.Tensor,
