@@ -118,7 +118,9 @@ def configurations() -> list[tuple[str, ASTSource, dict]]:
     out = []
     for fmt in ("dense", "fp8"):
         for ratio, splits in ((0, 1), (4, 1), (4, 8), (128, 4)):
-            out.append((f"attention-{fmt}-r{ratio}-s{splits}", *attention_source(fmt, ratio, splits)))
+            out.append(
+                (f"attention-{fmt}-r{ratio}-s{splits}", *attention_source(fmt, ratio, splits))
+            )
     out.append(("merge-s8", *merge_source(8)))
     return out
 

@@ -133,7 +133,9 @@ def run_trace(
     modes = {label: ModeStats(label, tolerances[label]) for label in trace.labels}
     warmup_s = {}
     if device.type == "cuda" if warmup is None else warmup:
-        warmup_s = {side: _warm_up(backend, trace, device) for side, backend in (("a", a), ("b", b))}
+        warmup_s = {
+            side: _warm_up(backend, trace, device) for side, backend in (("a", a), ("b", b))
+        }
     a.prepare(trace, device)
     b.prepare(trace, device)
     for index, step in enumerate(_progress(trace.steps, progress)):
