@@ -163,8 +163,9 @@ def main() -> None:
                 for batch in [1, 8, 32, 64, 128]:
                     moved, fl = cost(batch, layer, fmt, FLASH)
                     t_mem, t_fl = moved / bandwidth, fl / flops
+                    bound = "memory" if t_mem > t_fl else "tensor"
                     print(f"{layer:>8} {fmt:>5} {batch:>5} {moved / 1e6:8.2f} {fl / 1e9:8.2f} "
-                          f"{max(t_mem, t_fl) * 1e6:11.2f} {'memory' if t_mem > t_fl else 'tensor'}")  # fmt: skip
+                          f"{max(t_mem, t_fl) * 1e6:11.2f} {bound}")  # fmt: skip
         matched = None  # interpreter times have no roofline
     print(f"measured: shapes {shapes}, window {WINDOW}; dense caches are bf16")
     print(f"{'layer':>8} {'fmt':>5} {'batch':>5} {'path':>6} {'time us':>10} {'GB/s':>9} "

@@ -24,12 +24,12 @@ import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported
 
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
 
-from dsv4_backend.kernels import sparse_attention as sa  # noqa: E402
+from dsv4_backend.kernels import sparse_attention as sa
 
 SM90 = GPUTarget("cuda", 90, 32)
 HEADS, DIM, ROPE = 64, 512, 64

@@ -15,7 +15,6 @@ each softmax weight by a factor within ``exp(+-2 delta)``, and the output by at 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,6 +28,7 @@ from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.sparse_attention import (
     MAX_SPLITS,
     default_num_splits,
+    force_num_splits,
     sparse_attention_torch,
     sparse_attention_triton,
     sparse_attention_with_sink,
@@ -400,13 +400,26 @@ def test_bad_split_count_is_refused():
         sparse_attention_triton(**_valid_args(), num_splits=0)
 
 
-def test_default_split_count_on_a_gpu(monkeypatch):
-    """The CUDA split heuristic (its device query stubbed): about two programs per SM, never
-    more splits than key blocks or ``MAX_SPLITS``, and an empty batch (0 rows) is fine."""
-    props = SimpleNamespace(multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    cuda = torch.device("cuda")
-    assert _default_num_splits(1, 64, 640, 32, cuda) == 20  # 4 programs; 20 key blocks
-    assert _default_num_splits(1, 64, 4096, 32, cuda) == MAX_SPLITS
-    assert _default_num_splits(512, 64, 640, 32, cuda) == 1
-    assert 1 <= _default_num_splits(0, 64, 640, 32, cuda) <= MAX_SPLITS
+def test_default_split_count_fills_the_gpu():
+    """At most one wave of programs: bs 1 at Flash shapes (one 64-head program per row)
+    splits its 640 keys into as many chunks as SMs allow, never more than its key blocks or
+    ``MAX_SPLITS``; a batch that fills the SMs alone takes one split; 0 rows are fine."""
+    assert default_num_splits(1, 64, 640, 64, sms=132) == 10  # 10 key blocks of 64
+    assert default_num_splits(1, 64, 640, 16, sms=132) == MAX_SPLITS
+    assert default_num_splits(8, 64, 640, 64, sms=132) == 10  # 17 wanted, 10 blocks
+    assert default_num_splits(64, 64, 640, 64, sms=132) == 2  # one wave: 128 programs
+    assert default_num_splits(132, 64, 640, 64, sms=132) == 1
+    assert default_num_splits(8, 8, 640, 64, sms=132) == 10  # tiny: 16-head programs
+    assert 1 <= default_num_splits(0, 64, 640, 64, sms=132) <= MAX_SPLITS
+
+
+def test_forced_split_count_applies_and_is_checked():
+    """``force_num_splits`` pins the split count of launches without ``num_splits`` (the
+    serving-mode tests use it) and refuses counts outside 1 ... MAX_SPLITS."""
+    args = _valid_args()
+    with force_num_splits(3):
+        forced = sparse_attention_triton(**args)
+    torch.testing.assert_close(forced, sparse_attention_torch(**args), atol=ATOL, rtol=1e-5)
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(BatchError, match=f"num_splits={bad}"), force_num_splits(bad):
+            pass

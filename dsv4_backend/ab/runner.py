@@ -172,7 +172,7 @@ def _warm_up(backend: Backend, trace: Trace, device: torch.device) -> float:
     try:
         for step in trace.steps:
             backend.run(step)
-    except Exception:  # noqa: BLE001 - reported by the timed run
+    except Exception:
         pass
     if device.type == "cuda":
         torch.cuda.synchronize(device)

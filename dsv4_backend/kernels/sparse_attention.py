@@ -13,19 +13,28 @@ skipping slot ``-1``. K = V (one shared KV head, all ``D`` dims)::
 A row with no valid key outputs 0. Shapes: ``T`` rows, ``H`` heads, ``D`` head dim, ``Ws``
 window index width, ``Ke`` extra index width, ``S`` key splits.
 
-Triton kernel (flash decoding). Stage 1, grid ``(T, cdiv(H, BLOCK_H), S)``: a program takes
-``BLOCK_H`` heads of one row (the M side of ``[BLOCK_H, D] x [D, BLOCK_N]``, so each key row is
-loaded once per head block) and the ``s``-th of ``S`` equal chunks of the row's key list
-(window columns, then extra columns), ``BLOCK_N`` keys at a time with an fp32 online softmax.
-With ``S = 1`` it folds in the sink and writes the output; otherwise it writes an unnormalised
-partial and stage 2, grid ``(T, H)``, merges the ``S`` partials with the sink.
+Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T, cdiv(H, BLOCK_H), S)``:
 
-Registers: ``D`` is not tiled. At ``D = 512`` a program holds fp32 ``[16, 512]`` q and
-accumulator tiles and a ``[BLOCK_N, 512]`` fp32 key tile; 16 heads per program (sglang's grouped
-MLA decode kernel uses the same) keeps that within 255 registers without spills at 8 warps
-(``_launch_config``), where 64 heads could not. Key rows are then read once per head block,
-from L2 after the first. Dots take fp32 operands (TF32 tensor cores on a GPU, exact in the
-interpreter).
+* M side = heads. A program takes ``BLOCK_H`` heads of one row (all 64 of Flash; at least
+  16, the smallest dot M), so each key row is gathered once per program and K = V serves both
+  dots: ``s = q k^T`` (``[BLOCK_H, D] x [D, BLOCK_N]``) and ``acc += p v`` (``[BLOCK_H,
+  BLOCK_N] x [BLOCK_N, D]``), one loop over the split's key blocks, window blocks then extra
+  blocks, with an fp32 online softmax in the log2 domain.
+* Operands. On a GPU q, keys and p are bf16 and the dots accumulate in fp32 (Hopper wgmma);
+  the constexpr ``INTERPRETER`` keeps fp32 operands in the Triton interpreter (its bf16 dot is
+  wrong) and decodes e4m3 arithmetically there (it has no fp8 type). FP8 keys are dequantised
+  in the kernel: e4m3 -> fp32 (``cvt``), times the group's ue8m0 scale, rope bf16 as is, then
+  bf16 -- exact, so the tensor cores see the same keys the torch path dequantises.
+* Registers (D = 512, 8 warps = two warpgroups): the ``[64, 512]`` fp32 accumulator is split
+  by output channels between the warpgroups (``m64n256`` each, 128 registers a thread); q
+  (bf16 ``[64, 512]``) and the key block stay in shared memory as wgmma operands. The whole
+  head dimension is one tile: the key block is loaded once and feeds both dots.
+  ``tests/sm90_compile.py`` reports registers, spills and shared memory per configuration.
+* Splits. With ``S = 1`` the program folds in the sink and writes the output; otherwise it
+  writes an unnormalised partial and ``_merge_splits_kernel``, grid ``(T, H)``, merges the
+  ``S`` partials with the sink. ``S`` is picked so the grid fills the SMs
+  (:func:`default_num_splits`); callers and tests can set it (``num_splits``,
+  :func:`force_num_splits`).
 
 Every launch shape depends only on tensor shapes (no host reads of lengths), so the op can be
 captured in a CUDA graph once compiled.
@@ -119,10 +128,8 @@ def _load_key_block(
         offs_d = tl.arange(0, BLOCK_D)
         valid = mask_n & (slots >= 0)
         rows = tl.where(valid, slots, 0).to(tl.int64)
-        if BLOCK_D == D:  # mask constant along D: vectorised loads
-            mask = valid[:, None]
-        else:
-            mask = valid[:, None] & (offs_d < D)[None, :]
+        # A mask constant along D keeps the loads vectorised.
+        mask = valid[:, None] if BLOCK_D == D else valid[:, None] & (offs_d < D)[None, :]
         k = tl.load(
             cache_ptr + rows[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0
         ).to(OP_DTYPE)
@@ -202,10 +209,9 @@ def _sparse_attention_kernel(
     split = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < H
-    if BLOCK_D == D:  # a mask constant along D keeps the q loads and output stores vectorised
-        hd_mask = h_mask[:, None]
-    else:
-        hd_mask = h_mask[:, None] & (offs_d < D)[None, :]
+    # A mask constant along D keeps the q loads and output stores vectorised (and, at D = 512,
+    # the epilogue within registers).
+    hd_mask = h_mask[:, None] if BLOCK_D == D else h_mask[:, None] & (offs_d < D)[None, :]
 
     q_ptrs = q_ptr + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(tl.float32 if INTERPRETER else tl.bfloat16)
@@ -416,8 +422,9 @@ def _launch_config(dim: int, fp8: bool) -> tuple[int, int, int]:
 
     Chosen from ptxas reports for sm_90a (Triton 3.8, compiled ahead of time on the CPU by
     ``tests/sm90_compile.py``; not yet timed on a GPU). At D = 512 the fp32 ``[64, 512]``
-    accumulator alone is 128 registers per thread over 8 warps (two warpgroups, each owning
-    half of the output channels).
+    accumulator is 128 registers a thread over 8 warps; dense keys fit 64-key blocks at 255
+    registers without spills, the fp8 dequantise path 16-key blocks (32 spill). Both
+    unpipelined (one stage): the gathered loads go through registers anyway. D <= 256: 4 warps.
     """
     if dim <= 256:
         return 32, 4, 1
@@ -425,14 +432,15 @@ def _launch_config(dim: int, fp8: bool) -> tuple[int, int, int]:
 
 
 def default_num_splits(rows: int, heads: int, width: int, block_n: int, sms: int) -> int:
-    """Key splits per row so that the grid covers every SM once.
+    """Key splits per row so that the grid fills the SMs in one wave.
 
-    ``rows * cdiv(heads, BLOCK_H)`` programs share ``sms`` SMs; a row's ``width`` key columns
-    are split into at most ``cdiv(width, block_n)`` chunks (at least one key block each) and at
-    most ``MAX_SPLITS``. One split when the rows alone fill the GPU (no partials, no merge).
+    ``rows * cdiv(heads, BLOCK_H)`` programs share ``sms`` SMs (one program per SM: its
+    registers fill one); each row gets ``sms // programs`` splits (a partial second wave would
+    cost as much as a full one), at most ``cdiv(width, block_n)`` (a key block per split) and
+    at most ``MAX_SPLITS``. One split when the rows alone fill the GPU: no partials, no merge.
     """
     programs = max(1, rows * triton.cdiv(heads, _block_h(heads)))  # rows may be 0
-    return max(1, min(triton.cdiv(sms, programs), triton.cdiv(width, block_n), MAX_SPLITS))
+    return max(1, min(sms // programs, triton.cdiv(width, block_n), MAX_SPLITS))
 
 
 #: Split count pinned by :func:`force_num_splits` (tests run every schedule with splits > 1).
@@ -441,8 +449,8 @@ _forced_splits: list[int] = []
 
 @contextlib.contextmanager
 def force_num_splits(splits: int) -> Iterator[None]:
-    """Inside the block every Triton launch without an explicit ``num_splits`` uses
-    ``splits`` (clipped to the row's key blocks is not done: the kernel handles empty splits)."""
+    """Inside the block every Triton launch without an explicit ``num_splits`` uses ``splits``,
+    on any device (splits past a row's keys are empty and merge as nothing)."""
     if not 1 <= splits <= MAX_SPLITS:
         raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
     _forced_splits.append(splits)
