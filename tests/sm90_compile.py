@@ -60,7 +60,8 @@ def attention_source(fmt: str, ratio: int, splits: int) -> tuple[ASTSource, dict
     constexprs = dict(
         D=DIM, BLOCK_D=DIM, BLOCK_H=sa._block_h(HEADS), BLOCK_N=block_n, NUM_SPLITS=splits,
         HAS_EXTRA=ratio != 0, NOPE_DIM=DIM - ROPE, WIN_FP8=fp8, WIN_PAGE_TOKENS=PAGE_TOKENS[0],
-        EXT_FP8=fp8, EXT_PAGE_TOKENS=PAGE_TOKENS[ratio], INTERPRETER=False,
+        EXT_FP8=fp8, EXT_PAGE_TOKENS=PAGE_TOKENS[ratio], ONE_GATHER=not fp8,
+        INTERPRETER=False,
     )  # fmt: skip
     signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
     src = ASTSource(sa._sparse_attention_kernel, signature, constexprs, _aligned(signature))

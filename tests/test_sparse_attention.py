@@ -245,6 +245,22 @@ def test_fp8_cache(dim):
     assert (outs["torch"] - exact).abs().max() > 1e-4  # the fp8 path really quantised
 
 
+@pytest.mark.parametrize("win_fmt, ext_dtype", [("dense", torch.bfloat16), ("fp8", torch.float32)])
+def test_window_and_extra_caches_of_different_types(win_fmt, ext_dtype):
+    """A window cache and an extra cache of different storage types (fp32 / bf16 dense, fp8 /
+    dense) take the kernel's two-gather path; same answer as the torch path."""
+    g = torch.Generator().manual_seed(8)
+    win = _cache(_keys(200, 128, g), 128, win_fmt)
+    ext = _cache(_keys(30, 128, g), 64, "dense", ext_dtype)
+    idx, lens = _indices([128, 3, 0, 70], 128, 200, g)
+    eidx, elens = _indices([5, 16, 2, 0], 16, 30, g)
+    q = torch.randn(4, 8, 128, generator=g)
+    args = (q, win, idx, lens, ext, eidx, elens, torch.randn(8, generator=g), TINY.softmax_scale)
+    outs = _all_paths(*args)
+    expected = outs.pop("torch")
+    _assert_all_close(outs, expected)
+
+
 # ------------------------------------------------------- whole requests vs the reference
 def _request_inputs(ratio: int, seq_len: int, positions: list[int], fmt: str, seed: int):
     """One request of ``seq_len`` tokens laid out in caches at shuffled slots, indexed for the

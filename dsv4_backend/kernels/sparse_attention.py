@@ -202,6 +202,7 @@ def _sparse_attention_kernel(
     WIN_PAGE_TOKENS: tl.constexpr,
     EXT_FP8: tl.constexpr,
     EXT_PAGE_TOKENS: tl.constexpr,
+    ONE_GATHER: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
@@ -239,7 +240,8 @@ def _sparse_attention_kernel(
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     for block in range(0, num_blocks):
-        if not (WIN_FP8 or EXT_FP8):  # one gather whose source is picked by scalars
+        if ONE_GATHER:  # one gather, its source picked by scalars: a single copy of the
+            # gather code holds registers down (no spills at D = 512)
             in_win = block < win_blocks
             slots, k = _gather_block(
                 tl.where(in_win, win_ptr, ext_ptr),
@@ -550,6 +552,8 @@ def sparse_attention_triton(
         NUM_SPLITS=splits, HAS_EXTRA=has_extra, NOPE_DIM=dim - window.rope_dim,
         WIN_FP8=window.fmt == "fp8", WIN_PAGE_TOKENS=window.page_tokens,
         EXT_FP8=extra.fmt == "fp8", EXT_PAGE_TOKENS=extra.page_tokens,
+        ONE_GATHER=window.fmt == extra.fmt == "dense"
+        and window.storage.dtype == extra.storage.dtype,
         INTERPRETER=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
