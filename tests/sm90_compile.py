@@ -10,6 +10,7 @@ and warps the launcher picks. It prints one JSON object per configuration:
   their operand types (``tf32`` shows up here if a dot fell back to fp32 operands);
 * ``registers``, ``spill_stores``, ``spill_loads``, ``stack``: from ``ptxas -v`` (Triton's
   bundled ptxas, the same call Triton makes);
+* ``cp_async``: asynchronous global -> shared copies in the PTX (a software-pipelined gather);
 * ``shared``: the shared memory Triton allocates (bytes).
 """
 
@@ -107,6 +108,7 @@ def compile_report(name: str, src: ASTSource, options: dict) -> dict:
     return dict(
         name=name,
         mma=mma,
+        cp_async=len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
         shared=kernel.metadata.shared,
         num_warps=options["num_warps"],
         **ptxas_report(ptx),

@@ -28,7 +28,8 @@ Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T, cdiv(H, BLOCK_
 * Registers (D = 512, 8 warps = two warpgroups): the ``[64, 512]`` fp32 accumulator is split
   by output channels between the warpgroups (``m64n256`` each, 128 registers a thread); q
   (bf16 ``[64, 512]``) and the key block stay in shared memory as wgmma operands. The whole
-  head dimension is one tile: the key block is loaded once and feeds both dots.
+  head dimension is one tile: the key block is loaded once and feeds both dots. Dense key
+  blocks stream through a 3-stage cp.async pipeline; fp8 blocks are dequantised in registers.
   ``tests/sm90_compile.py`` reports registers, spills and shared memory per configuration.
 * Splits. With ``S = 1`` the program folds in the sink and writes the output; otherwise it
   writes an unnormalised partial and ``_merge_splits_kernel``, grid ``(T, H)``, merges the
@@ -424,13 +425,15 @@ def _launch_config(dim: int, fp8: bool) -> tuple[int, int, int]:
 
     Chosen from ptxas reports for sm_90a (Triton 3.8, compiled ahead of time on the CPU by
     ``tests/sm90_compile.py``; not yet timed on a GPU). At D = 512 the fp32 ``[64, 512]``
-    accumulator is 128 registers a thread over 8 warps; dense keys fit 64-key blocks at 255
-    registers without spills, the fp8 dequantise path 16-key blocks (32 spill). Both
-    unpipelined (one stage): the gathered loads go through registers anyway. D <= 256: 4 warps.
+    accumulator is 128 registers a thread over 8 warps. Dense keys: 32-key blocks in a
+    3-stage cp.async pipeline (the gather of the next blocks overlaps the dots), 245 registers,
+    no spills (64-key blocks spill once pipelined). FP8 keys are dequantised in registers, which
+    Triton does not pipeline: 16-key blocks, one stage, 255 registers (32 spill).
+    D <= 256: 4 warps.
     """
     if dim <= 256:
         return 32, 4, 1
-    return (16, 8, 1) if fp8 else (64, 8, 1)
+    return (16, 8, 1) if fp8 else (32, 8, 3)
 
 
 def default_num_splits(rows: int, heads: int, width: int, block_n: int, sms: int) -> int:
