@@ -40,6 +40,7 @@ if not ON_GPU:
 
 from dsv4_backend.cache import TokenCache  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
+from dsv4_backend.kernels.cache_store import store_rows  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import (  # noqa: E402
     sparse_attention_torch,
     sparse_attention_triton,
@@ -101,7 +102,7 @@ def make_inputs(batch: int, layer: str, fmt: str, shapes: dict, device: str, g: 
         for cache in caches:
             for r0 in range(0, cache.num_slots, 1 << 16):
                 slots = torch.arange(r0, min(r0 + (1 << 16), cache.num_slots), device=device)
-                cache.store(torch.randn(len(slots), dim, device=device), slots)
+                store_rows(cache, torch.randn(len(slots), dim, device=device), slots)
     rows = torch.arange(batch)[:, None]
     swa_idx = (rows * WINDOW + torch.arange(WINDOW - 1, -1, -1)).int()
     swa_len = torch.full((batch,), WINDOW, dtype=torch.int32)

@@ -51,15 +51,15 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp8_format import (
+from dsv4_backend.cache.token_cache import TokenCache
+from dsv4_backend.errors import BatchError, ContractError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.fp8_device import (
     bf16_bits_to_fp32,
     e4m3_to_fp32,
     fp8_token_addresses,
     pow2_of_biased,
 )
-from dsv4_backend.cache.token_cache import TokenCache
-from dsv4_backend.errors import BatchError, ContractError
-from dsv4_backend.kernels import dispatch
 
 #: exp(x) = exp2(x * LOG2E): the kernels work in the log2 domain.
 LOG2E = tl.constexpr(math.log2(math.e))
