@@ -28,7 +28,9 @@ from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.sparse_attention import (
     MAX_SPLITS,
+    attention_tolerance,
     default_num_splits,
+    dot_operand_dtype,
     force_num_splits,
     sparse_attention_torch,
     sparse_attention_triton,
@@ -359,6 +361,29 @@ def test_any_split_matches_torch(lengths, splits, holes, sink, seed):
         atol=ATOL,
         rtol=1e-5,
     )
+
+
+def test_cuda_tolerance_covers_bf16_operand_rounding():
+    """The GPU kernel rounds q, keys and softmax weights to bf16 once each (fp32 sums): that
+    rounding, emulated in fp32 on random rows (flat and peaked softmaxes), stays within
+    ``attention_tolerance`` for CUDA, with a margin."""
+    g = torch.Generator().manual_seed(9)
+    tol = attention_tolerance(torch.device("cuda"))
+    assert dot_operand_dtype("cuda") == torch.bfloat16
+    assert attention_tolerance("cpu") == pytest.approx(2e-5)
+    bf16 = lambda x: x.bfloat16().float()  # noqa: E731
+    worst = 0.0
+    for q_scale in (1.0, 3.0):
+        for _ in range(20):
+            q, k = torch.randn(8, 128, generator=g) * q_scale, _keys(144, 128, g)
+            sink = torch.randn(8, generator=g)
+            exact = sink_attention(q, k, sink, TINY.softmax_scale)
+            logits = bf16(q) @ k.T * TINY.softmax_scale
+            m = torch.maximum(logits.amax(-1), sink)
+            p = torch.exp(logits - m[:, None])
+            emulated = bf16(p) @ k / (p.sum(-1) + torch.exp(sink - m))[:, None]
+            worst = max(worst, (emulated - exact).abs().max().item())
+    assert 1e-3 < worst < tol / 1.5, worst
 
 
 # ---------------------------------------------------------------------------- bad input

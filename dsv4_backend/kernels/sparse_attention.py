@@ -492,7 +492,8 @@ def sparse_attention_triton(
     """Triton path of :func:`sparse_attention_with_sink`.
 
     ``num_splits`` (1 ... ``MAX_SPLITS``) splits each row's key list across that many
-    programs; None picks it from the shapes and the device.
+    programs; None takes the count pinned by :func:`force_num_splits`, else
+    :func:`default_num_splits` on a GPU, else 1.
     """
     _check_inputs(
         q,
@@ -576,17 +577,18 @@ def dot_operand_dtype(device: torch.device | str) -> torch.dtype:
     return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
 
 
-#: Output error per unit roundoff of the dot operands (logits and weights are each rounded
-#: once), measured against the fp32 reference on the tiny model: TF32 operands (roundoff
-#: 2^-11) gave 2.0-2.4e-3, about 5 roundoffs; 8 leaves a margin.
-ROUNDOFFS_PER_OUTPUT = 8
+#: Output error per unit roundoff of the dot operands (q, keys and weights each rounded once),
+#: against the fp32 reference: TF32 operands (roundoff 2^-11) gave 2.0-2.4e-3 on the tiny
+#: model, about 5 roundoffs; bf16 rounding emulated on random rows (tests) reaches about 6.
+#: 12 leaves a 2x margin.
+ROUNDOFFS_PER_OUTPUT = 12
 #: Floor of the tolerance: fp32 sums in another order.
 FP32_ATOL = 2e-5
 
 
 def attention_tolerance(device: torch.device | str) -> float:
     """Absolute tolerance of this op's output against an fp32 reference (outputs of order 1),
-    derived from :func:`dot_operand_dtype`: bf16 (roundoff 2^-8) gives 8 * 2^-8 = 0.031."""
+    derived from :func:`dot_operand_dtype`: bf16 (roundoff 2^-8) gives 12 * 2^-8 = 0.047."""
     roundoff = torch.finfo(dot_operand_dtype(device)).eps / 2
     return max(FP32_ATOL, ROUNDOFFS_PER_OUTPUT * roundoff)
 
