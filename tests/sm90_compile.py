@@ -129,16 +129,6 @@ def configurations() -> list[tuple[str, ASTSource, dict]]:
     return out + fused_configurations()
 
 
-def main(only: list[str]) -> None:
-    for name, src, options in configurations():
-        if not only or any(o in name for o in only):
-            print(json.dumps(compile_report(name, src, options)), flush=True)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
-
-
 # ------------------------------------------------------------- indexer, compressor, planner
 def _pointer_aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:
     """16-byte alignment of the pointers only (these kernels' strides need not be multiples
@@ -204,3 +194,13 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
         )  # fmt: skip
         out.append((f"plan-fields-{'extend' if extend else 'uniform'}-b{batch}", *plan))
     return out
+
+
+def main(only: list[str]) -> None:
+    for name, src, options in configurations():
+        if not only or any(o in name for o in only):
+            print(json.dumps(compile_report(name, src, options)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
