@@ -19,7 +19,7 @@ HI, DI      indexer heads and head dim                   64, 128   4, 64
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -153,26 +153,55 @@ class DSV4AttentionConfig:
                 f"config is missing DeepSeek-V4 fields {missing}; expected a DeepSeek-V4 "
                 "config.json (with compress_ratios, index_topk, ...)"
             )
-        ratios = list(hf["compress_ratios"])
+        ratios = hf["compress_ratios"]
+        if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Sequence):
+            raise ConfigError(
+                f"compress_ratios={ratios!r}; expected a list of integers (one ratio per layer)"
+            )
+        ratios = [_integer(f"compress_ratios[{i}]", r) for i, r in enumerate(ratios)]
         layers = hf.get("num_hidden_layers")
-        if layers is not None and len(ratios) == layers + 1:
+        if layers is not None and len(ratios) == _integer("num_hidden_layers", layers) + 1:
             ratios = ratios[:layers]
         scaling = hf.get("rope_scaling") or {}
+        if not isinstance(scaling, Mapping):
+            raise ConfigError(f"rope_scaling={scaling!r}; expected a mapping")
+
+        def integer(name: str, default: int | None = None, source: Mapping = hf) -> int:
+            return _integer(name, source[name] if default is None else source.get(name, default))
+
+        def real(name: str, default: float, source: Mapping = hf) -> float:
+            return _real(name, source.get(name, default))
+
         values: dict[str, Any] = dict(
             compress_ratios=tuple(ratios),
-            num_heads=int(hf["num_attention_heads"]),
-            head_dim=int(hf["head_dim"]),
-            rope_dim=int(hf.get("qk_rope_head_dim", 64)),
-            window_size=int(hf.get("sliding_window", 128)),
-            index_topk=int(hf["index_topk"]),
-            index_n_heads=int(hf.get("index_n_heads", 64)),
-            index_head_dim=int(hf.get("index_head_dim", 128)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            compress_rope_theta=float(hf.get("compress_rope_theta", 160000.0)),
-            yarn_factor=float(scaling.get("factor", 16.0)),
-            yarn_original_max_position=int(scaling.get("original_max_position_embeddings", 65536)),
-            yarn_beta_fast=float(scaling.get("beta_fast", 32.0)),
-            yarn_beta_slow=float(scaling.get("beta_slow", 1.0)),
+            num_heads=integer("num_attention_heads"),
+            head_dim=integer("head_dim"),
+            rope_dim=integer("qk_rope_head_dim", 64),
+            window_size=integer("sliding_window", 128),
+            index_topk=integer("index_topk"),
+            index_n_heads=integer("index_n_heads", 64),
+            index_head_dim=integer("index_head_dim", 128),
+            rope_theta=real("rope_theta", 10000.0),
+            compress_rope_theta=real("compress_rope_theta", 160000.0),
+            yarn_factor=real("factor", 16.0, scaling),
+            yarn_original_max_position=integer("original_max_position_embeddings", 65536, scaling),
+            yarn_beta_fast=real("beta_fast", 32.0, scaling),
+            yarn_beta_slow=real("beta_slow", 1.0, scaling),
         )
         values.update(overrides)
         return cls(**values)
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int; ``ConfigError`` naming ``name`` for anything else (floats with a
+    fraction, strings, booleans included)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise ConfigError(f"{name}={value!r}; expected an integer")
+    return int(value)
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a finite float; ``ConfigError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r}; expected a finite number")
+    return float(value)

@@ -122,15 +122,16 @@ def stale_draft_slice_plan(config, batch, *, widths=None):
     return plan(config, batch, widths=widths)
 
 
-def test_wrong_draft_slice_fails_and_names_the_draft_modes(trace) -> None:
+def test_wrong_draft_slice_is_refused_and_names_the_draft_mode(trace) -> None:
+    """Once served silently (error ~0.1): now the write-slot check refuses the plan."""
     result = run_trace(trace, torch_dsv4(planner=stale_draft_slice_plan), ReferenceBackend())
     assert not result.passed
-    # The verify that follows rewrites those slots, so only the draft steps go wrong.
-    assert result.failed == ["draft/eager", "draft/graph"]
-    assert result.modes["draft/eager"].max_abs_error > 1e-2
+    assert result.failed == ["draft/eager"]  # the run stops at the first refusal
+    error = result.modes["draft/eager"].error
+    assert "BatchError" in error and "out_cache_loc (draft step 1's slots" in error
     report = build_report(result)
-    assert report["failed"] == ["draft/eager", "draft/graph"]
-    assert "**FAILED**: draft/eager, draft/graph" in render_markdown(report)
+    assert report["failed"] == ["draft/eager"]
+    assert "**FAILED**: draft/eager" in render_markdown(report)
 
 
 def test_a_backend_that_raises_fails_its_mode_and_stops(trace) -> None:

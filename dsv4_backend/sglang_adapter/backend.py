@@ -22,8 +22,11 @@ parallelism), per layer, and what each call does here:
 Lazy-init contract: nothing here plans from a forward. ``init_forward_metadata`` (eager) plans
 the batch as it is when called — the host calls it after data-parallel padding — and
 ``init_forward_metadata_out_graph`` plans into fixed ``GraphMetadataBuffers`` (CUDA graphs).
-Every call that consumes the plan first checks it was made for this batch's shape
-(``AttentionMetadata.check_matches``) and raises ``ContractError`` otherwise.
+Every call that consumes the plan first checks it was made for this batch: the same
+``ForwardBatch`` object and tensors, unchanged since planning (``BatchTag``), of the planned
+shapes (``AttentionMetadata.check_matches``) and mode, and raises ``ContractError`` otherwise.
+Planning checks the batch's indices and write slots (``planning/checks.py``); on CUDA without
+strict mode their verdict is read at the next plan.
 
 Memory: the caches and compressor rings (``compute.AttentionState``) are sized from the runner's
 pools. With fp8 caches and an sglang ``DeepSeekV4TokenToKVPool`` the caches (and the c128 rings)
@@ -48,11 +51,12 @@ from dsv4_backend.compute import (
     AttentionState,
     attend,
     compress_and_store,
+    layer_ratio,
     select_c4_entries,
     store_window_keys,
 )
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
-from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.planning import (
     AttentionMetadata,
     DraftStep,
@@ -63,6 +67,8 @@ from dsv4_backend.planning import (
     plan,
     seq_len_fill_value,
 )
+from dsv4_backend.planning.checks import PendingChecks, strict_checks_enabled
+from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
 from dsv4_backend.sglang_adapter.pool_alias import (
@@ -160,14 +166,7 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
                 f"{state.config} vs {config}"
             )
         return state
-    page = config.page_size
-    full = getattr(pool, "full_size", None) or pool.size
-    swa = getattr(pool, "swa_size", None) or pool.size
-    sizes = dict(
-        num_full_slots=math.ceil((full + page) / page) * page,
-        num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
-        num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
-    )
+    sizes = state_sizes(runner, config)
     reason = unaliasable_reason(pool, config, fmt)
     if reason is None:
         state = aliased_state(pool, config, **sizes)
@@ -176,6 +175,44 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
     log_state_memory(state, pool, reason)
     setattr(pool, _STATE_ATTR, state)
     return state
+
+
+def state_sizes(runner: Any, config: DSV4AttentionConfig) -> dict[str, int]:
+    """``AttentionState`` sizes of ``runner`` (``shared_state``'s docstring)."""
+    pool = runner.token_to_kv_pool
+    page = config.page_size
+    full = getattr(pool, "full_size", None) or pool.size
+    swa = getattr(pool, "swa_size", None) or pool.size
+    return dict(
+        num_full_slots=math.ceil((full + page) / page) * page,
+        num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
+        num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    """What the backend remembers of the batch its current plan was made for.
+
+    ``tag`` holds the ``ForwardBatch`` and its ``req_pool_indices`` / ``seq_lens`` /
+    ``out_cache_loc`` (not for a draft step: sglang hands each step its own slice); the host
+    lists are the batch's ``seq_lens_cpu`` and ``req_pool_indices`` where known without a sync.
+    """
+
+    tag: BatchTag
+    seq_lens: list[int] | None
+    req_pool_indices: list[int] | None
+
+
+def _host_values(values: Any) -> list[int] | None:
+    """``values`` as ints when readable without a device sync (or in strict mode)."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu" and not strict_checks_enabled():
+            return None
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
 
 
 def original_ape(compressor: Any) -> torch.Tensor:
@@ -238,7 +275,11 @@ class DSV4AttentionBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.state = shared_state(model_runner, self.config, cache_format)
+        self.num_cache_slots = state_sizes(model_runner, self.config)["num_full_slots"]
         self.forward_metadata: AttentionMetadata | None = None
+        self.planned: PlannedBatch | None = None
+        #: Device-side planning checks not read yet (CUDA without strict mode).
+        self.pending_checks: list[PendingChecks] = []
         self.graph_buffers: GraphMetadataBuffers | None = None
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
@@ -250,20 +291,64 @@ class DSV4AttentionBackend(AttentionBackend):
         Also resets the compressor rings of requests that (re)start at position 0: the
         overlapping ratio-4 windows read ring rows before a request's first position, which
         may still hold an earlier request's state (pool rows are reused).
+
+        First raises the verdict of earlier batches' device-side checks that has reached the
+        host (the next safe point after them, ``planning/checks.py``).
         """
+        self.raise_pending_checks(wait=False)
+        self.forward_metadata = self.planned = None
         view = batch_view(
             forward_batch,
             req_to_token=self.req_to_token_pool.req_to_token,
             full_to_swa=getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None),
             num_draft_tokens=self.num_draft_tokens,
             draft=self.draft_step,
+            num_cache_slots=self.num_cache_slots,
         )
         metadata = plan(self.config, view, widths=widths)
+        if metadata.pending_checks is not None:
+            self.pending_checks.append(metadata.pending_checks)
+        self.planned = self._planned_batch(forward_batch)
         if view.extend_prefix_lens is not None and metadata.c4 is not None:
             fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
             if fresh:
                 self.state.reset_requests(view.req_pool_indices[fresh])
         return metadata
+
+    def _planned_batch(self, fb: Any) -> PlannedBatch:
+        idle = fb.forward_mode.is_idle()
+        tensors = {} if idle else dict(
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            out_cache_loc=None if self.draft_step is not None else fb.out_cache_loc,
+        )  # fmt: skip
+        return PlannedBatch(
+            tag=BatchTag(forward_batch=fb, **tensors),
+            seq_lens=None if idle else _host_values(getattr(fb, "seq_lens_cpu", None)),
+            req_pool_indices=None if idle else self._host_pool_rows(fb),
+        )
+
+    @staticmethod
+    def _host_pool_rows(fb: Any) -> list[int] | None:
+        cpu = getattr(fb, "req_pool_indices_cpu", None)
+        return _host_values(cpu if cpu is not None else fb.req_pool_indices)
+
+    def raise_pending_checks(self, wait: bool = True) -> None:
+        """Raise ``BatchError`` for a failed device-side planning check of an earlier batch.
+
+        ``wait=False`` reads only the verdicts already on the host (no sync); the sglang path
+        calls it at every plan. A host may call it with ``wait=True`` at any safe point.
+        """
+        pending, self.pending_checks = self.pending_checks, []
+        for i, checks in enumerate(pending):
+            if wait or checks.ready():
+                try:
+                    checks.raise_if_failed()
+                except BatchError:
+                    self.pending_checks = [c for c in pending[i + 1 :] if not c.ready()]
+                    raise
+            else:
+                self.pending_checks.append(checks)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
@@ -307,8 +392,8 @@ class DSV4AttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ plan consumers
     def _metadata(self, forward_batch: Any, num_rows: int, where: str) -> AttentionMetadata:
         """The current plan, checked against this batch (``ContractError`` when stale)."""
-        metadata = self.forward_metadata
-        if metadata is None:
+        metadata, planned = self.forward_metadata, self.planned
+        if metadata is None or planned is None:
             raise ContractError(
                 f"{where}: no attention metadata was planned; the host must call "
                 "init_forward_metadata (eager, after padding) or init_forward_metadata_out_graph "
@@ -320,11 +405,13 @@ class DSV4AttentionBackend(AttentionBackend):
             and num_rows > metadata.num_rows
         ):
             # sglang plans the draft-extend batch before data-parallel padding on purpose (it
-            # marks it ready and never replans); the requests it appends are padding.
+            # marks it ready and never replans); the requests it appends must be padding.
+            self._check_padding(forward_batch, planned, metadata, where)
             metadata = pad_plan(
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
-            self.forward_metadata = metadata
+            self.forward_metadata, self.planned = metadata, self._planned_batch(forward_batch)
+            planned = self.planned
         metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
         kind = forward_kind(forward_batch.forward_mode)
         if kind is not metadata.kind:
@@ -332,7 +419,45 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: attention metadata was planned for {metadata.kind.name} but the batch "
                 f"is {forward_batch.forward_mode.name}; plan each batch before its forward"
             )
+        mismatch = planned.tag.mismatch(
+            forward_batch=forward_batch,
+            req_pool_indices=forward_batch.req_pool_indices,
+            seq_lens=forward_batch.seq_lens,
+            out_cache_loc=forward_batch.out_cache_loc,
+        )
+        if mismatch is not None:
+            raise ContractError(
+                f"{where}: the attention metadata (plan #{planned.tag.serial}, "
+                f"{metadata.kind.name}) was made for another batch: {mismatch}. Plan every "
+                "batch before its forward (init_forward_metadata after padding, or "
+                "init_forward_metadata_out_graph)."
+            )
         return metadata
+
+    def _check_padding(
+        self, fb: Any, planned: PlannedBatch, metadata: AttentionMetadata, where: str
+    ) -> None:
+        """Refuse a grown draft-extend batch unless it is the planned ``ForwardBatch`` and the
+        requests appended are padding (seq len 1, pool row 0) where the host lists show it."""
+        if planned.tag.mismatch(forward_batch=fb) is not None:
+            raise ContractError(
+                f"{where}: the draft-extend plan (#{planned.tag.serial}) was made for another "
+                "ForwardBatch; only the planned batch may grow by padding"
+            )
+        n = metadata.batch_size
+        for name, before, now, fill in (
+            ("seq_lens_cpu", planned.seq_lens, _host_values(getattr(fb, "seq_lens_cpu", None)),
+             seq_len_fill_value),
+            ("req_pool_indices", planned.req_pool_indices, self._host_pool_rows(fb), 0),
+        ):  # fmt: skip
+            if before is None or now is None:
+                continue
+            if now[:n] != before or any(v != fill for v in now[n:]):
+                raise ContractError(
+                    f"{where}: the draft-extend batch was planned with {name}={before} and grew "
+                    f"to {now}; only padding requests ({name} {fill}) may be appended after "
+                    "planning. Plan the batch after it reached its final shape."
+                )
 
     def get_swa_out_cache_loc(self, forward_batch: Any) -> torch.Tensor:
         """``[T]`` int64 window slot each row writes (its own step's slots for a draft step)."""
@@ -343,9 +468,11 @@ class DSV4AttentionBackend(AttentionBackend):
 
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: Any) -> None:
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
+        where = f"store_cache (layer {layer_id})"
+        layer_ratio(self.config, layer_id, where)
         if forward_batch.forward_mode.is_idle():
             return
-        metadata = self._metadata(forward_batch, swa_k.shape[0], f"store_cache (layer {layer_id})")
+        metadata = self._metadata(forward_batch, swa_k.shape[0], where)
         store_window_keys(self.state, layer_id, metadata, swa_k.float())
 
     def forward_core_compressor(
@@ -359,9 +486,10 @@ class DSV4AttentionBackend(AttentionBackend):
         ``compressor.is_in_indexer``). The indexer's Hadamard rotation is skipped on both
         sides (keys here, queries in ``forward_c4_indexer``): it leaves ``q . k`` unchanged.
         """
+        where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
+        layer_ratio(self.config, layer_id, where)
         if forward_batch.forward_mode.is_idle():
             return
-        where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
         metadata = self._metadata(forward_batch, x.shape[0], where)
         self._compress(metadata, x, forward_batch, layer_id, compressor)
 
@@ -412,7 +540,13 @@ class DSV4AttentionBackend(AttentionBackend):
         if forward_batch.forward_mode.is_idle():
             return
         layer_id = c4_indexer.layer_id
-        metadata = self._metadata(forward_batch, x.shape[0], f"c4 indexer (layer {layer_id})")
+        where = f"c4 indexer (layer {layer_id})"
+        if layer_ratio(self.config, layer_id, where) != 4:
+            raise ContractError(
+                f"{where}: layer {layer_id} has compress ratio "
+                f"{self.config.compress_ratios[layer_id]}; the indexer runs on ratio-4 layers"
+            )
+        metadata = self._metadata(forward_batch, x.shape[0], where)
         if not skip_compressor:
             self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
         q, _ = c4_indexer.wq_b(q_lora)
@@ -439,6 +573,10 @@ class DSV4AttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """IDLE: an empty ``[0, H, D]``; otherwise sglang's dispatch to decode / extend."""
         if forward_batch.forward_mode.is_idle():
+            if q.shape[0] != 0:
+                raise ContractError(
+                    f"forward: an IDLE batch has no rows, but q has shape {tuple(q.shape)}"
+                )
             return q.new_empty(q.shape)
         return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
@@ -460,7 +598,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """``q`` ``[T, H, D]`` (normed, roped) -> ``[T, H, D]`` in ``q``'s dtype."""
         layer_id = layer.layer_id
         where = f"forward (layer {layer_id})"
-        ratio = self.config.compress_ratios[layer_id]
+        ratio = layer_ratio(self.config, layer_id, where)
         if compress_ratio is not None and compress_ratio != ratio:
             raise ContractError(
                 f"{where}: compress_ratio={compress_ratio} but the model config gives layer "
@@ -468,8 +606,19 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if attn_sink is None:
             raise ContractError(f"{where}: attn_sink is required (the per-head sink logits)")
-        if q.dim() == 2:
-            q = q.view(q.shape[0], -1, self.config.head_dim)
+        head_dim = self.config.head_dim
+        if q.dim() == 2 and q.shape[1] % head_dim == 0:
+            q = q.view(q.shape[0], -1, head_dim)
+        if q.dim() != 3 or q.shape[2] != head_dim:
+            raise ContractError(
+                f"{where}: q has shape {tuple(q.shape)}; expected [T, H, {head_dim}] or "
+                f"[T, H * {head_dim}] (head_dim={head_dim})"
+            )
+        if attn_sink.shape != (q.shape[1],):
+            raise ContractError(
+                f"{where}: attn_sink has shape {tuple(attn_sink.shape)}; expected one logit per "
+                f"query head, ({q.shape[1]},)"
+            )
         metadata = self._metadata(forward_batch, q.shape[0], where)
         out = attend(self.state, layer_id, metadata, q, attn_sink.float())
         return out.to(q.dtype)
