@@ -10,13 +10,14 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dsv4_backend.ab.cli import add_ab_parser
+from dsv4_backend.ab.cli import OneLineErrorParser, add_ab_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of all commands."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m dsv4_backend",
+        error_prefix="dsv4-backend",
         description="DeepSeek-V4 attention backend for sglang.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
