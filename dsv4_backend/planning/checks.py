@@ -132,12 +132,14 @@ def run_checks(checks: list[Check], device: torch.device, where: str) -> Pending
     if not checks or device.type == "meta":  # meta tensors hold no values to check
         return None
     messages = tuple(check.message for check in checks)
-    record = _record(checks, device)
     if not defer_checks(device):
-        failure = _failure(messages, record.tolist())
-        if failure is not None:
-            raise BatchError(failure)
+        # One read of the verdicts; the record (first bad entry) only for a failed check.
+        failed = torch.stack([check.bad.any() for check in checks]).tolist()
+        for check, bad in zip(checks, failed, strict=True):
+            if bad:
+                raise BatchError(_failure((check.message,), _record([check], device).tolist()))
         return None
+    record = _record(checks, device)
     event = None
     if device.type == "cuda":
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
