@@ -310,3 +310,18 @@ def test_config_values_of_the_wrong_type_name_the_field(field, value, message) -
     with pytest.raises(ConfigError) as refused:
         DSV4AttentionConfig.from_hf_config({**HF, field: value})
     assert message in str(refused.value)
+
+
+def test_deferred_checks_keep_a_bad_request_from_writing(
+    host: SimpleNamespace, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """-1 in req_pool_indices would wrap to the last pool row; deferred, it writes nothing."""
+    monkeypatch.setattr(checks, "defer_checks", lambda device: True)
+    step = host.batches.extend([0], [0], [9])  # completes c4 blocks: ring and cache writes
+    step.batch.req_pool_indices[0] = -1
+    before = snapshot(host.backend)
+    host.backend.init_forward_metadata(step.batch)
+    run_all_layers(host, step)
+    assert_nothing_written(host.backend, before)
+    with pytest.raises(BatchError, match=r"req_pool_indices\[0\]=-1; expected a row"):
+        host.backend.raise_pending_checks()

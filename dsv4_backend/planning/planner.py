@@ -223,8 +223,8 @@ def _checked_rows(
       padding) is exempt.
 
     Returns the rows' pool rows ``[T]`` int64, the rows, and the pending checks (deferred
-    mode). When deferred, rows that fail write nothing (write slot ``-1``) and their indices
-    are clamped so that no gather leaves its tensor.
+    mode). When deferred, rows that fail write nothing (no cache slot, no compressor ring
+    row) and read only in-range indices (pool row 0).
     """
     pool_rows, context = batch.req_to_token.shape
     requests = batch.req_pool_indices.long()
@@ -274,10 +274,16 @@ def _checked_rows(
         where,
     )
     if pending is not None:
+        # Rows that failed: pool row 0 (sglang's padding row), no cache write, and position 1
+        # with an unreachable keep length, so no compress or write plan record (no ring write).
         failed = bad_position | bad_slot | foreign | bad_request[rows.batch_ids.long()]
+        never = torch.iinfo(torch.int32).max
         req = torch.where(failed, 0, req)
         rows = rows._replace(
-            positions=torch.where(failed, 0, positions), out_loc=torch.where(failed, -1, out)
+            positions=torch.where(failed, 1, positions),
+            first_new=torch.where(failed, 1, rows.first_new),
+            keep_lens=torch.where(failed, never, rows.keep_lens),
+            out_loc=torch.where(failed, -1, out),
         )
     return req, rows, pending
 

@@ -312,7 +312,10 @@ class DSV4AttentionBackend(AttentionBackend):
         if view.extend_prefix_lens is not None and metadata.c4 is not None:
             fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
             if fresh:
-                self.state.reset_requests(view.req_pool_indices[fresh])
+                rows = view.req_pool_indices[fresh]
+                # Pool row 0 (padding) for indices the pending checks will refuse.
+                in_range = (rows >= 0) & (rows < view.req_to_token.shape[0])
+                self.state.reset_requests(torch.where(in_range, rows, 0))
         return metadata
 
     def _planned_batch(self, fb: Any) -> PlannedBatch:
