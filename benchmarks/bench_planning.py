@@ -33,8 +33,8 @@ from dsv4_backend.planning import (
     GraphMetadataBuffers,
     PlanWidths,
     plan,
+    planner,
 )
-from dsv4_backend.planning import planner
 from dsv4_backend.planning.checks import strict_checks
 from dsv4_backend.utils.op_counter import OpCounter
 

@@ -59,9 +59,7 @@ class Loop:
         )  # fmt: skip
         self.target = DSV4AttentionBackend(self.runner, cache_format=cache_format)
         self.runner.attn_backend = self.target
-        self.draft = DSV4MultiStepDraftBackend(
-            self.runner, 1, NUM_STEPS, cache_format=cache_format
-        )
+        self.draft = DSV4MultiStepDraftBackend(self.runner, 1, NUM_STEPS, cache_format=cache_format)
         self.fp8 = cache_format == "fp8"
         self.sim = harness.SimulatedModel(self.model)
         self.batches = harness.BatchBuilder(pool)

@@ -18,12 +18,12 @@ from dsv4_backend.planning import (
     DraftStep,
     ForwardKind,
     PlanWidths,
+    checks,
     compute_compress_plans,
     compute_row_fields,
     per_step_draft_out_cache_loc,
     plan,
 )
-from dsv4_backend.planning import checks
 from dsv4_backend.utils.op_counter import OpCounter
 
 CONFIG = DSV4AttentionConfig.tiny()

@@ -135,7 +135,8 @@ def test_every_supported_mode_maps_to_its_kind(pool: PagedRequestPool) -> None:
         ForwardMode.DECODE: (builder.decode([0, 1], [6, 6]), ForwardKind.DECODE),
         ForwardMode.TARGET_VERIFY: (builder.verify([0, 1], [6, 6], 4), ForwardKind.TARGET_VERIFY),
         ForwardMode.DRAFT_EXTEND_V2: (
-            builder.draft_extend([0, 1], [6, 9], 4), ForwardKind.DRAFT_EXTEND
+            builder.draft_extend([0, 1], [6, 9], 4),
+            ForwardKind.DRAFT_EXTEND,
         ),
     }
     for mode, (step, kind) in steps.items():

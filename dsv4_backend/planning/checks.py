@@ -3,8 +3,8 @@
 ``plan`` checks, before anything is written, that every row's indices are in range and that
 its write slot is the slot ``req_to_token`` holds for its position (``BatchView`` itself checks
 shapes and integer dtypes). The checks are computed on the batch's device as one small
-``[num_checks, 4]`` int64 record ``(failed, first bad index, its value, the expected value)``; reading it is the
-only host sync, so *when* it is read depends on where the tensors live:
+``[num_checks, 4]`` int64 record ``(failed, first bad index, its value, the expected value)``;
+reading it is the only host sync, so *when* it is read depends on where the tensors live:
 
 * CPU tensors, or **strict mode**: read at once; ``plan`` raises ``BatchError`` naming the field
   and the value, and nothing has been written.
@@ -80,12 +80,8 @@ def _record(checks: list[Check], device: torch.device) -> torch.Tensor:
         values = check.values.reshape(-1).long()
         expected = values if check.expected is None else check.expected.reshape(-1).long()
         first = torch.argmax(bad.to(torch.int8)).view(1)  # index_select: no host read
-        rows.append(
-            torch.cat(
-                [bad.any().long().view(1), first, values.index_select(0, first),
-                 expected.index_select(0, first)]
-            )  # fmt: skip
-        )
+        picked = [values.index_select(0, first), expected.index_select(0, first)]
+        rows.append(torch.cat([bad.any().long().view(1), first, *picked]))
     return torch.stack(rows)
 
 

@@ -43,9 +43,8 @@ class BatchTag:
 
     def __init__(self, **objects: Any) -> None:
         self.serial = next(_serials)
-        self._entries = {
-            name: (_reference(obj), _version(obj)) for name, obj in objects.items() if obj is not None
-        }
+        held = {name: obj for name, obj in objects.items() if obj is not None}
+        self._entries = {name: (_reference(obj), _version(obj)) for name, obj in held.items()}
 
     def mismatch(self, **objects: Any) -> str | None:
         """What differs between ``objects`` and the tagged ones (None: the same batch).
