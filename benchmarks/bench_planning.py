@@ -36,7 +36,7 @@ from dsv4_backend.planning import (
     planner,
 )
 from dsv4_backend.planning.checks import strict_checks
-from dsv4_backend.utils.op_counter import OpCounter
+from dsv4_backend.testing.op_counter import OpCounter
 
 PAGE = 256
 MAX_CONTEXT = 8192

@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dsv4_backend.ab.cli import OneLineErrorParser, add_ab_parser
+from dsv4_backend.testing.ab.cli import OneLineErrorParser, add_ab_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_info_command(commands)
     add_ab_parser(commands)
+    # Named in the one-line error for a missing command (argparse names the metavar).
+    commands.metavar = "{" + ",".join(commands.choices) + "}"
     return parser
 
 

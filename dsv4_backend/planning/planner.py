@@ -4,7 +4,9 @@ Each ``ForwardKind`` only says how its requests expand into query rows (``_Rows`
 table in ``planning/batch.py``); one shared body, ``_plan_rows``, builds every field of
 dsv4-attention.md section 4 from those rows. Eager planning, CUDA-graph capture and replay all
 run this same code; the graph path then copies the result into fixed buffers
-(``planning/graph_buffers.py``). Planning never syncs with the device.
+(``planning/graph_buffers.py``). Planning never syncs with a CUDA device, except in strict
+mode, where it reads the verdict of the batch checks (``_checked_rows``, ``planning/checks.py``)
+once per plan.
 
 Graph safety: with ``widths`` given, the uniform kinds (``GRAPH_KINDS``) plan with shapes fixed by
 the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()``); lengths are

@@ -57,6 +57,7 @@ from dsv4_backend.compute import (
 )
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
+from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
     AttentionMetadata,
     DraftStep,
@@ -69,7 +70,6 @@ from dsv4_backend.planning import (
 )
 from dsv4_backend.planning.checks import PendingChecks, strict_checks_enabled
 from dsv4_backend.planning.tag import BatchTag
-from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
@@ -187,6 +187,7 @@ def state_sizes(runner: Any, config: DSV4AttentionConfig) -> dict[str, int]:
         num_full_slots=math.ceil((full + page) / page) * page,
         num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
         num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
+        max_positions=runner.req_to_token_pool.req_to_token.shape[1],
     )
 
 
@@ -554,7 +555,7 @@ class DSV4AttentionBackend(AttentionBackend):
             self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
         q, _ = c4_indexer.wq_b(q_lora)
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
-        cos, sin = rope_cos_sin(self.config, 4, metadata.positions_causal)
+        cos, sin = self.state.rope.cos_sin(metadata.positions_causal)
         select_c4_entries(
             self.state,
             layer_id,

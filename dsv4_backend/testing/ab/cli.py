@@ -107,11 +107,12 @@ def add_ab_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
     """Add the ``ab`` command to ``subparsers``; its ``run`` default is :func:`run_ab`."""
     parser = subparsers.add_parser(
         "ab",
-        error_prefix="dsv4-backend ab",
         help="compare two attention backends on one serving trace",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if isinstance(parser, OneLineErrorParser):  # the parent is the package's parser
+        parser.error_prefix = "dsv4-backend ab"
     _add_options(parser)
     parser.set_defaults(run=run_ab)
     return parser
@@ -177,8 +178,8 @@ def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
 
 def _atol(values: list[str]) -> dict[str, float]:
     """``["1e-4", "verify=2e-4"]`` -> ``{"*": 1e-4, "verify": 2e-4}``."""
-    from dsv4_backend.ab.runner import check_atol_keys
-    from dsv4_backend.ab.trace import MODES
+    from dsv4_backend.testing.ab.runner import check_atol_keys
+    from dsv4_backend.testing.ab.trace import MODES
 
     out = {}
     for value in values:
@@ -224,11 +225,11 @@ def run_ab(args: argparse.Namespace) -> int:
     """Run the ``ab`` command from parsed arguments; return the exit status."""
     import torch
 
-    from dsv4_backend.ab.backends import make_backend
-    from dsv4_backend.ab.report import build_report, render_markdown, write_report
-    from dsv4_backend.ab.runner import run_trace
-    from dsv4_backend.ab.trace import build_trace
     from dsv4_backend.planning.checks import STRICT_ENV, strict_checks
+    from dsv4_backend.testing.ab.backends import make_backend
+    from dsv4_backend.testing.ab.report import build_report, render_markdown, write_report
+    from dsv4_backend.testing.ab.runner import run_trace
+    from dsv4_backend.testing.ab.trace import build_trace
 
     try:
         _check_out(args.out)
