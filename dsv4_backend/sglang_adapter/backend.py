@@ -216,6 +216,18 @@ def _host_values(values: Any) -> list[int] | None:
     return [int(v) for v in values]
 
 
+def _is_idle(fb: Any, rows: torch.Tensor, where: str) -> bool:
+    """Whether ``fb`` is IDLE; ``ContractError`` when an IDLE call is handed rows."""
+    if not fb.forward_mode.is_idle():
+        return False
+    if rows.shape[0] != 0:
+        raise ContractError(
+            f"{where}: an IDLE batch has no rows, but {where} got a tensor of shape "
+            f"{tuple(rows.shape)}"
+        )
+    return True
+
+
 def original_ape(compressor: Any) -> torch.Tensor:
     """``[r, c*D]`` float32 ape in checkpoint layout.
 
@@ -474,7 +486,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
         where = f"store_cache (layer {layer_id})"
         layer_ratio(self.config, layer_id, where)
-        if forward_batch.forward_mode.is_idle():
+        if _is_idle(forward_batch, swa_k, where):
             return
         metadata = self._metadata(forward_batch, swa_k.shape[0], where)
         store_window_keys(self.state, layer_id, metadata, swa_k.float())
@@ -492,7 +504,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """
         where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
         layer_ratio(self.config, layer_id, where)
-        if forward_batch.forward_mode.is_idle():
+        if _is_idle(forward_batch, x, where):
             return
         metadata = self._metadata(forward_batch, x.shape[0], where)
         self._compress(metadata, x, forward_batch, layer_id, compressor)
@@ -541,7 +553,7 @@ class DSV4AttentionBackend(AttentionBackend):
         (scaled by ``DI**-0.5 * HI**-0.5``). Writes each row's top-k c4 slots into
         ``forward_metadata.c4.page_indices``. Streams and the fp8 ``q_lora_quant`` are unused.
         """
-        if forward_batch.forward_mode.is_idle():
+        if _is_idle(forward_batch, x, "c4 indexer"):
             return
         layer_id = c4_indexer.layer_id
         where = f"c4 indexer (layer {layer_id})"
@@ -576,11 +588,7 @@ class DSV4AttentionBackend(AttentionBackend):
         **kwargs: Any,
     ) -> torch.Tensor:
         """IDLE: an empty ``[0, H, D]``; otherwise sglang's dispatch to decode / extend."""
-        if forward_batch.forward_mode.is_idle():
-            if q.shape[0] != 0:
-                raise ContractError(
-                    f"forward: an IDLE batch has no rows, but q has shape {tuple(q.shape)}"
-                )
+        if _is_idle(forward_batch, q, "forward"):
             return q.new_empty(q.shape)
         return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
