@@ -266,7 +266,7 @@ def test_idle_forward_with_rows_in_q_is_refused(host: SimpleNamespace) -> None:
     shape = rf"\(3, {CONFIG.num_heads}, {CONFIG.head_dim}\)"
     with pytest.raises(ContractError, match=f"forward: an IDLE batch has no rows, .*{shape}"):
         host.backend.forward(q, q, q, layer, idle, attn_sink=torch.zeros(CONFIG.num_heads))
-    with pytest.raises(ContractError, match="store_cache .*: an IDLE batch has no rows"):
+    with pytest.raises(ContractError, match=r"store_cache .*: an IDLE batch has no rows"):
         host.backend.store_cache(layer_id=0, swa_k=q[:, 0], forward_batch=idle)
 
 
