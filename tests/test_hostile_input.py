@@ -328,3 +328,16 @@ def test_deferred_checks_keep_a_bad_request_from_writing(
     assert_nothing_written(host.backend, before)
     with pytest.raises(BatchError, match=r"req_pool_indices\[0\]=-1; expected a row"):
         host.backend.raise_pending_checks()
+
+
+def test_a_real_token_taken_for_padding_is_refused(host: SimpleNamespace) -> None:
+    """Tokens past sum(extend_seq_lens) are data-parallel padding (slot 0); one with a real
+    slot means the host's extend lengths are wrong, and its key would never be written."""
+    step = host.batches.extend([0, 1], [0, 0], [5, 3])
+    step.batch.extend_seq_lens_cpu = [5, 2]  # one token of request 1 left out
+    step.batch.extend_prefix_lens_cpu = [0, 0]
+    step.batch.seq_lens_cpu = torch.tensor([5, 2])
+    step.batch.seq_lens = torch.tensor([5, 2])
+    slot = int(step.batch.out_cache_loc[7])
+    message = _plan_refused(host, step)
+    assert f"out_cache_loc[7]={slot} is past the requests' rows" in message
