@@ -15,17 +15,25 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.server_args import ServerArgs
 
+from dsv4_backend.ab.backends import DSV4Backend, ReferenceBackend
+from dsv4_backend.ab.cli import main
+from dsv4_backend.ab.runner import run_trace
+from dsv4_backend.ab.trace import build_trace
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
+from dsv4_backend.planning import ForwardKind, plan
 from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.simulation import PagedRequestPool, RandomModel
@@ -51,7 +59,6 @@ def make_model(max_lens: list[int], seed: int = 0) -> tuple[PagedRequestPool, Ra
     generator = torch.Generator().manual_seed(seed)
     pool = PagedRequestPool(CONFIG, max_lens, generator=generator)
     model = RandomModel(CONFIG, pool, generator=generator)
-    harness.reserve_padding_slot(pool)
     return pool, model
 
 
@@ -275,3 +282,48 @@ def test_refusals_name_a_real_server_option() -> None:
         assert getattr(args, option) == safe, option  # sglang's default is the safe value
     for option in ("attn_cp_size", "dcp_size", "tp_size", "attn_dp_size", "disable_radix_cache"):
         assert hasattr(args, option), option
+
+
+# ---------------------------------------------------------------------- the A/B --dp-pad run
+def test_ab_dp_pad_scenario_plans_padded_batches_and_matches_the_reference(
+    tmp_path: Path, capsys
+) -> None:
+    """``dsv4-backend ab --dp-pad 3``: draft, verify and decode batches carry 3 padding
+    requests into planning on both paths; every mode still equals the reference."""
+    sizes: dict[ForwardKind, set[int]] = {}
+
+    def recording_plan(config, batch, widths=None):
+        sizes.setdefault(batch.kind, set()).add(batch.batch_size)
+        return plan(config, batch, widths=widths)
+
+    tiny = DSV4AttentionConfig.tiny(speculative=True)
+    trace = build_trace(tiny, num_requests=2, max_len=150, cycles=2, decode_steps=2, dp_pad=3)
+    assert trace.dp_pad == 3
+    backend = DSV4Backend("dsv4-torch", path="torch", planner=recording_plan)
+    result = run_trace(trace, backend, ReferenceBackend())
+    assert result.passed, result.failed
+    assert sizes[ForwardKind.TARGET_VERIFY] == {5} and sizes[ForwardKind.DECODE] == {5}
+    assert sizes[ForwardKind.EXTEND] == {2} and sizes[ForwardKind.DRAFT_EXTEND] == {2}
+
+    status = main(
+        ["--a", "dsv4-torch", "--requests", "2", "--max-len", "150", "--cycles", "1",
+         "--decode-steps", "2", "--dp-pad", "2", "--out", str(tmp_path), "--json", "--quiet"]
+    )  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["trace"]["dp_pad"] == 2
+
+
+def test_padding_requests_write_only_the_reserved_page() -> None:
+    """``pad_requests`` lays padding out as sglang does, and no request owns page 0."""
+    pool = PagedRequestPool(CONFIG, [300, 40, 600], generator=torch.Generator().manual_seed(1))
+    owned = {int(s) // CONFIG.page_size for r, n in enumerate(pool.max_lens)
+             for s in pool.slots(r, range(n))}  # fmt: skip
+    assert 0 not in owned
+    view = pool.pad_requests(pool.verify([0, 2], [10, 20], NUM_DRAFT), 2)
+    assert view.req_pool_indices.tolist() == [1, 3, 0, 0]
+    assert view.host_seq_lens == [10, 20, 1, 1]
+    assert view.out_cache_loc[2 * NUM_DRAFT :].tolist() == [0] * 2 * NUM_DRAFT
+    draft = pool.pad_requests(pool.draft_step([1], [5], 3, 1), 1)
+    assert draft.out_cache_loc.numel() == 2 * 3
+    with pytest.raises(BatchError, match="request padding"):
+        pool.pad_requests(pool.extend([0], [0], [4]), 1)

@@ -92,7 +92,8 @@ STATE_MOVING_OPTIONS = (
     ),
     (
         "enable_hisparse", False, "--enable-hisparse",
-        "hierarchical sparse attention keeps c4 entries in host memory the backend never reads",
+        "HiSparse offloads the c4 cache through sglang's own sparse path, which this backend "
+        "replaces (its c4 cache and top-k are its own)",
     ),
     (
         "enable_lmcache", False, "--enable-lmcache",

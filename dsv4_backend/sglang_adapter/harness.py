@@ -112,21 +112,6 @@ def mock_runner(
     )
 
 
-def reserve_padding_slot(pool: PagedRequestPool) -> None:
-    """Move any request page off full page 0, so padding rows (slot 0) overwrite nothing.
-
-    Call before ``mock_runner`` copies the page table.
-    """
-    page = REQUIRED_PAGE_SIZE
-    owned = [pool.req_to_token[i + 1, : -(-n // page) * page] for i, n in enumerate(pool.max_lens)]
-    used = {int(p) for cols in owned for p in (cols[::page] // page).tolist()}
-    if 0 not in used:
-        return
-    spare = next(p for p in range(1, pool.num_pages) if p not in used)
-    for cols in owned:  # views into req_to_token
-        cols[cols // page == 0] += spare * page
-
-
 # ----------------------------------------------------------------------------- batches
 @dataclass
 class Step:
