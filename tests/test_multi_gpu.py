@@ -91,18 +91,35 @@ def state_tensors(backend: DSV4AttentionBackend) -> dict[str, torch.Tensor]:
     return out
 
 
+def dummy_extend_step(num_tokens: int) -> harness.Step:
+    """The EXTEND request sglang fabricates for an idle rank under MAX_LEN DP padding."""
+    zeros = torch.zeros(num_tokens, dtype=torch.int64)
+    one = torch.tensor([num_tokens])
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=zeros,
+        req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=one, seq_lens_cpu=one,
+        out_cache_loc=zeros, positions=zeros, seq_lens_sum=num_tokens,
+        extend_seq_lens=one, extend_prefix_lens=torch.zeros(1, dtype=torch.int64),
+        extend_seq_lens_cpu=[num_tokens], extend_prefix_lens_cpu=[0], extend_num_tokens=num_tokens,
+    )  # fmt: skip
+    return harness.Step(batch, [None] * num_tokens)
+
+
 # ------------------------------------------------------------------------------ attention TP
 @pytest.mark.parametrize("pad_to", [None, FLASHMLA_HEADS], ids=["exact", "flashmla-padded"])
 @pytest.mark.parametrize("tp_size", [1, 2, 4, 8])
 def test_attention_tp_ranks_concatenate_to_the_single_rank_result(
     tp_size: int, pad_to: int | None
 ) -> None:
-    """Chunked prefill, verify and decode over window / c4 / c128 / page boundaries."""
+    """Chunked prefill, verify and decode over window / c4 / c128 / page boundaries (the ranks
+    plan verify and decode on the CUDA-graph path, the single rank eagerly)."""
     pool, model = make_model([140, 270])
     sim = harness.SimulatedModel(model)
     batches = harness.BatchBuilder(pool)
     single = make_backend(pool)
     ranks = [make_backend(pool, tp_size=tp_size) for _ in range(tp_size)]
+    for backend in ranks:  # the ranks plan verify and decode on the graph path
+        backend.init_cuda_graph_state(2, 2 * NUM_DRAFT)
     local = CONFIG.num_heads // tp_size
     assert single.local_heads == CONFIG.num_heads
     assert all(b.local_heads == local for b in ranks)
@@ -114,8 +131,12 @@ def test_attention_tp_ranks_concatenate_to_the_single_rank_result(
         batches.decode(requests, [135, 265]),
     ]
     for step in steps:
-        for backend in (single, *ranks):
-            backend.init_forward_metadata(step.batch)
+        single.init_forward_metadata(step.batch)
+        for backend in ranks:
+            if step.batch.forward_mode is ForwardMode.EXTEND:
+                backend.init_forward_metadata(step.batch)
+            else:
+                backend.init_forward_metadata_out_graph(step.batch)
         for layer, ratio in enumerate(CONFIG.compress_ratios):
             feed = sim.feed(step.rows, layer)
             want = sim.run_feed(single, step.batch, layer, feed)
@@ -211,6 +232,14 @@ def test_dp_padded_requests_plan_and_leave_real_rows_exact(graph: bool) -> None:
     assert backend.forward_metadata.num_rows == 0
     out = sim.layer(backend, idle, 0)
     assert out.shape == (3, CONFIG.num_heads, CONFIG.head_dim) and out.abs().max() == 0
+
+    # MAX_LEN padding with an extend elsewhere (prepare_mlp_sync_batch): an idle rank runs a
+    # fabricated EXTEND request of all its padded tokens, at pool row 0, writing slot 0.
+    dummy = dummy_extend_step(300)
+    backend.init_forward_metadata(dummy.batch)
+    for layer in range(len(CONFIG.compress_ratios)):
+        assert torch.isfinite(sim.layer(backend, dummy, layer)).all()
+    run(batches.decode(requests, [134, 258]), 1, 1)  # the real requests' caches are intact
 
 
 # --------------------------------------------------------------------------- start-up checks
