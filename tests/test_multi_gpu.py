@@ -293,6 +293,7 @@ def test_state_losing_or_unsplittable_configurations_are_refused_at_start_up(
         ({"tp_size": 8}, 8),  # attention TP 8
         ({"tp_size": 8, "attn_dp_size": 8}, 64),  # DP attention: every rank all heads
         ({"tp_size": 8, "attn_dp_size": 2}, 16),  # 2 DP groups of attention TP 4
+        ({"tp_size": 8, "dp_size": 8, "enable_dp_attention": True}, 64),  # deprecated spelling
         ({"tp_size": 8, "ep_size": 8}, 8),  # expert parallelism: attention unaffected
     ],
 )

@@ -125,8 +125,8 @@ class RunnerSettings:
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
         ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``,
-        ``disable_radix_cache``, ``tp_size``, ``attn_dp_size`` and the
-        ``STATE_MOVING_OPTIONS``).
+        ``disable_radix_cache``, ``tp_size``, ``attn_dp_size`` (or ``enable_dp_attention`` with
+        ``dp_size``) and the ``STATE_MOVING_OPTIONS``).
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -173,10 +173,14 @@ class RunnerSettings:
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))
+        attn_dp_size = int(getattr(args, "attn_dp_size", 1) or 1)
+        if attn_dp_size == 1 and getattr(args, "enable_dp_attention", False):
+            # The deprecated spelling, before sglang resolves it to attn_dp_size.
+            attn_dp_size = int(getattr(args, "dp_size", 1) or 1)
         attn_tp_size = derive_attn_tp_size(
             tp_size=int(getattr(args, "tp_size", 1) or 1),
             attn_cp_size=1,  # context parallelism is refused above
-            attn_dp_size=int(getattr(args, "attn_dp_size", 1) or 1),
+            attn_dp_size=attn_dp_size,
         )
         if attn_tp_size < 1 or config.num_heads % attn_tp_size:
             raise ConfigError(
