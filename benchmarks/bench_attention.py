@@ -33,6 +33,7 @@ if not ON_GPU:
 
 from dsv4_backend.cache import TokenCache  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
+from dsv4_backend.kernels.cache_store import store_rows  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import (  # noqa: E402
     sparse_attention_torch,
     sparse_attention_triton,
@@ -68,10 +69,10 @@ def make_inputs(batch: int, fmt: str, shapes: dict, device: str, g: torch.Genera
     ext = TokenCache(batch * entries, dim, 64, 64, fmt, torch.bfloat16, device)
     with dispatch.force_path("torch"):  # filling the caches is not what is timed
         slots = torch.arange(win.num_slots, device=device)
-        win.store(torch.randn(win.num_slots, dim, device=device), slots)
+        store_rows(win, torch.randn(win.num_slots, dim, device=device), slots)
         for r0 in range(0, ext.num_slots, 1 << 16):
             slots = torch.arange(r0, min(r0 + (1 << 16), ext.num_slots), device=device)
-            ext.store(torch.randn(len(slots), dim, device=device), slots)
+            store_rows(ext, torch.randn(len(slots), dim, device=device), slots)
     # Row b: window slots of its positions p ... p-127, then top-k of its own c4 entries.
     rows = torch.arange(batch)[:, None]
     swa_idx = (rows * WINDOW + torch.arange(WINDOW - 1, -1, -1)).int()

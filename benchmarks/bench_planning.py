@@ -32,7 +32,7 @@ from dsv4_backend.planning import (
     PlanWidths,
     plan,
 )
-from dsv4_backend.utils.op_counter import OpCounter
+from dsv4_backend.testing.op_counter import OpCounter
 
 PAGE = 256
 MAX_CONTEXT = 8192

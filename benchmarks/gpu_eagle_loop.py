@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 NUM_STEPS, NUM_DRAFT, BUCKET, ROUNDS = 3, 4, 4, 4

@@ -17,11 +17,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_backend.ab.backends import DSV4Backend, ReferenceBackend
-from dsv4_backend.ab.cli import add_ab_parser, main, run_ab
-from dsv4_backend.ab.report import build_report, render_markdown
-from dsv4_backend.ab.runner import run_trace
-from dsv4_backend.ab.trace import (
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError
+from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
+from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
+from dsv4_backend.testing.ab.cli import add_ab_parser, main, run_ab
+from dsv4_backend.testing.ab.report import build_report, render_markdown
+from dsv4_backend.testing.ab.runner import run_trace
+from dsv4_backend.testing.ab.trace import (
     BOUNDARY,
     MODES,
     NUM_DRAFT_STEPS,
@@ -29,11 +33,7 @@ from dsv4_backend.ab.trace import (
     PATHS,
     build_trace,
 )
-from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
-from dsv4_backend.simulation import PagedRequestPool
+from dsv4_backend.testing.simulation import PagedRequestPool
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
@@ -155,7 +155,7 @@ def test_sglang_registry_backend_runs_the_trace(trace) -> None:
     """``sglang:dsv4`` (this package's adapter, FP8 caches, built through sglang's registry and
     draft factory) equals ``dsv4-fp8``. The CLI allows it on CUDA only; the driver itself is
     host-agnostic, so it is exercised here through the Python API."""
-    from dsv4_backend.sglang_adapter.ab_backend import SglangBackend
+    from dsv4_backend.testing.ab.sglang_backend import SglangBackend
 
     with force_path("torch"):
         result = run_trace(trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))

@@ -27,10 +27,10 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import per_step_draft_out_cache_loc
-from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 ATOL = 2e-5

@@ -21,7 +21,7 @@ from dsv4_backend.planning import (
     plan,
     seq_len_fill_value,
 )
-from dsv4_backend.utils.op_counter import OpCounter
+from dsv4_backend.testing.op_counter import OpCounter
 
 CONFIG = DSV4AttentionConfig.tiny()
 WIDTHS = PlanWidths(page_table=20, c128=40)  # covers 5120 tokens

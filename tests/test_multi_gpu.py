@@ -23,20 +23,21 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.server_args import ServerArgs
 
-from dsv4_backend.ab.backends import DSV4Backend, ReferenceBackend
-from dsv4_backend.ab.cli import main
-from dsv4_backend.ab.runner import run_trace
-from dsv4_backend.ab.trace import build_trace
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
 from dsv4_backend.planning import ForwardKind, plan
-from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
+from dsv4_backend.testing.ab.cli import main
+from dsv4_backend.testing.ab.runner import run_trace
+from dsv4_backend.testing.ab.trace import build_trace
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 #: The 64-head configuration with tiny head dims (attention, RoPE, indexer).
 CONFIG = DSV4AttentionConfig.tiny(
@@ -177,7 +178,7 @@ def test_kernels_read_a_rank_s_heads_from_the_padded_query() -> None:
     generator = torch.Generator().manual_seed(3)
     rows, local, dim = 5, 8, CONFIG.head_dim
     window = TokenCache(256, dim, CONFIG.rope_dim, 128, "dense", torch.float32, "cpu")
-    window.store(torch.randn(256, dim, generator=generator), torch.arange(256))
+    store_rows(window, torch.randn(256, dim, generator=generator), torch.arange(256))
     indices = torch.randint(0, 256, (rows, 64), generator=generator, dtype=torch.int32)
     lengths = torch.tensor([64, 17, 1, 40, 0], dtype=torch.int32)
     sink = torch.randn(local, generator=generator)

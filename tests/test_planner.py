@@ -23,7 +23,7 @@ from dsv4_backend.planning import (
     per_step_draft_out_cache_loc,
     plan,
 )
-from dsv4_backend.utils.op_counter import OpCounter
+from dsv4_backend.testing.op_counter import OpCounter
 
 CONFIG = DSV4AttentionConfig.tiny()
 D, E, V = ForwardKind.DECODE, ForwardKind.EXTEND, ForwardKind.TARGET_VERIFY

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
-from dsv4_backend.reference import (
+from dsv4_backend.testing.reference import (
     RopeParams,
     apply_rope,
     compress_entries,

@@ -14,7 +14,7 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import BatchView
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 #: fp32 caches: kernels and reference differ only by summation order.

@@ -1,7 +1,7 @@
 """Sparse attention with sink: Triton (interpreter) == torch path == reference, every key mix.
 
 Three independent answers are compared: the Triton kernel (one split and several, i.e. the
-finalising and the split-merge kernels), the torch path, and ``dsv4_backend.reference``
+finalising and the split-merge kernels), the torch path, and ``dsv4_backend.testing.reference``
 (``reference_attention`` for whole requests laid out in caches the way the planner indexes them,
 ``sink_attention`` per row for synthetic index tensors).
 
@@ -26,6 +26,7 @@ from dsv4_backend.cache import TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.sparse_attention import (
     MAX_SPLITS,
     _default_num_splits,
@@ -33,7 +34,7 @@ from dsv4_backend.kernels.sparse_attention import (
     sparse_attention_triton,
     sparse_attention_with_sink,
 )
-from dsv4_backend.reference import reference_attention, sink_attention
+from dsv4_backend.testing.reference import reference_attention, sink_attention
 
 pytestmark = pytest.mark.skipif(
     not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
@@ -50,7 +51,7 @@ def _cache(rows: torch.Tensor, page_tokens: int, fmt: str, dtype=torch.float32) 
     """A token cache holding ``rows`` ``[num_slots, D]`` at slots ``0 ... num_slots-1``."""
     cache = TokenCache(rows.shape[0], rows.shape[1], ROPE, page_tokens, fmt, dtype)
     with dispatch.force_path("torch"):
-        cache.store(rows, torch.arange(rows.shape[0]))
+        store_rows(cache, rows, torch.arange(rows.shape[0]))
     return cache
 
 

@@ -1,5 +1,5 @@
-"""Run one attention layer of a planned batch (host-agnostic; the sglang adapter and the
-serving simulator both call ``forward_layer``).
+"""Run one attention layer of a planned batch (host-agnostic). The sglang adapter calls the
+steps one by one, as sglang's model calls it; the serving simulator calls ``forward_layer``.
 
 Order inside a layer (dsv4-attention.md section 3): the window key is written; on ratio-4
 layers the indexer compressor writes its keys and the indexer selects each row's top-k c4
@@ -10,75 +10,16 @@ completed earlier in the same forward are therefore visible to later rows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from dsv4_backend.cache import DSV4CachePools
-from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels.compressor import CompressorState, compress_forward
+from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.compressor import compress_forward
 from dsv4_backend.kernels.indexer import run_indexer
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
+from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
-from dsv4_backend.reference.layer import LayerInputs, LayerParams
-from dsv4_backend.reference.rope import rope_for_ratio
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionState:
-    """Everything a model's attention keeps between forwards.
-
-    Attributes
-    ----------
-    pools : per-layer window, compressed and indexer caches.
-    compressor_states : compressor state rings of each compressed layer.
-    indexer_states : the indexer compressor's rings of each ratio-4 layer.
-    """
-
-    config: DSV4AttentionConfig
-    pools: DSV4CachePools
-    compressor_states: dict[int, CompressorState]
-    indexer_states: dict[int, CompressorState]
-
-    @classmethod
-    def allocate(
-        cls,
-        config: DSV4AttentionConfig,
-        *,
-        num_full_slots: int,
-        num_swa_slots: int,
-        num_request_slots: int,
-        fmt: CacheFormat = "dense",
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> AttentionState:
-        """Zeroed caches and reset rings for ``num_request_slots`` request pool rows."""
-        pools = DSV4CachePools.build(
-            config,
-            num_full_slots=num_full_slots,
-            num_swa_slots=num_swa_slots,
-            fmt=fmt,
-            dtype=dtype,
-            device=device,
-        )
-        core, index = {}, {}
-        for layer, ratio in enumerate(config.compress_ratios):
-            if ratio:
-                core[layer] = CompressorState.allocate(
-                    config, ratio, config.head_dim, num_request_slots, device
-                )
-            if ratio == 4:
-                index[layer] = CompressorState.allocate(
-                    config, 4, config.index_head_dim, num_request_slots, device
-                )
-        return cls(config=config, pools=pools, compressor_states=core, indexer_states=index)
-
-    def reset_requests(self, pool_indices: torch.Tensor) -> None:
-        """Reset the rings of requests that (re)start at position 0 in these pool rows."""
-        for state in (*self.compressor_states.values(), *self.indexer_states.values()):
-            state.reset(pool_indices)
 
 
 def _compressed(metadata: AttentionMetadata, ratio: int, where: str) -> CompressedMetadata:
@@ -95,7 +36,7 @@ def store_window_keys(
     state: AttentionState, layer: int, metadata: AttentionMetadata, kv: torch.Tensor
 ) -> None:
     """Write this forward's window keys ``kv`` ``[T, D]`` (normed, roped) of ``layer``."""
-    state.pools.window(layer).store(kv, metadata.swa_out_loc)
+    store_rows(state.pools.window(layer), kv, metadata.swa_out_loc)
 
 
 def compress_and_store(
@@ -120,11 +61,11 @@ def compress_and_store(
     comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
     rings = (state.indexer_states if indexer else state.compressor_states)[layer]
     entries = compress_forward(
-        rings, kv_proj, score_proj, ape, norm_weight, rope_for_ratio(state.config, ratio),
+        rings, kv_proj, score_proj, ape, norm_weight, state.rope,
         req_pool_indices, metadata.positions_causal, comp.compress_plan, comp.write_plan,
     )  # fmt: skip
     pools = state.pools
-    (pools.indexer(layer) if indexer else pools.compressed(layer)).store(entries, comp.out_loc)
+    store_rows(pools.indexer(layer) if indexer else pools.compressed(layer), entries, comp.out_loc)
 
 
 def select_c4_entries(

@@ -1,7 +1,7 @@
 """Compressor: softmax-gated pooling of tokens into c4 / c128 entries, prefill and decode alike.
 
-dsv4-attention.md section 2 (formulas: ``dsv4_backend.reference.compressor``). Shapes use ``T``
-ragged rows, ``B`` requests, ``D`` the compressed head dim (``config.head_dim`` for a layer,
+dsv4-attention.md section 2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shapes use
+``T`` ragged rows, ``B`` requests, ``D`` the compressed head dim (``config.head_dim`` for a layer,
 ``index_head_dim`` for the indexer's compressor), ``c`` the overlap (2 for ratio 4, else 1),
 ``r`` the ratio, ``span`` the tokens per entry (8 for ratio 4, 128 for ratio 128) and ``R``
 ``ring_rows``.
@@ -31,68 +31,21 @@ Paths: pooling and ring writes run the Triton kernels or the torch implementatio
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
-from dsv4_backend.reference.compressor import finish_entries, overlap, pool_slots
-from dsv4_backend.reference.rope import RopeParams
+from dsv4_backend.ops.compress import finish_entries, overlap, pool_slots
+from dsv4_backend.ops.rope import CosSin
 
 #: Upper bound on ``span * BLOCK_D`` elements of one pooling tile.
 POOL_TILE = 4096
 #: Columns per ring-write program.
 WRITE_BLOCK = 256
-
-
-# ---------------------------------------------------------------------------------- state
-@dataclass(frozen=True, eq=False)
-class CompressorState:
-    """Compressor state rings of one layer (or of the indexer's compressor).
-
-    Attributes
-    ----------
-    ratio : 4 or 128.
-    head_dim : ``D`` of the compressed entries.
-    ring : ``[num_slots, R, 2 * c * D]`` float32 rows ``[kv | score + ape]``, indexed by a
-        request's pool index (``req_pool_indices``) and ``position % R``.
-    """
-
-    ratio: int
-    head_dim: int
-    ring: torch.Tensor
-
-    @classmethod
-    def allocate(
-        cls,
-        config: DSV4AttentionConfig,
-        ratio: int,
-        head_dim: int,
-        num_slots: int,
-        device: torch.device | str = "cpu",
-    ) -> CompressorState:
-        """Reset rings for ``num_slots`` request slots; ``R = config.ring_rows(ratio)``."""
-        width = 2 * overlap(ratio) * head_dim
-        ring = torch.empty(num_slots, config.ring_rows(ratio), width, device=device)
-        state = cls(ratio=ratio, head_dim=head_dim, ring=ring)
-        state.reset()
-        return state
-
-    @property
-    def ring_rows(self) -> int:
-        return self.ring.shape[1]
-
-    def reset(self, pool_indices: torch.Tensor | None = None) -> None:
-        """kv 0 and score -inf in the rings of ``pool_indices`` ``[n]`` (all when None)."""
-        slots = slice(None) if pool_indices is None else pool_indices.long()
-        half = self.ring.shape[-1] // 2
-        self.ring[slots, :, :half] = 0.0
-        self.ring[slots, :, half:] = float("-inf")
 
 
 # --------------------------------------------------------------------------------- kernels
@@ -360,7 +313,7 @@ def compress_forward(
     score_proj: torch.Tensor,
     ape: torch.Tensor,
     norm_weight: torch.Tensor,
-    rope: RopeParams,
+    rope: CosSin,
     req_pool_indices: torch.Tensor,
     positions: torch.Tensor,
     compress_plan: torch.Tensor,
@@ -374,7 +327,7 @@ def compress_forward(
     kv_proj, score_proj : ``[T, c*D]`` float — this forward's projections (scores without ape).
     ape : ``[r, c*D]`` float.
     norm_weight : ``[D]`` float RMSNorm weight.
-    rope : the compressed layer's RoPE (``reference.rope_for_ratio(config, ratio)``).
+    rope : the compressed layers' RoPE cos/sin (``AttentionState.rope``, a ``RopeTable``).
     req_pool_indices : ``[B]`` int — ring slot of each batch id.
     positions : ``[T]`` int — absolute position of each row.
     compress_plan, write_plan : ``[T, 4]`` int32 plan records of this ratio (planning/metadata.py).

@@ -29,9 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp8_format import load_dense_block, load_fp8_indexer_block
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.fp8_device import load_dense_block, load_fp8_indexer_block
 
 if TYPE_CHECKING:
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache

@@ -39,10 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp8_format import load_dense_block, load_fp8_token_block
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.fp8_device import load_dense_block, load_fp8_token_block
 
 #: exp(x) = exp2(x * LOG2E): the kernels work in the log2 domain.
 LOG2E = tl.constexpr(math.log2(math.e))

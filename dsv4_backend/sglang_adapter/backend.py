@@ -54,6 +54,7 @@ from dsv4_backend.compute import (
 )
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
     AttentionMetadata,
     DraftStep,
@@ -64,7 +65,6 @@ from dsv4_backend.planning import (
     plan,
     seq_len_fill_value,
 )
-from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
@@ -223,6 +223,7 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
         num_full_slots=math.ceil((full + page) / page) * page,
         num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
         num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
+        max_positions=runner.req_to_token_pool.req_to_token.shape[1],
     )
     reason = unaliasable_reason(pool, config, fmt)
     if reason is None:
@@ -476,7 +477,7 @@ class DSV4AttentionBackend(AttentionBackend):
             self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
         q, _ = c4_indexer.wq_b(q_lora)
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
-        cos, sin = rope_cos_sin(self.config, 4, metadata.positions_causal)
+        cos, sin = self.state.rope.cos_sin(metadata.positions_causal)
         select_c4_entries(
             self.state,
             layer_id,

@@ -30,12 +30,11 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
     DeepSeekV4TokenToKVPool,
 )
 
-from dsv4_backend.cache import DSV4CachePools
+from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
+from dsv4_backend.cache.state import compressed_rope
 from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.compute import AttentionState
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.compressor import CompressorState
-from dsv4_backend.reference.compressor import overlap
+from dsv4_backend.ops.compress import overlap
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +87,7 @@ def aliased_state(
     num_full_slots: int,
     num_swa_slots: int,
     num_request_slots: int,
+    max_positions: int,
 ) -> AttentionState:
     """``AttentionState`` whose caches (and fitting c128 rings) are views of ``pool``'s buffers.
 
@@ -128,7 +128,13 @@ def aliased_state(
             index[layer] = CompressorState.allocate(
                 config, 4, config.index_head_dim, num_request_slots, device
             )
-    return AttentionState(config=config, pools=pools, compressor_states=core, indexer_states=index)
+    return AttentionState(
+        config=config,
+        pools=pools,
+        compressor_states=core,
+        indexer_states=index,
+        rope=compressed_rope(config, max_positions, device),
+    )
 
 
 def _c128_ring_view(
@@ -161,19 +167,24 @@ def log_state_memory(state: AttentionState, pool: Any, reason: str | None) -> No
     """One INFO line: bytes aliased from sglang's pool and bytes this package allocated."""
     rings = [*state.compressor_states.values(), *state.indexer_states.values()]
     tensors = [c.storage for c in _caches(state.pools)] + [r.ring for r in rings]
+    tensors += [state.rope.cos, state.rope.sin]
     owned = _owned_ranges(pool) if reason is None else []
     aliased = sum(t.nbytes for t in tensors if _inside(t, owned))
     allocated = sum(t.nbytes for t in tensors) - aliased
     if reason is None:
         logger.info(
             "dsv4 backend: aliased %d bytes of sglang's DeepSeekV4TokenToKVPool (caches%s); "
-            "allocated %d bytes (compressor rings)",
+            "allocated %d bytes (compressor rings, RoPE table)",
             aliased,
             ", c128 rings" if any(_inside(r.ring, owned) for r in rings) else "",
             allocated,
         )
     else:
-        logger.info("dsv4 backend: allocated %d bytes of caches and rings (%s)", allocated, reason)
+        logger.info(
+            "dsv4 backend: allocated %d bytes of caches, rings and RoPE table (%s)",
+            allocated,
+            reason,
+        )
 
 
 def _caches(pools: DSV4CachePools) -> list[Any]:

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.errors import ContractError
-from dsv4_backend.reference.norm import rms_norm
-from dsv4_backend.reference.rope import RopeParams, apply_rope
+from dsv4_backend.testing.reference.norm import rms_norm
+from dsv4_backend.testing.reference.rope import RopeParams, apply_rope
 
 
 def overlap(ratio: int) -> int:

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4_backend.ab.backends import Backend, StepOutput
-from dsv4_backend.ab.trace import MODES, PATHS, Step, Trace
+from dsv4_backend.testing.ab.backends import Backend, StepOutput
+from dsv4_backend.testing.ab.trace import MODES, PATHS, Step, Trace
 
 #: Default absolute tolerance per device type: float32 dense caches on the CPU differ from the
 #: reference by summation order only; on CUDA the attention dots run on TF32 tensor cores.

@@ -23,9 +23,9 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.planning import BatchView
-from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.sglang_adapter.batch_view import KIND_OF_MODE
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing.reference.rope import apply_rope, rope_cos_sin
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 Row = tuple[int, int] | None  # (request, position); None for a padding row
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv4_backend.ab.runner import ABResult, ModeStats
+from dsv4_backend.testing.ab.runner import ABResult, ModeStats
 
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
