@@ -53,7 +53,6 @@ class Loop:
         generator = torch.Generator().manual_seed(seed)
         pool = PagedRequestPool(CONFIG, max_lens, generator=generator)
         self.model = RandomModel(CONFIG, pool, generator=generator)
-        harness.reserve_padding_slot(pool)
         self.runner = harness.mock_runner(
             pool, harness.tiny_hf_config(CONFIG), num_steps=NUM_STEPS,
             num_draft_tokens=NUM_DRAFT,

@@ -40,7 +40,6 @@ def host() -> SimpleNamespace:
     generator = torch.Generator().manual_seed(0)
     pool = PagedRequestPool(CONFIG, [140, 270, 40], generator=generator)
     model = RandomModel(CONFIG, pool, generator=generator)
-    harness.reserve_padding_slot(pool)
     runner = harness.mock_runner(pool, HF)
     backend = DSV4AttentionBackend(runner, cache_format="dense")
     runner.attn_backend = backend
@@ -264,9 +263,9 @@ def test_idle_forward_with_rows_in_q_is_refused(host: SimpleNamespace) -> None:
     q = torch.zeros(3, CONFIG.num_heads, CONFIG.head_dim)
     layer = SimpleNamespace(layer_id=0)
     shape = rf"\(3, {CONFIG.num_heads}, {CONFIG.head_dim}\)"
-    with pytest.raises(ContractError, match=f"forward: an IDLE batch has no rows, .*{shape}"):
+    with pytest.raises(ContractError, match=f"forward: an IDLE batch has 0 rows .*{shape}"):
         host.backend.forward(q, q, q, layer, idle, attn_sink=torch.zeros(CONFIG.num_heads))
-    with pytest.raises(ContractError, match=r"store_cache .*: an IDLE batch has no rows"):
+    with pytest.raises(ContractError, match=r"store_cache .*: an IDLE batch has 0 rows"):
         host.backend.store_cache(layer_id=0, swa_k=q[:, 0], forward_batch=idle)
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.runtime_context import derive_attn_tp_size
 
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.compute import (
@@ -90,6 +91,30 @@ from dsv4_backend.sglang_adapter.pool_alias import (
 _STATE_ATTR = "_dsv4_backend_attention_state"
 #: Largest EAGLE draft topk served (draft trees are not).
 MAX_DRAFT_TOPK = 1
+#: Server options that move or rebuild KV state outside this backend, refused when set:
+#: ``(ServerArgs field, value that is safe, CLI flag, why)``. sglang's PD transfer and its host
+#: caches copy the pool's page buffers and its own compressor states, not this package's c4
+#: attention and indexer compressor rings (nor any cache when ``unaliasable_reason`` keeps them
+#: in this package's memory), so a request resumed from a copy would compress from stale rings.
+STATE_MOVING_OPTIONS = (
+    (
+        "disaggregation_mode", "null", "--disaggregation-mode",
+        "PD transfer carries sglang's pool pages, not the backend's c4 compressor rings",
+    ),
+    (
+        "enable_hierarchical_cache", False, "--enable-hierarchical-cache",
+        "HiCache offloads and reloads pool pages, not the backend's compressor rings",
+    ),
+    (
+        "enable_hisparse", False, "--enable-hisparse",
+        "HiSparse offloads the c4 cache through sglang's own sparse path, which this backend "
+        "replaces (its c4 cache and top-k are its own)",
+    ),
+    (
+        "enable_lmcache", False, "--enable-lmcache",
+        "LMCache offloads and reloads pool pages, not the backend's compressor rings",
+    ),
+)  # fmt: skip
 #: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
 #: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
 INDEXER_SELECTION_ENV = "DSV4_BACKEND_INDEXER_SELECTION"
@@ -103,6 +128,13 @@ class RunnerSettings:
     draft_topk: int
     num_draft_tokens: int
     device: torch.device
+    #: Attention tensor-parallel ranks: each serves ``config.num_heads // attn_tp_size`` heads.
+    attn_tp_size: int = 1
+
+    @property
+    def local_heads(self) -> int:
+        """Query heads of this rank (sglang's ``n_local_heads``)."""
+        return self.config.num_heads // self.attn_tp_size
 
     @classmethod
     def from_runner(cls, runner: Any, topk: int = 0) -> RunnerSettings:
@@ -111,7 +143,9 @@ class RunnerSettings:
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
         ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``,
-        ``disable_radix_cache``), and the environment variable ``INDEXER_SELECTION_ENV``.
+        ``disable_radix_cache``, ``tp_size``, ``attn_dp_size`` (or ``enable_dp_attention`` with
+        ``dp_size``) and the ``STATE_MOVING_OPTIONS``), and the environment variable
+        ``INDEXER_SELECTION_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -135,6 +169,13 @@ class RunnerSettings:
                     f"{option}={size}; the dsv4 backend does not support context parallelism "
                     f"({flag} must be 1)"
                 )
+        for option, safe, flag, why in STATE_MOVING_OPTIONS:
+            value = getattr(args, option, safe)
+            if value not in (safe, None):
+                raise ConfigError(
+                    f"{option}={value!r}; the dsv4 backend cannot serve it: {why}, so a "
+                    f"request resumed from the copy would be wrong (leave {flag} unset)"
+                )
         if not getattr(args, "disable_radix_cache", False):
             # Compressor state rings live per request pool row: a request that starts from a
             # cached prefix of another request has no ring state for the prefix's last block.
@@ -157,11 +198,27 @@ class RunnerSettings:
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))
+        attn_dp_size = int(getattr(args, "attn_dp_size", 1) or 1)
+        if attn_dp_size == 1 and getattr(args, "enable_dp_attention", False):
+            # The deprecated spelling, before sglang resolves it to attn_dp_size.
+            attn_dp_size = int(getattr(args, "dp_size", 1) or 1)
+        attn_tp_size = derive_attn_tp_size(
+            tp_size=int(getattr(args, "tp_size", 1) or 1),
+            attn_cp_size=1,  # context parallelism is refused above
+            attn_dp_size=attn_dp_size,
+        )
+        if attn_tp_size < 1 or config.num_heads % attn_tp_size:
+            raise ConfigError(
+                f"num_attention_heads={config.num_heads} cannot be split over an attention "
+                f"tensor-parallel group of {attn_tp_size} ranks (tp_size / attn_dp_size); "
+                "choose --tp-size / --attention-data-parallel-size so that it divides the heads"
+            )
         return cls(
             config=config,
             draft_topk=draft_topk,
             num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", 0) or 0),
             device=torch.device(runner.device),
+            attn_tp_size=attn_tp_size,
         )
 
 
@@ -249,13 +306,16 @@ def _host_values(values: Any) -> list[int] | None:
 
 
 def _is_idle(fb: Any, rows: torch.Tensor, where: str) -> bool:
-    """Whether ``fb`` is IDLE; ``ContractError`` when an IDLE call is handed rows."""
+    """Whether ``fb`` is IDLE. An IDLE batch's rows are data-parallel padding (one per
+    ``out_cache_loc`` slot): nothing is written for them and ``forward`` outputs zeros.
+    ``ContractError`` when an IDLE call is handed another number of rows."""
     if not fb.forward_mode.is_idle():
         return False
-    if rows.shape[0] != 0:
+    padding = 0 if fb.out_cache_loc is None else fb.out_cache_loc.shape[0]
+    if rows.shape[0] != padding:
         raise ContractError(
-            f"{where}: an IDLE batch has no rows, but {where} got a tensor of shape "
-            f"{tuple(rows.shape)}"
+            f"{where}: an IDLE batch has {padding} rows (data-parallel padding only), but "
+            f"{where} got a tensor of shape {tuple(rows.shape)}"
         )
     return True
 
@@ -298,7 +358,9 @@ class DSV4AttentionBackend(AttentionBackend):
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios,
-    context parallelism or an enabled radix cache.
+    context parallelism, an enabled radix cache, an option of ``STATE_MOVING_OPTIONS`` (PD
+    disaggregation, HiCache, HiSparse, LMCache) or heads that the attention TP group does not
+    divide.
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
     to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
@@ -322,6 +384,7 @@ class DSV4AttentionBackend(AttentionBackend):
         self.config = settings.config
         self.device = settings.device
         self.num_draft_tokens = settings.num_draft_tokens
+        self.local_heads = settings.local_heads
         self.topk = settings.draft_topk
         self.speculative_step_id = speculative_step_id
         self.speculative_num_steps = speculative_num_steps
@@ -691,9 +754,10 @@ class DSV4AttentionBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """IDLE: an empty ``[0, H, D]``; otherwise sglang's dispatch to decode / extend."""
+        """IDLE: zeros of ``q``'s shape (rows that data-parallel padding gave an idle rank);
+        otherwise sglang's dispatch to decode / extend."""
         if _is_idle(forward_batch, q, "forward"):
-            return q.new_empty(q.shape)
+            return q.new_zeros(q.shape)
         return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -711,7 +775,13 @@ class DSV4AttentionBackend(AttentionBackend):
         attn_sink: torch.Tensor | None = None,
         **_: Any,
     ) -> torch.Tensor:
-        """``q`` ``[T, H, D]`` (normed, roped) -> ``[T, H, D]`` in ``q``'s dtype."""
+        """``q`` ``[T, Hq, D]`` (normed, roped) -> ``[T, Hq, D]`` in ``q``'s dtype.
+
+        Attention TP: the rank's ``Hl = num_heads / attn_tp_size`` heads are the first ``Hl``
+        of ``q`` and ``attn_sink`` (``Hq >= Hl``: sglang pads a rank's queries and sink to 64
+        heads for FlashMLA and reads back only the first ``Hl``). Only those are attended;
+        padded heads of the output are 0.
+        """
         layer_id = layer.layer_id
         where = f"forward (layer {layer_id})"
         ratio = layer_ratio(self.config, layer_id, where)
@@ -735,6 +805,18 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: attn_sink has shape {tuple(attn_sink.shape)}; expected one logit per "
                 f"query head, ({q.shape[1]},)"
             )
+        heads = self.local_heads
+        layer_heads = getattr(layer, "tp_q_head_num", heads)
+        if layer_heads != heads or q.shape[1] < heads:
+            raise ContractError(
+                f"{where}: this rank serves {heads} query heads (num_attention_heads "
+                f"{self.config.num_heads} / attention TP size {self.config.num_heads // heads}) "
+                f"but got a layer of {layer_heads} heads and q {tuple(q.shape)}"
+            )
         metadata = self._metadata(forward_batch, q.shape[0], where)
-        out = attend(self.state, layer_id, metadata, q, attn_sink.float())
-        return out.to(q.dtype)
+        out = attend(self.state, layer_id, metadata, q[:, :heads], attn_sink[:heads].float())
+        if q.shape[1] == heads:
+            return out.to(q.dtype)
+        padded = q.new_zeros(q.shape)
+        padded[:, :heads] = out
+        return padded

@@ -72,6 +72,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     trace.add_argument("--decode-steps", type=int, default=4, help="decodes (default 4)")
     trace.add_argument("--seed", type=int, default=0, help="lengths, drafts and data (default 0)")
+    trace.add_argument(
+        "--dp-pad", type=int, default=0, metavar="N",
+        help="DP attention scenario: N padding requests (pool row 0, seq_len 1, slot 0) join "
+        "every draft, verify and decode batch before planning (default 0)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(
         "--config", type=Path, metavar="PATH",
@@ -248,6 +253,7 @@ def run_ab(args: argparse.Namespace) -> int:
             cycles=args.cycles,
             decode_steps=args.decode_steps,
             seed=args.seed,
+            dp_pad=args.dp_pad,
         )
         # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at
         # once, against its mode.
