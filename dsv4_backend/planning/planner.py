@@ -15,7 +15,8 @@ extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``exte
 
 Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` builds every field in one
 launch of ``kernels/plan_fields.py`` (two for extend kinds: their host lengths are uploaded
-first), and ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The
+first), after the batch checks, when these are read at once (``fuses``); and
+``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The
 torch body below serves the torch path; there the per-row compression fields run
 ``kernels/row_metadata.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
 where they can, else their torch references (``kernels/row_fields_torch.py``,
