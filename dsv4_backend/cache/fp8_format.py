@@ -89,10 +89,23 @@ class _PagedBytes:
     ``scale_base + t * scale_bytes``. Storage is ``[num_pages, page_bytes]`` uint8."""
 
     page_tokens: int
-    token_bytes: int
-    scale_bytes: int
-    scale_base: int
-    page_bytes: int
+
+    # Each layout defines these (as properties of its fields).
+    @property
+    def token_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def scale_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def scale_base(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def page_bytes(self) -> int:
+        raise NotImplementedError
 
     def num_pages(self, num_slots: int) -> int:
         return -(-num_slots // self.page_tokens)

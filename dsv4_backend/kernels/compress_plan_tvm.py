@@ -326,7 +326,8 @@ def compress_plans_tvm(
     rows = positions.shape[0]
     compress_plan = torch.empty(rows, 4, dtype=torch.int32, device=positions.device)
     write_plan = torch.empty_like(compress_plan)
-    launch_compress_plan_kernel(*(t.contiguous() for t in inputs), compress_plan, write_plan, ratio)
+    row_ids, pos, first_new, seq_lens = (t.contiguous() for t in inputs)
+    launch_compress_plan_kernel(row_ids, pos, first_new, seq_lens, compress_plan, write_plan, ratio)
     return compress_plan, write_plan
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -93,7 +93,7 @@ def _decode_rows(batch: BatchView) -> _Rows:
 
 def _verify_rows(batch: BatchView) -> _Rows:
     """``num_draft_tokens`` rows per request, at ``seq_lens[b] ... seq_lens[b] + n - 1``."""
-    n = batch.num_draft_tokens
+    n = cast(int, batch.num_draft_tokens)  # BatchView requires it for TARGET_VERIFY
     seq = batch.seq_lens.long()
     row = torch.arange(batch.num_rows, device=seq.device)
     ids = row // n
@@ -117,7 +117,10 @@ def _extend_rows(batch: BatchView) -> _Rows:
     )
     row_in_request = torch.arange(num_rows, device=device) - (torch.cumsum(extend, 0) - extend)[ids]
     first = prefix[ids]
-    host = [p + e for p, e in zip(batch.extend_prefix_lens, batch.extend_seq_lens, strict=True)]
+    # BatchView requires both host lists for the extend kinds.
+    prefix_lens = cast(list[int], batch.extend_prefix_lens)
+    extend_lens = cast(list[int], batch.extend_seq_lens)
+    host = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
     lens = (prefix + extend)[ids].int()
     out_loc = batch.out_cache_loc.long()
     return _Rows(ids.int(), first + row_in_request, out_loc, first, lens, lens, host)
