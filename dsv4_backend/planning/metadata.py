@@ -3,8 +3,8 @@
 Shapes use ``B`` requests, ``T`` query rows, ``Pw`` page-table width (pages), ``Ws`` window
 index width (``config.swa_index_width``), ``K`` ``index_topk`` and ``N128`` c128 index width.
 Index tensors use ``-1`` for "no slot". The dataclasses are frozen (fields are never rebound,
-which CUDA graphs rely on); ``c4.sparse_page_indices`` is the one tensor written after planning,
-by the indexer's top-k.
+which CUDA graphs rely on); ``c4.page_indices`` is the one tensor written after planning, by the
+indexer's top-k.
 
 Plan records (``compress_plan`` / ``write_plan``, ``[T, 4]`` int32) are rows
 ``(ragged_id, batch_id, position, window_len)``: the valid records first, in row order, then

@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.environ import envs
@@ -55,6 +55,7 @@ from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4Attention
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
+    SUPPORTED_DRAFT_TOPK,
     AttentionMetadata,
     DraftStep,
     ForwardKind,
@@ -71,10 +72,15 @@ from dsv4_backend.sglang_adapter.pool_alias import (
     unaliasable_reason,
 )
 
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.dsv4.compressor import Compressor
+    from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
 _STATE_ATTR = "_dsv4_backend_attention_state"
-#: Largest EAGLE draft topk served (draft trees are not).
-MAX_DRAFT_TOPK = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +93,7 @@ class RunnerSettings:
     device: torch.device
 
     @classmethod
-    def from_runner(cls, runner: Any, topk: int = 0) -> RunnerSettings:
+    def from_runner(cls, runner: ModelRunner, topk: int = 0) -> RunnerSettings:
         """Read and validate ``runner``; ``ConfigError`` names the option that cannot be served.
 
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
@@ -102,10 +108,10 @@ class RunnerSettings:
             )
         args = runner.server_args
         draft_topk = max(int(topk or 0), int(getattr(args, "speculative_eagle_topk", 0) or 0))
-        if draft_topk > MAX_DRAFT_TOPK:
+        if draft_topk and draft_topk not in SUPPORTED_DRAFT_TOPK:
             raise ConfigError(
                 f"speculative_eagle_topk={draft_topk}; the dsv4 backend serves EAGLE with "
-                f"--speculative-eagle-topk {MAX_DRAFT_TOPK} only (no draft trees)"
+                f"--speculative-eagle-topk {max(SUPPORTED_DRAFT_TOPK)} only (no draft trees)"
             )
         for option, flag in (
             ("attn_cp_size", "--attention-context-parallel-size"),
@@ -141,7 +147,9 @@ class RunnerSettings:
         )
 
 
-def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> AttentionState:
+def shared_state(
+    runner: ModelRunner, config: DSV4AttentionConfig, fmt: CacheFormat
+) -> AttentionState:
     """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
     Sizes: full slots ``full_size`` (else ``size``) plus one page, rounded to pages; window slots
@@ -179,7 +187,7 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
     return state
 
 
-def original_ape(compressor: Any) -> torch.Tensor:
+def original_ape(compressor: Compressor) -> torch.Tensor:
     """``[r, c*D]`` float32 ape in checkpoint layout.
 
     sglang's ``Compressor._apply_ape_hotfix`` (``ape_converted``) stores a ratio-4 ape
@@ -215,7 +223,7 @@ class DSV4AttentionBackend(AttentionBackend):
 
     def __init__(
         self,
-        model_runner: Any,
+        model_runner: ModelRunner,
         skip_prefill: bool = False,
         speculative_step_id: int = 0,
         topk: int = 0,
@@ -245,7 +253,7 @@ class DSV4AttentionBackend(AttentionBackend):
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
     # ------------------------------------------------------------------------- planning
-    def _plan(self, forward_batch: Any, widths: PlanWidths | None) -> AttentionMetadata:
+    def _plan(self, forward_batch: ForwardBatch, widths: PlanWidths | None) -> AttentionMetadata:
         """Plan ``forward_batch`` (the one planning body of the eager and the graph path).
 
         Also resets the compressor rings of requests that (re)start at position 0: the
@@ -266,11 +274,13 @@ class DSV4AttentionBackend(AttentionBackend):
                 self.state.reset_requests(view.req_pool_indices[fresh])
         return metadata
 
-    def init_forward_metadata(self, forward_batch: Any) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
         self.forward_metadata = self._plan(forward_batch, widths=None)
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(
+        self, forward_batch: ForwardBatch, in_capture: bool = False
+    ) -> None:
         """CUDA graphs: plan with fixed widths and load the plan into the graph buffers.
 
         The same planning body as eager; no host sync for the graph kinds (DECODE, draft
@@ -284,7 +294,7 @@ class DSV4AttentionBackend(AttentionBackend):
         metadata = self._plan(forward_batch, widths=self.graph_buffers.widths)
         self.forward_metadata = self.graph_buffers.load(metadata)
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -306,8 +316,14 @@ class DSV4AttentionBackend(AttentionBackend):
         """Nothing to reset: planning keeps no per-capture state."""
 
     # ------------------------------------------------------------------ plan consumers
-    def _metadata(self, forward_batch: Any, num_rows: int, where: str) -> AttentionMetadata:
-        """The current plan, checked against this batch (``ContractError`` when stale)."""
+    def _metadata(
+        self, forward_batch: ForwardBatch, num_rows: int | None, where: str
+    ) -> AttentionMetadata:
+        """The current plan, checked against this batch (``ContractError`` when stale).
+
+        ``num_rows``: the rows the caller got (None when it has none to compare: then batch
+        size and kind are checked).
+        """
         metadata = self.forward_metadata
         if metadata is None:
             raise ContractError(
@@ -318,6 +334,7 @@ class DSV4AttentionBackend(AttentionBackend):
         if (
             metadata.kind is ForwardKind.DRAFT_EXTEND
             and forward_batch.batch_size > metadata.batch_size
+            and num_rows is not None
             and num_rows > metadata.num_rows
         ):
             # sglang plans the draft-extend batch before data-parallel padding on purpose (it
@@ -326,7 +343,11 @@ class DSV4AttentionBackend(AttentionBackend):
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
             self.forward_metadata = metadata
-        metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
+        metadata.check_matches(
+            batch_size=forward_batch.batch_size,
+            num_rows=metadata.num_rows if num_rows is None else num_rows,
+            where=where,
+        )
         kind = forward_kind(forward_batch.forward_mode)
         if kind is not metadata.kind:
             raise ContractError(
@@ -335,14 +356,15 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         return metadata
 
-    def get_swa_out_cache_loc(self, forward_batch: Any) -> torch.Tensor:
-        """``[T]`` int64 window slot each row writes (its own step's slots for a draft step)."""
-        metadata = self.forward_metadata
-        if metadata is None:
-            raise ContractError("get_swa_out_cache_loc: no attention metadata was planned")
-        return metadata.swa_out_loc
+    def get_swa_out_cache_loc(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """``[T]`` int64 window slot each row writes (its own step's slots for a draft step).
 
-    def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: Any) -> None:
+        The plan is checked against the batch's size and kind (the batch alone does not give
+        ``T``: a draft step's ``out_cache_loc`` holds every step's slots).
+        """
+        return self._metadata(forward_batch, None, "get_swa_out_cache_loc").swa_out_loc
+
+    def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: ForwardBatch) -> None:
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
         if forward_batch.forward_mode.is_idle():
             return
@@ -350,7 +372,7 @@ class DSV4AttentionBackend(AttentionBackend):
         store_window_keys(self.state, layer_id, metadata, swa_k.float())
 
     def forward_core_compressor(
-        self, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any
+        self, x: torch.Tensor, forward_batch: ForwardBatch, layer_id: int, compressor: Compressor
     ) -> None:
         """Run sglang ``Compressor`` ``compressor``'s projections through ``compress_forward``.
 
@@ -372,9 +394,9 @@ class DSV4AttentionBackend(AttentionBackend):
         self,
         metadata: AttentionMetadata,
         x: torch.Tensor,
-        forward_batch: Any,
+        forward_batch: ForwardBatch,
         layer_id: int,
-        compressor: Any,
+        compressor: Compressor,
     ) -> None:
         """``forward_core_compressor``'s body, for a plan already checked against the batch."""
         kv_score = compressor.compute_kv_score(x, forward_batch).float()
@@ -395,8 +417,8 @@ class DSV4AttentionBackend(AttentionBackend):
         self,
         x: torch.Tensor,
         q_lora: torch.Tensor,
-        forward_batch: Any,
-        c4_indexer: Any,
+        forward_batch: ForwardBatch,
+        c4_indexer: C4Indexer,
         alt_streams: Any = None,
         enable_multi_stream: bool = False,
         q_lora_ready: Any = None,
@@ -433,12 +455,13 @@ class DSV4AttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """IDLE: an empty ``[0, H, D]``; otherwise sglang's dispatch to decode / extend."""
+        """IDLE: an uninitialised tensor shaped like ``q`` (it has no rows); otherwise sglang's
+        dispatch to decode / extend."""
         if forward_batch.forward_mode.is_idle():
             return q.new_empty(q.shape)
         return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
@@ -452,8 +475,8 @@ class DSV4AttentionBackend(AttentionBackend):
     def _attend(
         self,
         q: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
         compress_ratio: int | None = None,
         attn_sink: torch.Tensor | None = None,
         **_: Any,
