@@ -125,7 +125,7 @@ class DSV4AttentionConfig:
     # ------------------------------------------------------------------------ constructors
     @classmethod
     def tiny(cls, **overrides: Any) -> DSV4AttentionConfig:
-        """The small configuration of dsv4-attention.md section 6 (every boundary, tiny widths)."""
+        """The small configuration of docs/design.md §6 (every boundary, tiny widths)."""
         values: dict[str, Any] = dict(
             compress_ratios=(0, 4, 128, 4),
             num_heads=8,

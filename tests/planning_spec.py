@@ -1,4 +1,4 @@
-"""Brute-force planning straight from dsv4-attention.md sections 3-4, and batch builders.
+"""Brute-force planning straight from docs/design.md §3-4, and batch builders.
 
 A test helper module, not a test. ``expected_metadata`` walks the rows of a batch one by one
 over plain Python ints (no vectorisation, nothing shared with the planner) and produces every

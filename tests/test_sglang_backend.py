@@ -1,6 +1,6 @@
 """The sglang adapter with real sglang 0.5.23 objects (ForwardBatch, ForwardMode, ReqToTokenPool,
 the registry and the draft factory): construction and its refusals, the batch mapping, the
-lazy-init contract and the two seed failures (dsv4-attention.md section 5)."""
+lazy-init contract and the two seed failures (docs/design.md §5)."""
 
 from __future__ import annotations
 

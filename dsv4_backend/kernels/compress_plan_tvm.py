@@ -1,4 +1,4 @@
-"""Compress and write plans as a TVM kernel with a symbolic row count (dsv4-attention.md §4).
+"""Compress and write plans as a TVM kernel with a symbolic row count (docs/design.md §4).
 
 The records are those of ``planning/metadata.py``: ``[T, 4]`` int32 rows
 ``(ragged_id, batch_id, position, window_len)``, the valid ones first in row order, then ``-1``

@@ -1,6 +1,6 @@
 """Compressor: softmax-gated pooling of tokens into c4 / c128 entries, prefill and decode alike.
 
-dsv4-attention.md section 2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shapes use
+docs/design.md §2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shapes use
 ``T`` ragged rows, ``B`` requests, ``D`` the compressed head dim (``config.head_dim`` for a layer,
 ``index_head_dim`` for the indexer's compressor), ``c`` the overlap (2 for ratio 4, else 1),
 ``r`` the ratio, ``span`` the tokens per entry (8 for ratio 4, 128 for ratio 128) and ``R``

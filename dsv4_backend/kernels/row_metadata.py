@@ -1,6 +1,6 @@
 """Per-row compression metadata of one ratio (the ``row_compression_metadata`` op).
 
-dsv4-attention.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 1``) gets
+docs/design.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 1``) gets
 
 * ``out_loc = raw_out_loc // ratio`` where ``(p + 1) % ratio == 0`` (the row completes an
   entry), else ``-1``;

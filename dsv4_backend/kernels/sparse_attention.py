@@ -1,6 +1,6 @@
 """Sparse attention with a per-head sink over window keys plus compressed keys.
 
-dsv4-attention.md section 2. Query row ``t`` attends, with all ``H`` heads, to the union of
+docs/design.md §2. Query row ``t`` attends, with all ``H`` heads, to the union of
 
 * window keys: ``window`` cache slots ``swa_indices[t, c]`` for ``c < swa_lengths[t]``;
 * extra keys (c4 top-k or c128 entries): ``extra`` cache slots ``extra_indices[t, c]`` for

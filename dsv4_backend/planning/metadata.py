@@ -1,4 +1,4 @@
-"""Immutable attention metadata: one row per query token (dsv4-attention.md section 4).
+"""Immutable attention metadata: one row per query token (docs/design.md §4).
 
 Shapes use ``B`` requests, ``T`` query rows, ``Pw`` page-table width (pages), ``Ws`` window
 index width (``config.swa_index_width``), ``K`` ``index_topk`` and ``N128`` c128 index width.

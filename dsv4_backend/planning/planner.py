@@ -2,7 +2,7 @@
 
 Each ``ForwardKind`` only says how its requests expand into query rows (``_Rows``, see the row
 table in ``planning/batch.py``); one shared body, ``_plan_rows``, builds every field of
-dsv4-attention.md section 4 from those rows. Eager planning, CUDA-graph capture and replay all
+docs/design.md §4 from those rows. Eager planning, CUDA-graph capture and replay all
 run this same code; the graph path then copies the result into fixed buffers
 (``planning/graph_buffers.py``). Planning never syncs with the device.
 
