@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planning_spec import BatchSpec, assert_same, expected_metadata, flatten, make_batch
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import DSV4AttentionConfig, entries_per_page
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.planning import (
     GRAPH_KINDS,
@@ -371,10 +371,8 @@ def test_config_sizes_per_ratio() -> None:
     assert [CONFIG.ring_rows(4), CONFIG.ring_rows(128)] == [8, 128]
     speculative = DSV4AttentionConfig.tiny(speculative=True)
     assert [speculative.ring_rows(4), speculative.ring_rows(128)] == [16, 256]
-    assert [CONFIG.entries_per_page(4), CONFIG.entries_per_page(128)] == [64, 2]
-    with pytest.raises(
-        ConfigError, match=r"ratio=0; compressed caches exist for ratios \(4, 128\)"
-    ):
-        CONFIG.entries_per_page(0)
-    with pytest.raises(ConfigError, match=r"ratio=0; state rings exist for ratios \(4, 128\)"):
+    assert [entries_per_page(4), entries_per_page(128)] == [64, 2]
+    with pytest.raises(ConfigError, match=r"compressed cache ratio=0; expected one of \(4, 128\)"):
+        entries_per_page(0)
+    with pytest.raises(ConfigError, match=r"ratio=0; expected one of \(4, 128\)"):
         CONFIG.ring_rows(0)

@@ -36,10 +36,10 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.config import check_compressed_ratio, compress_overlap, compress_span
+from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
-from dsv4_backend.ops.compress import finish_entries, overlap, pool_slots
+from dsv4_backend.ops.compress import finish_entries, pool_slots
 from dsv4_backend.ops.rope import CosSin
 
 #: Upper bound on ``span * BLOCK_D`` elements of one pooling tile.
@@ -162,7 +162,7 @@ def _pool_triton(
 ) -> torch.Tensor:
     """Launch ``_compress_pool_kernel``: ``[T, D]`` fp32 pooled entries aligned to rows."""
     d, ratio, ring = state.head_dim, state.ratio, state.ring
-    span = COMPRESS_SPAN[ratio]
+    span = compress_span(ratio)
     out = torch.zeros(kv_proj.shape[0], d, dtype=torch.float32, device=kv_proj.device)
     block_d = min(triton.next_power_of_2(d), max(POOL_TILE // span, 16))
     grid = (compress_plan.shape[0], triton.cdiv(d, block_d))
@@ -171,7 +171,7 @@ def _pool_triton(
         d, ring.shape[1],
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
         compress_plan.stride(0), out.stride(0),
-        RATIO=ratio, SPAN=span, OVERLAP=overlap(ratio), BLOCK_D=block_d,
+        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), BLOCK_D=block_d,
     )  # fmt: skip
     return out
 
@@ -207,7 +207,7 @@ def _pool_torch(
 ) -> torch.Tensor:
     """Torch implementation of the pooling kernel (same gathers, vectorised over records)."""
     d, ratio, ring = state.head_dim, state.ratio, state.ring
-    span, rows = COMPRESS_SPAN[ratio], kv_proj.shape[0]
+    span, rows = compress_span(ratio), kv_proj.shape[0]
     out = torch.zeros(rows, d, dtype=torch.float32, device=kv_proj.device)
     plan = compress_plan.long()
     plan = plan[plan[:, 0] >= 0]
@@ -228,7 +228,7 @@ def _pool_torch(
     score = torch.where(present, score, float("-inf"))
     # Ratio 4: slots 0-3 (previous block) use dims [:D], slots 4-7 (current block) [D:].
     second = (j >= ratio)[None, :, None]
-    if overlap(ratio) == 2:
+    if compress_overlap(ratio) == 2:
         kv = torch.where(second, kv[..., d:], kv[..., :d])
         score = torch.where(second, score[..., d:], score[..., :d])
     out[ragged] = pool_slots(kv, score)
@@ -264,9 +264,8 @@ def _check(
     write_plan: torch.Tensor,
 ) -> None:
     ratio, d = state.ratio, state.head_dim
-    if ratio not in COMPRESS_SPAN:
-        raise ConfigError(f"compressor ratio={ratio}; expected 4 or 128")
-    t, cd = kv_proj.shape[0], overlap(ratio) * d
+    check_compressed_ratio(ratio, "compressor")
+    t, cd = kv_proj.shape[0], compress_overlap(ratio) * d
     want = {
         "kv_proj": (t, cd),
         "score_proj": (t, cd),

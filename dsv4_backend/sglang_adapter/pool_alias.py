@@ -32,8 +32,7 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
 from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
 from dsv4_backend.cache.state import compressed_rope
 from dsv4_backend.cache.token_cache import CacheFormat, SlotCache
-from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.ops.compress import overlap
+from dsv4_backend.config import DSV4AttentionConfig, compress_overlap
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +148,7 @@ def _c128_ring_view(
     states = pool.get_attention_compress_states(layer)
     buf = states.kv_score_buffer.kv_score
     rows = config.ring_rows(128)
-    width = 2 * overlap(128) * config.head_dim
+    width = 2 * compress_overlap(128) * config.head_dim
     fits = (
         states.request_scoped
         and not states.online
