@@ -181,10 +181,7 @@ class GraphMetadataBuffers:
                 f"as {num_rows} rows into buffers of max_batch_size={self.max_batch_size}, "
                 f"max_rows={self.max_rows} (need plan rows <= num_rows <= max_rows); {fix}"
             )
-        got = PlanWidths(
-            page_table=max(plan.page_table.shape[1], 1),
-            c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
-        )
+        got = plan_widths(plan)
         if not self.widths.covers(got):
             raise ContractError(f"plan widths {got} exceed the buffers' {self.widths}; {fix}")
         if plan.row_batch_ids.device != self.device:
@@ -197,6 +194,14 @@ class GraphMetadataBuffers:
                 raise ContractError(
                     f"plan has c{ratio} fields but the buffers' config has no ratio-{ratio} layers"
                 )
+
+
+def plan_widths(plan: AttentionMetadata) -> PlanWidths:
+    """The widths ``plan`` was made with (at least one column each, like ``PlanWidths``)."""
+    return PlanWidths(
+        page_table=max(plan.page_table.shape[1], 1),
+        c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
+    )
 
 
 def pad_plan(
@@ -214,15 +219,11 @@ def pad_plan(
             f"cannot pad a plan of batch_size={plan.batch_size}, num_rows={plan.num_rows} to "
             f"batch_size={batch_size}, num_rows={num_rows}: padding only appends"
         )
-    widths = PlanWidths(
-        page_table=max(plan.page_table.shape[1], 1),
-        c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
-    )
     buffers = GraphMetadataBuffers(
         config,
         max_batch_size=batch_size,
         max_rows=num_rows,
-        widths=widths,
+        widths=plan_widths(plan),
         device=plan.row_batch_ids.device,
     )
     return dataclasses.replace(buffers.load(plan, num_rows=num_rows), batch_size=batch_size)
