@@ -283,8 +283,11 @@ class DSV4AttentionBackend(AttentionBackend):
     ) -> None:
         """CUDA graphs: plan with fixed widths and load the plan into the graph buffers.
 
-        The same planning body as eager; no host sync for the graph kinds (DECODE, draft
-        steps, TARGET_VERIFY, IDLE). Needs ``init_cuda_graph_state`` first.
+        The same planning body as eager. It runs outside the graph (before capture and before
+        each replay), so every kind is accepted, not only ``GRAPH_KINDS`` (DECODE, draft steps,
+        TARGET_VERIFY, IDLE: planned without a host sync): sglang 0.5.23 also graphs
+        DRAFT_EXTEND_V2 batches (``eagle_draft_extend_cuda_graph_runner``), whose rows come
+        from host lengths. Needs ``init_cuda_graph_state`` first.
         """
         if self.graph_buffers is None:
             raise ContractError(
