@@ -208,6 +208,11 @@ def test_config_file_gives_the_dimensions(tmp_path: Path, capsys) -> None:
         "index_topk": 8,
         "index_n_heads": 2,
         "index_head_dim": 64,
+        "sliding_window": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
@@ -240,7 +245,7 @@ def _bad_config(tmp_path: Path) -> list[str]:
         (["--a", "flashattn"], "unknown backend 'flashattn'"),
         (["--b", "sglang:dsv4_builtin", "--device", "cpu"], "needs a CUDA device"),
         (["--device", "tpu"], "--device 'tpu'"),
-        ("bad-config", "missing DeepSeek-V4 fields ['compress_ratios', 'index_topk']"),
+        ("bad-config", "neither compress_ratios nor layer_types + compress_rates"),
         (["--config", "/nonexistent/config.json"], "cannot read it"),
         (["--layers", "0,9"], "layer ids must be in 0 ... 3"),
         (["--atol", "prefil=1e-3"], "--atol names ['prefil']"),

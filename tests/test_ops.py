@@ -29,6 +29,24 @@ def test_rope_table_equals_reference(config: DSV4AttentionConfig, ratio: int) ->
     torch.testing.assert_close(sin, want_sin, rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("config", [CONFIG, NO_YARN], ids=["yarn", "plain"])
+@pytest.mark.parametrize("ratio", [0, 4])
+def test_rope_table_rows_are_sglangs_freqs_cis(config: DSV4AttentionConfig, ratio: int) -> None:
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+
+    params = ops.rope_for_ratio(config, ratio)
+    n = 1 << 20
+    sglang = precompute_freqs_cis(
+        dim=config.rope_dim, seqlen=n, base=params.theta,
+        original_seq_len=config.yarn_original_max_position if params.yarn else 0,
+        factor=config.yarn_factor, beta_fast=config.yarn_beta_fast, beta_slow=config.yarn_beta_slow,
+    )  # fmt: skip
+    cos, sin = ops.RopeTable(params, n).cos_sin(torch.arange(n))
+    # One float32 ulp at most (torch.polar vs cos/sin); exact angles would be 5e-2 off here.
+    torch.testing.assert_close(cos, sglang.real, rtol=0, atol=2e-7)
+    torch.testing.assert_close(sin, sglang.imag, rtol=0, atol=2e-7)
+
+
 def test_rope_table_bounds() -> None:
     table = ops.RopeTable(ops.rope_for_ratio(CONFIG, 4), 8)
     cos, sin = table.cos_sin(torch.tensor([-4, 0]))

@@ -17,6 +17,7 @@ from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.compressor import compress_forward
 from dsv4_backend.kernels.indexer import run_indexer
+from dsv4_backend.kernels.indexer_fp8 import quantised_view
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
@@ -50,12 +51,14 @@ def compress_and_store(
     norm_weight: torch.Tensor,
     *,
     indexer: bool = False,
+    norm_eps: float | None = None,
 ) -> None:
     """Run ``layer``'s compressor (or its indexer's, ``indexer=True``) over this forward.
 
     ``kv_proj`` / ``score_proj`` ``[T, c*D]`` (scores without ``ape``); the rings are updated
     and the entries completed by this forward are stored in the layer's compressed cache (or
-    indexer key cache) at ``out_loc``.
+    indexer key cache) at ``out_loc``. ``norm_eps``: the RMSNorm epsilon (default
+    ``config.rms_norm_eps``).
     """
     ratio = 4 if indexer else state.config.compress_ratios[layer]
     comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
@@ -63,8 +66,11 @@ def compress_and_store(
     entries = compress_forward(
         rings, kv_proj, score_proj, ape, norm_weight, state.rope,
         req_pool_indices, metadata.positions_causal, comp.compress_plan, comp.write_plan,
+        norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
     )  # fmt: skip
     pools = state.pools
+    if indexer and state.config.indexer_selection == "fp8":
+        entries = quantised_view(entries)  # rows completing no entry stay 0
     store_rows(pools.indexer(layer) if indexer else pools.compressed(layer), entries, comp.out_loc)
 
 
@@ -77,9 +83,13 @@ def select_c4_entries(
 ) -> None:
     """The lightning indexer: each row's top-k c4 slots into ``metadata.c4.page_indices``.
 
-    ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled).
+    ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled). With
+    ``config.indexer_selection == "fp8"`` the queries (and, in ``compress_and_store``, the
+    keys) are sglang's rotated e4m3 values (``kernels.indexer_fp8``).
     """
     comp = _compressed(metadata, 4, f"indexer of layer {layer}")
+    if state.config.indexer_selection == "fp8":
+        index_q = quantised_view(index_q)
     run_indexer(
         index_q, index_weights, state.pools.indexer(layer), metadata.page_table,
         comp.topk_lengths_raw, state.config.index_topk, comp.page_indices,

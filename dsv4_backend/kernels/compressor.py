@@ -317,6 +317,8 @@ def compress_forward(
     positions: torch.Tensor,
     compress_plan: torch.Tensor,
     write_plan: torch.Tensor,
+    *,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Entries completed by this forward's rows, then the ring updated for the next forward.
 
@@ -330,6 +332,7 @@ def compress_forward(
     req_pool_indices : ``[B]`` int — ring slot of each batch id.
     positions : ``[T]`` int — absolute position of each row.
     compress_plan, write_plan : ``[T, 4]`` int32 plan records of this ratio (planning/metadata.py).
+    norm_eps : the RMSNorm epsilon (sglang: the compressor's ``norm.variance_epsilon``).
 
     Returns ``[T, D]`` float32 aligned to rows: the finished (normed, roped) entry completed by
     each row, zeros for rows that complete none. Decode is the same call with one row per
@@ -347,4 +350,4 @@ def compress_forward(
         pooled = _pool_torch(*args, compress_plan)
         _write_torch(*args, write_plan)
     entry_ids = torch.div(positions.long() + 1, state.ratio, rounding_mode="floor") - 1
-    return finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope)
+    return finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope, norm_eps)

@@ -25,11 +25,13 @@ def finish_entries(
     norm_weight: torch.Tensor,
     ratio: int,
     rope: CosSin,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """RMSNorm, then RoPE at position ``entry_id * ratio``.
+    """RMSNorm (epsilon ``eps``: the compressor module's ``variance_epsilon``), then RoPE at
+    position ``entry_id * ratio``.
 
     ``pooled`` ``[n, D]`` float, ``entry_ids`` ``[n]`` int -> ``[n, D]`` fp32. An all-zero
     pooled row stays exactly zero.
     """
     cos, sin = rope.cos_sin(entry_ids.long() * ratio)
-    return apply_rope(rms_norm(pooled, norm_weight), cos, sin)
+    return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)

@@ -8,8 +8,12 @@ with a linear ramp between the correction dims of ``beta_fast`` and ``beta_slow`
 rescales the cos/sin magnitudes (docs/design.md §2).
 
 :class:`RopeTable` holds cos/sin for every position ``[0, max_positions)`` on one device, built
-once (angles in float64, stored as float32), so a forward only gathers rows of it: no host
-work and nothing recomputed per layer.
+once, so a forward only gathers rows of it: no host work and nothing recomputed per layer. Its
+rows are those of sglang's ``freqs_cis`` table (``precompute_freqs_cis``): frequencies, ramp
+and angles ``float32(p) * freq`` all in float32, in sglang's order. An exact (float64) angle
+differs from that by up to 3e-3 rad at 64K positions and 5e-2 near 1M; the compressed entries
+and indexer queries this backend ropes must agree with the keys and queries sglang's model
+ropes, so the float32 table is the one to match.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ import torch
 from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 
-#: Positions per chunk when building a table (bounds the float64 scratch memory).
+#: Positions per chunk when building a table (bounds the scratch memory of the angles).
 _TABLE_CHUNK = 1 << 16
 
 
@@ -43,7 +47,7 @@ class Yarn:
     beta_slow: float
 
     def ramp(self, rope_dim: int, theta: float) -> torch.Tensor:
-        """``[R/2]`` float64 weight of ``freq / factor`` per pair: 0 up to the fast correction
+        """``[R/2]`` float32 weight of ``freq / factor`` per pair: 0 up to the fast correction
         dim, 1 from the slow one on, linear between."""
 
         def correction_dim(rotations: float) -> float:
@@ -54,7 +58,7 @@ class Yarn:
         low = max(math.floor(correction_dim(self.beta_fast)), 0)
         high = min(math.ceil(correction_dim(self.beta_slow)), rope_dim - 1)
         width = high - low + (0.001 if high == low else 0.0)  # one-pair ramp: a step
-        pairs = torch.arange(rope_dim // 2, dtype=torch.float64)
+        pairs = torch.arange(rope_dim // 2, dtype=torch.float32)
         return ((pairs - low) / width).clamp(0.0, 1.0)
 
 
@@ -67,13 +71,14 @@ class RopeParams:
     yarn: Yarn | None = None
 
     def frequencies(self) -> torch.Tensor:
-        """``[R/2]`` float64 angular frequency of each pair (on the CPU)."""
-        exponents = torch.arange(0, self.rope_dim, 2, dtype=torch.float64) / self.rope_dim
-        freqs = self.theta**-exponents
+        """``[R/2]`` float32 angular frequency of each pair (on the CPU), computed as sglang's
+        ``precompute_freqs_cis`` does (module docstring)."""
+        exponents = torch.arange(0, self.rope_dim, 2, dtype=torch.float32) / self.rope_dim
+        freqs = 1.0 / (self.theta**exponents)
         if self.yarn is None:
             return freqs
-        ramp = self.yarn.ramp(self.rope_dim, self.theta)
-        return freqs * (1.0 - ramp) + (freqs / self.yarn.factor) * ramp
+        keep = 1.0 - self.yarn.ramp(self.rope_dim, self.theta)  # sglang's "smooth"
+        return freqs / self.yarn.factor * (1.0 - keep) + freqs * keep
 
 
 def rope_for_ratio(config: DSV4AttentionConfig, ratio: int) -> RopeParams:
@@ -115,8 +120,8 @@ class RopeTable:
         self.sin = torch.empty_like(self.cos)
         for start in range(0, max_positions, _TABLE_CHUNK):
             stop = min(start + _TABLE_CHUNK, max_positions)
-            positions = torch.arange(start, stop, dtype=torch.float64, device=device)
-            angles = positions[:, None] * freqs
+            positions = torch.arange(start, stop, dtype=torch.float32, device=device)
+            angles = positions[:, None] * freqs  # float32, as sglang's table
             self.cos[start:stop] = angles.cos()
             self.sin[start:stop] = angles.sin()
 

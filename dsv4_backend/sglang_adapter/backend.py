@@ -10,7 +10,9 @@ parallelism), per layer, and what each call does here:
 * ``forward_c4_indexer(x=, q_lora=, forward_batch=, c4_indexer=, ...)`` (ratio-4 layers) — runs
   the indexer compressor (``forward_indexer_compressor``), projects and ropes the indexer queries
   with the module's ``wq_b`` / ``compute_weights``, and writes each row's top-k c4 slots into
-  ``forward_metadata.c4.page_indices``; returns None.
+  ``forward_metadata.c4.page_indices``; returns None. With ``enable_multi_stream`` it keeps
+  sglang's stream handshake (``alt_streams``, waits for ``q_lora_ready`` before reading
+  ``q_lora``).
 * ``forward_core_compressor(x, forward_batch, layer_id, compressor)`` (ratio 4 / 128) — the
   module's ``compute_kv_score`` projections through ``kernels.compressor.compress_forward``, the
   finished entries stored at ``c{r}.out_loc``.
@@ -36,7 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,7 +55,12 @@ from dsv4_backend.compute import (
     select_c4_entries,
     store_window_keys,
 )
-from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
+from dsv4_backend.config import (
+    INDEXER_SELECTIONS,
+    REQUIRED_PAGE_SIZE,
+    SWA_PAGE_SIZE,
+    DSV4AttentionConfig,
+)
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
@@ -65,7 +74,7 @@ from dsv4_backend.planning import (
     plan,
     seq_len_fill_value,
 )
-from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
+from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind, padding_rows
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
@@ -81,6 +90,9 @@ if TYPE_CHECKING:
 
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
 _STATE_ATTR = "_dsv4_backend_attention_state"
+#: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
+#: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
+INDEXER_SELECTION_ENV = "DSV4_BACKEND_INDEXER_SELECTION"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +111,7 @@ class RunnerSettings:
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
         ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``,
-        ``disable_radix_cache``).
+        ``disable_radix_cache``), and the environment variable ``INDEXER_SELECTION_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -131,10 +143,16 @@ class RunnerSettings:
                 "and cannot resume from a radix-cache prefix hit (start sglang with "
                 "--disable-radix-cache)"
             )
+        selection = os.environ.get(INDEXER_SELECTION_ENV, "exact")
+        if selection not in INDEXER_SELECTIONS:
+            raise ConfigError(
+                f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
+            )
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
+        # The config object itself (not to_dict()): its attributes are what sglang's model reads.
         config = DSV4AttentionConfig.from_hf_config(
-            hf if isinstance(hf, Mapping) else hf.to_dict(), speculative=speculative
+            hf, speculative=speculative, indexer_selection=selection
         )
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
@@ -145,6 +163,20 @@ class RunnerSettings:
             num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", 0) or 0),
             device=torch.device(runner.device),
         )
+
+
+class CudaStreams:
+    """The two stream calls of sglang's multi-stream indexer path (``torch.cuda``): the
+    current stream, and a context making another stream current. A backend's ``streams``
+    attribute; tests swap in a recorder."""
+
+    @staticmethod
+    def current() -> Any:
+        return torch.cuda.current_stream()
+
+    @staticmethod
+    def use(stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
 
 
 def shared_state(
@@ -249,6 +281,7 @@ class DSV4AttentionBackend(AttentionBackend):
         self.state = shared_state(model_runner, self.config, cache_format)
         self.forward_metadata: AttentionMetadata | None = None
         self.graph_buffers: GraphMetadataBuffers | None = None
+        self.streams = CudaStreams()
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
@@ -268,6 +301,16 @@ class DSV4AttentionBackend(AttentionBackend):
             draft=self.draft_step,
         )
         metadata = plan(self.config, view, widths=widths)
+        padding = padding_rows(forward_batch, view)
+        if padding > 0:
+            # Data-parallel padding tokens (EXTEND / DRAFT_EXTEND_V2, eager only): sentinel rows
+            # that write nothing and output 0, as sglang's own backend plans them.
+            metadata = pad_plan(
+                self.config,
+                metadata,
+                batch_size=metadata.batch_size,
+                num_rows=metadata.num_rows + padding,
+            )
         if view.extend_prefix_lens is not None and metadata.c4 is not None:
             fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
             if fresh:
@@ -336,12 +379,12 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if (
             metadata.kind is ForwardKind.DRAFT_EXTEND
-            and forward_batch.batch_size > metadata.batch_size
+            and forward_batch.batch_size >= metadata.batch_size
             and num_rows is not None
             and num_rows > metadata.num_rows
         ):
             # sglang plans the draft-extend batch before data-parallel padding on purpose (it
-            # marks it ready and never replans); the requests it appends are padding.
+            # marks it ready and never replans); the requests and tokens it appends are padding.
             metadata = pad_plan(
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
@@ -414,6 +457,7 @@ class DSV4AttentionBackend(AttentionBackend):
             original_ape(compressor),
             compressor.norm.weight.float(),
             indexer=bool(compressor.is_in_indexer),
+            norm_eps=float(compressor.norm.variance_epsilon),
         )
 
     def forward_c4_indexer(
@@ -422,7 +466,7 @@ class DSV4AttentionBackend(AttentionBackend):
         q_lora: torch.Tensor,
         forward_batch: ForwardBatch,
         c4_indexer: C4Indexer,
-        alt_streams: Any = None,
+        alt_streams: Sequence[Any] | None = None,
         enable_multi_stream: bool = False,
         q_lora_ready: Any = None,
         skip_compressor: bool = False,
@@ -431,26 +475,72 @@ class DSV4AttentionBackend(AttentionBackend):
         """The lightning indexer of sglang ``C4Indexer`` ``c4_indexer``; returns None.
 
         Queries: ``c4_indexer.wq_b(q_lora)`` as ``[T, HI, DI]``, roped (compressed-layer RoPE,
-        trailing dims) at each row's position; head weights ``c4_indexer.compute_weights(x)``
-        (scaled by ``DI**-0.5 * HI**-0.5``). Writes each row's top-k c4 slots into
-        ``forward_metadata.c4.page_indices``. Streams and the fp8 ``q_lora_quant`` are unused.
+        trailing dims) at each row's position; head weights ``compute_weights(x, skip_scale=
+        True)`` scaled by ``c4_indexer.weight_scale`` in float32 (as sglang's fused query kernel
+        does). Writes each row's top-k c4 slots into ``forward_metadata.c4.page_indices``. The
+        indexer compressor runs first unless ``skip_compressor``. ``q_lora_quant`` (sglang's fp8
+        copy of ``q_lora``) is unused: queries are projected from ``q_lora``.
+
+        Streams, as sglang's ``C4IndexerBackendMixin``: with ``enable_multi_stream`` the model
+        calls this on its indexer stream *before* ``q_lora`` is computed, handing the event
+        ``q_lora_ready``; the compressor runs on the current stream, the head weights on
+        ``alt_streams[1]``, the queries on ``alt_streams[0]`` after waiting for
+        ``q_lora_ready`` (and the weights), and the current stream joins ``alt_streams[0]``
+        before the top-k. ``q_lora_ready`` without ``enable_multi_stream`` is a
+        ``ContractError`` (sglang asserts it is None).
         """
         if forward_batch.forward_mode.is_idle():
             return
         layer_id = c4_indexer.layer_id
-        metadata = self._metadata(forward_batch, x.shape[0], f"c4 indexer (layer {layer_id})")
-        if not skip_compressor:
-            self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+        where = f"c4 indexer (layer {layer_id})"
+        metadata = self._metadata(forward_batch, x.shape[0], where)
+        if not enable_multi_stream and q_lora_ready is not None:
+            raise ContractError(
+                f"{where}: q_lora_ready given without enable_multi_stream; the event belongs to "
+                "the multi-stream path (sglang asserts it is None otherwise)"
+            )
+        if enable_multi_stream:
+            if alt_streams is None or len(alt_streams) < 2:
+                raise ContractError(
+                    f"{where}: enable_multi_stream needs two alt_streams (queries, weights), "
+                    f"got {alt_streams!r}"
+                )
+            streams = self.streams
+            current = streams.current()
+            stream_q, stream_weights = alt_streams[0], alt_streams[1]
+            stream_q.wait_stream(current)
+            stream_weights.wait_stream(current)
+            if not skip_compressor:
+                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+            with streams.use(stream_weights):
+                weights = self._index_weights(c4_indexer, x)
+                weights_ready = stream_weights.record_event()
+            with streams.use(stream_q):
+                if q_lora_ready is not None:
+                    stream_q.wait_event(q_lora_ready)
+                stream_q.wait_event(weights_ready)
+                q = self._index_queries(c4_indexer, q_lora, metadata)
+            current.wait_stream(stream_q)
+        else:
+            if not skip_compressor:
+                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+            weights = self._index_weights(c4_indexer, x)
+            q = self._index_queries(c4_indexer, q_lora, metadata)
+        select_c4_entries(self.state, layer_id, metadata, q, weights)
+
+    @staticmethod
+    def _index_weights(c4_indexer: C4Indexer, x: torch.Tensor) -> torch.Tensor:
+        """``[T, HI]`` float32 head weights: the projection times ``weight_scale`` in fp32."""
+        return c4_indexer.compute_weights(x, skip_scale=True).float() * c4_indexer.weight_scale
+
+    def _index_queries(
+        self, c4_indexer: C4Indexer, q_lora: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """``[T, HI, DI]`` float32 indexer queries, roped at each row's position."""
         q, _ = c4_indexer.wq_b(q_lora)
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
         cos, sin = self.state.rope.cos_sin(metadata.positions_causal)
-        select_c4_entries(
-            self.state,
-            layer_id,
-            metadata,
-            apply_rope(q, cos, sin),
-            c4_indexer.compute_weights(x).float(),
-        )
+        return apply_rope(q, cos, sin)
 
     # -------------------------------------------------------------------------- forward
     def forward(

@@ -159,6 +159,7 @@ def reference_layer(
         ratio,
         rope,
         config.head_dim,
+        config.rms_norm_eps,
     )
     index_keys = selected = None
     if ratio == 4:
@@ -170,6 +171,7 @@ def reference_layer(
             4,
             rope,
             config.index_head_dim,
+            config.rms_norm_eps,
         )
         selected = indexer_select(
             inputs.index_q, inputs.index_weights, index_keys, config.index_topk
