@@ -97,6 +97,39 @@ def test_reference_against_itself_is_exact(trace) -> None:
         assert stats.max_abs_error == 0.0 and stats.min_cosine == pytest.approx(1.0)
 
 
+class _CountingReference(ReferenceBackend):
+    """The reference backend, counting its prepares and steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared = self.ran = 0
+
+    def prepare(self, trace, device) -> None:
+        self.prepared += 1
+        super().prepare(trace, device)
+
+    def run(self, step):
+        self.ran += 1
+        return super().run(step)
+
+
+def test_warm_up_runs_every_step_untimed_then_starts_afresh(trace) -> None:
+    """With warm-up (the default on CUDA) each backend runs the whole trace once untimed, is
+    prepared again, and the timed run compares as without it; its seconds are reported apart."""
+    a, b = _CountingReference(), _CountingReference()
+    result = run_trace(trace, a, b, warmup=True)
+    assert result.passed
+    assert all(stats.max_abs_error == 0.0 for stats in result.modes.values())
+    for side in (a, b):
+        assert side.prepared == 2 and side.ran == 2 * len(trace.steps)
+    assert set(result.warmup_s) == {"a", "b"} and min(result.warmup_s.values()) > 0
+    report = build_report(result)
+    assert report["warmup_s"] == result.warmup_s
+    assert "warm-up pass before timing" in render_markdown(report)
+    cold = run_trace(trace, ReferenceBackend(), ReferenceBackend())  # cpu: no warm-up
+    assert cold.warmup_s == {} and "no warm-up pass" in render_markdown(build_report(cold))
+
+
 def test_package_matches_reference_on_every_mode(trace) -> None:
     result = run_trace(trace, torch_dsv4(), ReferenceBackend())
     assert result.passed, result.failed
