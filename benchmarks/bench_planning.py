@@ -5,6 +5,8 @@ For each mode (decode, extend, verify, draft step) and batch size it prints:
 * ``eager ms`` — median wall time of ``plan(config, batch)`` (widths from host lengths);
 * ``graph ms`` — median of the graph path: ``plan(..., widths=...)`` then
   ``GraphMetadataBuffers.load``;
+* ``checks ms`` / ``checks %`` — of the eager time, the batch checks (index ranges and write
+  slots against ``req_to_token``, ``planning/checks.py``, read at once as in strict mode);
 * ``ops`` — aten ops one eager plan runs (counted under a ``TorchDispatchMode``);
 * ``graph syncs`` — host-sync ops on the graph path (must be 0; extend is not a graph kind
   but is counted too).
@@ -31,7 +33,9 @@ from dsv4_backend.planning import (
     GraphMetadataBuffers,
     PlanWidths,
     plan,
+    planner,
 )
+from dsv4_backend.planning.checks import strict_checks
 from dsv4_backend.testing.op_counter import OpCounter
 
 PAGE = 256
@@ -114,8 +118,8 @@ def main() -> None:
         f"device={args.device} torch threads={torch.get_num_threads()} widths={widths} "
         f"index_topk={config.index_topk}"
     )
-    header = f"{'mode':<11}{'bs':>5}{'rows':>7}{'eager ms':>10}{'graph ms':>10}{'ops':>6}"
-    print(header + f"{'graph syncs':>13}")
+    header = f"{'mode':<11}{'bs':>5}{'rows':>7}{'eager ms':>10}{'graph ms':>10}"
+    print(header + f"{'checks ms':>11}{'checks %':>10}{'ops':>6}{'graph syncs':>13}")
     for mode in ("decode", "extend", "verify", "draft step"):
         for bs in BATCH_SIZES:
             batch = make_batch(mode, bs, args.device, gen)
@@ -129,13 +133,21 @@ def main() -> None:
 
             eager = median_ms(lambda batch=batch: plan(config, batch), args.repeat, args.device)
             graph = median_ms(graph_path, args.repeat, args.device)
+            expanded = planner._KINDS[batch.kind].expand(batch)  # the rows the checks read
+            with strict_checks():  # the checks' full cost: computed and read back
+                checks = median_ms(
+                    lambda batch=batch, rows=expanded: planner._checked_rows(batch, rows),
+                    args.repeat,
+                    args.device,
+                )
             with OpCounter() as ops:
                 plan(config, batch)
             with OpCounter() as graph_ops:
                 graph_path()
             syncs = sum(graph_ops.syncs.values())
             print(
-                f"{mode:<11}{bs:>5}{rows:>7}{eager:>10.3f}{graph:>10.3f}{ops.total:>6}{syncs:>13}"
+                f"{mode:<11}{bs:>5}{rows:>7}{eager:>10.3f}{graph:>10.3f}{checks:>11.3f}"
+                f"{100 * checks / eager:>9.1f}%{ops.total:>6}{syncs:>13}"
             )
 
 

@@ -35,9 +35,7 @@ def torch_path():
 
 @pytest.fixture
 def pool() -> PagedRequestPool:
-    pool = PagedRequestPool(CONFIG, [140, 270], generator=torch.Generator().manual_seed(0))
-    harness.reserve_padding_slot(pool)
-    return pool
+    return PagedRequestPool(CONFIG, [140, 270], generator=torch.Generator().manual_seed(0))
 
 
 def make_backend(pool: PagedRequestPool, **runner_kwargs) -> DSV4AttentionBackend:

@@ -82,6 +82,7 @@ def build_report(result: ABResult) -> dict[str, Any]:
             "max_lens": list(trace.max_lens),
             "steps": len(trace.steps),
             "seed": trace.seed,
+            "dp_pad": trace.dp_pad,
         },
         "wall_s": result.wall_s,
         "warmup_s": dict(result.warmup_s),
@@ -125,7 +126,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- config: compress ratios {config['compress_ratios']}, {config['num_heads']} heads, "
         f"head_dim {config['head_dim']}, index_topk {config['index_topk']}",
         f"- trace: {trace['requests']} requests (lengths {trace['max_lens']}), "
-        f"{trace['steps']} steps, seed {trace['seed']}; wall time {report['wall_s']:.1f} s",
+        f"{trace['steps']} steps, seed {trace['seed']}, DP padding {trace['dp_pad']} "
+        f"requests; wall time {report['wall_s']:.1f} s",
         "- errors over accepted rows; rel = max|A-B| / max|B|; cos = smallest row cosine",
         "- times in ms per step, median / p90; A/B = ratio of the medians",
         _warmup_line(report["warmup_s"]),

@@ -17,7 +17,8 @@ class PagedRequestPool:
     """``req_to_token`` for a fixed set of requests, pages scattered at random.
 
     Request ``i`` lives in pool row ``i + 1`` (row 0 is the padding row, as in sglang) and owns
-    ``ceil(max_len / 256)`` pages drawn from a random permutation of the pool's pages; the
+    ``ceil(max_len / 256)`` pages drawn from a random permutation of the pool's pages but page 0
+    (sglang's padding page: padded rows write slot 0, see :meth:`pad_requests`); the
     window cache is addressed through a random ``full_to_swa`` permutation so that a plan using
     full slots where window slots are due is caught.
 
@@ -38,12 +39,14 @@ class PagedRequestPool:
     ) -> None:
         if not max_lens or min(max_lens) < 1:
             raise BatchError(f"max_lens must be positive request lengths, got {list(max_lens)}")
+        if spare_pages < 1:
+            raise BatchError(f"spare_pages={spare_pages}; expected >= 1 (page 0 is padding)")
         page = config.page_size
         pages_per_request = [math.ceil(n / page) for n in max_lens]
         self.num_pages = sum(pages_per_request) + spare_pages
         self.max_context = max(pages_per_request) * page
         self.num_full_slots = self.num_pages * page
-        order = torch.randperm(self.num_pages, generator=generator)
+        order = 1 + torch.randperm(self.num_pages - 1, generator=generator)
         req_to_token = torch.zeros(len(max_lens) + 1, self.max_context, dtype=torch.int32)
         offsets = torch.arange(page, dtype=torch.int32)
         taken = 0
@@ -169,4 +172,29 @@ class PagedRequestPool:
             out_cache_loc=empty,
             req_to_token=self.req_to_token,
             full_to_swa=self.full_to_swa,
+        )
+
+    def pad_requests(self, view: BatchView, extra: int) -> BatchView:
+        """``view`` with ``extra`` requests appended as data-parallel padding lays them out
+        (sglang's ``ForwardBatch._pad_inputs_to_size``): pool row 0, ``seq_lens`` 1, every write
+        slot 0. For the uniform kinds (DECODE, draft steps, TARGET_VERIFY)."""
+        if view.rows_per_request is None or view.kind is ForwardKind.IDLE:
+            raise BatchError(
+                f"{view.kind.name}: request padding is for DECODE, draft steps and TARGET_VERIFY"
+            )
+        draft = view.draft
+        slots_per_request = draft.topk * draft.num_steps if draft else view.rows_per_request
+        zeros = torch.zeros(extra, dtype=torch.int64, device=self.device)
+        return BatchView(
+            kind=view.kind,
+            req_pool_indices=torch.cat([view.req_pool_indices, zeros]),
+            seq_lens=torch.cat([view.seq_lens, zeros + 1]),
+            seq_lens_cpu=[*view.host_seq_lens, *[1] * extra],
+            out_cache_loc=torch.cat(
+                [view.out_cache_loc, zeros.new_zeros(extra * slots_per_request)]
+            ),
+            req_to_token=view.req_to_token,
+            full_to_swa=view.full_to_swa,
+            num_draft_tokens=view.num_draft_tokens,
+            draft=view.draft,
         )
