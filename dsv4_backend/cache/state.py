@@ -10,8 +10,7 @@ import torch
 
 from dsv4_backend.cache.pools import DSV4CachePools
 from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.ops.compress import overlap
+from dsv4_backend.config import DSV4AttentionConfig, compress_overlap
 from dsv4_backend.ops.rope import RopeTable, rope_for_ratio
 
 
@@ -41,7 +40,7 @@ class CompressorState:
         device: torch.device | str = "cpu",
     ) -> CompressorState:
         """Reset rings for ``num_slots`` request slots; ``R = config.ring_rows(ratio)``."""
-        width = 2 * overlap(ratio) * head_dim
+        width = 2 * compress_overlap(ratio) * head_dim
         ring = torch.empty(num_slots, config.ring_rows(ratio), width, device=device)
         state = cls(ratio=ratio, head_dim=head_dim, ring=ring)
         state.reset()

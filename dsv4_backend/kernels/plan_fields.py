@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
+from dsv4_backend.config import compress_span
 from dsv4_backend.kernels.row_metadata import _floor_div, _floor_mod
 
 #: Rows per program (an upper bound: fewer when the batch has many requests).
@@ -427,8 +427,8 @@ def plan_fields(
         HAS_C4=4 in out.ratios,
         HAS_C128=128 in out.ratios,
         PAGE=page_size,
-        SPAN4=COMPRESS_SPAN[4],
-        SPAN128=COMPRESS_SPAN[128],
+        SPAN4=compress_span(4),
+        SPAN128=compress_span(128),
         BLOCK_T=block_t,
         BLOCK_B=block_b,
         BLOCK_C=BLOCK_C,
