@@ -36,6 +36,8 @@ from dsv4_backend.kernels.row_metadata import _floor_div, _floor_mod
 BLOCK_T = 8
 #: Columns of the wide fields per program.
 BLOCK_C = 64
+#: Rows per step of the checks' single program.
+CHECK_BLOCK_T = 128
 #: Elements of the ``[rows, requests]`` tile each program reduces for the plan offsets.
 REQUEST_TILE = 1024
 
@@ -53,6 +55,7 @@ def _plan_counts(p0, n, keep, R: tl.constexpr, OVERLAP_BACK: tl.constexpr):
 def _ratio_fields(
     t,  # [BLOCK_T] int64 rows
     row_ok,  # [BLOCK_T] bool: a row of the plan
+    planned,  # [BLOCK_T] bool: a row of the plan whose request passed the checks (records)
     live,  # [BLOCK_T] bool: a row of the plan or a padded row (written with sentinels)
     b,  # [BLOCK_T] int64 request of each row
     i,  # [BLOCK_T] int64 rank of the row inside its request
@@ -130,9 +133,9 @@ def _ratio_fields(
         field = tl.arange(0, 4)[None, :]
         record = tl.where(field == 0, t[:, None], tl.where(field == 1, b[:, None], pos[:, None]))
         record = tl.where(field == 3, window[:, None], record).to(tl.int32)
-        kept = (row_ok & completes)[:, None] & (field < 4)
+        kept = (planned & completes)[:, None] & (field < 4)
         tl.store(compress_ptr + c_idx[:, None] * 4 + field, record, mask=kept)
-        kept = (row_ok & (pos >= keep_from))[:, None] & (field < 4)
+        kept = (planned & (pos >= keep_from))[:, None] & (field < 4)
         tl.store(write_ptr + w_idx[:, None] * 4 + field, record, mask=kept)
         # Records past each plan's total are -1 (no valid record lands there).
         pad = record * 0 - 1
@@ -143,6 +146,108 @@ def _ratio_fields(
 
 
 @triton.jit
+def _expand_rows(
+    t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
+    rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND: tl.constexpr,
+):  # fmt: skip
+    """Rows ``t`` ``[BLOCK_T]``: request ``b``, rank ``i`` in it, its first new position
+    ``p0``, its length, kept length and the row's write slot (all int64; see ``RowLayout``)."""
+    if EXTEND:
+        req_start = tl.load(host_ptr + r, mask=req_ok, other=num_rows)
+        # A row's request: the last one starting at or before it (empty requests skipped).
+        b = tl.sum((req_start[None, :] <= t[:, None]).to(tl.int64), axis=1) - 1
+        b = tl.maximum(b, 0)
+        start = tl.load(host_ptr + b, mask=row_ok, other=0)
+        p0 = tl.load(host_ptr + batch_size + b, mask=row_ok, other=0)
+        n = tl.load(host_ptr + 2 * batch_size + b, mask=row_ok, other=0)
+        i = t - start
+        length = p0 + n
+        keep = length
+        loc = tl.load(out_cache_loc_ptr + t, mask=row_ok, other=0).to(tl.int64)
+    else:
+        b = t // rows_per_request
+        i = t - b * rows_per_request
+        p0 = tl.load(seq_ptr + b, mask=row_ok, other=1).to(tl.int64) + pos_shift
+        length = p0 + rows_per_request
+        keep = p0 + 1
+        loc_idx = b * loc_stride + loc_offset + i
+        loc = tl.load(out_cache_loc_ptr + loc_idx, mask=row_ok, other=0).to(tl.int64)
+    return b, i, p0, length, keep, loc
+
+
+@triton.jit
+def _first_bad(bad, t, value, expected, rec):
+    """Carry ``rec`` = (found, first bad index, its value, expected) over a block of entries."""
+    found, index, found_value, found_expected = rec
+    first = tl.min(tl.where(bad, t, 2**62), axis=0)
+    fresh = (found == 0) & (first < 2**62)
+    at = t == first
+    index = tl.where(fresh, first, index)
+    found_value = tl.where(fresh, tl.sum(tl.where(at, value, 0), axis=0), found_value)
+    found_expected = tl.where(fresh, tl.sum(tl.where(at, expected, 0), axis=0), found_expected)
+    return tl.where(fresh, 1, found), index, found_value, found_expected
+
+
+@triton.jit
+def _check_kernel(
+    seq_ptr, host_ptr, req_pool_ptr, out_cache_loc_ptr, req_to_token_ptr,
+    record_ptr,  # [4, 4] int64 out: per check (failed, first bad index, its value, expected)
+    failed_ptr,  # [B] int8 out: the request has a failing row (or a bad pool row)
+    num_rows, batch_size, pool_rows, context, stride_rt, slot_limit,  # -1: no upper limit
+    rows_per_request, pos_shift, loc_stride, loc_offset,
+    EXTEND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+):  # fmt: skip
+    """The batch checks of ``planning/planner.py``'s ``_checked_rows`` in one program: pool
+    rows, positions, write slots in range, and each write slot the one ``req_to_token`` holds
+    for its row (pool row 0, slot 0 exempt: sglang's padding). Loops over rows in blocks."""
+    r = tl.arange(0, BLOCK_B)
+    req_ok = r < batch_size
+    requests = tl.load(req_pool_ptr + r, mask=req_ok, other=0).to(tl.int64)
+    bad_request = req_ok & ((requests < 0) | (requests >= pool_rows))
+    zero = tl.sum(requests * 0, axis=0)
+    rec0 = _first_bad(bad_request, r.to(tl.int64), requests, requests, (zero, zero, zero, zero))
+    rec1 = (zero, zero, zero, zero)
+    rec2 = (zero, zero, zero, zero)
+    rec3 = (zero, zero, zero, zero)
+    req_failed = bad_request
+    for t0 in range(0, num_rows, BLOCK_T):
+        t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
+        row_ok = t < num_rows
+        b, i, p0, length, keep, loc = _expand_rows(
+            t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
+            rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
+        )  # fmt: skip
+        pos = p0 + i
+        req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
+        req = tl.where((req < 0) | (req >= pool_rows), 0, req)
+        bad_position = row_ok & ((pos < 0) | (pos >= context))
+        held_pos = tl.minimum(tl.maximum(pos, 0), context - 1)
+        held = tl.load(req_to_token_ptr + req * stride_rt + held_pos, mask=row_ok, other=0)
+        held = held.to(tl.int64)
+        bad_slot = row_ok & ((loc < 0) | ((slot_limit >= 0) & (loc >= slot_limit)))
+        foreign = row_ok & (loc != held) & ~((req == 0) & (loc == 0))
+        rec1 = _first_bad(bad_position, t, pos, pos, rec1)
+        rec2 = _first_bad(bad_slot, t, loc, loc, rec2)
+        rec3 = _first_bad(foreign, t, loc, held, rec3)
+        row_failed = bad_position | bad_slot | foreign
+        hit = row_failed[:, None] & (b[:, None] == r[None, :])
+        req_failed = req_failed | (tl.max(hit.to(tl.int32), axis=0) > 0)
+    tl.store(failed_ptr + r, req_failed.to(tl.int8), mask=req_ok)
+    _store_record(record_ptr, 0, rec0)
+    _store_record(record_ptr, 1, rec1)
+    _store_record(record_ptr, 2, rec2)
+    _store_record(record_ptr, 3, rec3)
+
+
+@triton.jit
+def _store_record(record_ptr, k, rec):
+    found, index, value, expected = rec
+    field = tl.arange(0, 4)
+    row = tl.where(field == 0, found, tl.where(field == 1, index, value))
+    tl.store(record_ptr + k * 4 + field, tl.where(field == 3, expected, row))
+
+
+@triton.jit
 def _plan_kernel(
     seq_ptr,  # [B] int request lengths before this forward (uniform kinds)
     host_ptr,  # [3, B] int64 extend kinds: first row, first new position, rows of each request
@@ -150,6 +255,7 @@ def _plan_kernel(
     out_cache_loc_ptr,  # [N] int64
     req_to_token_ptr,  # [pool_rows, ctx] int
     full_to_swa_ptr,  # [num_full_slots] int (HAS_SWA_MAP)
+    failed_ptr,  # [B] int8 requests that failed a batch check (``_check_kernel``)
     # outputs
     batch_ids_ptr,  # [T] int32
     positions_ptr,  # [T] int64
@@ -203,33 +309,28 @@ def _plan_kernel(
     r = tl.arange(0, BLOCK_B)
     req_ok = r < batch_size
     if EXTEND:
-        req_start = tl.load(host_ptr + r, mask=req_ok, other=num_rows)
         req_p0 = tl.load(host_ptr + batch_size + r, mask=req_ok, other=0)
         req_n = tl.load(host_ptr + 2 * batch_size + r, mask=req_ok, other=0)
         req_keep = req_p0 + req_n
-        # A row's request: the last one starting at or before it (empty requests skipped).
-        b = tl.sum((req_start[None, :] <= t[:, None]).to(tl.int64), axis=1) - 1
-        b = tl.maximum(b, 0)
-        start = tl.load(host_ptr + b, mask=row_ok, other=0)
-        p0 = tl.load(host_ptr + batch_size + b, mask=row_ok, other=0)
-        n = tl.load(host_ptr + 2 * batch_size + b, mask=row_ok, other=0)
-        i = t - start
-        length = p0 + n
-        keep = length
-        loc = tl.load(out_cache_loc_ptr + t, mask=row_ok, other=0).to(tl.int64)
     else:
         req_p0 = tl.load(seq_ptr + r, mask=req_ok, other=0).to(tl.int64) + pos_shift
         req_n = tl.where(req_ok, rows_per_request, 0).to(tl.int64)
         req_keep = req_p0 + 1  # decode / draft: the row itself; verify: drafts may be rejected
-        b = t // rows_per_request
-        i = t - b * rows_per_request
-        p0 = tl.load(seq_ptr + b, mask=row_ok, other=1).to(tl.int64) + pos_shift
-        length = p0 + rows_per_request
-        keep = p0 + 1
-        loc_idx = b * loc_stride + loc_offset + i
-        loc = tl.load(out_cache_loc_ptr + loc_idx, mask=row_ok, other=0).to(tl.int64)
-    pos = p0 + i
+    b, i, p0, length, keep, loc = _expand_rows(
+        t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
+        rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
+    )  # fmt: skip
     req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
+    # Deferred checks (planning/checks.py): a request with a failing row writes nothing and
+    # reads pool row 0 only; its rows sit at position 1 and leave no plan record.
+    req_failed = tl.load(failed_ptr + r, mask=req_ok, other=0) != 0
+    req_ok = req_ok & ~req_failed
+    failed = tl.load(failed_ptr + b, mask=row_ok, other=0) != 0
+    req = tl.where(failed, 0, req)
+    p0 = tl.where(failed, 1, p0)
+    loc = tl.where(failed, -1, loc)
+    pos = tl.where(failed, 1, p0 + i)
+    planned = row_ok & ~failed
     cols = first_col + tl.arange(0, BLOCK_C)
     # page_table[t, k]: page of the request's token k * PAGE, -1 past its length.
     m = row_ok[:, None] & (cols < page_width)[None, :]
@@ -271,7 +372,7 @@ def _plan_kernel(
     per_request = (r, req_p0, req_n, req_keep, req_ok)
     if HAS_C4:
         _ratio_fields(
-            t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
+            t, row_ok, planned, live, b, i, pos, p0, loc, *per_request, keep, first_col,
             req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
             c4_out_loc_ptr, c4_raw_ptr, c4_sparse_ptr, c4_indices_ptr,
             index_topk, c4_compress_ptr, c4_write_ptr,
@@ -279,7 +380,7 @@ def _plan_kernel(
         )  # fmt: skip
     if HAS_C128:
         _ratio_fields(
-            t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
+            t, row_ok, planned, live, b, i, pos, p0, loc, *per_request, keep, first_col,
             req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
             c128_out_loc_ptr, c128_raw_ptr, c128_sparse_ptr, c128_indices_ptr,
             c128_width, c128_compress_ptr, c128_write_ptr,
@@ -355,6 +456,41 @@ class RowLayout:
     host: torch.Tensor | None = None
 
 
+def check_rows(
+    *,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    layout: RowLayout,
+    num_rows: int,
+    slot_limit: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch ``_check_kernel`` once: the batch checks of ``num_rows`` rows.
+
+    Returns the record ``[4, 4]`` int64 (per check: failed, first bad index, its value, the
+    expected value; the checks and their order are ``planning/planner.py``'s
+    ``check_messages``) and ``[B]`` int8 marking the requests with a failing row, which
+    ``plan_fields`` plans as writing nothing.
+    """
+    bs = req_pool_indices.numel()
+    device = req_to_token.device
+    record = torch.empty(4, 4, dtype=torch.int64, device=device)
+    failed = torch.empty(bs, dtype=torch.int8, device=device)
+    block_b = triton.next_power_of_2(max(bs, 1))
+    host = record if layout.host is None else layout.host
+    _check_kernel[(1,)](
+        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token, record, failed,
+        num_rows, bs, req_to_token.shape[0], req_to_token.shape[1], req_to_token.stride(0),
+        -1 if slot_limit is None else slot_limit,
+        layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset,
+        EXTEND=layout.host is not None,
+        BLOCK_T=max(1, min(CHECK_BLOCK_T, REQUEST_TILE // block_b)),
+        BLOCK_B=block_b,
+    )  # fmt: skip
+    return record, failed
+
+
 def plan_fields(
     *,
     seq_lens: torch.Tensor,
@@ -362,6 +498,7 @@ def plan_fields(
     out_cache_loc: torch.Tensor,
     req_to_token: torch.Tensor,
     full_to_swa: torch.Tensor | None,
+    failed: torch.Tensor,
     layout: RowLayout,
     num_rows: int,
     out: PlanFields,
@@ -372,7 +509,8 @@ def plan_fields(
     """Launch ``_plan_kernel`` once: fill ``out`` with the plan of ``num_rows`` rows.
 
     ``out``'s tensors (contiguous) fix the widths: ``page_table`` ``Pw``, ``swa_page_indices``
-    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and the ratios planned. Rows of
+    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and the ratios planned. ``failed``
+    ``[B]`` (``check_rows``): requests planned as writing nothing (deferred checks). Rows of
     ``out`` past ``num_rows`` (a graph bucket larger than the batch) get the sentinels of
     ``planning/graph_buffers.py``.
     """
@@ -403,6 +541,7 @@ def plan_fields(
     _plan_kernel[grid](
         seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
         out.swa_out_loc if full_to_swa is None else full_to_swa,
+        failed,
         out.row_batch_ids, out.positions_causal, out.swa_out_loc, out.swa_topk_lengths,
         out.page_table, out.swa_page_indices,
         *ratio_args(4), *ratio_args(128),

@@ -135,9 +135,20 @@ def run_checks(checks: list[Check], device: torch.device, where: str) -> Pending
             if bad:
                 raise BatchError(_failure((check.message,), _record([check], device).tolist()))
         return None
-    record = _record(checks, device)
+    return settle(messages, _record(checks, device), where)
+
+
+def settle(messages: tuple[str, ...], record: torch.Tensor, where: str) -> PendingChecks | None:
+    """The verdict of a computed ``[len(messages), 4]`` record (``_record``'s layout): read at
+    once (``BatchError`` for the first failed check) unless ``defer_checks``; then copied to
+    pinned host memory without a sync and returned pending."""
+    if not defer_checks(record.device):
+        failure = _failure(messages, record.tolist())
+        if failure is not None:
+            raise BatchError(failure)
+        return None
     event = None
-    if device.type == "cuda":
+    if record.device.type == "cuda":
         host = torch.empty(record.shape, dtype=record.dtype, pin_memory=True)
         host.copy_(record, non_blocking=True)
         event = torch.cuda.Event()

@@ -38,7 +38,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
-from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, plan_fields
+from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
 from dsv4_backend.kernels.row_metadata import row_fields
 from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning import checks
@@ -220,29 +220,34 @@ def _row_layout(batch: BatchView) -> RowLayout:
 
 
 def fuses(batch: BatchView) -> bool:
-    """Whether ``batch`` is planned by the fused kernel (``kernels/plan_fields.py``): on the
-    Triton paths, every kind but IDLE (no rows) and draft trees (topk > 1), when the batch
-    checks are read at once (CPU tensors or strict mode). Deferred checks (CUDA, strict mode
-    off) need the torch body, which makes the rows that fail write nothing."""
-    return (
-        dispatch.use_triton(batch.req_to_token.device)
-        and batch.num_rows > 0
-        and (batch.draft is None or batch.draft.topk == 1)
-        and not checks.defer_checks(batch.req_to_token.device)
-    )
+    """Whether ``batch`` is planned by the fused kernels (``kernels/plan_fields.py``): on the
+    Triton paths, every kind, its batch checks included (read at once or deferred)."""
+    return dispatch.use_triton(batch.req_to_token.device)
 
 
 def plan_into(
     config: DSV4AttentionConfig, batch: BatchView, widths: PlanWidths | None, out: PlanFields | None
 ) -> AttentionMetadata:
-    """The fused planner: ``plan``'s result from one launch (for a batch that ``fuses``).
+    """The fused planner: ``plan``'s result from two launches, the batch checks and the fields
+    (three for extend kinds: their host lengths are uploaded first), for a batch that ``fuses``.
 
     ``out`` (``None``: allocated here) receives the fields; rows past ``batch.num_rows`` get
     the sentinels of ``planning/graph_buffers.py``, and its widths must be ``widths``'.
     """
     spec = _KINDS[batch.kind]
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
-    _checked_rows(batch, spec.expand(batch))  # raises BatchError before anything is written
+    layout = _row_layout(batch)
+    record, failed = check_rows(
+        seq_lens=batch.seq_lens,
+        req_pool_indices=batch.req_pool_indices,
+        out_cache_loc=batch.out_cache_loc,
+        req_to_token=batch.req_to_token,
+        layout=layout,
+        num_rows=batch.num_rows,
+        slot_limit=_slot_limit(batch),
+    )
+    # Raises BatchError before anything is written, unless deferred.
+    pending = checks.settle(check_messages(batch), record, f"a {batch.kind.name} batch")
     if out is None:
         present = config.ratios_present if spec.compressed else frozenset()
         columns = {
@@ -258,7 +263,8 @@ def plan_into(
         out_cache_loc=batch.out_cache_loc,
         req_to_token=batch.req_to_token,
         full_to_swa=batch.full_to_swa,
-        layout=_row_layout(batch),
+        failed=failed,
+        layout=layout,
         num_rows=batch.num_rows,
         out=out,
         window=config.window_size,
@@ -279,6 +285,7 @@ def plan_into(
             seq_lens=batch.seq_lens,
             out_cache_loc=batch.out_cache_loc,
         ),
+        pending_checks=pending,
     )
 
 
@@ -315,6 +322,32 @@ def _resolve_widths(
     return widths
 
 
+def _slot_limit(batch: BatchView) -> int | None:
+    """Write slots must lie below this (the cache's slots and ``full_to_swa``'s length)."""
+    limits = [n for n in (batch.num_cache_slots, _len(batch.full_to_swa)) if n is not None]
+    return min(limits) if limits else None
+
+
+def check_messages(batch: BatchView) -> tuple[str, ...]:
+    """The messages of the batch checks, in the order of their record (``_checked_rows``,
+    ``kernels/plan_fields.py``'s ``check_rows``)."""
+    pool_rows, context = batch.req_to_token.shape
+    limit = _slot_limit(batch)
+    slots = "out_cache_loc"
+    if batch.draft is not None:
+        slots = f"out_cache_loc (draft step {batch.draft.step_id}'s slots, [batch, topk, steps])"
+    return (
+        f"req_pool_indices[{{index}}]={{value}}; expected a row of req_to_token in [0, {pool_rows})",
+        f"row {{index}} is at position {{value}}, outside req_to_token's {context} columns; "
+        "seq_lens must fit the request pool",
+        f"{slots}[{{index}}]={{value}}; expected a full-cache slot in "
+        f"[0, {'num_cache_slots' if limit is None else limit})",
+        f"{slots}[{{index}}]={{value}} but req_to_token holds slot {{expected}} for that row's "
+        "request and position: the write slots are not laid out as the rows (attention would "
+        "read another slot back)",
+    )
+
+
 def _checked_rows(
     batch: BatchView, rows: _Rows
 ) -> tuple[torch.Tensor, _Rows, PendingChecks | None]:
@@ -329,60 +362,37 @@ def _checked_rows(
       padding) is exempt.
 
     Returns the rows' pool rows ``[T]`` int64, the rows, and the pending checks (deferred
-    mode). When deferred, rows that fail write nothing (no cache slot, no compressor ring
-    row) and read only in-range indices (pool row 0).
+    mode). When deferred, the requests with a failing row write nothing (no cache slot, no
+    compressor ring row) and read only in-range indices (pool row 0). The torch twin of
+    ``kernels/plan_fields.py``'s ``check_rows``.
     """
     pool_rows, context = batch.req_to_token.shape
     requests = batch.req_pool_indices.long()
+    ids = rows.batch_ids.long()
     bad_request = (requests < 0) | (requests >= pool_rows)
-    req = torch.where(bad_request, 0, requests)[rows.batch_ids.long()]
+    req = torch.where(bad_request, 0, requests)[ids]
     positions, out = rows.positions, rows.out_loc
     bad_position = (positions < 0) | (positions >= context)
     held = batch.req_to_token[req, positions.clamp(0, context - 1)].long()
-    limits = [n for n in (batch.num_cache_slots, _len(batch.full_to_swa)) if n is not None]
-    limit = min(limits) if limits else None
+    limit = _slot_limit(batch)
     bad_slot = out < 0 if limit is None else (out < 0) | (out >= limit)
     foreign = (out != held) & ~((req == 0) & (out == 0))
-    slots = "out_cache_loc"
-    if batch.draft is not None:
-        slots = f"out_cache_loc (draft step {batch.draft.step_id}'s slots, [batch, topk, steps])"
-    where = f"a {batch.kind.name} batch"
+    flags = (bad_request, bad_position, bad_slot, foreign)
+    values = (requests, positions, out, out)
     pending = run_checks(
         [
-            Check(
-                f"req_pool_indices[{{index}}]={{value}}; expected a row of req_to_token in "
-                f"[0, {pool_rows})",
-                bad_request,
-                requests,
-            ),
-            Check(
-                f"row {{index}} is at position {{value}}, outside req_to_token's {context} "
-                "columns; seq_lens must fit the request pool",
-                bad_position,
-                positions,
-            ),
-            Check(
-                f"{slots}[{{index}}]={{value}}; expected a full-cache slot in "
-                f"[0, {'num_cache_slots' if limit is None else limit})",
-                bad_slot,
-                out,
-            ),
-            Check(
-                f"{slots}[{{index}}]={{value}} but req_to_token holds slot {{expected}} for that "
-                "row's request and position: the write slots are not laid out as the rows "
-                "(attention would read another slot back)",
-                foreign,
-                out,
-                held,
-            ),
+            Check(message, bad, value, held if bad is foreign else None)
+            for message, bad, value in zip(check_messages(batch), flags, values, strict=True)
         ],
         batch.req_to_token.device,
-        where,
+        f"a {batch.kind.name} batch",
     )
     if pending is not None:
-        # Rows that failed: pool row 0 (sglang's padding row), no cache write, and position 1
-        # with an unreachable keep length, so no compress or write plan record (no ring write).
-        failed = bad_position | bad_slot | foreign | bad_request[rows.batch_ids.long()]
+        # Requests with a failing row: pool row 0 (sglang's padding row), no cache write, and
+        # position 1 with an unreachable keep length, so no compress or write plan record.
+        row_failed = (bad_position | bad_slot | foreign).int()
+        failed_requests = bad_request.int().index_add(0, ids, row_failed) > 0
+        failed = failed_requests[ids]
         never = torch.iinfo(torch.int32).max
         req = torch.where(failed, 0, req)
         rows = rows._replace(
