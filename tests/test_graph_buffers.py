@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,7 +12,7 @@ from hypothesis import strategies as st
 from planning_spec import BatchSpec, assert_same, flatten, make_batch
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import ContractError
+from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
 from dsv4_backend.planning import (
     AttentionMetadata,
@@ -18,6 +20,7 @@ from dsv4_backend.planning import (
     ForwardKind,
     GraphMetadataBuffers,
     PlanWidths,
+    checks,
     pad_plan,
     plan,
 )
@@ -200,7 +203,8 @@ def test_graph_path_equals_eager_random(spec: BatchSpec, extra_rows: int) -> Non
 @pytest.mark.parametrize("extra_rows", [0, 5])
 def test_fused_plan_into_buffers_equals_torch_plan_loaded(spec: BatchSpec, extra_rows: int):
     """``buffers.plan`` (the fused planner in the interpreter, writing padded rows itself)
-    equals the torch planner's plan loaded with ``load``, in one kernel launch."""
+    equals the torch planner's plan loaded with ``load``: the batch checks and the fields in
+    one launch each, no torch op."""
     batch = make_batch(spec)
     num_rows = batch.num_rows + extra_rows
     with force_path(TORCH):
@@ -209,9 +213,47 @@ def test_fused_plan_into_buffers_equals_torch_plan_loaded(spec: BatchSpec, extra
     with force_path(TRITON_INTERPRETER), LaunchCounter() as launches:
         got = flatten(bufs.plan(batch, num_rows=num_rows))
     assert_same(got, want, spec.name)
-    if batch.num_rows:  # one fused launch (after the batch checks' torch ops); no copies
-        want = {"triton:_plan_kernel": 1}
-        if spec.kind is ForwardKind.EXTEND:
-            want["copy: extend lengths to the device"] = 1
-        assert launches.kernels == want, launches.summary()
-        assert not {"aten.copy_", "aten.fill_"} & set(launches.torch_ops), launches.torch_ops
+    want = {"triton:_check_kernel": 1}
+    if num_rows:  # nothing to write for an IDLE batch planned as 0 rows
+        want["triton:_plan_kernel"] = 1
+    if spec.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
+        want["copy: extend lengths to the device"] = 1
+    assert launches.kernels == want, launches.summary()
+    assert not launches.torch_ops, launches.torch_ops
+
+
+def _corrupt(batch: BatchView, field: str, index: int, value: int) -> BatchView:
+    tensor = getattr(batch, field).clone()
+    tensor[index] = value
+    return dataclasses.replace(batch, **{field: tensor})
+
+
+@pytest.mark.parametrize(
+    ("spec", "field", "index", "value"),
+    [
+        (SPECS[0], "out_cache_loc", 2, -1),  # a slot out of range
+        (SPECS[1], "req_pool_indices", 0, -1),  # would wrap to the last pool row
+        (SPECS[3], "out_cache_loc", 100, 0),  # another slot, mid-request
+    ],
+    ids=["slot", "pool-row", "foreign"],
+)
+def test_deferred_checks_mask_the_same_rows_fused_and_torch(
+    spec: BatchSpec, field: str, index: int, value: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Deferred (a GPU without strict mode), the fused planner plans a failing request as the
+    torch twin does (writes nothing, reads pool row 0) and defers the same verdict."""
+    monkeypatch.setattr(checks, "defer_checks", lambda device: True)
+    batch = _corrupt(make_batch(spec), field, index, value)
+    plans = {}
+    for path in (TORCH, TRITON_INTERPRETER):
+        with force_path(path):
+            plans[path] = plan(CONFIG, batch, widths=WIDTHS)
+    assert_same(flatten(plans[TRITON_INTERPRETER]), flatten(plans[TORCH]), spec.name)
+    assert (plans[TRITON_INTERPRETER].swa_out_loc == -1).any()
+    verdicts = []
+    for metadata in plans.values():
+        assert metadata.pending_checks is not None
+        with pytest.raises(BatchError, match=rf"{field}\[{index}\]={value}") as raised:
+            metadata.pending_checks.raise_if_failed()
+        verdicts.append(str(raised.value))
+    assert verdicts[0] == verdicts[1]

@@ -3,19 +3,21 @@
 Launch counts do not depend on the machine: Triton kernels count one each (in the interpreter
 as compiled), torch ops that run a kernel count one each, CPU-only checks not at all. The budgets
 are those of the fused kernels: a compressor call (pool + norm + RoPE, ring update, cache store)
-in 3, the lightning indexer (scores, top-k, slots) in 3.
+in 3, the lightning indexer (scores, top-k, slots) in 3, a plan (batch checks, fields, an extend
+kind's host lengths, the deferred verdict's copy to the host) in 4.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from planning_spec import BatchSpec, make_batch
 
 from dsv4_backend.compute import AttentionState, compress_and_store, select_c4_entries
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
-from dsv4_backend.planning import plan
+from dsv4_backend.planning import ForwardKind, GraphMetadataBuffers, PlanWidths, checks, plan
 from dsv4_backend.testing.op_counter import LaunchCounter
 from dsv4_backend.testing.simulation import PagedRequestPool
 
@@ -23,6 +25,7 @@ CONFIG = DSV4AttentionConfig.tiny(compress_ratios=(4, 128))
 LENGTHS = [130, 7]
 COMPRESSOR_BUDGET = 3
 INDEXER_BUDGET = 3
+PLAN_BUDGET = 4
 
 
 def _batches(pool: PagedRequestPool) -> dict:
@@ -109,3 +112,35 @@ def test_counter_sees_torch_and_triton_launches(setup: tuple):
     assert launches.torch_ops == {"aten.add": 1}
     assert launches.kernels == {"triton:_store_fp8_token_kernel": 1}
     assert launches.total == 2
+
+
+D, V = ForwardKind.DECODE, ForwardKind.TARGET_VERIFY
+PLAN_MODES = [
+    BatchSpec("decode", D, (1, 128, 257, 513)),
+    BatchSpec("draft step", D, (126, 253), draft_steps=3, step_id=1),
+    BatchSpec("extend", ForwardKind.EXTEND, (4, 330), extend_lens=(1, 200)),
+    BatchSpec("verify", V, (126, 253), num_draft_tokens=4),
+    BatchSpec("draft extend", ForwardKind.DRAFT_EXTEND, (4, 130), extend_lens=(1, 4)),
+    BatchSpec("idle", ForwardKind.IDLE, ()),
+]
+
+
+@pytest.mark.parametrize("spec", PLAN_MODES, ids=lambda s: s.name)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["strict", "deferred"])
+def test_plan_within_budget(
+    spec: BatchSpec, graph: bool, deferred: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every plan mode, eager and into graph buffers, with the batch checks read at once or
+    deferred (as on a GPU without strict mode), in at most ``PLAN_BUDGET`` launches."""
+    monkeypatch.setattr(checks, "defer_checks", lambda device: deferred)
+    batch = make_batch(spec)
+    widths = PlanWidths(page_table=20, c128=40)
+    buffers = GraphMetadataBuffers(
+        CONFIG, max_batch_size=8, max_rows=300, widths=widths, device="cpu"
+    )
+    launches = _count(lambda: buffers.plan(batch) if graph else plan(CONFIG, batch))
+    # Deferred, the verdict's copy to pinned host memory is one more launch on CUDA.
+    total = launches.total + (1 if deferred else 0)
+    assert total <= PLAN_BUDGET, launches.summary()
+    assert not launches.syncs

@@ -213,7 +213,7 @@ def _check_kernel(
     for t0 in range(0, num_rows, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         row_ok = t < num_rows
-        b, i, p0, length, keep, loc = _expand_rows(
+        b, i, p0, _, _, loc = _expand_rows(
             t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
             rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
         )  # fmt: skip

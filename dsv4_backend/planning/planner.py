@@ -337,7 +337,8 @@ def check_messages(batch: BatchView) -> tuple[str, ...]:
     if batch.draft is not None:
         slots = f"out_cache_loc (draft step {batch.draft.step_id}'s slots, [batch, topk, steps])"
     return (
-        f"req_pool_indices[{{index}}]={{value}}; expected a row of req_to_token in [0, {pool_rows})",
+        f"req_pool_indices[{{index}}]={{value}}; expected a row of req_to_token in "
+        f"[0, {pool_rows})",
         f"row {{index}} is at position {{value}}, outside req_to_token's {context} columns; "
         "seq_lens must fit the request pool",
         f"{slots}[{{index}}]={{value}}; expected a full-cache slot in "
