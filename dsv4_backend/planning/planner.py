@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, cast
 
@@ -187,29 +187,34 @@ def plan(
     return _plan_rows(config, batch, spec.expand(batch), widths, compressed=spec.compressed)
 
 
+def _extend_lens(batch: BatchView) -> tuple[Sequence[int], Sequence[int]]:
+    """An extend kind's host prefix and new-token lengths (``BatchView`` requires them)."""
+    return cast(Sequence[int], batch.extend_prefix_lens), cast(Sequence[int], batch.extend_seq_lens)
+
+
 def _host_lens(batch: BatchView) -> list[int] | None:
     """Each request's length after this forward, when the host knows it without a sync."""
     if batch.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
-        return [p + e for p, e in zip(batch.extend_prefix_lens, batch.extend_seq_lens, strict=True)]
+        return [p + e for p, e in zip(*_extend_lens(batch), strict=True)]
     host = batch.host_seq_lens
     if host is None:
         return None
     if batch.kind is ForwardKind.TARGET_VERIFY:
-        return [s + batch.num_draft_tokens for s in host]
+        return [s + cast(int, batch.num_draft_tokens) for s in host]
     return [s + batch.draft.step_id + 1 for s in host] if batch.draft is not None else host
 
 
 def _row_layout(batch: BatchView) -> RowLayout:
     """How ``batch``'s requests expand into rows (the expansions above, as kernel scalars)."""
     if batch.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
-        extend = batch.extend_seq_lens
+        prefix, extend = _extend_lens(batch)
         starts = [0, *itertools.accumulate(extend)][: len(extend)]
-        host = [starts, list(batch.extend_prefix_lens), list(extend)]
+        host = [starts, list(prefix), list(extend)]
         with launch("copy: extend lengths to the device"):
             table = torch.tensor(host, dtype=torch.int64, device=batch.seq_lens.device)
         return RowLayout(host=table)
     if batch.kind is ForwardKind.TARGET_VERIFY:
-        n = batch.num_draft_tokens
+        n = cast(int, batch.num_draft_tokens)
         return RowLayout(rows_per_request=n, loc_stride=n)
     if batch.draft is not None:
         step = batch.draft

@@ -120,7 +120,7 @@ class LaunchCounter(OpCounter):
 
         for cls in (JITFunction, InterpretedFunction):
             self._patched.append((cls, cls.run))
-            cls.run = _counting_run(cls.run)  # type: ignore[method-assign]
+            cls.run = _counting_run(cls.run)
         launches.active.append(self)
         return super().__enter__()
 
@@ -128,7 +128,7 @@ class LaunchCounter(OpCounter):
         super().__exit__(*exc)
         launches.active.remove(self)
         for cls, run in reversed(self._patched):
-            cls.run = run  # type: ignore[method-assign]
+            cls.run = run
         self._patched.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
