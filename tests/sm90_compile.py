@@ -177,11 +177,14 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
     # Planner pointers: int32 unless listed as int64.
     int64 = "host_ptr req_pool_ptr out_cache_loc_ptr full_to_swa_ptr positions_ptr"
     int64 += " swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr"
+    int64 += " record_ptr"
     kinds = {
         n: "*i64" if n in int64.split() else "*i32"
-        for n in plan_fields._plan_kernel.arg_names
+        for fn in (plan_fields._plan_kernel, plan_fields._check_kernel)
+        for n in fn.arg_names
         if n.endswith("_ptr")
     }
+    kinds["failed_ptr"] = "*i8"
     # Row blocks as the launcher sizes them: a small batch (8) and a large one (256).
     for extend, batch in ((False, 8), (False, 256), (True, 8), (True, 256)):
         block_t = max(1, min(plan_fields.BLOCK_T, plan_fields.REQUEST_TILE // batch))
@@ -193,6 +196,13 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
                  BLOCK_C=plan_fields.BLOCK_C),
         )  # fmt: skip
         out.append((f"plan-fields-{'extend' if extend else 'uniform'}-b{batch}", *plan))
+        block_t = max(1, min(plan_fields.CHECK_BLOCK_T, plan_fields.REQUEST_TILE // batch))
+        check = _source(
+            plan_fields._check_kernel,
+            kinds,
+            dict(EXTEND=extend, BLOCK_T=block_t, BLOCK_B=batch),
+        )
+        out.append((f"plan-checks-{'extend' if extend else 'uniform'}-b{batch}", *check))
     return out
 
 

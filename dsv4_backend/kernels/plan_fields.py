@@ -1,4 +1,5 @@
-"""Every field of a plan in one Triton launch (the fused planner, ``planning.plan``'s GPU path).
+"""Every field of a plan in one Triton launch (the fused planner, ``planning.plan``'s GPU path),
+after one launch of the batch checks.
 
 The kernel computes, for each query row ``t``, what ``planning/planner.py``'s torch body builds
 with some forty torch ops (field definitions: ``planning/metadata.py``):
@@ -13,6 +14,12 @@ with some forty torch ops (field definitions: ``planning/metadata.py``):
   ``kernels/compress_plan_torch.py``. The plans need no scan: a request's rows are consecutive
   positions, so the number of rows it contributes to each plan has a closed form, and a row's
   record index is the sum over earlier requests plus its rank inside its own.
+
+``check_rows`` runs first, one program looping over the rows: the batch checks of
+``planning/planner.py``'s ``_checked_rows`` (its torch twin; the record layout of
+``planning/checks.py``) and a ``[B]`` mask of the requests with a failing row, which the plan
+kernel plans as writing nothing (pool row 0, position 1, no write slot, no plan record: the
+per-request closed forms then simply skip those requests).
 
 Grid ``(row blocks, column blocks)``: column block ``c`` writes columns ``[c * BLOCK_C, ...)``
 of the wide fields; column block 0 also writes the per-row fields and the plan records. Shapes

@@ -13,11 +13,12 @@ the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()`
 only checked where the batch already holds them on the host (``BatchView.host_seq_lens``). The
 extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``extend_seq_lens``.
 
-Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` builds every field in one
-launch of ``kernels/plan_fields.py`` (two for extend kinds: their host lengths are uploaded
-first), after the batch checks, when these are read at once (``fuses``); and
-``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The
-torch body below serves the torch path; there the per-row compression fields run
+Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` plans every kind in two
+launches of ``kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
+first): ``check_rows``, the batch checks (``_checked_rows``'s twin), then the fused plan
+kernel, which plans the requests that failed a deferred check as writing nothing;
+``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The torch body
+below serves the torch path; there the per-row compression fields run
 ``kernels/row_metadata.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
 where they can, else their torch references (``kernels/row_fields_torch.py``,
 ``kernels/compress_plan_torch.py``).
