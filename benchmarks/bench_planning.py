@@ -6,7 +6,8 @@ For each mode (decode, extend, verify, draft step) and batch size it prints:
 * ``graph ms`` — median of the graph path, ``GraphMetadataBuffers.plan`` (the fused planner
   writing into the buffers; elsewhere ``plan(..., widths=...)`` then ``load``);
 * ``checks ms`` / ``checks %`` — of the eager time, the batch checks (index ranges and write
-  slots against ``req_to_token``, ``planning/checks.py``, read at once as in strict mode);
+  slots against ``req_to_token``, ``planning/checks.py``, read at once as in strict mode; the
+  fused planner's one check launch where it runs);
 * ``launches`` — device launches of one eager plan and of one graph-path plan
   (``LaunchCounter``: torch kernels plus Triton / TVM launches; the same on a CPU as on a GPU);
 * ``graph syncs`` — host-sync ops on the graph path (must be 0; extend is not a graph kind
@@ -25,6 +26,7 @@ its CPU times say nothing, and large batches take minutes: pass ``--batch-sizes 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -141,13 +143,14 @@ def main() -> None:
 
             eager = median_ms(lambda batch=batch: plan(config, batch), args.repeat, args.device)
             graph = median_ms(graph_path, args.repeat, args.device)
-            expanded = planner._KINDS[batch.kind].expand(batch)  # the rows the checks read
+            if planner.fuses(batch):  # the one check launch (and the layout it reads)
+                layout = planner._row_layout(batch)
+                run_checks = functools.partial(planner.fused_checks, batch, layout)
+            else:
+                expanded = planner._KINDS[batch.kind].expand(batch)  # the rows the checks read
+                run_checks = functools.partial(planner._checked_rows, batch, expanded)
             with strict_checks():  # the checks' full cost: computed and read back
-                checks = median_ms(
-                    lambda batch=batch, rows=expanded: planner._checked_rows(batch, rows),
-                    args.repeat,
-                    args.device,
-                )
+                checks = median_ms(run_checks, args.repeat, args.device)
             with LaunchCounter() as launches:
                 plan(config, batch)
             with LaunchCounter() as graph_launches:

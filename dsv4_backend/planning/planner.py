@@ -231,6 +231,22 @@ def fuses(batch: BatchView) -> bool:
     return dispatch.use_triton(batch.req_to_token.device)
 
 
+def fused_checks(batch: BatchView, layout: RowLayout) -> tuple[torch.Tensor, PendingChecks | None]:
+    """The batch checks in one launch (``check_rows``), their verdict read at once (raises
+    ``BatchError``) or pending (``planning/checks.py``); returns the ``[B]`` int8 mask of the
+    requests that failed, for ``plan_fields``."""
+    record, failed = check_rows(
+        seq_lens=batch.seq_lens,
+        req_pool_indices=batch.req_pool_indices,
+        out_cache_loc=batch.out_cache_loc,
+        req_to_token=batch.req_to_token,
+        layout=layout,
+        num_rows=batch.num_rows,
+        slot_limit=_slot_limit(batch),
+    )
+    return failed, checks.settle(check_messages(batch), record, f"a {batch.kind.name} batch")
+
+
 def plan_into(
     config: DSV4AttentionConfig, batch: BatchView, widths: PlanWidths | None, out: PlanFields | None
 ) -> AttentionMetadata:
@@ -243,17 +259,7 @@ def plan_into(
     spec = _KINDS[batch.kind]
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
     layout = _row_layout(batch)
-    record, failed = check_rows(
-        seq_lens=batch.seq_lens,
-        req_pool_indices=batch.req_pool_indices,
-        out_cache_loc=batch.out_cache_loc,
-        req_to_token=batch.req_to_token,
-        layout=layout,
-        num_rows=batch.num_rows,
-        slot_limit=_slot_limit(batch),
-    )
-    # Raises BatchError before anything is written, unless deferred.
-    pending = checks.settle(check_messages(batch), record, f"a {batch.kind.name} batch")
+    failed, pending = fused_checks(batch, layout)
     if out is None:
         present = config.ratios_present if spec.compressed else frozenset()
         columns = {
