@@ -10,8 +10,12 @@ reading it is the only host sync, so *when* it is read depends on where the tens
   and the value, and nothing has been written.
 * CUDA tensors, strict mode off (the default on GPUs): the record is copied to pinned host
   memory without a sync (``PendingChecks``); the host reads it at its next safe point (the
-  sglang adapter: the next plan) and raises ``BatchError`` then. Meanwhile the rows that failed
-  a check write nothing (their write slots are ``-1``) and gather only in-range indices.
+  sglang adapter: the next plan) and raises ``BatchError`` then. Meanwhile the requests with a
+  row that failed a check write nothing (their write slots are ``-1``) and gather only
+  in-range indices.
+
+On the Triton paths the checks are one kernel launch (``kernels/plan_fields.py``'s
+``check_rows``) and ``settle`` turns its record into the verdict.
 
 Strict mode is on when the environment variable ``DSV4_STRICT_CHECKS`` is ``1`` (the test suite
 and the A/B tool set it) or inside ``strict_checks()``.
@@ -114,8 +118,8 @@ class PendingChecks:
         failure = _failure(self.messages, self.host.tolist())
         if failure is not None:
             raise BatchError(
-                f"{failure} (found by the device-side checks of {self.where}; its rows that "
-                "failed wrote nothing)"
+                f"{failure} (found by the device-side checks of {self.where}; its requests "
+                "with a failing row wrote nothing)"
             )
 
 
