@@ -214,12 +214,15 @@ void launch_compress_plan(tvm::ffi::TensorView row_batch_ids, tvm::ffi::TensorVi
   int* w_plan = checked_data<int>(write_plan, "write_plan", 5, i32, num_rows, 4, device);
   if (num_rows == 0) return;
   const int64_t chunk = (num_rows + kThreads - 1) / kThreads;  // rows per thread
+  int caller_device = 0;  // launch on the tensors' device, then restore the caller's
+  cudaGetDevice(&caller_device);
   cudaSetDevice(device.device_id);
   auto stream =
       static_cast<cudaStream_t>(TVMFFIEnvGetStream(device.device_type, device.device_id));
   compress_plan_kernel_kernel<<<1, kThreads, 0, stream>>>(c_plan, first, pos, seq, rb, w_plan,
                                                           chunk, num_rows, ratio, span);
   const cudaError_t err = cudaGetLastError();
+  cudaSetDevice(caller_device);
   if (err != cudaSuccess) {
     TVM_FFI_THROW(RuntimeError) << "compress plan kernel launch failed: "
                                 << cudaGetErrorString(err);
