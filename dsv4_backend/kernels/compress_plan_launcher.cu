@@ -2,6 +2,11 @@
 // tvm-ffi entry: checks every tensor against the kernel signature (all share the symbolic dim
 // num_rows; contiguous; dtypes; one CUDA device), then launches one block of 1024 threads on
 // the caller's stream (tvm_ffi.use_torch_stream). Refusals raise ValueError.
+#include <cuda_runtime.h>
+#include <tvm/ffi/container/tensor.h>
+#include <tvm/ffi/error.h>
+#include <tvm/ffi/extra/c_env_api.h>
+
 namespace {
 
 constexpr int kThreads = 1024;
