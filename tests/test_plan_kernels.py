@@ -169,7 +169,7 @@ def test_tvm_kernel_refusal_is_a_contract_error(bad: str, tvm_says: str) -> None
 
 def test_dispatcher_picks_tvm_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     assert cpt.tvm_available("cpu")
-    assert cpt.tvm_available("cuda") == bool(tvm.runtime.enabled("cuda"))
+    assert cpt.tvm_available("cuda") == (cpt.cuda_unavailable_reason() is None)
     inputs = plan_inputs([1], [9])
     calls: list[str] = []
     monkeypatch.setattr(cpt, "compress_plans_tvm", lambda *a: calls.append("tvm"))
@@ -181,8 +181,8 @@ def test_dispatcher_picks_tvm_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_cuda_kernel_builds() -> None:
-    """The CUDA variant lowers (one block of 1024 threads, explicit barriers); with nvcc on
-    the PATH it also compiles. Running it needs a CUDA-enabled TVM runtime and a GPU."""
+    """The CUDA variant lowers (one block of 1024 threads, explicit barriers) and TVM emits its
+    CUDA C (shipped and compiled in ``tests/test_compress_plan_cuda.py``)."""
     lowered = cpt.lower_kernel(CUDA_SM90, cpt.CUDA_THREADS).script()
     assert '"threadIdx.x", 1024' in lowered
     assert lowered.count("tvm_storage_sync") == 3

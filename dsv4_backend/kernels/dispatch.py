@@ -99,14 +99,18 @@ def describe_paths(device: torch.device | str = "cpu") -> list[tuple[str, str, s
 
 
 def _tvm_path(device: torch.device) -> tuple[str, str]:
-    from dsv4_backend.kernels.compress_plan_tvm import tvm_available
+    from dsv4_backend.kernels.compress_plan_tvm import cuda_unavailable_reason, tvm_available
 
-    target = "cuda" if device.type == "cuda" else "llvm"
+    if device.type == "cuda":
+        reason = cuda_unavailable_reason()
+        if reason is not None:
+            return TORCH, reason
+        return "tvm-cuda", "TVM-generated CUDA source with symbolic shapes, built by tvm-ffi"
     if importlib.util.find_spec("tvm") is None:
         return TORCH, "apache-tvm is not installed"
     if not tvm_available(device.type):
-        return TORCH, f"the installed TVM runtime has no {target} support"
-    return f"tvm-{target}", f"TVM kernel with symbolic shapes compiled for {target}"
+        return TORCH, "the installed TVM runtime has no llvm support"
+    return "tvm-llvm", "TVM kernel with symbolic shapes compiled for llvm"
 
 
 def topk_path(device: torch.device | str) -> tuple[str, str]:
