@@ -20,6 +20,13 @@ Per case, analytically:
 
 The fraction of the roofline is roofline time / measured time.
 
+Verify at attention TP (analytic, printed everywhere): 16 and 32 heads a rank, ``draft`` rows
+per request (MTP verify / draft extend), Flash shapes. ``per-row`` is what the kernel moves
+today (each row gathers its own keys); ``shared`` is the bound of a kernel whose program takes
+a request's rows together and gathers their union once (window ``128 + draft - 1`` keys, c128
+entries once, c4 top-k sets at best identical). FLOP/B says how far below the ridge (bf16
+peak / HBM bandwidth) each row is.
+
     python benchmarks/bench_attention.py [--batch 1 8 32 64 128] [--fmt dense fp8]
         [--layer window ratio4 ratio128] [--splits N] [--reps 3] [--threads 1]
 """
@@ -77,13 +84,52 @@ def extra_keys(layer: str, shapes: dict) -> int:
     return {"window": 0, "ratio4": shapes["topk"], "ratio128": shapes["context"] // 128}[layer]
 
 
+def key_bytes(fmt: str, dim: int) -> int:
+    """Bytes one key costs: its cache row (fp8: 448 e4m3 + 64 bf16 rope + 8 scales; dense:
+    bf16) and its int32 index column."""
+    return (dim - 64 + 2 * 64 + 8 if fmt == "fp8" else 2 * dim) + 4
+
+
 def cost(batch: int, layer: str, fmt: str, shapes: dict) -> tuple[float, float]:
     """Analytic ``(bytes, FLOPs)`` of one call (module docstring)."""
     heads, dim = shapes["heads"], shapes["dim"]
     keys = WINDOW + extra_keys(layer, shapes)
-    key_bytes = dim - 64 + 2 * 64 + 8 if fmt == "fp8" else 2 * dim
-    moved = batch * (keys * (key_bytes + 4) + heads * dim * (2 + 4))
+    moved = batch * (keys * key_bytes(fmt, dim) + heads * dim * (2 + 4))
     return moved, 4.0 * batch * heads * keys * dim
+
+
+def verify_cost(requests: int, draft: int, heads: int, layer: str, fmt: str) -> dict[str, float]:
+    """Analytic bytes of ``requests`` verify requests of ``draft`` rows at Flash shapes:
+    ``per_row`` (every row's keys) and ``shared`` (each request's union of keys once, best
+    case), and the FLOPs (module docstring)."""
+    shapes = dict(FLASH, heads=heads)
+    rows = requests * draft
+    per_row, flops = cost(rows, layer, fmt, shapes)
+    union_keys = WINDOW + draft - 1 + extra_keys(layer, shapes)
+    shared = requests * union_keys * key_bytes(fmt, shapes["dim"]) + rows * heads * shapes[
+        "dim"
+    ] * (2 + 4)
+    return dict(per_row=per_row, shared=shared, flops=flops)
+
+
+def print_verify_table(bandwidth: float, flops_peak: float, formats: list[str]) -> None:
+    """The verify-at-attention-TP table of the module docstring."""
+    print(f"verify at attention TP, Flash shapes, analytic, roofline on the peaks above "
+          f"(ridge {flops_peak / bandwidth:.0f} FLOP/B):")  # fmt: skip
+    print(f"{'layer':>8} {'fmt':>5} {'heads':>5} {'reqs':>4} {'draft':>5} {'per-row MB':>10} "
+          f"{'shared MB':>9} {'FLOP/B':>6} {'per-row us':>10} {'shared us':>9}")  # fmt: skip
+    for layer in LAYERS:
+        for fmt in formats:
+            for heads in (16, 32):
+                for requests, draft in ((8, 4), (64, 4)):
+                    c = verify_cost(requests, draft, heads, layer, fmt)
+                    t_fl = c["flops"] / flops_peak
+                    t_row = max(c["per_row"] / bandwidth, t_fl)
+                    t_shared = max(c["shared"] / bandwidth, t_fl)
+                    print(f"{layer:>8} {fmt:>5} {heads:>5} {requests:>4} {draft:>5} "
+                          f"{c['per_row'] / 1e6:10.2f} {c['shared'] / 1e6:9.2f} "
+                          f"{c['flops'] / c['per_row']:6.0f} {t_row * 1e6:10.2f} "
+                          f"{t_shared * 1e6:9.2f}")  # fmt: skip
 
 
 def make_inputs(batch: int, layer: str, fmt: str, shapes: dict, device: str, g: torch.Generator):
@@ -168,6 +214,9 @@ def main() -> None:
                     print(f"{layer:>8} {fmt:>5} {batch:>5} {moved / 1e6:8.2f} {fl / 1e9:8.2f} "
                           f"{max(t_mem, t_fl) * 1e6:11.2f} {bound}")  # fmt: skip
         matched = None  # interpreter times have no roofline
+    table_peaks = matched or peaks("H200")
+    if table_peaks:
+        print_verify_table(table_peaks[1], table_peaks[2], opts.fmt)
     print(f"measured: shapes {shapes}, window {WINDOW}; dense caches are bf16")
     print(f"{'layer':>8} {'fmt':>5} {'batch':>5} {'path':>6} {'time us':>10} {'GB/s':>9} "
           f"{'TFLOP/s':>8} {'roofline':>8}  max|diff|")  # fmt: skip

@@ -3,7 +3,8 @@
 Run as a script (``python tests/sm90_compile.py``; ``tests/test_sparse_attention_sm90.py`` runs
 it in a subprocess because the test session's ``TRITON_INTERPRET=1`` turns every
 ``@triton.jit`` function into an interpreted one). Each configuration is a launch the backend
-makes at DeepSeek-V4-Flash shapes (H = 64, D = 512 = 448 nope + 64 rope), with the block sizes
+makes at DeepSeek-V4-Flash shapes (H = 64, and 16 / 32 heads a rank under attention TP;
+D = 512 = 448 nope + 64 rope), with the block sizes
 and warps the launcher picks: sparse attention, then the indexer, compressor and planner
 kernels (``fused_configurations``). It prints one JSON object per configuration:
 
@@ -48,10 +49,14 @@ def _aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:
     }
 
 
-def attention_source(fmt: str, ratio: int, splits: int) -> tuple[ASTSource, dict]:
-    """The attention kernel as launched for a layer of compress ``ratio`` (0: window only)."""
+def attention_source(
+    fmt: str, ratio: int, splits: int, heads: int = HEADS
+) -> tuple[ASTSource, dict]:
+    """The attention kernel as launched for a layer of compress ``ratio`` (0: window only) with
+    ``heads`` heads a rank (fewer than 64 under attention TP)."""
     fp8 = fmt == "fp8"
-    block_n, num_warps, num_stages = sa._launch_config(DIM, fp8)
+    block_h = sa._block_h(heads)
+    block_n, num_warps, num_stages = sa._launch_config(DIM, fp8, block_h)
     cache = "*u8" if fp8 else "*bf16"
     names = sa._sparse_attention_kernel.arg_names
     kinds = dict(
@@ -60,7 +65,7 @@ def attention_source(fmt: str, ratio: int, splits: int) -> tuple[ASTSource, dict
         m_ptr="*fp32", l_ptr="*fp32", qk_scale="fp32",
     )  # fmt: skip
     constexprs = dict(
-        D=DIM, BLOCK_D=DIM, BLOCK_H=sa._block_h(HEADS), BLOCK_N=block_n, NUM_SPLITS=splits,
+        D=DIM, BLOCK_D=DIM, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits,
         HAS_EXTRA=ratio != 0, NOPE_DIM=DIM - ROPE, WIN_FP8=fp8, WIN_PAGE_TOKENS=PAGE_TOKENS[0],
         EXT_FP8=fp8, EXT_PAGE_TOKENS=PAGE_TOKENS[ratio], ONE_GATHER=not fp8,
         INTERPRETER=False,
@@ -118,13 +123,17 @@ def compile_report(name: str, src: ASTSource, options: dict) -> dict:
 
 def configurations() -> list[tuple[str, ASTSource, dict]]:
     """Every launch shape of the Flash layers: window-only / c4 / c128, dense bf16 / fp8, one
-    split (finalising) and several (partials), and the merge kernel."""
+    split (finalising) and several (partials), and the merge kernel; then the c4 layer with
+    16 and 32 heads a rank (attention TP 4 and 2)."""
     out = []
     for fmt in ("dense", "fp8"):
         for ratio, splits in ((0, 1), (4, 1), (4, 8), (128, 4)):
             out.append(
                 (f"attention-{fmt}-r{ratio}-s{splits}", *attention_source(fmt, ratio, splits))
             )
+        for heads in (16, 32):
+            src = attention_source(fmt, 4, 4, heads)
+            out.append((f"attention-{fmt}-r4-s4-h{heads}", *src))
     out.append(("merge-s8", *merge_source(8)))
     return out + fused_configurations()
 

@@ -248,6 +248,40 @@ def test_fp8_cache(dim):
     assert (outs["torch"] - exact).abs().max() > 1e-4  # the fp8 path really quantised
 
 
+@pytest.mark.parametrize("heads", [16, 32])
+@pytest.mark.parametrize("fmt", ["dense", "fp8"])
+def test_verify_rows_at_attention_tp_heads(heads, fmt):
+    """Verify / draft-extend rows (consecutive rows of two requests sharing most keys: windows
+    shifted by one position, top-k sets drawn from one pool) with 16 and 32 heads a rank, one
+    split and several: Triton == torch path == per-row reference over the stored keys."""
+    g = torch.Generator().manual_seed(20 + heads)
+    window, draft, num_slots, num_entries = 128, 4, 400, 40
+    win = _cache(_keys(num_slots, 128, g), 128, fmt)
+    ext = _cache(_keys(num_entries, 128, g), 64, fmt)
+    idx, lens, eidx, elens = [], [], [], []
+    for first_pos, base in ((150, 0), (60, 200)):  # request 2 is shorter than the window
+        for d in range(draft):
+            pos = first_pos + d
+            span = torch.arange(max(0, pos - window + 1), pos + 1)
+            idx.append(
+                torch.full((window,), -1).index_copy(0, torch.arange(len(span)), base + span)
+            )
+            lens.append(len(span))
+            picks = torch.randperm(num_entries // 2, generator=g)[: 8 + d] + base // 10
+            eidx.append(torch.full((16,), -1).index_copy(0, torch.arange(len(picks)), picks))
+            elens.append(len(picks))
+    idx, eidx = torch.stack(idx).int(), torch.stack(eidx).int()
+    lens, elens = torch.tensor(lens, dtype=torch.int32), torch.tensor(elens, dtype=torch.int32)
+    q = torch.randn(len(lens), heads, 128, generator=g)
+    sink = torch.randn(heads, generator=g)
+    args = (q, win, idx, lens, ext, eidx, elens, sink, 128**-0.5)
+    stored = [
+        (win.gather(torch.arange(num_slots)), idx, lens),
+        (ext.gather(torch.arange(num_entries)), eidx, elens),
+    ]
+    _assert_all_close(_all_paths(*args, splits=(1, 2, 5)), _rowwise(q, stored, sink, 128**-0.5))
+
+
 @pytest.mark.parametrize("win_fmt, ext_dtype", [("dense", torch.bfloat16), ("fp8", torch.float32)])
 def test_window_and_extra_caches_of_different_types(win_fmt, ext_dtype):
     """A window cache and an extra cache of different storage types (fp32 / bf16 dense, fp8 /

@@ -3,8 +3,8 @@ then the indexer, compressor and planner kernels (``test_nothing_spills`` covers
 
 ``tests/sm90_compile.py`` compiles every launch configuration the backend makes at
 DeepSeek-V4-Flash shapes (H = 64, D = 512; window-only, c4 and c128 layers; dense bf16 and fp8
-caches; one split and several; the merge kernel) with Triton's sm_90a backend and its bundled
-ptxas. No GPU is needed; a GPU machine runs the same check.
+caches; one split and several; the merge kernel; the c4 layer at 16 and 32 heads a rank) with
+Triton's sm_90a backend and its bundled ptxas. No GPU is needed; a GPU machine runs the same check.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def test_attention_dots_are_bf16_wgmma(reports: dict[str, dict]) -> None:
     """Both dots (q k^T and p v) on Hopper tensor cores with bf16 operands and fp32
     accumulation: wgmma ``.f32.bf16.bf16``; no tf32 and no pre-Hopper ``mma.sync``."""
     for name, report in reports.items():
-        if not name.startswith("attention-"):
+        if not name.startswith("attention-") or "-h" in name:
             continue
         mma = report["mma"]
         assert mma, f"{name}: no tensor-core instruction"
@@ -51,6 +51,18 @@ def test_attention_dots_are_bf16_wgmma(reports: dict[str, dict]) -> None:
             assert op.startswith("wgmma.mma_async") and op.endswith(".f32.bf16.bf16"), (name, op)
         # the [64, 512] accumulator: one m64n256 per warpgroup, both warpgroups busy
         assert any(".m64n256k16." in op for op in mma), (name, mma)
+
+
+def test_attention_tp_dots_are_bf16(reports: dict[str, dict]) -> None:
+    """16 and 32 heads a rank: a program's M side is below the 64 rows of a warpgroup's wgmma,
+    so Triton emits ``mma.sync`` -- still bf16 operands with fp32 accumulation, never tf32."""
+    tp = [name for name in reports if name.startswith("attention-") and "-h" in name]
+    assert {n.rsplit("-", 1)[1] for n in tp} == {"h16", "h32"}, tp
+    for name in tp:
+        mma = reports[name]["mma"]
+        assert mma, f"{name}: no tensor-core instruction"
+        for op in mma:
+            assert op.endswith(".f32.bf16.bf16.f32") or op.endswith(".f32.bf16.bf16"), (name, op)
 
 
 def test_nothing_spills(reports: dict[str, dict]) -> None:

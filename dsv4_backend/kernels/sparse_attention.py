@@ -37,6 +37,26 @@ Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T, cdiv(H, BLOCK_
   (:func:`default_num_splits`); callers and tests can set it (``num_splits``,
   :func:`force_num_splits`).
 
+Fewer than 64 heads (attention TP: 16 or 32 a rank; the tiny config's 8). A program then
+takes ``BLOCK_H`` = 16 or 32 heads of one row and Triton emits ``mma.sync`` (bf16, fp32
+accumulation) instead of wgmma, whose M is 64 a warpgroup. Packing the rows of one verify /
+draft-extend request into the M side was weighed and not done:
+
+* Walking the rows' key lists one after another with ``M = R * H`` (R rows a program, keys a
+  row does not see masked) gets wgmma but gathers exactly the bytes it gathers now and
+  multiplies by ``R`` the dot work (each key block meets all ``R * H`` query rows), over ``R``
+  times fewer programs. Per key a row does ``4 H D`` FLOPs on ``2 D`` (bf16) or 584 (fp8)
+  bytes: 23-55 FLOP/B at 16-32 heads, against an H200 ridge of 206, so these rows are
+  bandwidth-bound and faster dots buy nothing.
+* The gain is in gathering a request's keys once for all its rows (window: ``128 + R - 1``
+  keys instead of ``128 R``; c128 entries once; c4 top-k sets overlap): up to 2-3x fewer
+  bytes (``benchmarks/bench_attention.py``, verify table). That needs the union of the rows'
+  key lists and, per key, which rows see it -- a planner product (a union index list per
+  request and a per-row visibility mask or window bounds), since the kernel sees only slot
+  lists and finding shared slots in them costs ``O(width^2)``. On a GPU the concurrent
+  programs of one request's rows already share those keys through L2, so part of that gain
+  is in HBM traffic today.
+
 Every launch shape depends only on tensor shapes (no host reads of lengths), so the op can be
 captured in a CUDA graph once compiled.
 """
@@ -430,8 +450,9 @@ def _block_h(heads: int) -> int:
     return min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
 
 
-def _launch_config(dim: int, fp8: bool) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` of the attention kernel.
+def _launch_config(dim: int, fp8: bool, block_h: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the attention kernel for ``block_h`` heads a
+    program.
 
     Chosen from ptxas reports for sm_90a (Triton 3.8, compiled ahead of time on the CPU by
     ``tests/sm90_compile.py``; not yet timed on a GPU). At D = 512 the fp32 ``[64, 512]``
@@ -439,11 +460,15 @@ def _launch_config(dim: int, fp8: bool) -> tuple[int, int, int]:
     3-stage cp.async pipeline (the gather of the next blocks overlaps the dots), 245 registers,
     no spills (64-key blocks spill once pipelined). FP8 keys are dequantised in registers, which
     Triton does not pipeline: 16-key blocks, one stage, 255 registers (32 spill).
-    D <= 256: 4 warps.
+    D <= 256: 4 warps. ``block_h`` < 64 (attention TP, 16 or 32 local heads) compiles to
+    ``mma.sync`` (Triton's wgmma needs M = 64 a warpgroup); fp8 at 16 heads spills over
+    8 warps (36 B) and not over 4 (218 registers).
     """
     if dim <= 256:
         return 32, 4, 1
-    return (16, 8, 1) if fp8 else (32, 8, 3)
+    if fp8:
+        return 16, 4 if block_h <= 16 else 8, 1
+    return 32, 8, 3
 
 
 def default_num_splits(rows: int, heads: int, width: int, block_n: int, sms: int) -> int:
@@ -531,7 +556,8 @@ def sparse_attention_triton(
     swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
     extra_indices, extra_lengths = extra_indices.contiguous(), extra_lengths.contiguous()
     sink = sink.contiguous()
-    block_n, num_warps, num_stages = _launch_config(dim, "fp8" in (window.fmt, extra.fmt))
+    block_h = _block_h(heads)
+    block_n, num_warps, num_stages = _launch_config(dim, "fp8" in (window.fmt, extra.fmt), block_h)
     width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
     if num_splits is None:
         splits = _num_splits(rows, heads, width, block_n, q.device)
@@ -552,7 +578,6 @@ def sparse_attention_triton(
         l_s = torch.empty_like(m)
         stride_ps, stride_mt, stride_mh = part.stride(2), m.stride(0), m.stride(1)
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs K >= 16 on a GPU
-    block_h = _block_h(heads)
     grid = (rows, triton.cdiv(heads, block_h), splits)
     _sparse_attention_kernel[grid](
         q, window.storage, swa_indices, swa_lengths,
