@@ -114,6 +114,23 @@ def test_compress_plans_by_hand() -> None:
     assert compress.dtype == write.dtype == torch.int32 and compress.shape == (8, 4)
 
 
+def test_c4_write_plan_keeps_the_last_block_of_every_page() -> None:
+    """Positions 200..600 of a 601-token request: the c4 ring keeps 252-255 and 508-511 (the
+    block a request starting from the cached 256- or 512-token prefix pools first) besides the
+    tail 596-600; the c128 ring only its tail (no c128 entry spans a page boundary)."""
+    positions = torch.arange(200, 601)
+    n = positions.numel()
+    args = (torch.zeros(n, dtype=torch.int32), positions, torch.full((n,), 200),
+            torch.full((n,), 601, dtype=torch.int32))  # fmt: skip
+    kept = lambda plan: [p for p in plan[:, 2].tolist() if p >= 0]  # noqa: E731
+    _, write = compute_compress_plans(*args, 4)
+    assert kept(write) == [252, 253, 254, 255, 508, 509, 510, 511, 596, 597, 598, 599, 600]
+    _, write = compute_compress_plans(*args, 4, page_size=512)
+    assert kept(write) == [508, 509, 510, 511, 596, 597, 598, 599, 600]
+    _, write = compute_compress_plans(*args, 128)
+    assert kept(write) == list(range(512, 601))
+
+
 def test_row_fields_by_hand() -> None:
     positions = torch.tensor([0, 3, 127, 255, 300])
     raw_out_loc = torch.tensor([1000, 1003, 2047, 4095, 5000])

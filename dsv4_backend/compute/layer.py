@@ -10,6 +10,7 @@ completed earlier in the same forward are therefore visible to later rows.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,12 @@ class AttentionState:
     pools : per-layer window, compressed and indexer caches.
     compressor_states : compressor state rings of each compressed layer.
     indexer_states : the indexer compressor's rings of each ratio-4 layer.
+
+    Everything but the c128 rings is addressed by cache slot (full page, window slot or window
+    page), never by request: a request that starts from another request's cached, page-aligned
+    prefix (a radix-cache hit) finds the prefix's keys, entries and c4 state where that request
+    left them. A c128 entry never spans a page boundary, so nothing of the c128 ring is pending
+    at such a prefix; the rings are request-scoped like sglang's.
     """
 
     config: DSV4AttentionConfig
@@ -54,7 +61,8 @@ class AttentionState:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> AttentionState:
-        """Zeroed caches and reset rings for ``num_request_slots`` request pool rows."""
+        """Zeroed caches and reset rings: c4 rings for every window page of ``num_swa_slots``,
+        c128 rings for ``num_request_slots`` request pool rows."""
         pools = DSV4CachePools.build(
             config,
             num_full_slots=num_full_slots,
@@ -63,22 +71,26 @@ class AttentionState:
             dtype=dtype,
             device=device,
         )
+        slots = ring_slots(config, num_swa_slots=num_swa_slots, num_request_slots=num_request_slots)
         core, index = {}, {}
         for layer, ratio in enumerate(config.compress_ratios):
             if ratio:
                 core[layer] = CompressorState.allocate(
-                    config, ratio, config.head_dim, num_request_slots, device
+                    config, ratio, config.head_dim, slots[ratio], device
                 )
             if ratio == 4:
                 index[layer] = CompressorState.allocate(
-                    config, 4, config.index_head_dim, num_request_slots, device
+                    config, 4, config.index_head_dim, slots[4], device
                 )
         return cls(config=config, pools=pools, compressor_states=core, indexer_states=index)
 
-    def reset_requests(self, pool_indices: torch.Tensor) -> None:
-        """Reset the rings of requests that (re)start at position 0 in these pool rows."""
-        for state in (*self.compressor_states.values(), *self.indexer_states.values()):
-            state.reset(pool_indices)
+
+def ring_slots(
+    config: DSV4AttentionConfig, *, num_swa_slots: int, num_request_slots: int
+) -> dict[int, int]:
+    """Ring slots of each ratio's compressor states: c4 rings are page-scoped (one per window
+    page of ``config.page_size`` slots), c128 rings request-scoped (one per pool row)."""
+    return {4: math.ceil(num_swa_slots / config.page_size), 128: num_request_slots}
 
 
 def _compressed(metadata: AttentionMetadata, ratio: int, where: str) -> CompressedMetadata:
@@ -121,7 +133,8 @@ def compress_and_store(
     rings = (state.indexer_states if indexer else state.compressor_states)[layer]
     entries = compress_forward(
         rings, kv_proj, score_proj, ape, norm_weight, rope_for_ratio(state.config, ratio),
-        req_pool_indices, metadata.positions_causal, comp.compress_plan, comp.write_plan,
+        req_pool_indices, metadata.swa_page_indices, metadata.positions_causal,
+        comp.compress_plan, comp.write_plan,
     )  # fmt: skip
     pools = state.pools
     (pools.indexer(layer) if indexer else pools.compressed(layer)).store(entries, comp.out_loc)

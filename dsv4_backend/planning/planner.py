@@ -256,7 +256,7 @@ def _compressed(
             device=rows.positions.device,
         )
     compress_plan, write_plan = build_compress_plans(
-        rows.batch_ids, rows.positions, rows.first_new, rows.keep_lens, ratio
+        rows.batch_ids, rows.positions, rows.first_new, rows.keep_lens, ratio, config.page_size
     )
     return CompressedMetadata(
         ratio=ratio,

@@ -75,6 +75,24 @@ from dsv4_backend.sglang_adapter.pool_alias import (
 _STATE_ATTR = "_dsv4_backend_attention_state"
 #: Largest EAGLE draft topk served (draft trees are not).
 MAX_DRAFT_TOPK = 1
+#: Prefix-cache modes refused: ``(server_args option, flag, what it does)``. sglang's default
+#: device radix cache is served (every cache and the c4 rings are addressed by cache slot); these
+#: move a prefix's KV through host or external storage (only sglang's own pool buffers would
+#: travel, not this package's allocated caches and rings), replace the tree, or resume a session
+#: at an unaligned length in a fresh pool row (whose request-scoped c128 ring holds nothing).
+UNSUPPORTED_CACHE_MODES = (
+    ("enable_hierarchical_cache", "--enable-hierarchical-cache", "HiCache (host KV tiers)"),
+    ("enable_lmcache", "--enable-lmcache", "LMCache"),
+    ("enable_flexkv", "--enable-flexkv", "FlexKV"),
+    (
+        "enable_unified_cache_external_linker",
+        "--enable-unified-cache-external-linker",
+        "an external KV cache linker",
+    ),
+    ("radix_cache_backend", "--radix-cache-backend", "a custom radix cache backend"),
+    ("enable_session_radix_cache", "--enable-session-radix-cache", "session radix caching"),
+    ("enable_streaming_session", "--enable-streaming-session", "streaming sessions"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,8 +110,8 @@ class RunnerSettings:
 
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
-        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``,
-        ``disable_radix_cache``).
+        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size`` and the cache modes
+        of ``UNSUPPORTED_CACHE_MODES``).
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -117,14 +135,13 @@ class RunnerSettings:
                     f"{option}={size}; the dsv4 backend does not support context parallelism "
                     f"({flag} must be 1)"
                 )
-        if not getattr(args, "disable_radix_cache", False):
-            # Compressor state rings live per request pool row: a request that starts from a
-            # cached prefix of another request has no ring state for the prefix's last block.
-            raise ConfigError(
-                "disable_radix_cache=False; the dsv4 backend keeps compressor state per request "
-                "and cannot resume from a radix-cache prefix hit (start sglang with "
-                "--disable-radix-cache)"
-            )
+        for option, flag, why in UNSUPPORTED_CACHE_MODES:
+            value = getattr(args, option, None)
+            if value:
+                raise ConfigError(
+                    f"{option}={value!r}; the dsv4 backend serves sglang's device radix cache "
+                    f"only, not {why} (drop {flag})"
+                )
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
         config = DSV4AttentionConfig.from_hf_config(
@@ -203,7 +220,8 @@ class DSV4AttentionBackend(AttentionBackend):
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios,
-    context parallelism or an enabled radix cache.
+    context parallelism or a prefix-cache mode of ``UNSUPPORTED_CACHE_MODES`` (sglang's default
+    radix cache is served).
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
     to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
@@ -247,9 +265,12 @@ class DSV4AttentionBackend(AttentionBackend):
     def _plan(self, forward_batch: Any, widths: PlanWidths | None) -> AttentionMetadata:
         """Plan ``forward_batch`` (the one planning body of the eager and the graph path).
 
-        Also resets the compressor rings of requests that (re)start at position 0: the
-        overlapping ratio-4 windows read ring rows before a request's first position, which
-        may still hold an earlier request's state (pool rows are reused).
+        A radix-cache hit is an EXTEND whose ``extend_prefix_lens`` is the cached, page-aligned
+        prefix (sglang matches whole 256-token pages), in a fresh pool row whose
+        ``req_to_token`` row points at the prefix's pages: it is planned like any extend. Its
+        compressors read the prefix's last c4 block from the prefix's own window page (page-
+        scoped rings) and nothing of the c128 ring (no c128 entry spans a page boundary), so
+        nothing is reset: no forward reads a ring row it did not write.
         """
         view = batch_view(
             forward_batch,
@@ -258,12 +279,7 @@ class DSV4AttentionBackend(AttentionBackend):
             num_draft_tokens=self.num_draft_tokens,
             draft=self.draft_step,
         )
-        metadata = plan(self.config, view, widths=widths)
-        if view.extend_prefix_lens is not None and metadata.c4 is not None:
-            fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
-            if fresh:
-                self.state.reset_requests(view.req_pool_indices[fresh])
-        return metadata
+        return plan(self.config, view, widths=widths)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
