@@ -17,9 +17,10 @@ import math
 import pytest
 import torch
 
+from dsv4_backend.compute import AttentionState
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.planning import BatchView
+from dsv4_backend.planning import BatchView, ForwardKind
 from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.simulation import PagedRequestPool, RandomModel
@@ -179,3 +180,138 @@ def test_hit_through_the_sglang_backend() -> None:
             out = sim.layer(backend, step, layer)
             error = sim.max_error(step.rows, layer, out)
             assert error <= ATOL, f"step {i} layer {layer}: {error:.3g}"
+
+
+class SglangHost:
+    """sglang's own objects decide every slot and every hit: its ``UnifiedRadixCache`` (full
+    and SWA components) over its ``SWATokenToKVPoolAllocator`` (full and window slots,
+    ``full_to_swa``, paged) and a ``ReqToTokenPool``; request ``i`` uses pool row ``i + 1``."""
+
+    def __init__(self, model: RandomModel) -> None:
+        from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.components import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+        from test_pool_alias import make_pool
+
+        full, swa = 16 * PAGE, 8 * PAGE
+        kv_pool = make_pool(swa_size=swa, full_size=full)  # only its sizes and SWA pool matter
+        self.alloc = SWATokenToKVPoolAllocator(
+            full, swa, PAGE, torch.float8_e4m3fn, "cpu", kv_pool, need_sort=False
+        )
+        self.r2t = ReqToTokenPool(
+            size=model.pool.num_requests, max_context_len=6 * PAGE, device="cpu",
+            enable_memory_saver=False,
+        )  # fmt: skip
+        self.cache = UnifiedRadixCache(
+            CacheInitParams(
+                disable=False, req_to_token_pool=self.r2t, token_to_kv_pool_allocator=self.alloc,
+                page_size=PAGE, sliding_window_size=CONFIG.window_size,
+                tree_components=(ComponentType.FULL, ComponentType.SWA),
+            )
+        )  # fmt: skip
+        # The model's caches and rings, sized for sglang's slots (page 0 is its padding page).
+        model.state = AttentionState.allocate(
+            CONFIG, num_full_slots=full + PAGE, num_swa_slots=swa + PAGE,
+            num_request_slots=model.pool.num_requests + 1,
+        )  # fmt: skip
+        self.model = model
+        self.lens = [0] * model.pool.num_requests
+
+    @staticmethod
+    def key(tokens: list[int]):  # sglang's radix key of token ids
+        from array import array
+
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        return RadixKey(array("q", tokens))
+
+    def admit(self, request: int, tokens: list[int]) -> int:
+        """Match ``tokens`` in the tree; the hit's cached slots start the request's row.
+        Returns the prefix length sglang hands over."""
+        from sglang.srt.mem_cache.base_prefix_cache import MatchPrefixParams
+
+        # At least one token is left to extend (Req._compute_max_prefix_len).
+        match = self.cache.match_prefix(MatchPrefixParams(key=self.key(tokens[:-1])))
+        hit = match.device_prefix_len
+        slots = self.cache.path_device_indices(match.last_device_node)[:hit]
+        self.r2t.req_to_token[request + 1, :hit] = slots.int()
+        self.lens[request] = hit
+        return hit
+
+    def extend(self, request: int, n: int) -> list[torch.Tensor]:
+        start = self.lens[request]
+        row = self.r2t.req_to_token[request + 1]
+        last = int(row[start - 1]) if start else -1
+        args = [torch.tensor([v]) for v in (start, start, start + n, start + n, last)]
+        loc = self.alloc.alloc_extend(*args, n)
+        row[start : start + n] = loc.int()
+        self.lens[request] = start + n
+        return run(self.model, self.view(request, loc, extend=(start, n)))
+
+    def decode(self, request: int) -> list[torch.Tensor]:
+        row = self.r2t.req_to_token[request + 1]
+        seq = self.lens[request] + 1
+        loc = self.alloc.alloc_decode(
+            torch.tensor([seq]), torch.tensor([seq]), row[seq - 2 : seq - 1].long()
+        )
+        row[seq - 1] = loc.int()
+        self.lens[request] = seq
+        return run(self.model, self.view(request, loc))
+
+    def view(self, request: int, loc: torch.Tensor, extend: tuple[int, int] | None = None):
+        seq = self.lens[request]
+        kind = ForwardKind.DECODE if extend is None else ForwardKind.EXTEND
+        return BatchView(
+            kind=kind, req_pool_indices=torch.tensor([request + 1]),
+            seq_lens=torch.tensor([seq]), seq_lens_cpu=[seq], out_cache_loc=loc.long(),
+            req_to_token=self.r2t.req_to_token, full_to_swa=self.alloc.full_to_swa_index_mapping,
+            extend_prefix_lens=None if extend is None else [extend[0]],
+            extend_seq_lens=None if extend is None else [extend[1]],
+        )  # fmt: skip
+
+    def cache_prompt(self, request: int, tokens: list[int]) -> None:
+        """Insert the request's page-aligned prompt into the tree (``cache_finished_req``)."""
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+
+        n = len(tokens) // PAGE * PAGE
+        slots = self.r2t.req_to_token[request + 1, :n].long()
+        self.cache.insert(InsertParams(key=self.key(tokens[:n]), value=slots))
+
+    def evict_all(self) -> None:
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        self.cache.evict(EvictParams(num_tokens=16 * PAGE, swa_num_tokens=8 * PAGE))
+
+
+def test_hits_decided_by_sglangs_radix_cache_allocator_and_req_to_token_pool() -> None:
+    """A 1100-token prompt is cached; requests sharing 1050, 300 of it hit 1024, 256 (sglang's
+    page-aligned matches); after eviction a request with the prompt recomputes it in freed
+    pages (stale c4 rings) and a later one hits the recomputed prefix (512 of 600)."""
+    from sglang.srt.runtime_context import get_context
+
+    lens = [1100, 1160, 400, 700, 710]
+    same = {1: (0, 1050), 2: (0, 300), 3: (0, 700), 4: (3, 600)}
+    model = make_model(lens, same_tokens=same)
+    prompt = list(range(1000, 2100))
+    tokens = [prompt, prompt[:1050] + list(range(5000, 5110)), prompt[:300] + [7] * 100,
+              prompt[:700], prompt[:600] + [9] * 110]  # fmt: skip
+    with get_context().override_server_args(device="cpu"):
+        host = SglangHost(model)
+        assert host.admit(0, tokens[0]) == 0
+        host.extend(0, 600)
+        host.extend(0, 500)
+        host.cache_prompt(0, tokens[0])
+        assert host.admit(1, tokens[1]) == 1024
+        host.extend(1, 126)
+        host.decode(1)
+        assert host.admit(2, tokens[2]) == 256
+        host.extend(2, 144)
+        host.evict_all()
+        assert host.admit(3, tokens[3]) == 0
+        host.extend(3, 700)
+        host.cache_prompt(3, tokens[3])
+        assert host.admit(4, tokens[4]) == 512
+        host.extend(4, 188)
+        host.decode(4)
