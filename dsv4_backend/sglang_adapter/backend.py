@@ -26,7 +26,7 @@ Every call that consumes the plan first checks it was made for this batch's shap
 (``AttentionMetadata.check_matches``) and raises ``ContractError`` otherwise.
 
 Memory: the caches and compressor rings (``compute.AttentionState``) are sized from the runner's
-pools. With fp8 caches and an sglang ``DeepSeekV4TokenToKVPool`` the caches (and the c128 rings)
+pools. With fp8 caches and an sglang ``DeepSeekV4TokenToKVPool`` the caches (and fitting rings)
 are views of that pool's buffers, which sglang leaves unwritten on this path (``pool_alias``);
 otherwise they are allocated. One state is shared by every backend of a runner (the target
 backend; the draft runner's draft-extend backend and its per-step backends).
@@ -162,11 +162,11 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
     """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
     Sizes: full slots ``full_size`` (else ``size``) plus one page, rounded to pages; window slots
-    ``swa_size`` (else ``size``) plus one, rounded to window pages; one ring row per
-    ``req_to_token`` row. Slot 0 is sglang's padding slot and stays addressable. With an fp8
-    format and an sglang ``DeepSeekV4TokenToKVPool`` the caches are views of that pool's
-    buffers (``pool_alias``; ``ConfigError`` when one is too small), otherwise allocated; one
-    INFO line says which.
+    ``swa_size`` (else ``size``) plus one, rounded to window pages; c4 rings one per window
+    page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is sglang's padding
+    slot and stays addressable. With an fp8 format and an sglang ``DeepSeekV4TokenToKVPool``
+    the caches are views of that pool's buffers (``pool_alias``; ``ConfigError`` when one is
+    too small), otherwise allocated; one INFO line says which.
     """
     pool = runner.token_to_kv_pool
     state = getattr(pool, _STATE_ATTR, None)
