@@ -4,7 +4,9 @@ A decode batch of ``--batch`` requests at context ``--context`` is planned once;
 ``dsv4_backend.compute`` runs on it: the window-key store, the c4 and c128 compressors, the
 indexer compressor and lightning indexer, and sparse attention with sink on a window-only, a c4
 and a c128 layer. Cache contents are whatever earlier calls left (zeros at first): timings do
-not depend on the values.
+not depend on the values. Per op, batch and path it prints the time per call (host and device
+together), rows per second, and the device launches per call (``LaunchCounter``: torch
+kernels, Triton and other launches; the same count on a CPU as on a GPU).
 
 * GPU: DeepSeek-V4-Flash attention shapes (H = 64, D = 512, top-k 512, indexer 64 x 128), FP8
   caches, the compiled Triton path; times are medians of ``triton.testing.do_bench``.
@@ -44,7 +46,8 @@ from dsv4_backend.kernels.dispatch import (  # noqa: E402
     force_path,
 )
 from dsv4_backend.planning import plan  # noqa: E402
-from dsv4_backend.simulation import PagedRequestPool  # noqa: E402
+from dsv4_backend.testing.op_counter import LaunchCounter  # noqa: E402
+from dsv4_backend.testing.simulation import PagedRequestPool  # noqa: E402
 
 #: Layers: 0 window only, 1 ratio 4, 2 ratio 128.
 RATIOS = (0, 4, 128)
@@ -125,15 +128,17 @@ def main() -> None:
         f"device={name} fmt={fmt} context={args.context} H={config.num_heads} "
         f"D={config.head_dim} topk={config.index_topk} threads={torch.get_num_threads()}"
     )
-    print(f"{'op':24} {'batch':>5} {'path':>18} {'us/call':>12} {'rows/s':>12}")
+    print(f"{'op':24} {'batch':>5} {'path':>18} {'us/call':>12} {'rows/s':>12}  launches")
     for batch in args.batch:
         ops = _ops(config, batch, args.context, device, fmt)
         for op, fn in ops.items():
             for path in paths:
                 with force_path(path):
                     seconds = _time(fn, args.reps)
+                    with LaunchCounter() as launches:
+                        fn()
                 print(f"{op:24} {batch:5d} {path:>18} {seconds * 1e6:12.1f} "
-                      f"{batch / seconds:12.0f}")  # fmt: skip
+                      f"{batch / seconds:12.0f}  {launches.summary()}")  # fmt: skip
 
 
 if __name__ == "__main__":

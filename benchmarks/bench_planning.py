@@ -3,15 +3,21 @@
 For each mode (decode, extend, verify, draft step) and batch size it prints:
 
 * ``eager ms`` — median wall time of ``plan(config, batch)`` (widths from host lengths);
-* ``graph ms`` — median of the graph path: ``plan(..., widths=...)`` then
-  ``GraphMetadataBuffers.load``;
-* ``ops`` — aten ops one eager plan runs (counted under a ``TorchDispatchMode``);
+* ``graph ms`` — median of the graph path, ``GraphMetadataBuffers.plan`` (the fused planner
+  writing into the buffers; elsewhere ``plan(..., widths=...)`` then ``load``);
+* ``launches`` — device launches of one eager plan and of one graph-path plan + load
+  (``LaunchCounter``: torch kernels plus Triton / TVM launches; the same on a CPU as on a GPU);
 * ``graph syncs`` — host-sync ops on the graph path (must be 0; extend is not a graph kind
   but is counted too).
 
 Uses the DeepSeek-V4-Flash attention config (index_topk 512, c4 and c128 layers).
 
+The kernel path is ``kernels/dispatch.py``'s: on a CPU the torch planner, or with
+``TRITON_INTERPRET=1`` the fused Triton planner in the interpreter (the launches a GPU runs;
+its CPU times say nothing, and large batches take minutes: pass ``--batch-sizes 1 8``).
+
     python benchmarks/bench_planning.py [--repeat 30] [--device cpu] [--threads 1]
+        [--batch-sizes 1 8 64 256]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from collections.abc import Callable
 import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.kernels.dispatch import select_path
 from dsv4_backend.planning import (
     BatchView,
     DraftStep,
@@ -32,7 +39,7 @@ from dsv4_backend.planning import (
     PlanWidths,
     plan,
 )
-from dsv4_backend.utils.op_counter import OpCounter
+from dsv4_backend.testing.op_counter import LaunchCounter
 
 PAGE = 256
 MAX_CONTEXT = 8192
@@ -105,6 +112,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=30)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     config = flash_config()
@@ -112,12 +120,12 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     print(
         f"device={args.device} torch threads={torch.get_num_threads()} widths={widths} "
-        f"index_topk={config.index_topk}"
+        f"index_topk={config.index_topk} path={select_path(args.device)}"
     )
-    header = f"{'mode':<11}{'bs':>5}{'rows':>7}{'eager ms':>10}{'graph ms':>10}{'ops':>6}"
-    print(header + f"{'graph syncs':>13}")
+    header = f"{'mode':<11}{'bs':>5}{'rows':>7}{'eager ms':>10}{'graph ms':>10}"
+    print(header + f"{'graph syncs':>13}  launches eager / graph")
     for mode in ("decode", "extend", "verify", "draft step"):
-        for bs in BATCH_SIZES:
+        for bs in args.batch_sizes:
             batch = make_batch(mode, bs, args.device, gen)
             rows = batch.num_rows
             bufs = GraphMetadataBuffers(
@@ -125,17 +133,18 @@ def main() -> None:
             )
 
             def graph_path(batch: BatchView = batch, bufs: GraphMetadataBuffers = bufs) -> None:
-                bufs.load(plan(config, batch, widths=widths))
+                bufs.plan(batch)
 
             eager = median_ms(lambda batch=batch: plan(config, batch), args.repeat, args.device)
             graph = median_ms(graph_path, args.repeat, args.device)
-            with OpCounter() as ops:
+            with LaunchCounter() as launches:
                 plan(config, batch)
-            with OpCounter() as graph_ops:
+            with LaunchCounter() as graph_launches:
                 graph_path()
-            syncs = sum(graph_ops.syncs.values())
+            syncs = sum(graph_launches.syncs.values())
             print(
-                f"{mode:<11}{bs:>5}{rows:>7}{eager:>10.3f}{graph:>10.3f}{ops.total:>6}{syncs:>13}"
+                f"{mode:<11}{bs:>5}{rows:>7}{eager:>10.3f}{graph:>10.3f}{syncs:>13}  "
+                f"{launches.summary()} / {graph_launches.summary()}"
             )
 
 

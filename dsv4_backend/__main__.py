@@ -10,7 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dsv4_backend.ab.cli import add_ab_parser
+from dsv4_backend.testing.ab.cli import add_ab_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

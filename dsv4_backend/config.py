@@ -26,6 +26,8 @@ from typing import Any
 from dsv4_backend.errors import ConfigError
 
 SUPPORTED_RATIOS = (0, 4, 128)
+#: ``DSV4AttentionConfig.indexer_selection`` values (exact scores, or sglang's fp8 ones).
+INDEXER_SELECTIONS = ("exact", "fp8")
 #: Ratios with compressed caches, state rings and per-ratio metadata (0 is window only).
 COMPRESSED_RATIOS = (4, 128)
 REQUIRED_PAGE_SIZE = 256
@@ -58,6 +60,11 @@ class DSV4AttentionConfig:
     yarn_original_max_position: int = 65536
     yarn_beta_fast: float = 32.0
     yarn_beta_slow: float = 1.0
+    #: RMSNorm epsilon of the compressors (sglang reads each module's ``variance_epsilon``).
+    rms_norm_eps: float = 1e-6
+    #: Lightning-indexer scores: ``"exact"`` (fp32 queries and keys) or ``"fp8"`` (sglang's
+    #: built-in selection: Hadamard-rotated, e4m3-quantised; ``kernels.indexer_fp8``).
+    indexer_selection: str = "exact"
     #: Speculative decoding doubles the compressor state rings.
     speculative: bool = False
     softmax_scale: float = field(init=False)
@@ -85,6 +92,17 @@ class DSV4AttentionConfig:
         for name in ("num_heads", "head_dim", "index_topk", "index_n_heads", "index_head_dim"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name}={getattr(self, name)}; expected a positive integer")
+        if self.indexer_selection not in INDEXER_SELECTIONS:
+            raise ConfigError(
+                f"indexer_selection={self.indexer_selection!r}; expected one of "
+                f"{INDEXER_SELECTIONS}"
+            )
+        di = self.index_head_dim
+        if self.indexer_selection == "fp8" and di & (di - 1):
+            raise ConfigError(
+                f"indexer_selection='fp8' with index_head_dim={di}; the Hadamard rotation "
+                "needs a power of two"
+            )
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ConfigError(
                 f"rope_dim={self.rope_dim}; expected an even number in (0, head_dim="
@@ -139,40 +157,140 @@ class DSV4AttentionConfig:
         return cls(**values)
 
     @classmethod
-    def from_hf_config(cls, hf: Mapping[str, Any], **overrides: Any) -> DSV4AttentionConfig:
-        """Build from a DeepSeek-V4 ``config.json`` mapping.
+    def from_hf_config(cls, hf: Any, **overrides: Any) -> DSV4AttentionConfig:
+        """Build from a DeepSeek-V4 model config, read by ``read_hf_config`` (its rules).
 
-        Raises ``ConfigError`` naming the missing keys when the mapping is not a DeepSeek-V4
-        config. The MTP slot (the last ratio when there is one more ratio than layers) is kept
-        out: it belongs to the draft model.
+        ``hf`` is the hub ``config.json`` mapping, a transformers ``DeepseekV4Config`` or
+        sglang's runtime config object (``model_config.hf_config``). ``overrides`` replace read
+        values. Raises ``ConfigError`` naming the field that cannot be found.
         """
-        required = ("compress_ratios", "num_attention_heads", "head_dim", "index_topk")
-        missing = [k for k in required if k not in hf]
-        if missing:
-            raise ConfigError(
-                f"config is missing DeepSeek-V4 fields {missing}; expected a DeepSeek-V4 "
-                "config.json (with compress_ratios, index_topk, ...)"
-            )
-        ratios = list(hf["compress_ratios"])
-        layers = hf.get("num_hidden_layers")
-        if layers is not None and len(ratios) == layers + 1:
-            ratios = ratios[:layers]
-        scaling = hf.get("rope_scaling") or {}
-        values: dict[str, Any] = dict(
-            compress_ratios=tuple(ratios),
-            num_heads=int(hf["num_attention_heads"]),
-            head_dim=int(hf["head_dim"]),
-            rope_dim=int(hf.get("qk_rope_head_dim", 64)),
-            window_size=int(hf.get("sliding_window", 128)),
-            index_topk=int(hf["index_topk"]),
-            index_n_heads=int(hf.get("index_n_heads", 64)),
-            index_head_dim=int(hf.get("index_head_dim", 128)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            compress_rope_theta=float(hf.get("compress_rope_theta", 160000.0)),
-            yarn_factor=float(scaling.get("factor", 16.0)),
-            yarn_original_max_position=int(scaling.get("original_max_position_embeddings", 65536)),
-            yarn_beta_fast=float(scaling.get("beta_fast", 32.0)),
-            yarn_beta_slow=float(scaling.get("beta_slow", 1.0)),
-        )
+        values = read_hf_config(hf)
         values.update(overrides)
         return cls(**values)
+
+
+#: transformers' ``layer_types`` label of a window-only layer (the others map through
+#: ``compress_rates``).
+SLIDING_LAYER_TYPE = "sliding_attention"
+
+
+def _field(hf: Any, key: str) -> Any:
+    """``hf[key]`` of a mapping or ``hf.key`` of a config object; None when absent."""
+    if isinstance(hf, Mapping):
+        return hf.get(key)
+    return getattr(hf, key, None)
+
+
+def _required(hf: Any, *keys: str) -> Any:
+    """The first of ``keys`` present in ``hf``; ``ConfigError`` naming them all otherwise."""
+    for key in keys:
+        value = _field(hf, key)
+        if value is not None:
+            return value
+    raise ConfigError(
+        f"config has no {' / '.join(keys)}; expected a DeepSeek-V4 config (hub config.json, "
+        "transformers DeepseekV4Config or sglang's model_config.hf_config)"
+    )
+
+
+def _layer_ratios(hf: Any) -> list[int]:
+    """``compress_ratios`` when present, else ``layer_types`` mapped through ``compress_rates``."""
+    ratios = _field(hf, "compress_ratios")
+    if ratios is None:
+        types, rates = _field(hf, "layer_types"), _field(hf, "compress_rates")
+        if types is None or rates is None:
+            raise ConfigError(
+                "config has neither compress_ratios nor layer_types + compress_rates; expected "
+                "a DeepSeek-V4 config"
+            )
+        unknown = sorted({t for t in types if t != SLIDING_LAYER_TYPE and t not in rates})
+        if unknown:
+            raise ConfigError(f"layer_types {unknown} have no entry in compress_rates {rates}")
+        ratios = [0 if t == SLIDING_LAYER_TYPE else rates[t] for t in types]
+    ratios = [int(r) for r in ratios]
+    layers = _field(hf, "num_hidden_layers")
+    if layers is not None and len(ratios) == int(layers) + 1:
+        ratios = ratios[:-1]  # the MTP (draft) layer's slot
+    return ratios
+
+
+def _rope_sections(hf: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], bool]:
+    """``(main, compress, nested)``: RoPE parameter mappings (either may be empty), and whether
+    they are transformers' nested sections (only those carry the compressed layers' theta).
+
+    transformers nests ``rope_parameters`` as ``{"main": ..., "compress": ...}``; sglang's
+    config object (transformers 5 standardisation of the hub's ``rope_scaling``) keeps one flat
+    ``rope_parameters`` holding the main ``rope_theta`` and the YaRN values; the hub
+    ``config.json`` has ``rope_scaling`` and top-level thetas.
+    """
+    params = _field(hf, "rope_parameters")
+    if isinstance(params, Mapping) and isinstance(params.get("main"), Mapping):
+        return params["main"], params.get("compress") or {}, True
+    if isinstance(params, Mapping):
+        return params, params, False
+    scaling = _field(hf, "rope_scaling")
+    return {}, scaling if isinstance(scaling, Mapping) else {}, False
+
+
+def read_hf_config(hf: Any) -> dict[str, Any]:
+    """``DSV4AttentionConfig`` keyword values from a DeepSeek-V4 model config.
+
+    ``hf`` is a mapping (the hub ``config.json``) or a config object (transformers'
+    ``DeepseekV4Config``, sglang's ``model_config.hf_config``); fields are keys of the mapping
+    or attributes of the object (never ``to_dict()``, which drops what sglang computes).
+
+    One rule per field (first source found wins; none found: ``ConfigError`` naming it):
+
+    ===========================  =================================================================
+    field                        source
+    ===========================  =================================================================
+    compress_ratios              ``compress_ratios``; else ``layer_types`` mapped through
+                                 ``compress_rates`` (``sliding_attention`` = 0). One ratio more
+                                 than ``num_hidden_layers``: the last (MTP) slot is dropped
+    num_heads                    ``num_attention_heads``
+    head_dim                     ``head_dim``
+    rope_dim                     ``qk_rope_head_dim``
+    window_size                  ``sliding_window``, else ``window_size``
+    index_topk / index_n_heads   ``index_topk`` / ``index_n_heads`` / ``index_head_dim``
+    / index_head_dim
+    rms_norm_eps                 ``rms_norm_eps``
+    rope_theta                   ``rope_parameters["main"]["rope_theta"]`` (transformers), else
+                                 flat ``rope_parameters["rope_theta"]`` (sglang), else
+                                 ``rope_theta``
+    compress_rope_theta          ``rope_parameters["compress"]["rope_theta"]``, else
+                                 ``compress_rope_theta``
+    yarn_*                       the compressed layers' scaling: ``rope_parameters["compress"]``,
+                                 else flat ``rope_parameters``, else ``rope_scaling``. YaRN is on
+                                 when it has ``original_max_position_embeddings`` > 0 (sglang's
+                                 rule); then ``factor`` (default 1.0), ``beta_fast`` (32),
+                                 ``beta_slow`` (1) as sglang's model reads them. No scaling: no
+                                 YaRN (``yarn_original_max_position = 0``)
+    ===========================  =================================================================
+    """
+    main, compress, nested = _rope_sections(hf)
+    rope_theta = main.get("rope_theta")
+    compress_theta = compress.get("rope_theta") if nested else None
+    original = int(compress.get("original_max_position_embeddings") or 0)
+    values: dict[str, Any] = dict(
+        compress_ratios=tuple(_layer_ratios(hf)),
+        num_heads=int(_required(hf, "num_attention_heads")),
+        head_dim=int(_required(hf, "head_dim")),
+        rope_dim=int(_required(hf, "qk_rope_head_dim")),
+        window_size=int(_required(hf, "sliding_window", "window_size")),
+        index_topk=int(_required(hf, "index_topk")),
+        index_n_heads=int(_required(hf, "index_n_heads")),
+        index_head_dim=int(_required(hf, "index_head_dim")),
+        rms_norm_eps=float(_required(hf, "rms_norm_eps")),
+        rope_theta=float(rope_theta if rope_theta is not None else _required(hf, "rope_theta")),
+        compress_rope_theta=float(
+            compress_theta if compress_theta is not None else _required(hf, "compress_rope_theta")
+        ),
+        yarn_original_max_position=original,
+    )
+    if original > 0:
+        values.update(
+            yarn_factor=float(compress.get("factor", 1.0)),
+            yarn_beta_fast=float(compress.get("beta_fast", 32.0)),
+            yarn_beta_slow=float(compress.get("beta_slow", 1.0)),
+        )
+    return values

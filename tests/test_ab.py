@@ -17,11 +17,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_backend.ab.backends import DSV4Backend, ReferenceBackend
-from dsv4_backend.ab.cli import add_ab_parser, main, run_ab
-from dsv4_backend.ab.report import build_report, render_markdown
-from dsv4_backend.ab.runner import run_trace
-from dsv4_backend.ab.trace import (
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError
+from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
+from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
+from dsv4_backend.testing.ab.cli import add_ab_parser, main, run_ab
+from dsv4_backend.testing.ab.report import build_report, render_markdown
+from dsv4_backend.testing.ab.runner import run_trace
+from dsv4_backend.testing.ab.trace import (
     BOUNDARY,
     MODES,
     NUM_DRAFT_STEPS,
@@ -29,11 +33,7 @@ from dsv4_backend.ab.trace import (
     PATHS,
     build_trace,
 )
-from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
-from dsv4_backend.simulation import PagedRequestPool
+from dsv4_backend.testing.simulation import PagedRequestPool
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
@@ -97,6 +97,39 @@ def test_reference_against_itself_is_exact(trace) -> None:
         assert stats.max_abs_error == 0.0 and stats.min_cosine == pytest.approx(1.0)
 
 
+class _CountingReference(ReferenceBackend):
+    """The reference backend, counting its prepares and steps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.prepared = self.ran = 0
+
+    def prepare(self, trace, device) -> None:
+        self.prepared += 1
+        super().prepare(trace, device)
+
+    def run(self, step):
+        self.ran += 1
+        return super().run(step)
+
+
+def test_warm_up_runs_every_step_untimed_then_starts_afresh(trace) -> None:
+    """With warm-up (the default on CUDA) each backend runs the whole trace once untimed, is
+    prepared again, and the timed run compares as without it; its seconds are reported apart."""
+    a, b = _CountingReference(), _CountingReference()
+    result = run_trace(trace, a, b, warmup=True)
+    assert result.passed
+    assert all(stats.max_abs_error == 0.0 for stats in result.modes.values())
+    for side in (a, b):
+        assert side.prepared == 2 and side.ran == 2 * len(trace.steps)
+    assert set(result.warmup_s) == {"a", "b"} and min(result.warmup_s.values()) > 0
+    report = build_report(result)
+    assert report["warmup_s"] == result.warmup_s
+    assert "warm-up pass before timing" in render_markdown(report)
+    cold = run_trace(trace, ReferenceBackend(), ReferenceBackend())  # cpu: no warm-up
+    assert cold.warmup_s == {} and "no warm-up pass" in render_markdown(build_report(cold))
+
+
 def test_package_matches_reference_on_every_mode(trace) -> None:
     result = run_trace(trace, torch_dsv4(), ReferenceBackend())
     assert result.passed, result.failed
@@ -155,7 +188,7 @@ def test_sglang_registry_backend_runs_the_trace(trace) -> None:
     """``sglang:dsv4`` (this package's adapter, FP8 caches, built through sglang's registry and
     draft factory) equals ``dsv4-fp8``. The CLI allows it on CUDA only; the driver itself is
     host-agnostic, so it is exercised here through the Python API."""
-    from dsv4_backend.sglang_adapter.ab_backend import SglangBackend
+    from dsv4_backend.testing.ab.sglang_backend import SglangBackend
 
     with force_path("torch"):
         result = run_trace(trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))
@@ -208,6 +241,11 @@ def test_config_file_gives_the_dimensions(tmp_path: Path, capsys) -> None:
         "index_topk": 8,
         "index_n_heads": 2,
         "index_head_dim": 64,
+        "sliding_window": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
     }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(hf))
@@ -240,7 +278,7 @@ def _bad_config(tmp_path: Path) -> list[str]:
         (["--a", "flashattn"], "unknown backend 'flashattn'"),
         (["--b", "sglang:dsv4_builtin", "--device", "cpu"], "needs a CUDA device"),
         (["--device", "tpu"], "--device 'tpu'"),
-        ("bad-config", "missing DeepSeek-V4 fields ['compress_ratios', 'index_topk']"),
+        ("bad-config", "neither compress_ratios nor layer_types + compress_rates"),
         (["--config", "/nonexistent/config.json"], "cannot read it"),
         (["--layers", "0,9"], "layer ids must be in 0 ... 3"),
         (["--atol", "prefil=1e-3"], "--atol names ['prefil']"),

@@ -24,10 +24,13 @@ from dsv4_backend.cache import (
     IndexerKeyCache,
     TokenCache,
 )
-from dsv4_backend.cache.fp8_format import (
+from dsv4_backend.cache.fp8_format import e4m3_decode, e4m3_encode, ue8m0_exponent
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError, ConfigError, ContractError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.fp8_device import (
     bf16_bits_to_fp32,
-    e4m3_decode,
-    e4m3_encode,
     e4m3_to_fp32,
     fp32_to_bf16_bits,
     fp32_to_e4m3,
@@ -37,13 +40,8 @@ from dsv4_backend.cache.fp8_format import (
     load_fp8_nope_block,
     load_fp8_token_block,
     triton_constexprs,
-    ue8m0_exponent,
     ue8m0_exponent_of,
 )
-from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import BatchError, ConfigError, ContractError
-from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.cache_store import store_rows
 
 needs_interpreter = pytest.mark.skipif(
     not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
@@ -126,7 +124,7 @@ def test_known_token_bytes() -> None:
     cache = TokenCache(128, 128, 64, 64, "fp8")
     row = torch.cat([torch.full((64,), 1.0), torch.full((64,), 1.5)])[None]
     with dispatch.force_path("torch"):
-        cache.store(row, torch.tensor([65]))
+        store_rows(cache, row, torch.tensor([65]))
     page = cache.storage[1]
     data = page[192 : 192 + 192]
     assert torch.all(data[:64] == 0x78)  # 1.0 / 2^-8 = 256 = e4m3 0x78
@@ -267,7 +265,7 @@ def test_triton_store_matches_torch_bytes(name, fmt, dtype, row_dtype) -> None:
     for cache, path in zip(caches, ("torch", "triton-interpreter"), strict=True):
         _bytes(cache).copy_(initial)
         with dispatch.force_path(path):
-            cache.store(rows, slots)
+            store_rows(cache, rows, slots)
     torch_bytes, triton_bytes = _bytes(caches[0]), _bytes(caches[1])
     assert torch.equal(torch_bytes, triton_bytes)
     untouched = ~_touched(caches[0], slots)
@@ -308,15 +306,15 @@ def test_store_skips_minus_one_and_empty() -> None:
 def test_store_and_gather_errors() -> None:
     cache = TokenCache(64, 128, 64, 64, "dense")
     with pytest.raises(BatchError, match=r"expected a float tensor \[N, 128\]"):
-        cache.store(torch.ones(2, 96), torch.tensor([0, 1]))
+        store_rows(cache, torch.ones(2, 96), torch.tensor([0, 1]))
     with pytest.raises(BatchError, match=r"spans \[0, 64\]; expected slot ids in \[0, 64\)"):
-        cache.store(torch.ones(2, 128), torch.tensor([0, 64]))
+        store_rows(cache, torch.ones(2, 128), torch.tensor([0, 64]))
     with pytest.raises(BatchError, match="spans"):
         cache.gather(torch.tensor([-2]))
     with pytest.raises(BatchError, match="integer tensor"):
         cache.gather(torch.tensor([0.0]))
     with pytest.raises(BatchError, match=r"expected \(2,\), one per row"):
-        cache.store(torch.ones(2, 128), torch.tensor([0, 1, 2]))
+        store_rows(cache, torch.ones(2, 128), torch.tensor([0, 1, 2]))
     with pytest.raises(ConfigError, match="fmt='fp4'"):
         TokenCache(64, 128, 64, 64, "fp4")  # type: ignore[arg-type]
 

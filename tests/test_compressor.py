@@ -14,7 +14,7 @@ from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.compressor import CompressorState, compress_forward
-from dsv4_backend.reference import compress_entries, overlap, rope_for_ratio
+from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_ratio
 
 CONFIG = DSV4AttentionConfig.tiny()
 SPEC_CONFIG = DSV4AttentionConfig.tiny(speculative=True)

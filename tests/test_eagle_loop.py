@@ -26,11 +26,12 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.kernels.sparse_attention import force_num_splits
 from dsv4_backend.planning import per_step_draft_out_cache_loc
-from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 ATOL = 2e-5
@@ -152,11 +153,13 @@ def test_eagle_v2_loop_matches_the_full_causal_pass(graph: bool) -> None:
     assert loop.checked == 4 + 4 * (8 + 4 + 1 + 4)
 
 
-def test_one_round_through_the_triton_kernels() -> None:
-    """A short segment with every Triton kernel (interpreter on the CPU)."""
+@pytest.mark.parametrize("splits", [1, 2], ids=["one-split", "split-merge"])
+def test_one_round_through_the_triton_kernels(splits: int) -> None:
+    """A short segment (draft steps, verify, draft extend, decode) with every Triton kernel
+    (interpreter on the CPU), the attention with one key split and with two."""
     loop = Loop([126, 9], [140, 24], graph=True, seed=3)
     loop.prefill()
-    with force_path("triton-interpreter"):
+    with force_path("triton-interpreter"), force_num_splits(splits):
         loop.round()
 
 

@@ -11,6 +11,7 @@ from planning_spec import BatchSpec, assert_same, flatten, make_batch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
 from dsv4_backend.planning import (
     AttentionMetadata,
     BatchView,
@@ -21,7 +22,7 @@ from dsv4_backend.planning import (
     plan,
     seq_len_fill_value,
 )
-from dsv4_backend.utils.op_counter import OpCounter
+from dsv4_backend.testing.op_counter import LaunchCounter, OpCounter
 
 CONFIG = DSV4AttentionConfig.tiny()
 WIDTHS = PlanWidths(page_table=20, c128=40)  # covers 5120 tokens
@@ -198,3 +199,20 @@ def test_graph_path_equals_eager_random(spec: BatchSpec, extra_rows: int) -> Non
     num_rows = batch.num_rows + extra_rows
     loaded = bufs.load(plan(CONFIG, batch, widths=WIDTHS), num_rows=num_rows)
     assert_same(flatten(loaded), padded(plan(CONFIG, batch), num_rows, WIDTHS), str(spec))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("extra_rows", [0, 5])
+def test_fused_plan_into_buffers_equals_torch_plan_loaded(spec: BatchSpec, extra_rows: int):
+    """``buffers.plan`` (the fused planner in the interpreter, writing padded rows itself)
+    equals the torch planner's plan loaded with ``load``, in one launch."""
+    batch = make_batch(spec)
+    num_rows = batch.num_rows + extra_rows
+    with force_path(TORCH):
+        want = flatten(buffers().load(plan(CONFIG, batch, widths=WIDTHS), num_rows=num_rows))
+    bufs = buffers()
+    with force_path(TRITON_INTERPRETER), LaunchCounter() as launches:
+        got = flatten(bufs.plan(batch, num_rows=num_rows))
+    assert_same(got, want, spec.name)
+    extend = spec.kind is ForwardKind.EXTEND
+    assert launches.total <= (2 if extend else 1) or not batch.num_rows, launches.summary()

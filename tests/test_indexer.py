@@ -22,8 +22,9 @@ from dsv4_backend.cache import IndexerKeyCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import indexer
+from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
-from dsv4_backend.reference import make_random_layer, reference_layer
+from dsv4_backend.testing.reference import make_random_layer, reference_layer
 
 CFG = DSV4AttentionConfig.tiny()
 HI, DI, TOPK = CFG.index_n_heads, CFG.index_head_dim, CFG.index_topk
@@ -45,7 +46,7 @@ class Batch:
     def cache(self, fmt: str, dtype: torch.dtype = torch.float32) -> IndexerKeyCache:
         cache = IndexerKeyCache(self.keys.shape[0], DI, fmt, dtype=dtype)
         with force_path(TORCH):
-            cache.store(self.keys, torch.arange(self.keys.shape[0]))
+            store_rows(cache, self.keys, torch.arange(self.keys.shape[0]))
         return cache
 
 
@@ -220,7 +221,7 @@ def test_matches_reference_indexer_select():
     cache = IndexerKeyCache(8 * E, DI, "dense")
     entry_slots = [int(request_pages[j // E]) * E + j % E for j in range(n_entries)]
     with force_path(TORCH):
-        cache.store(result.index_keys, torch.tensor(entry_slots))
+        store_rows(cache, result.index_keys, torch.tensor(entry_slots))
     out = torch.full((rows, TOPK), -1, dtype=torch.int32)
     indexer.run_indexer(
         inputs.index_q[positions],
@@ -324,3 +325,15 @@ def test_flashinfer_branch_passes_arguments_flashinfer_accepts(monkeypatch):
     indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
     assert calls == [{"tie_break": 1, "dsa_graph_safe": True}]
     assert torch.equal(out, brute_select(scores, b.num, b.page_table, TOPK))
+
+
+def test_warm_up_topk_runs_flashinfer_once_before_capture(monkeypatch):
+    """On a flashinfer device the warm-up runs one top-k (JIT build, workspace); elsewhere
+    nothing."""
+    calls = []
+    monkeypatch.setattr(indexer, "_best_columns", lambda x, k: calls.append((x.shape, k)))
+    indexer.warm_up_topk("cpu", 8)
+    assert calls == []
+    monkeypatch.setattr(indexer, "_use_flashinfer_topk", lambda device: True)
+    indexer.warm_up_topk("cpu", 8)
+    assert calls == [((1, 9), 8)]

@@ -13,10 +13,11 @@ import torch
 
 from dsv4_backend.compute import AttentionState, compress_and_store, select_c4_entries
 from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
 from dsv4_backend.planning import plan
-from dsv4_backend.simulation import PagedRequestPool
-from dsv4_backend.utils.op_counter import LaunchCounter
+from dsv4_backend.testing.op_counter import LaunchCounter
+from dsv4_backend.testing.simulation import PagedRequestPool
 
 CONFIG = DSV4AttentionConfig.tiny(compress_ratios=(4, 128))
 LENGTHS = [130, 7]
@@ -27,7 +28,8 @@ INDEXER_BUDGET = 3
 def _batches(pool: PagedRequestPool) -> dict:
     requests = list(range(len(LENGTHS)))
     return {
-        "prefill": pool.extend(requests, [0] * len(LENGTHS), LENGTHS),
+        # A chunk of 10 tokens crossing a c128 block (and c4 blocks), a fresh 7-token prefill.
+        "prefill": pool.extend(requests, [120, 0], [10, 7]),
         "decode": pool.decode(requests, LENGTHS),
         "verify": pool.verify(requests, LENGTHS, 3),
     }
@@ -103,7 +105,7 @@ def test_counter_sees_torch_and_triton_launches(setup: tuple):
     with LaunchCounter() as launches:
         y = x.view(8, 4)[1:]  # views: no launch
         y = y + 1  # one kernel
-        state.pools.window(0).store(key, skip)  # one Triton kernel; CPU-only slot check
+        store_rows(state.pools.window(0), key, skip)  # one Triton kernel; CPU-only slot check
     assert launches.torch_ops == {"aten.add": 1}
     assert launches.kernels == {"triton:_store_fp8_token_kernel": 1}
     assert launches.total == 2

@@ -23,7 +23,7 @@ from dsv4_backend.planning import (
     per_step_draft_out_cache_loc,
     plan,
 )
-from dsv4_backend.utils.op_counter import OpCounter
+from dsv4_backend.testing.op_counter import OpCounter
 
 CONFIG = DSV4AttentionConfig.tiny()
 D, E, V = ForwardKind.DECODE, ForwardKind.EXTEND, ForwardKind.TARGET_VERIFY
@@ -129,6 +129,34 @@ def test_c4_write_plan_keeps_the_last_block_of_every_page() -> None:
     assert kept(write) == [508, 509, 510, 511, 596, 597, 598, 599, 600]
     _, write = compute_compress_plans(*args, 128)
     assert kept(write) == list(range(512, 601))
+
+
+def test_fused_planner_keeps_the_page_ends_too() -> None:
+    """The fused kernel's closed-form record indices agree with the torch plans when the c4
+    write plan holds page ends before each request's tail (long extends, verify, decode)."""
+    from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+    from dsv4_backend.planning.planner import fuses
+    from dsv4_backend.testing.simulation import PagedRequestPool
+
+    config = DSV4AttentionConfig.tiny(speculative=True)
+    generator = torch.Generator().manual_seed(0)
+    pool = PagedRequestPool(config, [900, 700, 1300, 40], generator=generator)
+    batches = [
+        pool.extend([0, 1, 2, 3], [0, 250, 509, 3], [900, 420, 700, 30]),
+        pool.extend([2, 0], [1000, 100], [255, 700]),
+        pool.verify([0, 1, 2], [251, 509, 254], 4),
+    ]
+    for batch in batches:
+        with force_path(TRITON_INTERPRETER):
+            assert fuses(batch)
+            fused = plan(config, batch)
+        with force_path(TORCH):
+            torch_plan = plan(config, batch)
+        for ratio in (4, 128):
+            for name in ("compress_plan", "write_plan"):
+                got = getattr(fused.compressed(ratio), name)
+                assert torch.equal(got, getattr(torch_plan.compressed(ratio), name)), name
+    assert int((fused.c4.write_plan[:, 0] >= 0).sum()) == 12  # verify: every row kept
 
 
 def test_row_fields_by_hand() -> None:

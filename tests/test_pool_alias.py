@@ -17,6 +17,7 @@ from sglang.srt.runtime_context import get_context
 from dsv4_backend.cache import DSV4CachePools, IndexerKeyCache, TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
+from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.sglang_adapter.backend import shared_state
 
 CONFIG = DSV4AttentionConfig(compress_ratios=(0, 4, 128, 4), num_heads=8, index_topk=16)
@@ -134,14 +135,14 @@ def test_store_gather_round_trip_through_the_pool(pool, state) -> None:
         cache_slots = torch.randperm(cache.num_slots, generator=gen)[:5]
         rows = torch.randn(len(cache_slots), dim, generator=gen)
         before = buf.clone()
-        cache.store(rows, cache_slots)
+        store_rows(cache, rows, cache_slots)
         assert not torch.equal(before, buf), f"{cache} did not write sglang's buffer"
         # Same bytes as a freshly allocated cache of the same layout.
         if isinstance(cache, IndexerKeyCache):
             fresh = IndexerKeyCache(cache.num_slots, dim, "fp8")
         else:
             fresh = TokenCache(cache.num_slots, dim, CONFIG.rope_dim, cache.page_tokens, "fp8")
-        fresh.store(rows, cache_slots)
+        store_rows(fresh, rows, cache_slots)
         torch.testing.assert_close(
             cache.gather(cache_slots), fresh.gather(cache_slots), rtol=0, atol=0
         )

@@ -21,9 +21,9 @@ from dsv4_backend.compute import AttentionState
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import BatchView, ForwardKind
-from dsv4_backend.sglang_adapter import harness
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 PAGE = CONFIG.page_size

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
-from dsv4_backend.reference import (
+from dsv4_backend.testing.reference import (
     RopeParams,
     apply_rope,
     compress_entries,
@@ -73,7 +73,7 @@ def test_window_layers_use_rope_theta_without_yarn() -> None:
     rope = rope_for_ratio(CONFIG, 0)
     assert rope.yarn is None and rope.theta == CONFIG.rope_theta
     want = 1.0 / CONFIG.rope_theta ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
-    torch.testing.assert_close(rope.frequencies(), want)
+    torch.testing.assert_close(rope.frequencies(), want.float())
 
 
 def test_yarn_with_factor_one_equals_plain_rope() -> None:
@@ -90,11 +90,36 @@ def test_yarn_blends_fast_dims_unchanged_and_slow_dims_divided() -> None:
     # DeepSeek-V4's correction range for theta 160000, 64 dims, beta 32/1, 65536 positions:
     # floor(15.45) = 15 .. ceil(24.70) = 25.
     low, high = 15, 25
-    torch.testing.assert_close(ratio[: low + 1], torch.ones(low + 1, dtype=torch.float64))
-    torch.testing.assert_close(ratio[high:], torch.full((32 - high,), 16.0, dtype=torch.float64))
-    ramp = (torch.arange(32, dtype=torch.float64) - low) / (high - low)
+    torch.testing.assert_close(ratio[: low + 1], torch.ones(low + 1))
+    torch.testing.assert_close(ratio[high:], torch.full((32 - high,), 16.0))
+    ramp = (torch.arange(32, dtype=torch.float32) - low) / (high - low)
     want = plain * (1 - ramp.clamp(0, 1)) + plain / 16 * ramp.clamp(0, 1)
     torch.testing.assert_close(yarn_freqs, want)
+
+
+@pytest.mark.parametrize("ratio", [0, 4])
+@pytest.mark.parametrize("yarn", [{}, {"yarn_factor": 8.0, "yarn_original_max_position": 4096}])
+def test_cos_sin_are_sglangs_float32_table_rows(ratio: int, yarn: dict) -> None:
+    from sglang.kernels.ops.attention.dsv4.rope import precompute_freqs_cis
+
+    cfg = DSV4AttentionConfig.tiny(**yarn)
+    rope = rope_for_ratio(cfg, ratio)
+    kwargs = dict(
+        dim=cfg.rope_dim,
+        original_seq_len=0 if rope.yarn is None else cfg.yarn_original_max_position,
+        base=rope.theta,
+        factor=cfg.yarn_factor,
+        beta_fast=cfg.yarn_beta_fast,
+        beta_slow=cfg.yarn_beta_slow,
+    )
+    positions = torch.tensor([0, 1, 17, 4095, 65_535, 700_001, 1_048_575])
+    table = precompute_freqs_cis(seqlen=int(positions.max()) + 1, **kwargs)[positions]
+    cos, sin = rope.cos_sin(positions)
+    torch.testing.assert_close(cos, table.real, atol=2e-7, rtol=0)
+    torch.testing.assert_close(sin, table.imag, atol=2e-7, rtol=0)
+    # Negative control: exact (float64) angles are far off at large positions.
+    exact = positions.double()[:, None] * rope.frequencies().double()
+    assert (exact.cos().float() - table.real).abs().max() > 1e-2
 
 
 def test_yarn_off_when_original_max_position_is_zero() -> None:

@@ -1,7 +1,7 @@
 """Sparse attention with sink: Triton (interpreter) == torch path == reference, every key mix.
 
 Three independent answers are compared: the Triton kernel (one split and several, i.e. the
-finalising and the split-merge kernels), the torch path, and ``dsv4_backend.reference``
+finalising and the split-merge kernels), the torch path, and ``dsv4_backend.testing.reference``
 (``reference_attention`` for whole requests laid out in caches the way the planner indexes them,
 ``sink_attention`` per row for synthetic index tensors).
 
@@ -15,7 +15,6 @@ each softmax weight by a factor within ``exp(+-2 delta)``, and the output by at 
 from __future__ import annotations
 
 import math
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -26,14 +25,18 @@ from dsv4_backend.cache import TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.sparse_attention import (
     MAX_SPLITS,
-    _default_num_splits,
+    attention_tolerance,
+    default_num_splits,
+    dot_operand_dtype,
+    force_num_splits,
     sparse_attention_torch,
     sparse_attention_triton,
     sparse_attention_with_sink,
 )
-from dsv4_backend.reference import reference_attention, sink_attention
+from dsv4_backend.testing.reference import reference_attention, sink_attention
 
 pytestmark = pytest.mark.skipif(
     not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
@@ -50,7 +53,7 @@ def _cache(rows: torch.Tensor, page_tokens: int, fmt: str, dtype=torch.float32) 
     """A token cache holding ``rows`` ``[num_slots, D]`` at slots ``0 ... num_slots-1``."""
     cache = TokenCache(rows.shape[0], rows.shape[1], ROPE, page_tokens, fmt, dtype)
     with dispatch.force_path("torch"):
-        cache.store(rows, torch.arange(rows.shape[0]))
+        store_rows(cache, rows, torch.arange(rows.shape[0]))
     return cache
 
 
@@ -245,6 +248,22 @@ def test_fp8_cache(dim):
     assert (outs["torch"] - exact).abs().max() > 1e-4  # the fp8 path really quantised
 
 
+@pytest.mark.parametrize("win_fmt, ext_dtype", [("dense", torch.bfloat16), ("fp8", torch.float32)])
+def test_window_and_extra_caches_of_different_types(win_fmt, ext_dtype):
+    """A window cache and an extra cache of different storage types (fp32 / bf16 dense, fp8 /
+    dense) take the kernel's two-gather path; same answer as the torch path."""
+    g = torch.Generator().manual_seed(8)
+    win = _cache(_keys(200, 128, g), 128, win_fmt)
+    ext = _cache(_keys(30, 128, g), 64, "dense", ext_dtype)
+    idx, lens = _indices([128, 3, 0, 70], 128, 200, g)
+    eidx, elens = _indices([5, 16, 2, 0], 16, 30, g)
+    q = torch.randn(4, 8, 128, generator=g)
+    args = (q, win, idx, lens, ext, eidx, elens, torch.randn(8, generator=g), TINY.softmax_scale)
+    outs = _all_paths(*args)
+    expected = outs.pop("torch")
+    _assert_all_close(outs, expected)
+
+
 # ------------------------------------------------------- whole requests vs the reference
 def _request_inputs(ratio: int, seq_len: int, positions: list[int], fmt: str, seed: int):
     """One request of ``seq_len`` tokens laid out in caches at shuffled slots, indexed for the
@@ -344,6 +363,29 @@ def test_any_split_matches_torch(lengths, splits, holes, sink, seed):
     )
 
 
+def test_cuda_tolerance_covers_bf16_operand_rounding():
+    """The GPU kernel rounds q, keys and softmax weights to bf16 once each (fp32 sums): that
+    rounding, emulated in fp32 on random rows (flat and peaked softmaxes), stays within
+    ``attention_tolerance`` for CUDA, with a margin."""
+    g = torch.Generator().manual_seed(9)
+    tol = attention_tolerance(torch.device("cuda"))
+    assert dot_operand_dtype("cuda") == torch.bfloat16
+    assert attention_tolerance("cpu") == pytest.approx(2e-5)
+    bf16 = lambda x: x.bfloat16().float()  # noqa: E731
+    worst = 0.0
+    for q_scale in (1.0, 3.0):
+        for _ in range(20):
+            q, k = torch.randn(8, 128, generator=g) * q_scale, _keys(144, 128, g)
+            sink = torch.randn(8, generator=g)
+            exact = sink_attention(q, k, sink, TINY.softmax_scale)
+            logits = bf16(q) @ k.T * TINY.softmax_scale
+            m = torch.maximum(logits.amax(-1), sink)
+            p = torch.exp(logits - m[:, None])
+            emulated = bf16(p) @ k / (p.sum(-1) + torch.exp(sink - m))[:, None]
+            worst = max(worst, (emulated - exact).abs().max().item())
+    assert 1e-3 < worst < tol / 1.5, worst
+
+
 # ---------------------------------------------------------------------------- bad input
 def _valid_args():
     g = torch.Generator().manual_seed(0)
@@ -400,13 +442,26 @@ def test_bad_split_count_is_refused():
         sparse_attention_triton(**_valid_args(), num_splits=0)
 
 
-def test_default_split_count_on_a_gpu(monkeypatch):
-    """The CUDA split heuristic (its device query stubbed): about two programs per SM, never
-    more splits than key blocks or ``MAX_SPLITS``, and an empty batch (0 rows) is fine."""
-    props = SimpleNamespace(multi_processor_count=132)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
-    cuda = torch.device("cuda")
-    assert _default_num_splits(1, 64, 640, 32, cuda) == 20  # 4 programs; 20 key blocks
-    assert _default_num_splits(1, 64, 4096, 32, cuda) == MAX_SPLITS
-    assert _default_num_splits(512, 64, 640, 32, cuda) == 1
-    assert 1 <= _default_num_splits(0, 64, 640, 32, cuda) <= MAX_SPLITS
+def test_default_split_count_fills_the_gpu():
+    """At most one wave of programs: bs 1 at Flash shapes (one 64-head program per row)
+    splits its 640 keys into as many chunks as SMs allow, never more than its key blocks or
+    ``MAX_SPLITS``; a batch that fills the SMs alone takes one split; 0 rows are fine."""
+    assert default_num_splits(1, 64, 640, 64, sms=132) == 10  # 10 key blocks of 64
+    assert default_num_splits(1, 64, 640, 16, sms=132) == MAX_SPLITS
+    assert default_num_splits(8, 64, 640, 64, sms=132) == 10  # 17 wanted, 10 blocks
+    assert default_num_splits(64, 64, 640, 64, sms=132) == 2  # one wave: 128 programs
+    assert default_num_splits(132, 64, 640, 64, sms=132) == 1
+    assert default_num_splits(8, 8, 640, 64, sms=132) == 10  # tiny: 16-head programs
+    assert 1 <= default_num_splits(0, 64, 640, 64, sms=132) <= MAX_SPLITS
+
+
+def test_forced_split_count_applies_and_is_checked():
+    """``force_num_splits`` pins the split count of launches without ``num_splits`` (the
+    serving-mode tests use it) and refuses counts outside 1 ... MAX_SPLITS."""
+    args = _valid_args()
+    with force_num_splits(3):
+        forced = sparse_attention_triton(**args)
+    torch.testing.assert_close(forced, sparse_attention_torch(**args), atol=ATOL, rtol=1e-5)
+    for bad in (0, MAX_SPLITS + 1):
+        with pytest.raises(BatchError, match=f"num_splits={bad}"), force_num_splits(bad):
+            pass

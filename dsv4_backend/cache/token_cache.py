@@ -7,8 +7,10 @@ A cache holds ``num_slots`` rows of ``dim`` channels, addressed by int64 slot id
   :mod:`dsv4_backend.cache.fp8_format` (sglang's DeepSeek-V4 pool format). An fp8 cache can be
   built over given bytes instead of allocating (``over``: a view, e.g. of a host's KV buffer).
 
-Kernels read ``storage`` directly (device helpers in ``fp8_format``); ``gather`` is the torch
-reader used by torch paths and tests.
+A cache only holds data: kernels read and write ``storage`` directly (writes:
+:func:`dsv4_backend.kernels.cache_store.store_rows`; device helpers:
+:mod:`dsv4_backend.kernels.fp8_device`); ``gather`` is the torch reader used by torch paths
+and tests.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 
 from dsv4_backend.cache.fp8_format import Fp8IndexerLayout, Fp8TokenLayout
 from dsv4_backend.errors import BatchError, ConfigError
-from dsv4_backend.utils.op_counter import uncounted
+from dsv4_backend.ops.launches import uncounted
 
 CacheFormat = Literal["dense", "fp8"]
 FORMATS = ("dense", "fp8")
@@ -91,12 +93,6 @@ class SlotCache:
                     "or -1 (no slot)"
                 )
         return slots.long()
-
-    def store(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``rows`` ``[N, dim]`` (float) at ``slots`` ``[N]`` (int); slot -1 is skipped."""
-        from dsv4_backend.kernels.cache_store import store_rows  # kernels import this module
-
-        store_rows(self, rows, slots)
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (int, any shape ``[...]``) as ``[..., dim]`` fp32; -1 gives zeros."""

@@ -4,8 +4,8 @@
 sglang model) that call them separately.
 """
 
+from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.compute.layer import (
-    AttentionState,
     attend,
     compress_and_store,
     forward_layer,

@@ -1,5 +1,5 @@
-"""Run one attention layer of a planned batch (host-agnostic; the sglang adapter and the
-serving simulator both call ``forward_layer``).
+"""Run one attention layer of a planned batch (host-agnostic). The sglang adapter calls the
+steps one by one, as sglang's model calls it; the serving simulator calls ``forward_layer``.
 
 Order inside a layer (dsv4-attention.md section 3): the window key is written; on ratio-4
 layers the indexer compressor writes its keys and the indexer selects each row's top-k c4
@@ -10,87 +10,17 @@ completed earlier in the same forward are therefore visible to later rows.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
-
 import torch
 
-from dsv4_backend.cache import DSV4CachePools
-from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels.compressor import CompressorState, compress_forward
+from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.compressor import compress_forward
 from dsv4_backend.kernels.indexer import run_indexer
+from dsv4_backend.kernels.indexer_fp8 import quantised_view
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
+from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
-from dsv4_backend.reference.layer import LayerInputs, LayerParams
-from dsv4_backend.reference.rope import rope_for_ratio
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionState:
-    """Everything a model's attention keeps between forwards.
-
-    Attributes
-    ----------
-    pools : per-layer window, compressed and indexer caches.
-    compressor_states : compressor state rings of each compressed layer.
-    indexer_states : the indexer compressor's rings of each ratio-4 layer.
-
-    Everything but the c128 rings is addressed by cache slot (full page, window slot or window
-    page), never by request: a request that starts from another request's cached, page-aligned
-    prefix (a radix-cache hit) finds the prefix's keys, entries and c4 state where that request
-    left them. A c128 entry never spans a page boundary, so nothing of the c128 ring is pending
-    at such a prefix; the rings are request-scoped like sglang's.
-    """
-
-    config: DSV4AttentionConfig
-    pools: DSV4CachePools
-    compressor_states: dict[int, CompressorState]
-    indexer_states: dict[int, CompressorState]
-
-    @classmethod
-    def allocate(
-        cls,
-        config: DSV4AttentionConfig,
-        *,
-        num_full_slots: int,
-        num_swa_slots: int,
-        num_request_slots: int,
-        fmt: CacheFormat = "dense",
-        dtype: torch.dtype = torch.float32,
-        device: torch.device | str = "cpu",
-    ) -> AttentionState:
-        """Zeroed caches and reset rings: c4 rings for every window page of ``num_swa_slots``,
-        c128 rings for ``num_request_slots`` request pool rows."""
-        pools = DSV4CachePools.build(
-            config,
-            num_full_slots=num_full_slots,
-            num_swa_slots=num_swa_slots,
-            fmt=fmt,
-            dtype=dtype,
-            device=device,
-        )
-        slots = ring_slots(config, num_swa_slots=num_swa_slots, num_request_slots=num_request_slots)
-        core, index = {}, {}
-        for layer, ratio in enumerate(config.compress_ratios):
-            if ratio:
-                core[layer] = CompressorState.allocate(
-                    config, ratio, config.head_dim, slots[ratio], device
-                )
-            if ratio == 4:
-                index[layer] = CompressorState.allocate(
-                    config, 4, config.index_head_dim, slots[4], device
-                )
-        return cls(config=config, pools=pools, compressor_states=core, indexer_states=index)
-
-
-def ring_slots(
-    config: DSV4AttentionConfig, *, num_swa_slots: int, num_request_slots: int
-) -> dict[int, int]:
-    """Ring slots of each ratio's compressor states: c4 rings are page-scoped (one per window
-    page of ``config.page_size`` slots), c128 rings request-scoped (one per pool row)."""
-    return {4: math.ceil(num_swa_slots / config.page_size), 128: num_request_slots}
 
 
 def _compressed(metadata: AttentionMetadata, ratio: int, where: str) -> CompressedMetadata:
@@ -107,7 +37,7 @@ def store_window_keys(
     state: AttentionState, layer: int, metadata: AttentionMetadata, kv: torch.Tensor
 ) -> None:
     """Write this forward's window keys ``kv`` ``[T, D]`` (normed, roped) of ``layer``."""
-    state.pools.window(layer).store(kv, metadata.swa_out_loc)
+    store_rows(state.pools.window(layer), kv, metadata.swa_out_loc)
 
 
 def compress_and_store(
@@ -121,23 +51,28 @@ def compress_and_store(
     norm_weight: torch.Tensor,
     *,
     indexer: bool = False,
+    norm_eps: float | None = None,
 ) -> None:
     """Run ``layer``'s compressor (or its indexer's, ``indexer=True``) over this forward.
 
     ``kv_proj`` / ``score_proj`` ``[T, c*D]`` (scores without ``ape``); the rings are updated
     and the entries completed by this forward are stored in the layer's compressed cache (or
-    indexer key cache) at ``out_loc``.
+    indexer key cache) at ``out_loc``. ``norm_eps``: the RMSNorm epsilon (default
+    ``config.rms_norm_eps``).
     """
     ratio = 4 if indexer else state.config.compress_ratios[layer]
     comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
     rings = (state.indexer_states if indexer else state.compressor_states)[layer]
     entries = compress_forward(
-        rings, kv_proj, score_proj, ape, norm_weight, rope_for_ratio(state.config, ratio),
+        rings, kv_proj, score_proj, ape, norm_weight, state.rope,
         req_pool_indices, metadata.swa_page_indices, metadata.positions_causal,
         comp.compress_plan, comp.write_plan,
+        norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
     )  # fmt: skip
     pools = state.pools
-    (pools.indexer(layer) if indexer else pools.compressed(layer)).store(entries, comp.out_loc)
+    if indexer and state.config.indexer_selection == "fp8":
+        entries = quantised_view(entries)  # rows completing no entry stay 0
+    store_rows(pools.indexer(layer) if indexer else pools.compressed(layer), entries, comp.out_loc)
 
 
 def select_c4_entries(
@@ -149,9 +84,13 @@ def select_c4_entries(
 ) -> None:
     """The lightning indexer: each row's top-k c4 slots into ``metadata.c4.page_indices``.
 
-    ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled).
+    ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled). With
+    ``config.indexer_selection == "fp8"`` the queries (and, in ``compress_and_store``, the
+    keys) are sglang's rotated e4m3 values (``kernels.indexer_fp8``).
     """
     comp = _compressed(metadata, 4, f"indexer of layer {layer}")
+    if state.config.indexer_selection == "fp8":
+        index_q = quantised_view(index_q)
     run_indexer(
         index_q, index_weights, state.pools.indexer(layer), metadata.page_table,
         comp.topk_lengths_raw, state.config.index_topk, comp.page_indices,

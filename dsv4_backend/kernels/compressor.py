@@ -1,7 +1,7 @@
 """Compressor: softmax-gated pooling of tokens into c4 / c128 entries, prefill and decode alike.
 
-dsv4-attention.md section 2 (formulas: ``dsv4_backend.reference.compressor``). Shapes use ``T``
-ragged rows, ``B`` requests, ``D`` the compressed head dim (``config.head_dim`` for a layer,
+dsv4-attention.md section 2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shapes use
+``T`` ragged rows, ``B`` requests, ``D`` the compressed head dim (``config.head_dim`` for a layer,
 ``index_head_dim`` for the indexer's compressor), ``c`` the overlap (2 for ratio 4, else 1),
 ``r`` the ratio, ``span`` the tokens per entry (8 for ratio 4, 128 for ratio 128) and ``R``
 ``ring_rows``.
@@ -33,90 +33,26 @@ can be captured in a CUDA graph (warm up first: the first call compiles).
 Paths (``dispatch.use_triton``): two Triton launches, ``_compress_entry_kernel`` (pool, norm,
 RoPE and the zero rows, one program per record) then ``_ring_write_kernel``; the storing of the
 entries into the cache is the third (``compute.compress_and_store``). The torch path pools with
-the same gathers and finishes with ``reference.compressor.finish_entries``.
+the same gathers and finishes with ``ops.compress.finish_entries``.
 """
 
 from __future__ import annotations
-
-import functools
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
-from dsv4_backend.reference.compressor import finish_entries, overlap, pool_slots
-from dsv4_backend.reference.rope import RopeParams
+from dsv4_backend.ops.compress import finish_entries, overlap, pool_slots
+from dsv4_backend.ops.rope import CosSin, RopeTable
 
 #: Upper bound on the ``[BLOCK_S, 2 * BLOCK_P]`` elements of one pooling step.
 POOL_TILE = 4096
-#: RMSNorm epsilon of the compressed entries (``reference.norm.rms_norm``'s default).
-RMS_NORM_EPS = 1e-6
 #: Columns per ring-write program.
 WRITE_BLOCK = 256
-
-
-# ---------------------------------------------------------------------------------- state
-@dataclass(frozen=True, eq=False)
-class CompressorState:
-    """Compressor state rings of one layer (or of the indexer's compressor).
-
-    Attributes
-    ----------
-    ratio : 4 or 128.
-    head_dim : ``D`` of the compressed entries.
-    ring : ``[num_slots, R, 2 * c * D]`` float32 rows ``[kv | score + ape]``, indexed by ring
-        slot and ``position % R``. Slots: c128, a request's pool index (``req_pool_indices``);
-        c4, a window page (``window_slot // window_page``).
-    window_page : window slots per ring slot of a page-scoped (c4) state (the KV page size,
-        256); 0 for a request-scoped (c128) state.
-    """
-
-    ratio: int
-    head_dim: int
-    ring: torch.Tensor
-    window_page: int = 0
-
-    def __post_init__(self) -> None:
-        if (self.ratio == 4) != (self.window_page > 0):
-            raise ConfigError(
-                f"compressor state of ratio {self.ratio} with window_page={self.window_page}; "
-                "c4 state is page-scoped (window_page > 0), c128 state request-scoped (0)"
-            )
-
-    @classmethod
-    def allocate(
-        cls,
-        config: DSV4AttentionConfig,
-        ratio: int,
-        head_dim: int,
-        num_slots: int,
-        device: torch.device | str = "cpu",
-    ) -> CompressorState:
-        """Reset rings for ``num_slots`` ring slots (c4: window pages of ``config.page_size``
-        slots; c128: request pool rows); ``R = config.ring_rows(ratio)``."""
-        width = 2 * overlap(ratio) * head_dim
-        ring = torch.empty(num_slots, config.ring_rows(ratio), width, device=device)
-        window_page = config.page_size if ratio == 4 else 0
-        state = cls(ratio=ratio, head_dim=head_dim, ring=ring, window_page=window_page)
-        state.reset()
-        return state
-
-    @property
-    def ring_rows(self) -> int:
-        return self.ring.shape[1]
-
-    def reset(self) -> None:
-        """kv 0 and score -inf in every ring (no forward reads a row it did not write: the
-        pooling reads ring rows only for positions before a request's first new row, which an
-        earlier forward of the request, or of the one that cached its prefix, wrote)."""
-        half = self.ring.shape[-1] // 2
-        self.ring[..., :half] = 0.0
-        self.ring[..., half:] = float("-inf")
 
 
 # --------------------------------------------------------------------------------- kernels
@@ -174,7 +110,8 @@ def _compress_entry_kernel(
     window_ptr,  # [T, >= SPAN] int window slot of positions p, p-1, ... (page-scoped rings)
     plan_ptr,  # [T, 4] int32 compress plan records
     norm_ptr,  # [D] float RMSNorm weight
-    freq_ptr,  # [ROPE_PAIRS] fp64 RoPE angular frequencies
+    cos_ptr,  # [N, ROPE_PAIRS] fp32 RoPE cos: rows by position (a RopeTable) or by ragged row
+    sin_ptr,  # [N, ROPE_PAIRS] fp32 RoPE sin, same rows
     out_ptr,  # [T, D] fp32 finished entries aligned to rows
     num_rows,
     D,
@@ -188,11 +125,13 @@ def _compress_entry_kernel(
     stride_window,
     stride_plan,
     stride_out,
+    stride_rope,
     RATIO: tl.constexpr,
     SPAN: tl.constexpr,
     OVERLAP: tl.constexpr,
     WINDOW_PAGE: tl.constexpr,  # > 0: ring slot = window slot // WINDOW_PAGE; 0: pool index
     ROPE_PAIRS: tl.constexpr,
+    ROPE_BY_ROW: tl.constexpr,  # cos / sin rows are ragged rows, not positions
     BLOCK_P: tl.constexpr,  # channel pairs per program (>= D / 2)
     BLOCK_S: tl.constexpr,  # span slots per pooling step
 ):
@@ -264,12 +203,12 @@ def _compress_entry_kernel(
         inv = tl.math.rsqrt((tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D + eps)
         even *= inv * tl.load(norm_ptr + 2 * pair, mask=pair_ok, other=0.0).to(tl.float32)
         odd *= inv * tl.load(norm_ptr + 2 * pair + 1, mask=pair_ok, other=0.0).to(tl.float32)
-        # RoPE of the trailing ROPE_PAIRS pairs at the entry's first position (fp64 angles).
+        # RoPE of the trailing ROPE_PAIRS pairs at the entry's first position.
         rope_pair = pair - (D // 2 - ROPE_PAIRS)
         is_rope = (rope_pair >= 0) & pair_ok
-        freq = tl.load(freq_ptr + rope_pair, mask=is_rope, other=0.0)
-        angle = (pos + 1 - RATIO).to(tl.float64) * freq
-        cos, sin = tl.cos(angle).to(tl.float32), tl.sin(angle).to(tl.float32)
+        rope_row = row if ROPE_BY_ROW else pos + 1 - RATIO
+        cos = tl.load(cos_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=1.0)
+        sin = tl.load(sin_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=0.0)
         rot_e = tl.where(is_rope, even * cos - odd * sin, even)
         rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
         tl.store(out_ptr + row * stride_out + 2 * pair, rot_e, mask=pair_ok)
@@ -320,12 +259,6 @@ def _ring_write_kernel(
 
 
 # ------------------------------------------------------------------------------- launchers
-@functools.cache
-def _rope_frequencies(rope: RopeParams, device: torch.device) -> torch.Tensor:
-    """``[R/2]`` float64 frequencies of ``rope`` on ``device``, built once (not under capture)."""
-    return rope.frequencies(device)
-
-
 def _entries_triton(
     state: CompressorState,
     kv_proj: torch.Tensor,
@@ -335,25 +268,37 @@ def _entries_triton(
     window_slots: torch.Tensor,
     compress_plan: torch.Tensor,
     norm_weight: torch.Tensor,
-    rope: RopeParams,
+    rope: CosSin,
+    norm_eps: float,
+    positions: torch.Tensor,
 ) -> torch.Tensor:
-    """Launch ``_compress_entry_kernel``: ``[T, D]`` fp32 finished entries aligned to rows."""
+    """Launch ``_compress_entry_kernel``: ``[T, D]`` fp32 finished entries aligned to rows.
+
+    A ``RopeTable`` is read in place (row = entry position); any other ``CosSin`` is first
+    evaluated at the entry position of each row (``positions`` ``[T]``; torch ops, tests only).
+    """
     d, ratio, ring = state.head_dim, state.ratio, state.ring
     rows = kv_proj.shape[0]
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
     if rows == 0:
         return out
+    if isinstance(rope, RopeTable):
+        cos, sin = rope.cos, rope.sin
+    else:
+        entry_positions = (positions.long() + 1) // ratio * ratio - ratio
+        cos, sin = (x.contiguous() for x in rope.cos_sin(entry_positions))
     span = COMPRESS_SPAN[ratio]
     block_p = triton.next_power_of_2(max(d // 2, 1))
     block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
     _compress_entry_kernel[(rows,)](
         kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
-        norm_weight, _rope_frequencies(rope, kv_proj.device), out,
-        rows, d, ring.shape[1], RMS_NORM_EPS,
+        norm_weight, cos, sin, out,
+        rows, d, ring.shape[1], norm_eps,
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        window_slots.stride(0), compress_plan.stride(0), out.stride(0),
+        window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
         RATIO=ratio, SPAN=span, OVERLAP=overlap(ratio), WINDOW_PAGE=state.window_page,
-        ROPE_PAIRS=rope.rope_dim // 2, BLOCK_P=block_p, BLOCK_S=block_s,
+        ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
+        BLOCK_P=block_p, BLOCK_S=block_s,
     )  # fmt: skip
     return out
 
@@ -528,12 +473,14 @@ def compress_forward(
     score_proj: torch.Tensor,
     ape: torch.Tensor,
     norm_weight: torch.Tensor,
-    rope: RopeParams,
+    rope: CosSin,
     req_pool_indices: torch.Tensor,
     window_slots: torch.Tensor,
     positions: torch.Tensor,
     compress_plan: torch.Tensor,
     write_plan: torch.Tensor,
+    *,
+    norm_eps: float = 1e-6,
 ) -> torch.Tensor:
     """Entries completed by this forward's rows, then the ring updated for the next forward.
 
@@ -543,7 +490,7 @@ def compress_forward(
     kv_proj, score_proj : ``[T, c*D]`` float — this forward's projections (scores without ape).
     ape : ``[r, c*D]`` float.
     norm_weight : ``[D]`` float RMSNorm weight.
-    rope : the compressed layer's RoPE (``reference.rope_for_ratio(config, ratio)``).
+    rope : the compressed layers' RoPE cos/sin (``AttentionState.rope``, a ``RopeTable``).
     req_pool_indices : ``[B]`` int — ring slot of each batch id (request-scoped c128 rings).
     window_slots : ``[T, >= span]`` int — window slot of positions ``p, p - 1, ...`` of each row
         (``AttentionMetadata.swa_page_indices``); a page-scoped (c4) ring slot is a position's
@@ -551,6 +498,7 @@ def compress_forward(
         are read.
     positions : ``[T]`` int — absolute position of each row.
     compress_plan, write_plan : ``[T, 4]`` int32 plan records of this ratio (planning/metadata.py).
+    norm_eps : the RMSNorm epsilon (sglang: the compressor's ``norm.variance_epsilon``).
 
     Returns ``[T, D]`` float32 aligned to rows: the finished (normed, roped) entry completed by
     each row, zeros for rows that complete none. Decode is the same call with one row per
@@ -564,10 +512,12 @@ def compress_forward(
             ape.contiguous(), req_pool_indices.contiguous(),
             _unit_channel_stride(window_slots))  # fmt: skip
     if dispatch.use_triton(kv_proj.device):
-        entries = _entries_triton(*args, compress_plan.contiguous(), norm_weight.contiguous(), rope)
+        entries = _entries_triton(
+            *args, compress_plan.contiguous(), norm_weight.contiguous(), rope, norm_eps, positions
+        )
         _write_triton(*args, write_plan.contiguous())
         return entries
     pooled = _pool_torch(*args, compress_plan)
     _write_torch(*args, write_plan)
     entry_ids = torch.div(positions.long() + 1, state.ratio, rounding_mode="floor") - 1
-    return finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope)
+    return finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope, norm_eps)

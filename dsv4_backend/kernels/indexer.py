@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp8_format import load_dense_block, load_fp8_indexer_block
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.utils.op_counter import launch
+from dsv4_backend.kernels.fp8_device import load_dense_block, load_fp8_indexer_block
+from dsv4_backend.ops.launches import launch
 
 if TYPE_CHECKING:
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
@@ -306,6 +306,16 @@ def _best_columns(masked: torch.Tensor, k: int) -> torch.Tensor:
     # A stable descending sort keeps equal scores in column order (torch.topk does not promise
     # which of equal scores it keeps, and relu makes exact ties common).
     return torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
+
+
+def warm_up_topk(device: torch.device | str, topk: int) -> None:
+    """Build flashinfer's top-k kernels and its workspace on ``device`` (no-op elsewhere).
+
+    Its first call JIT-compiles and allocates, which must not happen inside a CUDA-graph
+    capture: call this before capturing.
+    """
+    if _use_flashinfer_topk(torch.device(device)):
+        _best_columns(torch.zeros(1, topk + 1, device=device), topk)
 
 
 def select_entries(scores: torch.Tensor, num_candidates: torch.Tensor, topk: int) -> torch.Tensor:

@@ -13,19 +13,29 @@ skipping slot ``-1``. K = V (one shared KV head, all ``D`` dims)::
 A row with no valid key outputs 0. Shapes: ``T`` rows, ``H`` heads, ``D`` head dim, ``Ws``
 window index width, ``Ke`` extra index width, ``S`` key splits.
 
-Triton kernel (flash decoding). Stage 1, grid ``(T, cdiv(H, BLOCK_H), S)``: a program takes
-``BLOCK_H`` heads of one row (the M side of ``[BLOCK_H, D] x [D, BLOCK_N]``, so each key row is
-loaded once per head block) and the ``s``-th of ``S`` equal chunks of the row's key list
-(window columns, then extra columns), ``BLOCK_N`` keys at a time with an fp32 online softmax.
-With ``S = 1`` it folds in the sink and writes the output; otherwise it writes an unnormalised
-partial and stage 2, grid ``(T, H)``, merges the ``S`` partials with the sink.
+Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T, cdiv(H, BLOCK_H), S)``:
 
-Registers: ``D`` is not tiled. At ``D = 512`` a program holds fp32 ``[16, 512]`` q and
-accumulator tiles and a ``[BLOCK_N, 512]`` fp32 key tile; 16 heads per program (sglang's grouped
-MLA decode kernel uses the same) keeps that within 255 registers without spills at 8 warps
-(``_launch_config``), where 64 heads could not. Key rows are then read once per head block,
-from L2 after the first. Dots take fp32 operands (TF32 tensor cores on a GPU, exact in the
-interpreter).
+* M side = heads. A program takes ``BLOCK_H`` heads of one row (all 64 of Flash; at least
+  16, the smallest dot M), so each key row is gathered once per program and K = V serves both
+  dots: ``s = q k^T`` (``[BLOCK_H, D] x [D, BLOCK_N]``) and ``acc += p v`` (``[BLOCK_H,
+  BLOCK_N] x [BLOCK_N, D]``), one loop over the split's key blocks, window blocks then extra
+  blocks, with an fp32 online softmax in the log2 domain.
+* Operands. On a GPU q, keys and p are bf16 and the dots accumulate in fp32 (Hopper wgmma);
+  the constexpr ``INTERPRETER`` keeps fp32 operands in the Triton interpreter (its bf16 dot is
+  wrong) and decodes e4m3 arithmetically there (it has no fp8 type). FP8 keys are dequantised
+  in the kernel: e4m3 -> fp32 (``cvt``), times the group's ue8m0 scale, rope bf16 as is, then
+  bf16 -- exact, so the tensor cores see the same keys the torch path dequantises.
+* Registers (D = 512, 8 warps = two warpgroups): the ``[64, 512]`` fp32 accumulator is split
+  by output channels between the warpgroups (``m64n256`` each, 128 registers a thread); q
+  (bf16 ``[64, 512]``) and the key block stay in shared memory as wgmma operands. The whole
+  head dimension is one tile: the key block is loaded once and feeds both dots. Dense key
+  blocks stream through a 3-stage cp.async pipeline; fp8 blocks are dequantised in registers.
+  ``tests/sm90_compile.py`` reports registers, spills and shared memory per configuration.
+* Splits. With ``S = 1`` the program folds in the sink and writes the output; otherwise it
+  writes an unnormalised partial and ``_merge_splits_kernel``, grid ``(T, H)``, merges the
+  ``S`` partials with the sink. ``S`` is picked so the grid fills the SMs
+  (:func:`default_num_splits`); callers and tests can set it (``num_splits``,
+  :func:`force_num_splits`).
 
 Every launch shape depends only on tensor shapes (no host reads of lengths), so the op can be
 captured in a CUDA graph once compiled.
@@ -33,87 +43,124 @@ captured in a CUDA graph once compiled.
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp8_format import load_dense_block, load_fp8_token_block
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.fp8_device import (
+    bf16_bits_to_fp32,
+    e4m3_to_fp32,
+    fp8_token_addresses,
+    pow2_of_biased,
+)
 
 #: exp(x) = exp2(x * LOG2E): the kernels work in the log2 domain.
 LOG2E = tl.constexpr(math.log2(math.e))
-#: Heads per stage-1 program: the smallest ``tl.dot`` M tile; bounds registers at D = 512.
-BLOCK_H = 16
-#: Upper bound of key splits per row (stage 2 merges them in one tile).
+#: Most heads per program: one wgmma M tile (all 64 heads of DeepSeek-V4-Flash).
+MAX_BLOCK_H = 64
+#: Upper bound of key splits per row (the merge kernel takes them in one tile).
 MAX_SPLITS = 32
+#: Warps of the merge kernel.
+MERGE_WARPS = 4
 #: Rows per chunk of the torch path, so its gathered ``[rows, Ws + Ke, D]`` keys stay bounded.
 _TORCH_CHUNK_ELEMENTS = 1 << 26
 
 
 # --------------------------------------------------------------------------------- kernels
 @triton.jit
-def _load_keys(
+def _load_key_block(
     cache_ptr,  # dense: [num_slots, D] float; fp8: [num_pages, page_bytes] uint8
     stride_row,  # dense: elements per slot (fp8: unused)
     slots,  # [BLOCK_N] int32 cache slots, -1 = none
     mask_n,  # [BLOCK_N] bool columns inside the span
-    offs_d,  # [BLOCK_D] int32 channel index
     D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     FP8: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     PAGE_TOKENS: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
-    """Keys at ``slots`` as fp32 ``[BLOCK_N, BLOCK_D]``; 0 where masked or the slot is -1."""
+    """Keys at ``slots`` as ``[BLOCK_N, BLOCK_D]`` dot operands (bf16 on a GPU, fp32 in the
+    interpreter); 0 where masked, where the slot is -1 and in channels ``>= D``.
+
+    fp8: the tile is read as ``[BLOCK_N, BLOCK_D // 64, 64]`` so that each 64-channel group
+    multiplies by its token's one ue8m0 scale (one scale load per group, not per channel); the
+    rope channels are bf16 bit patterns. e4m3 * 2^k and bf16 are exact in bf16, so the keys the
+    tensor cores see equal the torch path's dequantised keys.
+    """
+    OP_DTYPE: tl.constexpr = tl.float32 if INTERPRETER else tl.bfloat16
     if FP8:
-        k = load_fp8_token_block(
-            cache_ptr, slots, offs_d, mask_n, NOPE_DIM, D - NOPE_DIM, PAGE_TOKENS
+        GROUPS: tl.constexpr = BLOCK_D // 64
+        data_base, scale_base, valid = fp8_token_addresses(
+            slots, mask_n, NOPE_DIM, D - NOPE_DIM, PAGE_TOKENS
         )
+        offs_g = tl.arange(0, GROUPS)
+        chan = offs_g[:, None] * 64 + tl.arange(0, 64)[None, :]  # [GROUPS, 64] head channel
+        is_nope = (offs_g < NOPE_DIM // 64)[None, :, None]
+        is_rope = ((chan >= NOPE_DIM) & (chan < D))[None, :, :]
+        row_ok = valid[:, None, None]
+        code = tl.load(
+            cache_ptr + data_base[:, None, None] + chan[None, :, :],
+            mask=row_ok & is_nope,
+            other=0,
+        )
+        e = tl.load(
+            cache_ptr + scale_base[:, None] + offs_g[None, :],
+            mask=valid[:, None] & (offs_g < NOPE_DIM // 64)[None, :],
+            other=127,
+        )
+        if INTERPRETER:  # no fp8 type in the interpreter: decode the bits arithmetically
+            nope = e4m3_to_fp32(code)
+        else:
+            nope = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        nope = nope * pow2_of_biased(e.to(tl.int32))[:, :, None]
+        rope_ptr = cache_ptr + data_base[:, None, None] + NOPE_DIM + 2 * (chan - NOPE_DIM)[None]
+        rope = tl.load(rope_ptr.to(tl.pointer_type(tl.uint16)), mask=row_ok & is_rope, other=0)
+        k = tl.where(is_nope, nope, bf16_bits_to_fp32(rope))
+        k = tl.reshape(k, [mask_n.shape[0], BLOCK_D]).to(OP_DTYPE)
     else:
-        k = load_dense_block(cache_ptr, stride_row, slots, offs_d, mask_n, D)
+        offs_d = tl.arange(0, BLOCK_D)
+        valid = mask_n & (slots >= 0)
+        rows = tl.where(valid, slots, 0).to(tl.int64)
+        # A mask constant along D keeps the loads vectorised.
+        mask = valid[:, None] if BLOCK_D == D else valid[:, None] & (offs_d < D)[None, :]
+        k = tl.load(
+            cache_ptr + rows[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0
+        ).to(OP_DTYPE)
     return k
 
 
 @triton.jit
-def _attend_span(
-    q,  # [BLOCK_H, BLOCK_D] fp32
-    acc,  # [BLOCK_H, BLOCK_D] fp32 unnormalised output
-    m_i,  # [BLOCK_H] fp32 running max of log2-domain logits
-    l_i,  # [BLOCK_H] fp32 running denominator
-    cache_ptr,  # key cache storage (see _load_keys)
+def _gather_block(
+    cache_ptr,  # key cache storage (see _load_key_block)
     stride_row,
     idx_ptr,  # [width] int32 slots of this row's span, -1 = none
-    lo,  # first column of the span this program covers
-    hi,  # one past its last column
-    qk_scale,  # softmax scale * log2(e)
-    offs_d,  # [BLOCK_D] int32
+    start,  # first column of the block
+    hi,  # one past the last column of the span this program covers
     D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     FP8: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     PAGE_TOKENS: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
-    """Online softmax over columns ``[lo, hi)`` of one index row; returns ``(acc, m_i, l_i)``."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(lo, hi, BLOCK_N):
-        cols = start + offs_n
-        in_span = cols < hi
-        slots = tl.load(idx_ptr + cols, mask=in_span, other=-1)
-        k = _load_keys(cache_ptr, stride_row, slots, in_span, offs_d, D, FP8, NOPE_DIM, PAGE_TOKENS)
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N]
-        s = tl.where((slots >= 0)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # While no key was seen m_new is -inf; subtract 0 then so exp2 gives 0, not NaN.
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_ref[:, None])
-        alpha = tl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p, k)
-        m_i = m_new
-    return acc, m_i, l_i
+    """``(slots [BLOCK_N] int32, keys [BLOCK_N, BLOCK_D])`` of columns ``start ...`` (-1 and
+    0 past ``hi``)."""
+    cols = start + tl.arange(0, BLOCK_N)
+    in_span = cols < hi
+    slots = tl.load(idx_ptr + cols, mask=in_span, other=-1)
+    k = _load_key_block(
+        cache_ptr, stride_row, slots, in_span, D, BLOCK_D, FP8, NOPE_DIM, PAGE_TOKENS, INTERPRETER
+    )
+    return slots, k
 
 
 @triton.jit
@@ -156,16 +203,20 @@ def _sparse_attention_kernel(
     WIN_PAGE_TOKENS: tl.constexpr,
     EXT_FP8: tl.constexpr,
     EXT_PAGE_TOKENS: tl.constexpr,
+    ONE_GATHER: tl.constexpr,
+    INTERPRETER: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < H
-    hd_mask = h_mask[:, None] & (offs_d < D)[None, :]
+    # A mask constant along D keeps the q loads and output stores vectorised (and, at D = 512,
+    # the epilogue within registers).
+    hd_mask = h_mask[:, None] if BLOCK_D == D else h_mask[:, None] & (offs_d < D)[None, :]
 
     q_ptrs = q_ptr + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(tl.float32)
+    q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(tl.float32 if INTERPRETER else tl.bfloat16)
 
     # Lengths beyond the index width have no columns to read: clamp like the torch path.
     n_win = tl.minimum(tl.maximum(tl.load(win_len_ptr + row), 0), win_width)
@@ -177,20 +228,54 @@ def _sparse_attention_kernel(
     lo = split * chunk
     hi = tl.minimum(lo + chunk, n_win + n_ext)
 
+    # One loop over this split's key blocks, window blocks first, then extra blocks (a block
+    # never straddles the two spans): one loop body keeps registers as low as a single span.
+    win_hi = tl.minimum(hi, n_win)
+    win_blocks = tl.cdiv(tl.maximum(win_hi - lo, 0), BLOCK_N)
+    ext_lo = tl.maximum(lo, n_win) - n_win
+    ext_hi = hi - n_win
+    num_blocks = win_blocks
+    if HAS_EXTRA:
+        num_blocks += tl.cdiv(tl.maximum(ext_hi - ext_lo, 0), BLOCK_N)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
-    acc, m_i, l_i = _attend_span(
-        q, acc, m_i, l_i, win_ptr, stride_win_row, win_idx_ptr + row * stride_win_idx_t,
-        lo, tl.minimum(hi, n_win), qk_scale, offs_d, D, BLOCK_N,
-        WIN_FP8, NOPE_DIM, WIN_PAGE_TOKENS,
-    )  # fmt: skip
-    if HAS_EXTRA:
-        acc, m_i, l_i = _attend_span(
-            q, acc, m_i, l_i, ext_ptr, stride_ext_row, ext_idx_ptr + row * stride_ext_idx_t,
-            tl.maximum(lo, n_win) - n_win, hi - n_win, qk_scale, offs_d, D, BLOCK_N,
-            EXT_FP8, NOPE_DIM, EXT_PAGE_TOKENS,
-        )  # fmt: skip
+    for block in range(0, num_blocks):
+        if ONE_GATHER:  # one gather, its source picked by scalars: a single copy of the
+            # gather code holds registers down (no spills at D = 512)
+            in_win = block < win_blocks
+            slots, k = _gather_block(
+                tl.where(in_win, win_ptr, ext_ptr),
+                tl.where(in_win, stride_win_row, stride_ext_row),
+                tl.where(in_win, win_idx_ptr + row * stride_win_idx_t,
+                         ext_idx_ptr + row * stride_ext_idx_t),
+                tl.where(in_win, lo + block * BLOCK_N, ext_lo + (block - win_blocks) * BLOCK_N),
+                tl.where(in_win, win_hi, ext_hi), D, BLOCK_D, BLOCK_N,
+                False, NOPE_DIM, WIN_PAGE_TOKENS, INTERPRETER,
+            )  # fmt: skip
+        elif block < win_blocks:
+            slots, k = _gather_block(
+                win_ptr, stride_win_row, win_idx_ptr + row * stride_win_idx_t,
+                lo + block * BLOCK_N, win_hi, D, BLOCK_D, BLOCK_N,
+                WIN_FP8, NOPE_DIM, WIN_PAGE_TOKENS, INTERPRETER,
+            )  # fmt: skip
+        else:
+            slots, k = _gather_block(
+                ext_ptr, stride_ext_row, ext_idx_ptr + row * stride_ext_idx_t,
+                ext_lo + (block - win_blocks) * BLOCK_N, ext_hi, D, BLOCK_D, BLOCK_N,
+                EXT_FP8, NOPE_DIM, EXT_PAGE_TOKENS, INTERPRETER,
+            )  # fmt: skip
+        # The block serves both dots: q k^T for all BLOCK_H heads, and p v with v = k.
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 domain
+        s = tl.where((slots >= 0)[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # While no key was seen m_new is -inf; subtract 0 then so exp2 gives 0, not NaN.
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_ref[:, None])
+        alpha = tl.exp2(m_i - m_ref)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
+        m_i = m_new
 
     out_ptrs = out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
@@ -329,29 +414,66 @@ def _check_inputs(
 
 
 # ------------------------------------------------------------------------------ launcher
-def _launch_config(dim: int, fp8: bool) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` of stage 1.
+def _block_h(heads: int) -> int:
+    """Heads per program: all of them up to 64 (one wgmma M tile), at least 16 (the smallest
+    ``tl.dot`` M)."""
+    return min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
 
-    Chosen from ptxas register reports for sm_90 (Triton 3.8, ahead-of-time compiled; not yet
-    timed on a GPU): at D = 512 four warps need 226+ registers (dense) and the fp8 dequantise
-    path spills even at 8 warps unless it runs unpipelined with 16-key blocks (184 registers);
-    dense at 8 warps, 32 keys, 2 stages uses 130. D <= 256: 4 warps, no spills.
+
+def _launch_config(dim: int, fp8: bool) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the attention kernel.
+
+    Chosen from ptxas reports for sm_90a (Triton 3.8, compiled ahead of time on the CPU by
+    ``tests/sm90_compile.py``; not yet timed on a GPU). At D = 512 the fp32 ``[64, 512]``
+    accumulator is 128 registers a thread over 8 warps. Dense keys: 32-key blocks in a
+    3-stage cp.async pipeline (the gather of the next blocks overlaps the dots), 245 registers,
+    no spills (64-key blocks spill once pipelined). FP8 keys are dequantised in registers, which
+    Triton does not pipeline: 16-key blocks, one stage, 255 registers (32 spill).
+    D <= 256: 4 warps.
     """
     if dim <= 256:
-        return 32, 4, 2
-    return (16, 8, 1) if fp8 else (32, 8, 2)
+        return 32, 4, 1
+    return (16, 8, 1) if fp8 else (32, 8, 3)
 
 
-def _default_num_splits(
-    rows: int, heads: int, width: int, block_n: int, device: torch.device
-) -> int:
-    """Key splits per row: about two stage-1 programs per SM on a GPU (at least one key block
-    per split), one split elsewhere (the interpreter runs programs one by one)."""
+def default_num_splits(rows: int, heads: int, width: int, block_n: int, sms: int) -> int:
+    """Key splits per row so that the grid fills the SMs in one wave.
+
+    ``rows * cdiv(heads, BLOCK_H)`` programs share ``sms`` SMs (one program per SM: its
+    registers fill one); each row gets ``sms // programs`` splits (a partial second wave would
+    cost as much as a full one), at most ``cdiv(width, block_n)`` (a key block per split) and
+    at most ``MAX_SPLITS``. One split when the rows alone fill the GPU: no partials, no merge.
+    """
+    programs = max(1, rows * triton.cdiv(heads, _block_h(heads)))  # rows may be 0
+    return max(1, min(sms // programs, triton.cdiv(width, block_n), MAX_SPLITS))
+
+
+#: Split count pinned by :func:`force_num_splits` (tests run every schedule with splits > 1).
+_forced_splits: list[int] = []
+
+
+@contextlib.contextmanager
+def force_num_splits(splits: int) -> Iterator[None]:
+    """Inside the block every Triton launch without an explicit ``num_splits`` uses ``splits``,
+    on any device (splits past a row's keys are empty and merge as nothing)."""
+    if not 1 <= splits <= MAX_SPLITS:
+        raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
+    _forced_splits.append(splits)
+    try:
+        yield
+    finally:
+        _forced_splits.pop()
+
+
+def _num_splits(rows: int, heads: int, width: int, block_n: int, device: torch.device) -> int:
+    """The forced split count, else :func:`default_num_splits` on a GPU, else 1 (the
+    interpreter runs programs one by one)."""
+    if _forced_splits:
+        return _forced_splits[-1]
     if device.type != "cuda":
         return 1
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    programs = max(1, rows * triton.cdiv(heads, BLOCK_H))  # rows may be 0 (nothing to split)
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(width, block_n), MAX_SPLITS))
+    return default_num_splits(rows, heads, width, block_n, sms)
 
 
 def sparse_attention_triton(
@@ -370,7 +492,8 @@ def sparse_attention_triton(
     """Triton path of :func:`sparse_attention_with_sink`.
 
     ``num_splits`` (1 ... ``MAX_SPLITS``) splits each row's key list across that many
-    programs; None picks it from the shapes and the device.
+    programs; None takes the count pinned by :func:`force_num_splits`, else
+    :func:`default_num_splits` on a GPU, else 1.
     """
     _check_inputs(
         q,
@@ -400,7 +523,7 @@ def sparse_attention_triton(
     block_n, num_warps, num_stages = _launch_config(dim, "fp8" in (window.fmt, extra.fmt))
     width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
     if num_splits is None:
-        splits = _default_num_splits(rows, heads, width, block_n, q.device)
+        splits = _num_splits(rows, heads, width, block_n, q.device)
     else:
         splits = num_splits
     if not 1 <= splits <= MAX_SPLITS:
@@ -418,7 +541,8 @@ def sparse_attention_triton(
         l_s = torch.empty_like(m)
         stride_ps, stride_mt, stride_mh = part.stride(2), m.stride(0), m.stride(1)
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs K >= 16 on a GPU
-    grid = (rows, triton.cdiv(heads, BLOCK_H), splits)
+    block_h = _block_h(heads)
+    grid = (rows, triton.cdiv(heads, block_h), splits)
     _sparse_attention_kernel[grid](
         q, window.storage, swa_indices, swa_lengths,
         extra.storage, extra_indices, extra_lengths, sink,
@@ -428,11 +552,13 @@ def sparse_attention_triton(
         extra.storage.stride(0), extra_indices.stride(0),
         part.stride(0), part.stride(1), stride_ps, stride_mt, stride_mh,
         heads, swa_indices.shape[1], extra_indices.shape[1], softmax_scale * LOG2E.value,
-        D=dim, BLOCK_D=block_d, BLOCK_H=BLOCK_H, BLOCK_N=block_n,
+        D=dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_EXTRA=has_extra, NOPE_DIM=dim - window.rope_dim,
         WIN_FP8=window.fmt == "fp8", WIN_PAGE_TOKENS=window.page_tokens,
         EXT_FP8=extra.fmt == "fp8", EXT_PAGE_TOKENS=extra.page_tokens,
-        num_warps=num_warps, num_stages=num_stages,
+        ONE_GATHER=window.fmt == extra.fmt == "dense"
+        and window.storage.dtype == extra.storage.dtype,
+        INTERPRETER=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
         _merge_splits_kernel[(rows, heads)](
@@ -440,9 +566,31 @@ def sparse_attention_triton(
             part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
             out.stride(0), out.stride(1),
             D=dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=4,
+            BLOCK_S=triton.next_power_of_2(splits), num_warps=MERGE_WARPS,
         )  # fmt: skip
     return out
+
+
+def dot_operand_dtype(device: torch.device | str) -> torch.dtype:
+    """The dtype of the attention dots' operands for tensors on ``device``: bf16 on a GPU
+    (tensor cores, fp32 accumulation), fp32 in the interpreter and the torch path."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+#: Output error per unit roundoff of the dot operands (q, keys and weights each rounded once),
+#: against the fp32 reference: TF32 operands (roundoff 2^-11) gave 2.0-2.4e-3 on the tiny
+#: model, about 5 roundoffs; bf16 rounding emulated on random rows (tests) reaches about 6.
+#: 12 leaves a 2x margin.
+ROUNDOFFS_PER_OUTPUT = 12
+#: Floor of the tolerance: fp32 sums in another order.
+FP32_ATOL = 2e-5
+
+
+def attention_tolerance(device: torch.device | str) -> float:
+    """Absolute tolerance of this op's output against an fp32 reference (outputs of order 1),
+    derived from :func:`dot_operand_dtype`: bf16 (roundoff 2^-8) gives 12 * 2^-8 = 0.047."""
+    roundoff = torch.finfo(dot_operand_dtype(device)).eps / 2
+    return max(FP32_ATOL, ROUNDOFFS_PER_OUTPUT * roundoff)
 
 
 # ---------------------------------------------------------------------------- torch path

@@ -28,6 +28,9 @@ import torch
 
 from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels.plan_fields import PlanFields, RatioFields
+from dsv4_backend.planning import planner
+from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import PlanWidths
 
@@ -148,7 +151,17 @@ class GraphMetadataBuffers:
         Raises ``ContractError`` when the plan does not fit the buffers.
         """
         num_rows = plan.num_rows if num_rows is None else num_rows
-        self._check(plan, num_rows)
+        self._check(
+            batch_size=plan.batch_size,
+            plan_rows=plan.num_rows,
+            num_rows=num_rows,
+            widths=PlanWidths(
+                page_table=max(plan.page_table.shape[1], 1),
+                c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
+            ),
+            device=plan.row_batch_ids.device,
+            ratios=[r for r in COMPRESSED_RATIOS if plan.compressed(r) is not None],
+        )
         for name, buf in self.common.items():
             _load_field(buf, getattr(plan, name), num_rows, _sentinel(name))
         comp = {}
@@ -170,30 +183,62 @@ class GraphMetadataBuffers:
             c128=comp.get(128),
         )
 
-    def _check(self, plan: AttentionMetadata, num_rows: int) -> None:
+    def plan(self, batch: BatchView, *, num_rows: int | None = None) -> AttentionMetadata:
+        """``load(plan(config, batch, widths=self.widths), num_rows=num_rows)``, in one launch
+        where the fused planner runs (``planner.fuses``): it writes straight into the buffers,
+        padded rows included."""
+        if not planner.fuses(batch):
+            metadata = planner.plan(self.config, batch, widths=self.widths)
+            return self.load(metadata, num_rows=num_rows)
+        num_rows = batch.num_rows if num_rows is None else num_rows
+        compressed = batch.kind is not ForwardKind.DRAFT_EXTEND
+        ratios = sorted(self.compressed) if compressed else []
+        self._check(
+            batch_size=batch.batch_size,
+            plan_rows=batch.num_rows,
+            num_rows=num_rows,
+            widths=self.widths,
+            device=batch.req_to_token.device,
+            ratios=ratios,
+        )
+        out = PlanFields(
+            **{name: buf[:num_rows] for name, buf in self.common.items()},
+            ratios={
+                r: RatioFields(**{name: buf[:num_rows] for name, buf in self.compressed[r].items()})
+                for r in ratios
+            },
+        )
+        return planner.plan_into(self.config, batch, self.widths, out)
+
+    def _check(
+        self,
+        *,
+        batch_size: int,
+        plan_rows: int,
+        num_rows: int,
+        widths: PlanWidths,
+        device: torch.device,
+        ratios: list[int],
+    ) -> None:
         fix = (
             "build GraphMetadataBuffers with max_batch_size / max_rows / widths covering the "
             "largest graph batch, and plan graph batches with widths=buffers.widths"
         )
-        if not plan.num_rows <= num_rows <= self.max_rows or plan.batch_size > self.max_batch_size:
+        if not plan_rows <= num_rows <= self.max_rows or batch_size > self.max_batch_size:
             raise ContractError(
-                f"cannot load a plan of batch_size={plan.batch_size}, num_rows={plan.num_rows} "
+                f"cannot load a plan of batch_size={batch_size}, num_rows={plan_rows} "
                 f"as {num_rows} rows into buffers of max_batch_size={self.max_batch_size}, "
                 f"max_rows={self.max_rows} (need plan rows <= num_rows <= max_rows); {fix}"
             )
-        got = PlanWidths(
-            page_table=max(plan.page_table.shape[1], 1),
-            c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
-        )
-        if not self.widths.covers(got):
-            raise ContractError(f"plan widths {got} exceed the buffers' {self.widths}; {fix}")
-        if plan.row_batch_ids.device != self.device:
+        if not self.widths.covers(widths):
+            raise ContractError(f"plan widths {widths} exceed the buffers' {self.widths}; {fix}")
+        if device != self.device:
             raise ContractError(
-                f"plan tensors are on {plan.row_batch_ids.device}, the buffers on {self.device}; "
+                f"plan tensors are on {device}, the buffers on {self.device}; "
                 "plan on the buffers' device"
             )
-        for ratio in COMPRESSED_RATIOS:
-            if plan.compressed(ratio) is not None and ratio not in self.compressed:
+        for ratio in ratios:
+            if ratio not in self.compressed:
                 raise ContractError(
                     f"plan has c{ratio} fields but the buffers' config has no ratio-{ratio} layers"
                 )

@@ -11,14 +11,19 @@ the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()`
 only checked where the batch already holds them on the host (``BatchView.host_seq_lens``). The
 extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``extend_seq_lens``.
 
-Kernels: the per-row compression fields run the Triton kernel of ``kernels/row_metadata.py`` and
-the compress / write plans the TVM kernel of ``kernels/compress_plan_tvm.py`` where they can run
-(``kernels/dispatch.py``); their torch references (``kernels/row_fields_torch.py``,
-``kernels/compress_plan_torch.py``) serve everywhere else.
+Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` builds every field in one
+launch of ``kernels/plan_fields.py`` (two for extend kinds: their host lengths are uploaded
+first), and ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The
+torch body below serves the torch path; there the per-row compression fields run
+``kernels/row_metadata.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
+where they can, else their torch references (``kernels/row_fields_torch.py``,
+``kernels/compress_plan_torch.py``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +33,11 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
+from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
+from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, plan_fields
 from dsv4_backend.kernels.row_metadata import row_fields
+from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
@@ -70,14 +78,12 @@ class _Rows(NamedTuple):
     first_new: torch.Tensor  # [T] int64: position of the request's first row in this forward
     request_lens: torch.Tensor  # [T] int32: the request's length after this forward
     keep_lens: torch.Tensor  # [T] int32: its shortest possible length after it (write plans)
-    host_lens: list[int] | None  # [B] the same per request, when known on the host
 
 
 # ------------------------------------------------------------------------- row expansions
 def _decode_rows(batch: BatchView) -> _Rows:
     """One row per request (none for IDLE); a draft step writes its own slice of slots."""
     seq = batch.seq_lens.long()
-    host = batch.host_seq_lens
     bs = batch.batch_size
     if batch.draft is None:
         positions, out_loc = seq - 1, batch.out_cache_loc
@@ -85,10 +91,9 @@ def _decode_rows(batch: BatchView) -> _Rows:
         step = batch.draft
         per_step = per_step_draft_out_cache_loc(batch.out_cache_loc, bs, step.topk, step.num_steps)
         positions, out_loc = seq + step.step_id, per_step[step.step_id]
-        host = None if host is None else [s + step.step_id + 1 for s in host]
     ids = torch.arange(bs, dtype=torch.int32, device=seq.device)
     lens = (positions + 1).int()
-    return _Rows(ids, positions, out_loc.long(), positions, lens, lens, host)
+    return _Rows(ids, positions, out_loc.long(), positions, lens, lens)
 
 
 def _verify_rows(batch: BatchView) -> _Rows:
@@ -98,12 +103,10 @@ def _verify_rows(batch: BatchView) -> _Rows:
     row = torch.arange(batch.num_rows, device=seq.device)
     ids = row // n
     first = seq[ids]
-    host = batch.host_seq_lens
-    host = None if host is None else [s + n for s in host]
     out_loc = batch.out_cache_loc.long()
     # Drafts may be rejected: keep the state that the shortest outcome (seq_lens + 1) needs.
     keep = (first + 1).int()
-    return _Rows(ids.int(), first + row % n, out_loc, first, (first + n).int(), keep, host)
+    return _Rows(ids.int(), first + row % n, out_loc, first, (first + n).int(), keep)
 
 
 def _extend_rows(batch: BatchView) -> _Rows:
@@ -117,10 +120,9 @@ def _extend_rows(batch: BatchView) -> _Rows:
     )
     row_in_request = torch.arange(num_rows, device=device) - (torch.cumsum(extend, 0) - extend)[ids]
     first = prefix[ids]
-    host = [p + e for p, e in zip(batch.extend_prefix_lens, batch.extend_seq_lens, strict=True)]
     lens = (prefix + extend)[ids].int()
     out_loc = batch.out_cache_loc.long()
-    return _Rows(ids.int(), first + row_in_request, out_loc, first, lens, lens, host)
+    return _Rows(ids.int(), first + row_in_request, out_loc, first, lens, lens)
 
 
 @dataclass(frozen=True)
@@ -169,21 +171,112 @@ def plan(
             f"cannot plan forward kind {batch.kind!r}; expected one of "
             f"{[kind.name for kind in _KINDS]}"
         )
+    if fuses(batch):
+        return plan_into(config, batch, widths, None)
     return _plan_rows(config, batch, spec.expand(batch), widths, compressed=spec.compressed)
 
 
+def _host_lens(batch: BatchView) -> list[int] | None:
+    """Each request's length after this forward, when the host knows it without a sync."""
+    if batch.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
+        return [p + e for p, e in zip(batch.extend_prefix_lens, batch.extend_seq_lens, strict=True)]
+    host = batch.host_seq_lens
+    if host is None:
+        return None
+    if batch.kind is ForwardKind.TARGET_VERIFY:
+        return [s + batch.num_draft_tokens for s in host]
+    return [s + batch.draft.step_id + 1 for s in host] if batch.draft is not None else host
+
+
+def _row_layout(batch: BatchView) -> RowLayout:
+    """How ``batch``'s requests expand into rows (the expansions above, as kernel scalars)."""
+    if batch.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
+        extend = batch.extend_seq_lens
+        starts = [0, *itertools.accumulate(extend)][: len(extend)]
+        host = [starts, list(batch.extend_prefix_lens), list(extend)]
+        with launch("copy: extend lengths to the device"):
+            table = torch.tensor(host, dtype=torch.int64, device=batch.seq_lens.device)
+        return RowLayout(host=table)
+    if batch.kind is ForwardKind.TARGET_VERIFY:
+        n = batch.num_draft_tokens
+        return RowLayout(rows_per_request=n, loc_stride=n)
+    if batch.draft is not None:
+        step = batch.draft
+        return RowLayout(
+            pos_shift=step.step_id, loc_stride=step.topk * step.num_steps, loc_offset=step.step_id
+        )
+    return RowLayout(pos_shift=-1)
+
+
+def fuses(batch: BatchView) -> bool:
+    """Whether ``batch`` is planned by the fused kernel (``kernels/plan_fields.py``): on the
+    Triton paths, every kind but IDLE (no rows) and draft trees (topk > 1)."""
+    return (
+        dispatch.use_triton(batch.req_to_token.device)
+        and batch.num_rows > 0
+        and (batch.draft is None or batch.draft.topk == 1)
+    )
+
+
+def plan_into(
+    config: DSV4AttentionConfig, batch: BatchView, widths: PlanWidths | None, out: PlanFields | None
+) -> AttentionMetadata:
+    """The fused planner: ``plan``'s result from one launch (for a batch that ``fuses``).
+
+    ``out`` (``None``: allocated here) receives the fields; rows past ``batch.num_rows`` get
+    the sentinels of ``planning/graph_buffers.py``, and its widths must be ``widths``'.
+    """
+    spec = _KINDS[batch.kind]
+    widths = _resolve_widths(config, batch, _host_lens(batch), widths)
+    if out is None:
+        present = config.ratios_present if spec.compressed else frozenset()
+        columns = {
+            "page_table": widths.page_table,
+            "swa_page_indices": config.swa_index_width,
+            "c4": config.index_topk,
+            "c128": widths.c128,
+        }
+        out = PlanFields.empty(batch.num_rows, columns, present, batch.req_to_token.device)
+    plan_fields(
+        seq_lens=batch.seq_lens,
+        req_pool_indices=batch.req_pool_indices,
+        out_cache_loc=batch.out_cache_loc,
+        req_to_token=batch.req_to_token,
+        full_to_swa=batch.full_to_swa,
+        layout=_row_layout(batch),
+        num_rows=batch.num_rows,
+        out=out,
+        window=config.window_size,
+        index_topk=config.index_topk,
+        page_size=config.page_size,
+    )
+    common = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.name != "ratios"}
+    comp = {r: CompressedMetadata(ratio=r, **vars(f)) for r, f in out.ratios.items()}
+    return AttentionMetadata(
+        kind=batch.kind,
+        batch_size=batch.batch_size,
+        num_rows=out.row_batch_ids.shape[0],
+        **common,
+        c4=comp.get(4),
+        c128=comp.get(128),
+    )
+
+
 def _resolve_widths(
-    config: DSV4AttentionConfig, batch: BatchView, rows: _Rows, widths: PlanWidths | None
+    config: DSV4AttentionConfig,
+    batch: BatchView,
+    host_lens: list[int] | None,
+    widths: PlanWidths | None,
 ) -> PlanWidths:
     """Check the lengths the host knows; derive the widths when none are given."""
-    if rows.host_lens is None:
+    if host_lens is None:
         if widths is None:
             raise BatchError(
                 f"cannot size the plan of a batch whose seq_lens are on {batch.seq_lens.device} "
                 "without host lengths; pass seq_lens_cpu (eager) or fixed widths (CUDA graphs)"
             )
         return widths
-    max_len = max(rows.host_lens, default=0)
+    max_len = max(host_lens, default=0)
     context = batch.req_to_token.shape[1]
     if max_len > context:
         raise BatchError(
@@ -279,7 +372,7 @@ def _plan_rows(
     compressed: bool,
 ) -> AttentionMetadata:
     """Every metadata field from the expanded rows; shared by all kinds."""
-    widths = _resolve_widths(config, batch, rows, widths)
+    widths = _resolve_widths(config, batch, _host_lens(batch), widths)
     req = batch.req_pool_indices.long()[rows.batch_ids.long()]
     positions = rows.positions
     page_table = _page_table(

@@ -10,7 +10,9 @@ parallelism), per layer, and what each call does here:
 * ``forward_c4_indexer(x=, q_lora=, forward_batch=, c4_indexer=, ...)`` (ratio-4 layers) — runs
   the indexer compressor (``forward_indexer_compressor``), projects and ropes the indexer queries
   with the module's ``wq_b`` / ``compute_weights``, and writes each row's top-k c4 slots into
-  ``forward_metadata.c4.page_indices``; returns None.
+  ``forward_metadata.c4.page_indices``; returns None. With ``enable_multi_stream`` it keeps
+  sglang's stream handshake (``alt_streams``, waits for ``q_lora_ready`` before reading
+  ``q_lora``).
 * ``forward_core_compressor(x, forward_batch, layer_id, compressor)`` (ratio 4 / 128) — the
   module's ``compute_kv_score`` projections through ``kernels.compressor.compress_forward``, the
   finished entries stored at ``c{r}.out_loc``.
@@ -36,7 +38,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+import os
+from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -51,8 +55,15 @@ from dsv4_backend.compute import (
     select_c4_entries,
     store_window_keys,
 )
-from dsv4_backend.config import REQUIRED_PAGE_SIZE, SWA_PAGE_SIZE, DSV4AttentionConfig
+from dsv4_backend.config import (
+    INDEXER_SELECTIONS,
+    REQUIRED_PAGE_SIZE,
+    SWA_PAGE_SIZE,
+    DSV4AttentionConfig,
+)
 from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.kernels.indexer import warm_up_topk
+from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
     AttentionMetadata,
     DraftStep,
@@ -63,8 +74,7 @@ from dsv4_backend.planning import (
     plan,
     seq_len_fill_value,
 )
-from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
-from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind
+from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind, padding_rows
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
@@ -93,6 +103,9 @@ UNSUPPORTED_CACHE_MODES = (
     ("enable_session_radix_cache", "--enable-session-radix-cache", "session radix caching"),
     ("enable_streaming_session", "--enable-streaming-session", "streaming sessions"),
 )
+#: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
+#: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
+INDEXER_SELECTION_ENV = "DSV4_BACKEND_INDEXER_SELECTION"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +124,7 @@ class RunnerSettings:
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
         ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size`` and the cache modes
-        of ``UNSUPPORTED_CACHE_MODES``).
+        of ``UNSUPPORTED_CACHE_MODES``), and the environment variable ``INDEXER_SELECTION_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -142,10 +155,16 @@ class RunnerSettings:
                     f"{option}={value!r}; the dsv4 backend serves sglang's device radix cache "
                     f"only, not {why} (drop {flag})"
                 )
+        selection = os.environ.get(INDEXER_SELECTION_ENV, "exact")
+        if selection not in INDEXER_SELECTIONS:
+            raise ConfigError(
+                f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
+            )
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
+        # The config object itself (not to_dict()): its attributes are what sglang's model reads.
         config = DSV4AttentionConfig.from_hf_config(
-            hf if isinstance(hf, Mapping) else hf.to_dict(), speculative=speculative
+            hf, speculative=speculative, indexer_selection=selection
         )
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
@@ -156,6 +175,20 @@ class RunnerSettings:
             num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", 0) or 0),
             device=torch.device(runner.device),
         )
+
+
+class CudaStreams:
+    """The two stream calls of sglang's multi-stream indexer path (``torch.cuda``): the
+    current stream, and a context making another stream current. A backend's ``streams``
+    attribute; tests swap in a recorder."""
+
+    @staticmethod
+    def current() -> Any:
+        return torch.cuda.current_stream()
+
+    @staticmethod
+    def use(stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
 
 
 def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> AttentionState:
@@ -184,6 +217,7 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
         num_full_slots=math.ceil((full + page) / page) * page,
         num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
         num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
+        max_positions=runner.req_to_token_pool.req_to_token.shape[1],
     )
     reason = unaliasable_reason(pool, config, fmt)
     if reason is None:
@@ -258,12 +292,14 @@ class DSV4AttentionBackend(AttentionBackend):
         self.state = shared_state(model_runner, self.config, cache_format)
         self.forward_metadata: AttentionMetadata | None = None
         self.graph_buffers: GraphMetadataBuffers | None = None
+        self.streams = CudaStreams()
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
     # ------------------------------------------------------------------------- planning
-    def _plan(self, forward_batch: Any, widths: PlanWidths | None) -> AttentionMetadata:
-        """Plan ``forward_batch`` (the one planning body of the eager and the graph path).
+    def _plan(self, forward_batch: Any, buffers: GraphMetadataBuffers | None) -> AttentionMetadata:
+        """Plan ``forward_batch``: eager (``buffers`` None) or into the graph buffers (the
+        same planning body).
 
         A radix-cache hit is an EXTEND whose ``extend_prefix_lens`` is the cached, page-aligned
         prefix (sglang matches whole 256-token pages), in a fresh pool row whose
@@ -279,11 +315,22 @@ class DSV4AttentionBackend(AttentionBackend):
             num_draft_tokens=self.num_draft_tokens,
             draft=self.draft_step,
         )
-        return plan(self.config, view, widths=widths)
+        metadata = plan(self.config, view) if buffers is None else buffers.plan(view)
+        padding = padding_rows(forward_batch, view)
+        if padding > 0:
+            # Data-parallel padding tokens (EXTEND / DRAFT_EXTEND_V2, eager only): sentinel rows
+            # that write nothing and output 0, as sglang's own backend plans them.
+            metadata = pad_plan(
+                self.config,
+                metadata,
+                batch_size=metadata.batch_size,
+                num_rows=metadata.num_rows + padding,
+            )
+        return metadata
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
-        self.forward_metadata = self._plan(forward_batch, widths=None)
+        self.forward_metadata = self._plan(forward_batch, None)
 
     def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
         """CUDA graphs: plan with fixed widths and load the plan into the graph buffers.
@@ -296,14 +343,15 @@ class DSV4AttentionBackend(AttentionBackend):
                 "init_forward_metadata_out_graph before init_cuda_graph_state: the graph "
                 "buffers do not exist yet"
             )
-        metadata = self._plan(forward_batch, widths=self.graph_buffers.widths)
-        self.forward_metadata = self.graph_buffers.load(metadata)
+        self.forward_metadata = self._plan(forward_batch, self.graph_buffers)
 
     def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the fixed metadata buffers for graphs of up to ``max_num_tokens`` rows."""
+        """Allocate the fixed metadata buffers for graphs of up to ``max_num_tokens`` rows, and
+        build flashinfer's top-k before any capture."""
+        warm_up_topk(self.device, self.config.index_topk)
         self.graph_buffers = GraphMetadataBuffers(
             self.config,
             max_batch_size=max_bs,
@@ -332,11 +380,11 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if (
             metadata.kind is ForwardKind.DRAFT_EXTEND
-            and forward_batch.batch_size > metadata.batch_size
+            and forward_batch.batch_size >= metadata.batch_size
             and num_rows > metadata.num_rows
         ):
             # sglang plans the draft-extend batch before data-parallel padding on purpose (it
-            # marks it ready and never replans); the requests it appends are padding.
+            # marks it ready and never replans); the requests and tokens it appends are padding.
             metadata = pad_plan(
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
@@ -404,6 +452,7 @@ class DSV4AttentionBackend(AttentionBackend):
             original_ape(compressor),
             compressor.norm.weight.float(),
             indexer=bool(compressor.is_in_indexer),
+            norm_eps=float(compressor.norm.variance_epsilon),
         )
 
     def forward_c4_indexer(
@@ -412,7 +461,7 @@ class DSV4AttentionBackend(AttentionBackend):
         q_lora: torch.Tensor,
         forward_batch: Any,
         c4_indexer: Any,
-        alt_streams: Any = None,
+        alt_streams: Sequence[Any] | None = None,
         enable_multi_stream: bool = False,
         q_lora_ready: Any = None,
         skip_compressor: bool = False,
@@ -421,26 +470,72 @@ class DSV4AttentionBackend(AttentionBackend):
         """The lightning indexer of sglang ``C4Indexer`` ``c4_indexer``; returns None.
 
         Queries: ``c4_indexer.wq_b(q_lora)`` as ``[T, HI, DI]``, roped (compressed-layer RoPE,
-        trailing dims) at each row's position; head weights ``c4_indexer.compute_weights(x)``
-        (scaled by ``DI**-0.5 * HI**-0.5``). Writes each row's top-k c4 slots into
-        ``forward_metadata.c4.page_indices``. Streams and the fp8 ``q_lora_quant`` are unused.
+        trailing dims) at each row's position; head weights ``compute_weights(x, skip_scale=
+        True)`` scaled by ``c4_indexer.weight_scale`` in float32 (as sglang's fused query kernel
+        does). Writes each row's top-k c4 slots into ``forward_metadata.c4.page_indices``. The
+        indexer compressor runs first unless ``skip_compressor``. ``q_lora_quant`` (sglang's fp8
+        copy of ``q_lora``) is unused: queries are projected from ``q_lora``.
+
+        Streams, as sglang's ``C4IndexerBackendMixin``: with ``enable_multi_stream`` the model
+        calls this on its indexer stream *before* ``q_lora`` is computed, handing the event
+        ``q_lora_ready``; the compressor runs on the current stream, the head weights on
+        ``alt_streams[1]``, the queries on ``alt_streams[0]`` after waiting for
+        ``q_lora_ready`` (and the weights), and the current stream joins ``alt_streams[0]``
+        before the top-k. ``q_lora_ready`` without ``enable_multi_stream`` is a
+        ``ContractError`` (sglang asserts it is None).
         """
         if forward_batch.forward_mode.is_idle():
             return
         layer_id = c4_indexer.layer_id
-        metadata = self._metadata(forward_batch, x.shape[0], f"c4 indexer (layer {layer_id})")
-        if not skip_compressor:
-            self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+        where = f"c4 indexer (layer {layer_id})"
+        metadata = self._metadata(forward_batch, x.shape[0], where)
+        if not enable_multi_stream and q_lora_ready is not None:
+            raise ContractError(
+                f"{where}: q_lora_ready given without enable_multi_stream; the event belongs to "
+                "the multi-stream path (sglang asserts it is None otherwise)"
+            )
+        if enable_multi_stream:
+            if alt_streams is None or len(alt_streams) < 2:
+                raise ContractError(
+                    f"{where}: enable_multi_stream needs two alt_streams (queries, weights), "
+                    f"got {alt_streams!r}"
+                )
+            streams = self.streams
+            current = streams.current()
+            stream_q, stream_weights = alt_streams[0], alt_streams[1]
+            stream_q.wait_stream(current)
+            stream_weights.wait_stream(current)
+            if not skip_compressor:
+                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+            with streams.use(stream_weights):
+                weights = self._index_weights(c4_indexer, x)
+                weights_ready = stream_weights.record_event()
+            with streams.use(stream_q):
+                if q_lora_ready is not None:
+                    stream_q.wait_event(q_lora_ready)
+                stream_q.wait_event(weights_ready)
+                q = self._index_queries(c4_indexer, q_lora, metadata)
+            current.wait_stream(stream_q)
+        else:
+            if not skip_compressor:
+                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+            weights = self._index_weights(c4_indexer, x)
+            q = self._index_queries(c4_indexer, q_lora, metadata)
+        select_c4_entries(self.state, layer_id, metadata, q, weights)
+
+    @staticmethod
+    def _index_weights(c4_indexer: Any, x: torch.Tensor) -> torch.Tensor:
+        """``[T, HI]`` float32 head weights: the projection times ``weight_scale`` in fp32."""
+        return c4_indexer.compute_weights(x, skip_scale=True).float() * c4_indexer.weight_scale
+
+    def _index_queries(
+        self, c4_indexer: Any, q_lora: torch.Tensor, metadata: AttentionMetadata
+    ) -> torch.Tensor:
+        """``[T, HI, DI]`` float32 indexer queries, roped at each row's position."""
         q, _ = c4_indexer.wq_b(q_lora)
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
-        cos, sin = rope_cos_sin(self.config, 4, metadata.positions_causal)
-        select_c4_entries(
-            self.state,
-            layer_id,
-            metadata,
-            apply_rope(q, cos, sin),
-            c4_indexer.compute_weights(x).float(),
-        )
+        cos, sin = self.state.rope.cos_sin(metadata.positions_causal)
+        return apply_rope(q, cos, sin)
 
     # -------------------------------------------------------------------------- forward
     def forward(

@@ -20,7 +20,11 @@ sglang's CUDA ``DeepseekV4AttnBackend``, which plans every step with ``seq_lens 
 attends without the draft tokens.
 
 Rows that data-parallel padding added (``seq_lens`` fill value 1, ``req_pool_indices`` 0,
-``out_cache_loc`` 0) plan like ordinary rows; their outputs are discarded by the host.
+``out_cache_loc`` 0) plan like ordinary rows; their outputs are discarded by the host. An
+EXTEND / DRAFT_EXTEND_V2 batch can also be padded with whole tokens that belong to no request
+(``out_cache_loc`` longer than the sum of the extend lengths, sglang's
+``ForwardBatch._pad_inputs_to_size``): the view leaves them out (``padding_rows``) and the
+backend appends them to the plan as sentinel rows (``planning.pad_plan``: no write, output 0).
 """
 
 from __future__ import annotations
@@ -65,6 +69,13 @@ def _host(values: Any) -> list[int] | None:
     return [int(v) for v in values]
 
 
+def padding_rows(fb: Any, view: BatchView) -> int:
+    """Padding tokens of an extend-kind ``fb`` past its requests' rows (0 for other kinds)."""
+    if view.kind not in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
+        return 0
+    return fb.out_cache_loc.numel() - view.num_rows
+
+
 def batch_view(
     fb: Any,
     *,
@@ -98,6 +109,7 @@ def batch_view(
             kind=kind, req_pool_indices=empty, seq_lens=empty, out_cache_loc=empty,
             req_to_token=req_to_token, full_to_swa=full_to_swa,
         )  # fmt: skip
+    out_cache_loc = fb.out_cache_loc
     if kind is ForwardKind.DECODE:
         common["draft"] = draft
     elif kind is ForwardKind.TARGET_VERIFY:
@@ -115,10 +127,12 @@ def batch_view(
                 "extend_seq_lens_cpu and extend_prefix_lens_cpu (or seq_lens_cpu)"
             )
         common.update(extend_prefix_lens=prefix, extend_seq_lens=extend)
+        # Whole padding tokens (data-parallel) trail the requests' rows; see padding_rows.
+        out_cache_loc = out_cache_loc[: sum(extend)]
     return BatchView(
         kind=kind,
         req_pool_indices=fb.req_pool_indices,
         seq_lens=fb.seq_lens,
-        out_cache_loc=fb.out_cache_loc,
+        out_cache_loc=out_cache_loc,
         **common,
     )

@@ -34,12 +34,10 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
     DeepSeekV4TokenToKVPool,
 )
 
-from dsv4_backend.cache import DSV4CachePools
+from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
+from dsv4_backend.cache.state import compressed_rope, ring_slots
 from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.compute import AttentionState
-from dsv4_backend.compute.layer import ring_slots
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.compressor import CompressorState
 
 logger = logging.getLogger(__name__)
 
@@ -92,6 +90,7 @@ def aliased_state(
     num_full_slots: int,
     num_swa_slots: int,
     num_request_slots: int,
+    max_positions: int,
 ) -> AttentionState:
     """``AttentionState`` whose caches (and fitting rings) are views of ``pool``'s buffers.
 
@@ -134,7 +133,13 @@ def aliased_state(
         core[layer] = rings(pool.get_attention_compress_states(layer), ratio, config.head_dim)
         if ratio == 4:
             index[layer] = rings(pool.get_indexer_compress_states(layer), 4, config.index_head_dim)
-    return AttentionState(config=config, pools=pools, compressor_states=core, indexer_states=index)
+    return AttentionState(
+        config=config,
+        pools=pools,
+        compressor_states=core,
+        indexer_states=index,
+        rope=compressed_rope(config, max_positions, device),
+    )
 
 
 def _ring_view(
@@ -172,20 +177,25 @@ def log_state_memory(state: AttentionState, pool: Any, reason: str | None) -> No
     """One INFO line: bytes aliased from sglang's pool and bytes this package allocated."""
     rings = [*state.compressor_states.values(), *state.indexer_states.values()]
     tensors = [c.storage for c in _caches(state.pools)] + [r.ring for r in rings]
+    tensors += [state.rope.cos, state.rope.sin]
     owned = _owned_ranges(pool) if reason is None else []
     aliased = sum(t.nbytes for t in tensors if _inside(t, owned))
     allocated = sum(t.nbytes for t in tensors) - aliased
     if reason is None:
         logger.info(
             "dsv4 backend: aliased %d bytes of sglang's DeepSeekV4TokenToKVPool (caches, %d of "
-            "%d compressor rings); allocated %d bytes (the other rings)",
+            "%d compressor rings); allocated %d bytes (the other rings, RoPE table)",
             aliased,
             sum(_inside(r.ring, owned) for r in rings),
             len(rings),
             allocated,
         )
     else:
-        logger.info("dsv4 backend: allocated %d bytes of caches and rings (%s)", allocated, reason)
+        logger.info(
+            "dsv4 backend: allocated %d bytes of caches, rings and RoPE table (%s)",
+            allocated,
+            reason,
+        )
 
 
 def _caches(pools: DSV4CachePools) -> list[Any]:

@@ -41,25 +41,32 @@ class RopeParams:
     yarn: Yarn | None = None
 
     def frequencies(self, device: torch.device | str | None = None) -> torch.Tensor:
-        """``[R/2]`` float64 angular frequency of each pair, built on ``device``."""
+        """``[R/2]`` float32 angular frequency of each pair, built on ``device``.
+
+        float32 arithmetic in the order of sglang's ``precompute_freqs_cis``, so the values are
+        the ones its ``freqs_cis`` table is built from.
+        """
         dim = self.rope_dim
-        pairs = torch.arange(dim // 2, dtype=torch.float64, device=device)
-        freqs = 1.0 / self.theta ** (2 * pairs / dim)
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim
+        freqs = 1.0 / (self.theta**exponents)
         if self.yarn is None:
             return freqs
         low, high = _correction_range(self.yarn, dim, self.theta)
-        ramp = ((pairs - low) / (high - low)).clamp(0, 1)
-        # ramp 0 (fast-rotating dims below `low`) keeps freq; ramp 1 (slow dims) gets freq/factor.
-        return freqs * (1 - ramp) + freqs / self.yarn.factor * ramp
+        pairs = torch.arange(dim // 2, dtype=torch.float32, device=device)
+        # smooth 1 (fast-rotating dims below `low`) keeps freq; 0 (slow dims) gets freq/factor.
+        smooth = 1 - ((pairs - low) / (high - low)).clamp(0, 1)
+        return freqs / self.yarn.factor * (1 - smooth) + freqs * smooth
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)``, each ``[*positions.shape, R/2]`` float32, on ``positions.device``.
 
-        Angles are formed in float64 so large positions lose no precision; everything runs on
+        The rows of sglang's float32 ``freqs_cis`` table at ``positions``: the angle is the
+        float32 product ``float32(p) * freq`` (not an exact one: at position 1M the two differ
+        by up to 0.05 rad), then its float32 cosine and sine. Computed per call on
         ``positions.device`` (no host copy, so it may run inside a CUDA graph).
         """
-        angles = positions.to(torch.float64)[..., None] * self.frequencies(positions.device)
-        return angles.cos().float(), angles.sin().float()
+        angles = positions.to(torch.float32)[..., None] * self.frequencies(positions.device)
+        return angles.cos(), angles.sin()
 
 
 def _correction_dim(num_rotations: float, dim: int, theta: float, max_position: int) -> float:

@@ -13,10 +13,10 @@ name               what runs a step
 ``sglang:<name>``  the sglang attention backend registered as ``<name>`` (after this
                    package's plugin registered; ``dsv4`` is then this package's adapter and
                    ``dsv4_builtin`` sglang's own), driven by the simulated sglang host of
-                   ``dsv4_backend.sglang_adapter.harness``; CUDA only
+                   ``dsv4_backend.testing.harness``; CUDA only
 =================  =========================================================================
 
-Every backend builds its own :class:`~dsv4_backend.simulation.RandomModel` from the trace's
+Every backend builds its own :class:`~dsv4_backend.testing.simulation.RandomModel` from the trace's
 seed, so both sides of a run see the same inputs and caches. On the graph path the ``dsv4``
 backends plan with fixed ``PlanWidths`` and load the plan into ``GraphMetadataBuffers`` padded
 to a graph bucket of rows (the next power of two), as a CUDA-graph replay does.
@@ -27,15 +27,13 @@ function with ``plan``'s signature.
 
 from __future__ import annotations
 
-import abc
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, fields
+from dataclasses import fields
 
 import torch
 
-from dsv4_backend.ab.trace import Row, Step, Trace
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.dispatch import force_path, select_path
@@ -46,52 +44,16 @@ from dsv4_backend.planning import (
     PlanWidths,
     plan,
 )
-from dsv4_backend.reference.layer import LayerInputs, reference_layer
-from dsv4_backend.simulation import RandomModel
+from dsv4_backend.testing.ab.base import Backend, StepOutput
+from dsv4_backend.testing.ab.trace import Step, Trace
+from dsv4_backend.testing.reference.layer import LayerInputs, reference_layer
+from dsv4_backend.testing.simulation import RandomModel
 
 #: ``plan``'s signature: ``planner(config, batch, widths=None) -> AttentionMetadata``.
 Planner = Callable[..., AttentionMetadata]
 #: Names accepted by :func:`make_backend` besides ``sglang:<name>``.
 BACKEND_NAMES = ("dsv4", "dsv4-torch", "dsv4-fp8", "reference")
 SGLANG_PREFIX = "sglang:"
-
-
-@dataclass
-class StepOutput:
-    """One backend's result of one step.
-
-    Attributes
-    ----------
-    rows : ``(request, position)`` of each output row (graph padding removed).
-    layers : layer ids of ``outputs``.
-    outputs : per layer ``[T, H, D]`` float32 on the CPU.
-    plan_s, kernel_s : seconds spent planning and in the layers' kernels.
-    """
-
-    rows: list[Row]
-    layers: list[int]
-    outputs: list[torch.Tensor]
-    plan_s: float
-    kernel_s: float
-
-
-class Backend(abc.ABC):
-    """What the runner drives: ``prepare`` once per trace, then ``run`` every step in order."""
-
-    name: str
-
-    @property
-    @abc.abstractmethod
-    def kernel_path(self) -> str:
-        """Which kernels run, for the report."""
-
-    @abc.abstractmethod
-    def prepare(self, trace: Trace, device: torch.device) -> None:
-        """Build this backend's model (from ``trace``'s seed) and state on ``device``."""
-
-    @abc.abstractmethod
-    def run(self, step: Step) -> StepOutput:
-        """Run the next step of the trace (steps come in trace order)."""
 
 
 def graph_rows(num_rows: int) -> int:
@@ -255,7 +217,8 @@ def make_backend(name: str, device: torch.device) -> Backend:
                 f"GPUs), got device {device}; on the CPU compare dsv4, dsv4-torch, dsv4-fp8 "
                 "and reference"
             )
-        from dsv4_backend.sglang_adapter.ab_backend import SglangBackend
+        # Imported here: it imports sglang, which the other backends never need.
+        from dsv4_backend.testing.ab.sglang_backend import SglangBackend
 
         return SglangBackend(name[len(SGLANG_PREFIX) :])
     raise ConfigError(

@@ -3,7 +3,7 @@
 The backend is built the way sglang builds it, from the registry (``ATTENTION_BACKENDS[name]``)
 and, for the multi-step draft, by sglang's ``DraftBackendFactory._create_<name>_decode_backend``
 (``dsv4_builtin``'s is added by this package's plugin), over the mock model
-runner of :mod:`dsv4_backend.sglang_adapter.harness`; ``harness.SimulatedModel`` runs each
+runner of :mod:`dsv4_backend.testing.harness`; ``harness.SimulatedModel`` runs each
 layer through the backend's sglang-facing methods (store, indexer, compressor, attention), fed
 from the same ``RandomModel`` data as the other side. This package's plugin is registered
 first, so ``dsv4`` is this package's adapter and ``dsv4_builtin`` sglang's own backend.
@@ -29,10 +29,10 @@ import time
 
 import torch
 
-from dsv4_backend.ab.backends import Backend, StepOutput
-from dsv4_backend.ab.trace import NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS, Step, Trace
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.sglang_adapter import harness
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.ab.base import Backend, StepOutput
+from dsv4_backend.testing.ab.trace import NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS, Step, Trace
 
 
 class SglangBackend(Backend):

@@ -22,11 +22,11 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.reference.attention import reference_attention
-from dsv4_backend.reference.compressor import compress_entries, overlap
-from dsv4_backend.reference.indexer import indexer_select
-from dsv4_backend.reference.norm import rms_norm
-from dsv4_backend.reference.rope import apply_rope, rope_for_ratio
+from dsv4_backend.testing.reference.attention import reference_attention
+from dsv4_backend.testing.reference.compressor import compress_entries, overlap
+from dsv4_backend.testing.reference.indexer import indexer_select
+from dsv4_backend.testing.reference.norm import rms_norm
+from dsv4_backend.testing.reference.rope import apply_rope, rope_for_ratio
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,6 +159,7 @@ def reference_layer(
         ratio,
         rope,
         config.head_dim,
+        config.rms_norm_eps,
     )
     index_keys = selected = None
     if ratio == 4:
@@ -170,6 +171,7 @@ def reference_layer(
             4,
             rope,
             config.index_head_dim,
+            config.rms_norm_eps,
         )
         selected = indexer_select(
             inputs.index_q, inputs.index_weights, index_keys, config.index_topk

@@ -14,7 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv4_backend.ab.runner import ABResult, ModeStats
+from dsv4_backend.testing.ab.runner import ABResult, ModeStats
 
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"
@@ -84,6 +84,7 @@ def build_report(result: ABResult) -> dict[str, Any]:
             "seed": trace.seed,
         },
         "wall_s": result.wall_s,
+        "warmup_s": dict(result.warmup_s),
         "modes": [_mode_dict(stats) for stats in result.modes.values()],
     }
 
@@ -95,6 +96,15 @@ def _num(value: float | None, missing: str = "-", fmt: str = ".3g") -> str:
 def _times(timing: dict[str, Any], side: str, kind: str) -> str:
     t = timing[side][f"{kind}_ms"]
     return f"{_num(t['median'])} / {_num(t['p90'])}"
+
+
+def _warmup_line(warmup_s: dict[str, float]) -> str:
+    if not warmup_s:
+        return "- no warm-up pass: the first steps' times include kernel compilation"
+    return (
+        f"- warm-up pass before timing (kernel compilation): A {warmup_s['a']:.2f} s, "
+        f"B {warmup_s['b']:.2f} s; not in the step times"
+    )
 
 
 def render_markdown(report: dict[str, Any]) -> str:
@@ -118,6 +128,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"{trace['steps']} steps, seed {trace['seed']}; wall time {report['wall_s']:.1f} s",
         "- errors over accepted rows; rel = max|A-B| / max|B|; cos = smallest row cosine",
         "- times in ms per step, median / p90; A/B = ratio of the medians",
+        _warmup_line(report["warmup_s"]),
         "",
         "| mode | steps | rows | max abs err | rel err | min cos | atol | ok "
         "| A plan | B plan | A/B | A kernel | B kernel | A/B |",

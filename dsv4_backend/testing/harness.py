@@ -19,13 +19,13 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.planning import BatchView
-from dsv4_backend.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.sglang_adapter.batch_view import KIND_OF_MODE
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing.reference.rope import apply_rope, rope_cos_sin
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 Row = tuple[int, int] | None  # (request, position); None for a padding row
 
@@ -45,6 +45,7 @@ def tiny_hf_config(config: DSV4AttentionConfig, **overrides: Any) -> dict[str, A
         "index_head_dim": config.index_head_dim,
         "rope_theta": config.rope_theta,
         "compress_rope_theta": config.compress_rope_theta,
+        "rms_norm_eps": config.rms_norm_eps,
         "rope_scaling": {
             "type": "yarn",
             "factor": config.yarn_factor,
@@ -215,14 +216,22 @@ class BatchBuilder:
         return forward_batch(self.pool.verify(requests, seq_lens, n), rows)
 
     @staticmethod
-    def pad(step: Step, runner: Any, extra_requests: int, rows_per_request: int) -> Step:
-        """Data-parallel padding by sglang's own ``ForwardBatch._pad_inputs_to_size``."""
+    def pad(
+        step: Step, runner: Any, extra_requests: int, rows_per_request: int, extra_tokens: int = 0
+    ) -> Step:
+        """Data-parallel padding by sglang's own ``ForwardBatch._pad_inputs_to_size``:
+        ``extra_requests`` whole requests of ``rows_per_request`` rows, then ``extra_tokens``
+        tokens of no request (``prepare_mlp_sync_batch`` pads an EXTEND batch to the
+        data-parallel token count this way, setting ``extend_num_tokens`` to it)."""
         batch = step.batch
         bs = batch.batch_size + extra_requests
-        num_tokens = batch.out_cache_loc.numel() + extra_requests * rows_per_request
+        num_tokens = batch.out_cache_loc.numel() + extra_requests * rows_per_request + extra_tokens
+        if batch.forward_mode == ForwardMode.EXTEND:
+            batch.extend_num_tokens = num_tokens
         batch._pad_inputs_to_size(runner, num_tokens, bs)
         batch.batch_size = bs
-        return Step(batch, step.rows + [None] * (extra_requests * rows_per_request))
+        padding: list[Row] = [None] * (extra_requests * rows_per_request + extra_tokens)
+        return Step(batch, step.rows + padding)
 
 
 def _extend_rows(
@@ -289,7 +298,7 @@ class CompressorStandIn:
         if self.ape_converted:
             ape = torch.cat(torch.chunk(ape, 2, dim=-1), dim=0).reshape(self.ratio, -1)
         self.ape = ape
-        self.norm = SimpleNamespace(weight=norm, variance_epsilon=1e-6)
+        self.norm = SimpleNamespace(weight=norm, variance_epsilon=model.config.rms_norm_eps)
         self.feed: Feed | None = None
 
     def compute_kv_score(self, x: torch.Tensor, forward_batch: Any) -> torch.Tensor:
@@ -298,14 +307,16 @@ class CompressorStandIn:
 
 
 class IndexerStandIn:
-    """sglang ``C4Indexer`` surface: ``wq_b`` (un-roped queries), ``compute_weights``,
-    ``n_heads``, ``head_dim``, ``layer_id``, ``compressor``."""
+    """sglang ``C4Indexer`` surface: ``wq_b`` (un-roped queries), ``compute_weights`` (the
+    feed's weights, already scaled: ``weight_scale`` is 1), ``n_heads``, ``head_dim``,
+    ``layer_id``, ``compressor``."""
 
     def __init__(self, model: RandomModel, layer: int) -> None:
         self.layer_id = layer
         self.n_heads = model.config.index_n_heads
         self.head_dim = model.config.index_head_dim
         self.compressor = CompressorStandIn(model, layer, indexer=True)
+        self.weight_scale = 1.0
         self.feed: Feed | None = None
 
     def wq_b(self, q_lora: torch.Tensor) -> tuple[torch.Tensor, None]:

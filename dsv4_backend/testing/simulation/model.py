@@ -10,16 +10,17 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from dsv4_backend import ops
 from dsv4_backend.compute import AttentionState, forward_layer
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.planning import AttentionMetadata, BatchView, plan
-from dsv4_backend.reference.layer import (
+from dsv4_backend.testing.reference.layer import (
     LayerInputs,
     LayerParams,
     make_random_layer,
     reference_layer,
 )
-from dsv4_backend.simulation.pool import PagedRequestPool
+from dsv4_backend.testing.simulation.pool import PagedRequestPool
 
 Planner = Callable[[DSV4AttentionConfig, BatchView], AttentionMetadata]
 
@@ -44,8 +45,9 @@ class ForwardResult:
 
 def _select_rows(
     inputs: Sequence[LayerInputs], rows: Sequence[tuple[int, int]], rejected: Mapping[int, int]
-) -> LayerInputs:
-    """Concatenate the rows ``(request, position)`` of per-request inputs into ragged inputs.
+) -> ops.LayerInputs:
+    """Concatenate the rows ``(request, position)`` of per-request inputs (the reference's) into
+    the runtime's ragged inputs.
 
     Rows at or past ``rejected[request]`` get negated inputs: a draft token the target will
     reject, whose keys and compressor state later forwards must not see.
@@ -61,7 +63,7 @@ def _select_rows(
                 for r, p in rows
             ]
         )
-    return LayerInputs(**picked)
+    return ops.LayerInputs(**picked)
 
 
 class RandomModel:
@@ -85,6 +87,7 @@ class RandomModel:
         self.pool = pool
         self.device = torch.device(device)
         self.params: list[LayerParams] = []
+        self.runtime_params: list[ops.LayerParams] = []  # the same values, for forward_layer
         self.inputs: list[list[LayerInputs]] = []  # [layer][request]
         for ratio in config.compress_ratios:
             per_request = [make_random_layer(config, ratio, n, generator) for n in pool.max_lens]
@@ -92,6 +95,7 @@ class RandomModel:
             for i, (j, n) in pool.same_tokens.items():
                 inputs[i] = _with_prefix(inputs[i], inputs[j], n)
             self.params.append(_to(per_request[0][1], self.device))
+            self.runtime_params.append(_to(per_request[0][1], self.device, ops.LayerParams))
             self.inputs.append([_to(x, self.device) for x in inputs])
         self._expected: dict[tuple[int, int], torch.Tensor] = {}
         self.state = AttentionState.allocate(
@@ -153,7 +157,12 @@ class RandomModel:
                 continue
             with _timed(timings, "kernels", self.device):
                 out = forward_layer(
-                    self.state, layer, metadata, batch.req_pool_indices, inputs, self.params[layer]
+                    self.state,
+                    layer,
+                    metadata,
+                    batch.req_pool_indices,
+                    inputs,
+                    self.runtime_params[layer],
                 )
             outputs.append(out)
         return ForwardResult(
@@ -193,12 +202,13 @@ def _timed(timings: dict[str, float] | None, key: str, device: torch.device) -> 
     timings[key] = timings.get(key, 0.0) + time.perf_counter() - start
 
 
-def _to(obj, device: torch.device):
+def _to(obj, device: torch.device, cls=None):
+    """``obj`` (a dataclass of optional tensors) on ``device``, as a ``cls`` (default its type)."""
     values = {
         f.name: None if getattr(obj, f.name) is None else getattr(obj, f.name).to(device)
         for f in fields(obj)
     }
-    return type(obj)(**values)
+    return (cls or type(obj))(**values)
 
 
 def _with_prefix(inputs: LayerInputs, source: LayerInputs, n: int) -> LayerInputs:

@@ -12,13 +12,14 @@ the benchmarks print them and the launch-budget tests bound them.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from dsv4_backend.ops import launches
 
 #: aten ops that read device data on the host or size their output from it.
 SYNC_OPS = frozenset(
@@ -81,38 +82,13 @@ NO_KERNEL_OPS = frozenset(
     }
 )
 
-_active: list[LaunchCounter] = []
-_quiet_depth = 0
-
-
-@contextlib.contextmanager
-def uncounted() -> Iterator[None]:
-    """Ops inside are not counted: host-side checks that run only on CPU tensors (a GPU run
-    never executes them), and the torch plumbing of a launch counted as one (``launch``)."""
-    global _quiet_depth
-    _quiet_depth += 1
-    try:
-        yield
-    finally:
-        _quiet_depth -= 1
-
-
-@contextlib.contextmanager
-def launch(name: str) -> Iterator[None]:
-    """Count one device launch ``name`` (a TVM or flashinfer kernel) and none of the torch ops
-    its Python wrapper runs inside the block."""
-    if _active and not _quiet_depth:
-        _active[-1].kernels[name] += 1
-    with uncounted():
-        yield
-
 
 def _counting_run(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def run(self: Any, *args: Any, warmup: bool = False, **kwargs: Any) -> Any:
         if warmup:
             return original(self, *args, warmup=warmup, **kwargs)
-        with launch(f"triton:{getattr(self, '__name__', type(self).__name__)}"):
+        with launches.launch(f"triton:{getattr(self, '__name__', type(self).__name__)}"):
             return original(self, *args, warmup=warmup, **kwargs)
 
     return run
@@ -125,7 +101,8 @@ class LaunchCounter(OpCounter):
     * torch: every aten op that runs a kernel (views, ``empty`` and host reads excluded);
     * Triton: every kernel launch, compiled or in the interpreter (whose own torch plumbing is
       not counted);
-    * others (TVM, flashinfer): the launches their wrappers declare with ``launch(name)``.
+    * others (TVM, flashinfer, host-to-device copies): the launches their wrappers declare with
+      ``ops.launches.launch(name)``.
 
     ``kernels`` maps ``"triton:<kernel>"`` / wrapper names to launches, ``torch_ops`` aten op
     names to launches; ``counts`` / ``syncs`` are ``OpCounter``'s (every op, host syncs).
@@ -144,18 +121,18 @@ class LaunchCounter(OpCounter):
         for cls in (JITFunction, InterpretedFunction):
             self._patched.append((cls, cls.run))
             cls.run = _counting_run(cls.run)  # type: ignore[method-assign]
-        _active.append(self)
+        launches.active.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
-        _active.remove(self)
+        launches.active.remove(self)
         for cls, run in reversed(self._patched):
             cls.run = run  # type: ignore[method-assign]
         self._patched.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if _quiet_depth:
+        if launches.quiet():
             return func(*args, **(kwargs or {}))
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
         if not (func.is_view or name in NO_KERNEL_OPS or name in SYNC_OPS):

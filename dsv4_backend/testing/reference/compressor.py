@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.errors import ContractError
-from dsv4_backend.reference.norm import rms_norm
-from dsv4_backend.reference.rope import RopeParams, apply_rope
+from dsv4_backend.testing.reference.norm import rms_norm
+from dsv4_backend.testing.reference.rope import RopeParams, apply_rope
 
 
 def overlap(ratio: int) -> int:
@@ -64,10 +64,12 @@ def finish_entries(
     norm_weight: torch.Tensor,
     ratio: int,
     rope: RopeParams,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
-    """RMSNorm then RoPE at ``w * ratio``: pooled ``[n, D]``, entry ids ``[n]`` -> ``[n, D]``."""
+    """RMSNorm (epsilon ``eps``) then RoPE at ``w * ratio``: pooled ``[n, D]``, entry ids ``[n]``
+    -> ``[n, D]``."""
     cos, sin = rope.cos_sin(entry_ids.to(torch.int64) * ratio)
-    return apply_rope(rms_norm(pooled, norm_weight), cos, sin)
+    return apply_rope(rms_norm(pooled, norm_weight, eps), cos, sin)
 
 
 def compress_entries(
@@ -78,6 +80,7 @@ def compress_entries(
     ratio: int,
     rope: RopeParams,
     head_dim: int,
+    eps: float = 1e-6,
 ) -> torch.Tensor:
     """All complete entries of one request whose tokens are positions ``0 ... S-1``.
 
@@ -89,6 +92,7 @@ def compress_entries(
     ratio : 4 or 128.
     rope : the compressed layer's RoPE (``rope_for_ratio(config, ratio)``).
     head_dim : ``D`` (``config.head_dim`` for the layer, ``index_head_dim`` for the indexer).
+    eps : the RMSNorm epsilon (``config.rms_norm_eps``).
 
     Returns ``[S // r, D]`` float32.
     """
@@ -104,4 +108,4 @@ def compress_entries(
     pooled = [pool_slots(*entry_slots(kv_proj, score_proj, ratio, w, d)) for w in range(n)]
     if n == 0:
         return kv_proj.new_zeros(0, d)
-    return finish_entries(torch.stack(pooled), torch.arange(n), norm_weight, ratio, rope)
+    return finish_entries(torch.stack(pooled), torch.arange(n), norm_weight, ratio, rope, eps)

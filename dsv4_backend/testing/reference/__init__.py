@@ -4,24 +4,28 @@ One request at a time, tokens at positions ``0 ... S-1``; small loops, no clever
 kernel test compares against these functions.
 """
 
-from dsv4_backend.reference.attention import reference_attention, sink_attention, visible_entries
-from dsv4_backend.reference.compressor import (
+from dsv4_backend.testing.reference.attention import (
+    reference_attention,
+    sink_attention,
+    visible_entries,
+)
+from dsv4_backend.testing.reference.compressor import (
     compress_entries,
     entry_slots,
     finish_entries,
     overlap,
     pool_slots,
 )
-from dsv4_backend.reference.indexer import indexer_scores, indexer_select
-from dsv4_backend.reference.layer import (
+from dsv4_backend.testing.reference.indexer import indexer_scores, indexer_select
+from dsv4_backend.testing.reference.layer import (
     LayerInputs,
     LayerParams,
     ReferenceResult,
     make_random_layer,
     reference_layer,
 )
-from dsv4_backend.reference.norm import rms_norm
-from dsv4_backend.reference.rope import (
+from dsv4_backend.testing.reference.norm import rms_norm
+from dsv4_backend.testing.reference.rope import (
     RopeParams,
     Yarn,
     apply_rope,

@@ -1,9 +1,9 @@
 """The serving trace an A/B run replays: steps of every mode, on the eager and the graph path.
 
 A trace is a list of :class:`Step`\\ s over a fixed set of requests. Applied in order to a
-fresh :class:`~dsv4_backend.simulation.RandomModel` built from the trace's seed, each step is
-one forward batch; both backends of a run replay the same steps on models built from the same
-seed, so their inputs, page layouts and caches stay identical.
+fresh :class:`~dsv4_backend.testing.simulation.RandomModel` built from the trace's seed, each
+step is one forward batch; both backends of a run replay the same steps on models built from
+the same seed, so their inputs, page layouts and caches stay identical.
 
 The built-in trace (:func:`build_trace`) serves each request like an EAGLE v2 worker with
 topk 1 and 3 draft steps (4 draft tokens):
@@ -30,7 +30,7 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.planning import BatchView
-from dsv4_backend.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 MODES = ("prefill", "draft", "verify", "draft_extend", "decode")
 PATHS = ("eager", "graph")

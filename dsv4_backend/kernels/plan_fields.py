@@ -1,0 +1,451 @@
+"""Every field of a plan in one Triton launch (the fused planner, ``planning.plan``'s GPU path).
+
+The kernel computes, for each query row ``t``, what ``planning/planner.py``'s torch body builds
+with some forty torch ops (field definitions: ``planning/metadata.py``):
+
+* the row expansion: request ``b``, position, first new position, the request's length and the
+  length the write plan keeps (uniform kinds from ``seq_lens``; extend kinds from the host's
+  per-request starts and prefixes, uploaded as one ``[3, B]`` tensor);
+* ``page_table``, ``swa_page_indices`` (through ``full_to_swa``), the write slots, causal
+  lengths, window lengths;
+* per compress ratio, the per-row fields of ``kernels/row_metadata.py`` (c4 ``page_indices``
+  filled with ``-1``, c128 indices from the page table) and the compress / write plans of
+  ``kernels/compress_plan_torch.py``. The plans need no scan: a request's rows are consecutive
+  positions, so the number of rows it contributes to each plan has a closed form, and a row's
+  record index is the sum over earlier requests plus its rank inside its own.
+
+Grid ``(row blocks, column blocks)``: column block ``c`` writes columns ``[c * BLOCK_C, ...)``
+of the wide fields; column block 0 also writes the per-row fields and the plan records. Shapes
+depend only on ``T``, ``B`` and the widths, and nothing is read on the host, so a graph kind
+plans inside a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from dataclasses import fields as dc_fields
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
+from dsv4_backend.kernels.row_metadata import _floor_div, _floor_mod
+
+#: Rows per program (an upper bound: fewer when the batch has many requests).
+BLOCK_T = 8
+#: Columns of the wide fields per program.
+BLOCK_C = 64
+#: Elements of the ``[rows, requests]`` tile each program reduces for the plan offsets.
+REQUEST_TILE = 1024
+
+
+@triton.jit
+def _page_ends(x, R: tl.constexpr, PAGE: tl.constexpr):
+    """Positions ``q < x`` (``x >= 0``) among the last ``R`` of their page: the c4 write plan
+    keeps them besides the request's tail (the block a cached page-aligned prefix needs)."""
+    return _floor_div(x, PAGE) * R + tl.maximum(_floor_mod(x, PAGE) - (PAGE - R), 0)
+
+
+@triton.jit
+def _plan_counts(p0, n, keep, R: tl.constexpr, OVERLAP_BACK: tl.constexpr, PAGE: tl.constexpr):
+    """Rows of a request (positions ``p0 ... p0 + n - 1``) in the compress and write plans."""
+    compress = _floor_div(p0 + n, R) - _floor_div(p0, R)
+    keep_from = _floor_div(keep, R) * R - OVERLAP_BACK
+    tail_from = tl.maximum(p0, keep_from)
+    write = tl.minimum(tl.maximum(p0 + n - tail_from, 0), n)
+    if R == 4:  # page ends before the tail
+        write += _page_ends(tl.minimum(p0 + n, tail_from), R, PAGE) - _page_ends(p0, R, PAGE)
+    return compress, write
+
+
+@triton.jit
+def _ratio_fields(
+    t,  # [BLOCK_T] int64 rows
+    row_ok,  # [BLOCK_T] bool: a row of the plan
+    live,  # [BLOCK_T] bool: a row of the plan or a padded row (written with sentinels)
+    b,  # [BLOCK_T] int64 request of each row
+    i,  # [BLOCK_T] int64 rank of the row inside its request
+    pos,  # [BLOCK_T] int64
+    p0,  # [BLOCK_T] int64 first new position of the row's request
+    out_loc,  # [BLOCK_T] int64
+    r,  # [BLOCK_B] request ids
+    req_p0,  # [BLOCK_B] int64 per request: first new position
+    req_n,  # [BLOCK_B] int64 rows
+    req_keep,  # [BLOCK_B] int64 kept length
+    req_ok,  # [BLOCK_B] bool
+    keep,  # [BLOCK_T] int64 the row's request's kept length
+    first_col,  # the column block's first column
+    req_to_token_ptr,
+    stride_rt,
+    req,  # [BLOCK_T] int64 pool row of each row's request
+    page_width,
+    index_topk,
+    c128_width,
+    out_loc_ptr,  # [T] int64
+    raw_ptr,  # [T] int32
+    clamp1_ptr,  # [T] int32
+    sparse_ptr,  # [T] int32
+    indices_ptr,  # [T, K] (ratio 4) or [T, N128] (ratio 128) int32
+    stride_idx,
+    compress_ptr,  # [T, 4] int32
+    write_ptr,  # [T, 4] int32
+    R: tl.constexpr,
+    SPAN: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """The fields of one compress ratio ``R`` for a block of rows."""
+    OVERLAP_BACK: tl.constexpr = R if R == 4 else 0
+    next_len = pos + 1
+    raw = _floor_div(next_len, R)
+    cols = first_col + tl.arange(0, BLOCK_C)
+    in_width = (cols < (index_topk if R == 4 else c128_width))[None, :]
+    col_mask = row_ok[:, None] & in_width
+    if R == 4:  # filled by the indexer's top-k later
+        value = (t[:, None] * 0 + cols[None, :] * 0 - 1).to(tl.int32)
+    else:
+        # c128 entry j lives on page j // 2 of the request (2 entries per 256-token page); it
+        # is visible once complete (j < raw), which also puts its page inside the request.
+        per_page: tl.constexpr = PAGE // R
+        visible = (
+            col_mask & (cols[None, :] < raw[:, None]) & (cols // per_page < page_width)[None, :]
+        )
+        token = (cols // per_page)[None, :] * PAGE
+        slot = tl.load(req_to_token_ptr + req[:, None] * stride_rt + token, mask=visible, other=0)
+        page = slot.to(tl.int64) // PAGE
+        value = tl.where(visible, page * per_page + (cols % per_page)[None, :], -1).to(tl.int32)
+    tl.store(
+        indices_ptr + t[:, None] * stride_idx + cols[None, :], value, mask=live[:, None] & in_width
+    )
+    if first_col == 0:
+        completes = _floor_mod(next_len, R) == 0
+        entry_loc = tl.where(completes & row_ok, _floor_div(out_loc, R), -1)
+        tl.store(out_loc_ptr + t, entry_loc, mask=live)
+        raw32 = raw.to(tl.int32)
+        clamp1 = tl.maximum(raw32, 1)
+        tl.store(raw_ptr + t, tl.where(row_ok, raw32, 0), mask=live)
+        tl.store(clamp1_ptr + t, tl.where(row_ok, clamp1, 1), mask=live)
+        sparse = tl.minimum(clamp1, index_topk) if R == 4 else clamp1
+        tl.store(sparse_ptr + t, tl.where(row_ok, sparse, 1), mask=live)
+        # Plan records: earlier requests' counts plus the row's rank in its request.
+        c_req, w_req = _plan_counts(req_p0, req_n, req_keep, R, OVERLAP_BACK, PAGE)
+        earlier = (r[None, :] < b[:, None]) & req_ok[None, :]
+        c_before = tl.sum(tl.where(earlier, c_req[None, :], 0), axis=1)
+        w_before = tl.sum(tl.where(earlier, w_req[None, :], 0), axis=1)
+        c_total = tl.sum(tl.where(req_ok, c_req, 0), axis=0)
+        w_total = tl.sum(tl.where(req_ok, w_req, 0), axis=0)
+        keep_from = _floor_div(keep, R) * R - OVERLAP_BACK
+        c_idx = c_before + _floor_div(pos, R) - _floor_div(p0, R)  # earlier completing rows
+        # Earlier kept rows of the request: page ends before the tail, then the tail's.
+        tail_from = tl.maximum(p0, keep_from)
+        w_idx = w_before + tl.maximum(pos - tail_from, 0)
+        writes = pos >= keep_from
+        if R == 4:
+            w_idx += _page_ends(tl.minimum(pos, tail_from), R, PAGE) - _page_ends(p0, R, PAGE)
+            writes |= _floor_mod(pos, PAGE) >= PAGE - R
+        window = tl.minimum(pos - p0 + 1, SPAN)
+        field = tl.arange(0, 4)[None, :]
+        record = tl.where(field == 0, t[:, None], tl.where(field == 1, b[:, None], pos[:, None]))
+        record = tl.where(field == 3, window[:, None], record).to(tl.int32)
+        kept = (row_ok & completes)[:, None] & (field < 4)
+        tl.store(compress_ptr + c_idx[:, None] * 4 + field, record, mask=kept)
+        kept = (row_ok & writes)[:, None] & (field < 4)
+        tl.store(write_ptr + w_idx[:, None] * 4 + field, record, mask=kept)
+        # Records past each plan's total are -1 (no valid record lands there).
+        pad = record * 0 - 1
+        tail = (live & (t >= c_total))[:, None] & (field < 4)
+        tl.store(compress_ptr + t[:, None] * 4 + field, pad, mask=tail)
+        tail = (live & (t >= w_total))[:, None] & (field < 4)
+        tl.store(write_ptr + t[:, None] * 4 + field, pad, mask=tail)
+
+
+@triton.jit
+def _plan_kernel(
+    seq_ptr,  # [B] int request lengths before this forward (uniform kinds)
+    host_ptr,  # [3, B] int64 extend kinds: first row, first new position, rows of each request
+    req_pool_ptr,  # [B] int
+    out_cache_loc_ptr,  # [N] int64
+    req_to_token_ptr,  # [pool_rows, ctx] int
+    full_to_swa_ptr,  # [num_full_slots] int (HAS_SWA_MAP)
+    # outputs
+    batch_ids_ptr,  # [T] int32
+    positions_ptr,  # [T] int64
+    raw_out_loc_ptr,  # [T] int64
+    swa_out_loc_ptr,  # [T] int64 (HAS_SWA_MAP)
+    seq_lens_ptr,  # [T] int32
+    swa_lengths_ptr,  # [T] int32
+    page_table_ptr,  # [T, Pw] int32
+    swa_indices_ptr,  # [T, Ws] int32
+    c4_out_loc_ptr,
+    c4_raw_ptr,
+    c4_clamp1_ptr,
+    c4_sparse_ptr,
+    c4_indices_ptr,
+    c4_compress_ptr,
+    c4_write_ptr,
+    c128_out_loc_ptr,
+    c128_raw_ptr,
+    c128_clamp1_ptr,
+    c128_sparse_ptr,
+    c128_indices_ptr,
+    c128_compress_ptr,
+    c128_write_ptr,
+    num_rows,  # T
+    padded_rows,  # rows written: T plus padded rows (sentinels) up to a graph's row count
+    batch_size,  # B
+    context,  # req_to_token columns
+    stride_rt,
+    page_width,  # Pw
+    swa_width,  # Ws
+    index_topk,  # K
+    c128_width,  # N128
+    rows_per_request,  # uniform kinds: rows of each request
+    pos_shift,  # uniform kinds: first new position = seq_len + pos_shift
+    loc_stride,  # uniform kinds: out_cache_loc index = b * loc_stride + loc_offset + i
+    loc_offset,
+    window,  # window_size
+    EXTEND: tl.constexpr,
+    HAS_SWA_MAP: tl.constexpr,
+    HAS_C4: tl.constexpr,
+    HAS_C128: tl.constexpr,
+    PAGE: tl.constexpr,
+    SPAN4: tl.constexpr,
+    SPAN128: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """Rows ``[t0, t0 + BLOCK_T)``, columns ``[c0, c0 + BLOCK_C)`` of the wide fields."""
+    t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = t < num_rows
+    live = t < padded_rows
+    first_col = tl.program_id(1) * BLOCK_C
+    # Per request: first new position, rows, kept length (the write plans keep state for it).
+    r = tl.arange(0, BLOCK_B)
+    req_ok = r < batch_size
+    if EXTEND:
+        req_start = tl.load(host_ptr + r, mask=req_ok, other=num_rows)
+        req_p0 = tl.load(host_ptr + batch_size + r, mask=req_ok, other=0)
+        req_n = tl.load(host_ptr + 2 * batch_size + r, mask=req_ok, other=0)
+        req_keep = req_p0 + req_n
+        # A row's request: the last one starting at or before it (empty requests skipped).
+        b = tl.sum((req_start[None, :] <= t[:, None]).to(tl.int64), axis=1) - 1
+        b = tl.maximum(b, 0)
+        start = tl.load(host_ptr + b, mask=row_ok, other=0)
+        p0 = tl.load(host_ptr + batch_size + b, mask=row_ok, other=0)
+        n = tl.load(host_ptr + 2 * batch_size + b, mask=row_ok, other=0)
+        i = t - start
+        length = p0 + n
+        keep = length
+        loc = tl.load(out_cache_loc_ptr + t, mask=row_ok, other=0).to(tl.int64)
+    else:
+        req_p0 = tl.load(seq_ptr + r, mask=req_ok, other=0).to(tl.int64) + pos_shift
+        req_n = tl.where(req_ok, rows_per_request, 0).to(tl.int64)
+        req_keep = req_p0 + 1  # decode / draft: the row itself; verify: drafts may be rejected
+        b = t // rows_per_request
+        i = t - b * rows_per_request
+        p0 = tl.load(seq_ptr + b, mask=row_ok, other=1).to(tl.int64) + pos_shift
+        length = p0 + rows_per_request
+        keep = p0 + 1
+        loc_idx = b * loc_stride + loc_offset + i
+        loc = tl.load(out_cache_loc_ptr + loc_idx, mask=row_ok, other=0).to(tl.int64)
+    pos = p0 + i
+    req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
+    cols = first_col + tl.arange(0, BLOCK_C)
+    # page_table[t, k]: page of the request's token k * PAGE, -1 past its length.
+    m = row_ok[:, None] & (cols < page_width)[None, :]
+    token = cols.to(tl.int64)[None, :] * PAGE
+    in_req = m & (token < length[:, None])
+    slot = tl.load(
+        req_to_token_ptr + req[:, None] * stride_rt + tl.minimum(token, context - 1),
+        mask=in_req,
+        other=0,
+    ).to(tl.int64)
+    page = tl.where(in_req, slot // PAGE, -1).to(tl.int32)
+    m = live[:, None] & (cols < page_width)[None, :]
+    tl.store(page_table_ptr + t[:, None] * page_width + cols[None, :], page, mask=m)
+    # swa_page_indices[t, j]: window slot of position pos - j inside the window, else -1.
+    m = row_ok[:, None] & (cols < swa_width)[None, :]
+    key_pos = pos[:, None] - cols[None, :]
+    valid = m & (cols < window)[None, :] & (key_pos >= 0)
+    slot = tl.load(
+        req_to_token_ptr + req[:, None] * stride_rt + tl.maximum(key_pos, 0), mask=valid, other=0
+    ).to(tl.int64)
+    if HAS_SWA_MAP:
+        slot = tl.load(full_to_swa_ptr + slot, mask=valid, other=0).to(tl.int64)
+    swa = tl.where(valid, slot, -1).to(tl.int32)
+    m = live[:, None] & (cols < swa_width)[None, :]
+    tl.store(swa_indices_ptr + t[:, None] * swa_width + cols[None, :], swa, mask=m)
+    if first_col == 0:
+        # Padded rows get the sentinels of planning/graph_buffers.py.
+        tl.store(batch_ids_ptr + t, tl.where(row_ok, b, 0).to(tl.int32), mask=live)
+        tl.store(positions_ptr + t, tl.where(row_ok, pos, 0), mask=live)
+        tl.store(raw_out_loc_ptr + t, tl.where(row_ok, loc, -1), mask=live)
+        if HAS_SWA_MAP:
+            writes = row_ok & (loc >= 0)
+            swa_loc = tl.load(full_to_swa_ptr + tl.maximum(loc, 0), mask=writes, other=0)
+            swa_loc = tl.where(writes, swa_loc.to(tl.int64), -1)
+        else:
+            swa_loc = tl.where(row_ok, loc, -1)
+        tl.store(swa_out_loc_ptr + t, swa_loc, mask=live)
+        tl.store(seq_lens_ptr + t, tl.where(row_ok, pos + 1, 1).to(tl.int32), mask=live)
+        swa_len = tl.where(row_ok, tl.minimum(pos + 1, window), 1).to(tl.int32)
+        tl.store(swa_lengths_ptr + t, swa_len, mask=live)
+    per_request = (r, req_p0, req_n, req_keep, req_ok)
+    if HAS_C4:
+        _ratio_fields(
+            t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
+            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
+            c4_out_loc_ptr, c4_raw_ptr, c4_clamp1_ptr, c4_sparse_ptr, c4_indices_ptr,
+            index_topk, c4_compress_ptr, c4_write_ptr,
+            R=4, SPAN=SPAN4, PAGE=PAGE, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
+    if HAS_C128:
+        _ratio_fields(
+            t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
+            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
+            c128_out_loc_ptr, c128_raw_ptr, c128_clamp1_ptr, c128_sparse_ptr, c128_indices_ptr,
+            c128_width, c128_compress_ptr, c128_write_ptr,
+            R=128, SPAN=SPAN128, PAGE=PAGE, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RatioFields:
+    """The fields of one compress ratio (named, shaped and typed as ``CompressedMetadata``'s)."""
+
+    out_loc: torch.Tensor
+    topk_lengths_raw: torch.Tensor
+    topk_lengths_clamp1: torch.Tensor
+    sparse_topk_lengths: torch.Tensor
+    page_indices: torch.Tensor
+    compress_plan: torch.Tensor
+    write_plan: torch.Tensor
+
+
+@dataclass(frozen=True)
+class PlanFields:
+    """Every per-row field of a plan (named, shaped and typed as ``AttentionMetadata``'s)."""
+
+    row_batch_ids: torch.Tensor
+    page_table: torch.Tensor
+    raw_out_loc: torch.Tensor
+    swa_out_loc: torch.Tensor
+    seq_lens_causal: torch.Tensor
+    positions_causal: torch.Tensor
+    swa_page_indices: torch.Tensor
+    swa_topk_lengths: torch.Tensor
+    ratios: dict[int, RatioFields]
+
+    @classmethod
+    def empty(
+        cls, rows: int, widths: dict[str, int], ratios: frozenset[int], device: torch.device
+    ) -> PlanFields:
+        """Uninitialised outputs for ``rows`` rows; ``widths`` maps ``page_table``,
+        ``swa_page_indices``, ``c4`` and ``c128`` to their column counts."""
+
+        def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+            return torch.empty(*shape, dtype=dtype, device=device)
+
+        def ratio(r: int) -> RatioFields:
+            return RatioFields(
+                empty(rows, dtype=torch.int64), empty(rows), empty(rows), empty(rows),
+                empty(rows, widths[f"c{r}"]), empty(rows, 4), empty(rows, 4),
+            )  # fmt: skip
+
+        return cls(
+            row_batch_ids=empty(rows),
+            page_table=empty(rows, widths["page_table"]),
+            raw_out_loc=empty(rows, dtype=torch.int64),
+            swa_out_loc=empty(rows, dtype=torch.int64),
+            seq_lens_causal=empty(rows),
+            positions_causal=empty(rows, dtype=torch.int64),
+            swa_page_indices=empty(rows, widths["swa_page_indices"]),
+            swa_topk_lengths=empty(rows),
+            ratios={r: ratio(r) for r in ratios},
+        )
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """How a batch's requests expand into rows, for ``plan_fields``.
+
+    Uniform kinds: request ``b`` has ``rows_per_request`` rows from position
+    ``seq_lens[b] + pos_shift``, writing ``out_cache_loc[b * loc_stride + loc_offset + i]``.
+    Extend kinds (``host`` given): ``host`` is ``[3, B]`` int64 (first row, first new position,
+    rows of each request) and row ``t`` writes ``out_cache_loc[t]``.
+    """
+
+    rows_per_request: int = 1
+    pos_shift: int = 0
+    loc_stride: int = 1
+    loc_offset: int = 0
+    host: torch.Tensor | None = None
+
+
+def plan_fields(
+    *,
+    seq_lens: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    out_cache_loc: torch.Tensor,
+    req_to_token: torch.Tensor,
+    full_to_swa: torch.Tensor | None,
+    layout: RowLayout,
+    num_rows: int,
+    out: PlanFields,
+    window: int,
+    index_topk: int,
+    page_size: int,
+) -> None:
+    """Launch ``_plan_kernel`` once: fill ``out`` with the plan of ``num_rows`` rows.
+
+    ``out``'s tensors (contiguous) fix the widths: ``page_table`` ``Pw``, ``swa_page_indices``
+    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and the ratios planned. Rows of
+    ``out`` past ``num_rows`` (a graph bucket larger than the batch) get the sentinels of
+    ``planning/graph_buffers.py``.
+    """
+    padded_rows, bs = out.row_batch_ids.shape[0], req_pool_indices.numel()
+    if padded_rows == 0:
+        return
+    page_width, swa_width = out.page_table.shape[1], out.swa_page_indices.shape[1]
+    c128 = out.ratios.get(128)
+    c128_width = 0 if c128 is None else c128.page_indices.shape[1]
+    index_widths = [f.page_indices.shape[1] for f in out.ratios.values()]
+    block_b = triton.next_power_of_2(max(bs, 1))
+    block_t = max(1, min(BLOCK_T, REQUEST_TILE // block_b))
+    grid = (
+        triton.cdiv(padded_rows, block_t),
+        triton.cdiv(max(page_width, swa_width, *index_widths), BLOCK_C),
+    )
+    stand_in = (out.raw_out_loc,) * 7  # pointers of an absent ratio, never written
+
+    def ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
+        fields = out.ratios.get(ratio)
+        return (
+            stand_in
+            if fields is None
+            else tuple(getattr(fields, f.name) for f in dc_fields(fields))
+        )
+
+    host = out.raw_out_loc if layout.host is None else layout.host
+    _plan_kernel[grid](
+        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
+        out.raw_out_loc if full_to_swa is None else full_to_swa,
+        out.row_batch_ids, out.positions_causal, out.raw_out_loc, out.swa_out_loc,
+        out.seq_lens_causal, out.swa_topk_lengths, out.page_table, out.swa_page_indices,
+        *ratio_args(4), *ratio_args(128),
+        num_rows, padded_rows, bs, req_to_token.shape[1], req_to_token.stride(0),
+        page_width, swa_width, index_topk, c128_width,
+        layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
+        EXTEND=layout.host is not None,
+        HAS_SWA_MAP=full_to_swa is not None,
+        HAS_C4=4 in out.ratios,
+        HAS_C128=128 in out.ratios,
+        PAGE=page_size,
+        SPAN4=COMPRESS_SPAN[4],
+        SPAN128=COMPRESS_SPAN[128],
+        BLOCK_T=block_t,
+        BLOCK_B=block_b,
+        BLOCK_C=BLOCK_C,
+    )  # fmt: skip

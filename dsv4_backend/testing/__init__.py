@@ -1,0 +1,10 @@
+"""The test oracle and the tools, above the runtime: nothing that serves imports this package.
+
+* :mod:`.reference`: the plain float32 torch reference every kernel and serving test compares
+  against (independent of the runtime: it imports only ``config`` and ``errors``);
+* :mod:`.simulation`: a paged request pool and a random-weight model served through the stack;
+* :mod:`.harness`: a simulated sglang host (model runner, ``ForwardBatch`` builders, stand-ins
+  for the model's modules) driving the sglang adapter;
+* :mod:`.ab`: the A/B tool (``python -m dsv4_backend ab``);
+* :mod:`.op_counter`: counts aten ops and host syncs of a block of code.
+"""

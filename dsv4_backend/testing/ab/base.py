@@ -1,0 +1,52 @@
+"""What the A/B runner drives: the :class:`Backend` interface and one step's :class:`StepOutput`.
+
+Kept apart from :mod:`.backends` (which builds backends by name) so that backends defined in
+other modules, such as :mod:`.sglang_backend`, import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_backend.testing.ab.trace import Row, Step, Trace
+
+
+@dataclass
+class StepOutput:
+    """One backend's result of one step.
+
+    Attributes
+    ----------
+    rows : ``(request, position)`` of each output row (graph padding removed).
+    layers : layer ids of ``outputs``.
+    outputs : per layer ``[T, H, D]`` float32 on the CPU.
+    plan_s, kernel_s : seconds spent planning and in the layers' kernels.
+    """
+
+    rows: list[Row]
+    layers: list[int]
+    outputs: list[torch.Tensor]
+    plan_s: float
+    kernel_s: float
+
+
+class Backend(abc.ABC):
+    """What the runner drives: ``prepare`` once per trace, then ``run`` every step in order."""
+
+    name: str
+
+    @property
+    @abc.abstractmethod
+    def kernel_path(self) -> str:
+        """Which kernels run, for the report."""
+
+    @abc.abstractmethod
+    def prepare(self, trace: Trace, device: torch.device) -> None:
+        """Build this backend's model (from ``trace``'s seed) and state on ``device``."""
+
+    @abc.abstractmethod
+    def run(self, step: Step) -> StepOutput:
+        """Run the next step of the trace (steps come in trace order)."""

@@ -1,1 +1,0 @@
-"""Small helpers shared by tests, benchmarks and tools."""

@@ -1,0 +1,206 @@
+"""Compile the Triton kernels ahead of time for sm_90a on the CPU and report them.
+
+Run as a script (``python tests/sm90_compile.py``; ``tests/test_sparse_attention_sm90.py`` runs
+it in a subprocess because the test session's ``TRITON_INTERPRET=1`` turns every
+``@triton.jit`` function into an interpreted one). Each configuration is a launch the backend
+makes at DeepSeek-V4-Flash shapes (H = 64, D = 512 = 448 nope + 64 rope), with the block sizes
+and warps the launcher picks: sparse attention, then the indexer, compressor and planner
+kernels (``fused_configurations``). It prints one JSON object per configuration:
+
+* ``mma``: the PTX matrix instructions, e.g. ``wgmma.mma_async.sp...bf16.bf16`` opcodes with
+  their operand types (``tf32`` shows up here if a dot fell back to fp32 operands);
+* ``registers``, ``spill_stores``, ``spill_loads``, ``stack``: from ``ptxas -v`` (Triton's
+  bundled ptxas, the same call Triton makes);
+* ``cp_async``: asynchronous global -> shared copies in the PTX (a software-pipelined gather);
+* ``shared``: the shared memory Triton allocates (bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from dsv4_backend.kernels import sparse_attention as sa
+
+SM90 = GPUTarget("cuda", 90, 32)
+HEADS, DIM, ROPE = 64, 512, 64
+#: fp8 page sizes of the window, c4 and c128 caches.
+PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
+
+
+def _aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:
+    """16-byte divisibility of every pointer and stride, as the launcher's tensors have."""
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, (name, kind) in enumerate(signature.items())
+        if kind.startswith("*") or (name.startswith("stride") and kind == "i32")
+    }
+
+
+def attention_source(fmt: str, ratio: int, splits: int) -> tuple[ASTSource, dict]:
+    """The attention kernel as launched for a layer of compress ``ratio`` (0: window only)."""
+    fp8 = fmt == "fp8"
+    block_n, num_warps, num_stages = sa._launch_config(DIM, fp8)
+    cache = "*u8" if fp8 else "*bf16"
+    names = sa._sparse_attention_kernel.arg_names
+    kinds = dict(
+        q_ptr="*bf16", win_ptr=cache, win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr=cache,
+        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*fp32",
+        m_ptr="*fp32", l_ptr="*fp32", qk_scale="fp32",
+    )  # fmt: skip
+    constexprs = dict(
+        D=DIM, BLOCK_D=DIM, BLOCK_H=sa._block_h(HEADS), BLOCK_N=block_n, NUM_SPLITS=splits,
+        HAS_EXTRA=ratio != 0, NOPE_DIM=DIM - ROPE, WIN_FP8=fp8, WIN_PAGE_TOKENS=PAGE_TOKENS[0],
+        EXT_FP8=fp8, EXT_PAGE_TOKENS=PAGE_TOKENS[ratio], ONE_GATHER=not fp8,
+        INTERPRETER=False,
+    )  # fmt: skip
+    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
+    src = ASTSource(sa._sparse_attention_kernel, signature, constexprs, _aligned(signature))
+    return src, dict(num_warps=num_warps, num_stages=num_stages)
+
+
+def merge_source(splits: int) -> tuple[ASTSource, dict]:
+    names = sa._merge_splits_kernel.arg_names
+    constexprs = dict(D=DIM, BLOCK_D=DIM, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+    signature = {
+        n: "constexpr" if n in constexprs else ("*fp32" if n.endswith("_ptr") else "i32")
+        for n in names
+    }
+    src = ASTSource(sa._merge_splits_kernel, signature, constexprs, _aligned(signature))
+    return src, dict(num_warps=sa.MERGE_WARPS)
+
+
+def ptxas_report(ptx: str) -> dict[str, int]:
+    """Registers, spills and stack of the kernel from ``ptxas -v`` for sm_90a."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+            check=True, capture_output=True, text=True,
+        ).stderr  # fmt: skip
+    regs = re.search(r"Used (\d+) registers", log)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
+    stack = re.search(r"(\d+) bytes stack frame", log)
+    return dict(
+        registers=int(regs.group(1)),
+        spill_stores=int(spill.group(1)),
+        spill_loads=int(spill.group(2)),
+        stack=int(stack.group(1)),
+    )
+
+
+def compile_report(name: str, src: ASTSource, options: dict) -> dict:
+    kernel = triton.compile(src, target=SM90, options=options)
+    ptx = kernel.asm["ptx"]
+    mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync)[\w.]*)", ptx)))
+    return dict(
+        name=name,
+        mma=mma,
+        cp_async=len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
+        shared=kernel.metadata.shared,
+        num_warps=options["num_warps"],
+        **ptxas_report(ptx),
+    )
+
+
+def configurations() -> list[tuple[str, ASTSource, dict]]:
+    """Every launch shape of the Flash layers: window-only / c4 / c128, dense bf16 / fp8, one
+    split (finalising) and several (partials), and the merge kernel."""
+    out = []
+    for fmt in ("dense", "fp8"):
+        for ratio, splits in ((0, 1), (4, 1), (4, 8), (128, 4)):
+            out.append(
+                (f"attention-{fmt}-r{ratio}-s{splits}", *attention_source(fmt, ratio, splits))
+            )
+    out.append(("merge-s8", *merge_source(8)))
+    return out + fused_configurations()
+
+
+def main(only: list[str]) -> None:
+    for name, src, options in configurations():
+        if not only or any(o in name for o in only):
+            print(json.dumps(compile_report(name, src, options)), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
+
+
+# ------------------------------------------------------------- indexer, compressor, planner
+def _pointer_aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:
+    """16-byte alignment of the pointers only (these kernels' strides need not be multiples
+    of 16: plan records are 4 wide)."""
+    return {
+        (i,): [["tt.divisibility", 16]]
+        for i, kind in enumerate(signature.values())
+        if kind.startswith("*")
+    }
+
+
+def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dict]:
+    """``fn`` with pointer / float kinds from ``kinds``, every other argument i32."""
+    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in fn.arg_names}
+    return ASTSource(fn, signature, constexprs, _pointer_aligned(signature)), dict(num_warps=4)
+
+
+def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
+    """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128), its slot selection
+    (top-k 512), the compressors (c4 and c128, D = 512) and the fused planner."""
+    from dsv4_backend.kernels import compressor, indexer, plan_fields
+
+    scores = _source(
+        indexer._indexer_scores_kernel,
+        dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
+             num_ptr="*i32", out_ptr="*fp32"),
+        dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
+             BLOCK_N=indexer.BLOCK_N, FP8=True, DOT_BF16=True),
+    )  # fmt: skip
+    slots = _source(
+        indexer._selected_slots_kernel,
+        dict(picked_ptr="*i64", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
+        dict(E=64, HAS_PICKED=True, BLOCK_K=512),
+    )
+    out = [("indexer-scores-fp8", *scores), ("indexer-slots-k512", *slots)]
+    for ratio, span, ovl in ((4, 8, 2), (128, 128, 1)):
+        entry = _source(
+            compressor._compress_entry_kernel,
+            dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
+                 pool_ptr="*i64", plan_ptr="*i32", norm_ptr="*fp32", cos_ptr="*fp32",
+                 sin_ptr="*fp32", out_ptr="*fp32", eps="fp32"),
+            dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
+                 BLOCK_P=DIM // 2, BLOCK_S=8),
+        )  # fmt: skip
+        out.append((f"compress-entry-c{ratio}", *entry))
+    # Planner pointers: int32 unless listed as int64.
+    int64 = "host_ptr req_pool_ptr out_cache_loc_ptr full_to_swa_ptr positions_ptr"
+    int64 += " raw_out_loc_ptr swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr"
+    kinds = {
+        n: "*i64" if n in int64.split() else "*i32"
+        for n in plan_fields._plan_kernel.arg_names
+        if n.endswith("_ptr")
+    }
+    # Row blocks as the launcher sizes them: a small batch (8) and a large one (256).
+    for extend, batch in ((False, 8), (False, 256), (True, 8), (True, 256)):
+        block_t = max(1, min(plan_fields.BLOCK_T, plan_fields.REQUEST_TILE // batch))
+        plan = _source(
+            plan_fields._plan_kernel,
+            kinds,
+            dict(EXTEND=extend, HAS_SWA_MAP=True, HAS_C4=True, HAS_C128=True, PAGE=256,
+                 SPAN4=8, SPAN128=128, BLOCK_T=block_t, BLOCK_B=batch,
+                 BLOCK_C=plan_fields.BLOCK_C),
+        )  # fmt: skip
+        out.append((f"plan-fields-{'extend' if extend else 'uniform'}-b{batch}", *plan))
+    return out
