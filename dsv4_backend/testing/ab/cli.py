@@ -55,6 +55,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     trace.add_argument("--decode-steps", type=int, default=4, help="decodes (default 4)")
     trace.add_argument("--seed", type=int, default=0, help="lengths, drafts and data (default 0)")
+    trace.add_argument(
+        "--prefix-share", action="store_true",
+        help="one more request shares request 0's prompt and starts from its cached pages "
+        "(a radix-cache hit of whole 256-token pages)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(
         "--config", type=Path, metavar="PATH",
@@ -202,6 +207,7 @@ def run_ab(args: argparse.Namespace) -> int:
             cycles=args.cycles,
             decode_steps=args.decode_steps,
             seed=args.seed,
+            prefix_share=args.prefix_share,
         )
         result = run_trace(trace, a, b, device=device, atol=atol, progress=not args.quiet)
     except DSV4Error as exc:
