@@ -5,7 +5,9 @@ For each mode (decode, extend, verify, draft step) and batch size it prints:
 * ``eager ms`` — median wall time of ``plan(config, batch)`` (widths from host lengths);
 * ``graph ms`` — median of the graph path, ``GraphMetadataBuffers.plan`` (the fused planner
   writing into the buffers; elsewhere ``plan(..., widths=...)`` then ``load``);
-* ``launches`` — device launches of one eager plan and of one graph-path plan + load
+* ``checks ms`` / ``checks %`` — of the eager time, the batch checks (index ranges and write
+  slots against ``req_to_token``, ``planning/checks.py``, read at once as in strict mode);
+* ``launches`` — device launches of one eager plan and of one graph-path plan
   (``LaunchCounter``: torch kernels plus Triton / TVM launches; the same on a CPU as on a GPU);
 * ``graph syncs`` — host-sync ops on the graph path (must be 0; extend is not a graph kind
   but is counted too).
@@ -38,7 +40,9 @@ from dsv4_backend.planning import (
     GraphMetadataBuffers,
     PlanWidths,
     plan,
+    planner,
 )
+from dsv4_backend.planning.checks import strict_checks
 from dsv4_backend.testing.op_counter import LaunchCounter
 
 PAGE = 256
@@ -123,7 +127,7 @@ def main() -> None:
         f"index_topk={config.index_topk} path={select_path(args.device)}"
     )
     header = f"{'mode':<11}{'bs':>5}{'rows':>7}{'eager ms':>10}{'graph ms':>10}"
-    print(header + f"{'graph syncs':>13}  launches eager / graph")
+    print(header + f"{'checks ms':>11}{'checks %':>10}{'graph syncs':>13}  launches eager / graph")
     for mode in ("decode", "extend", "verify", "draft step"):
         for bs in args.batch_sizes:
             batch = make_batch(mode, bs, args.device, gen)
@@ -137,13 +141,21 @@ def main() -> None:
 
             eager = median_ms(lambda batch=batch: plan(config, batch), args.repeat, args.device)
             graph = median_ms(graph_path, args.repeat, args.device)
+            expanded = planner._KINDS[batch.kind].expand(batch)  # the rows the checks read
+            with strict_checks():  # the checks' full cost: computed and read back
+                checks = median_ms(
+                    lambda batch=batch, rows=expanded: planner._checked_rows(batch, rows),
+                    args.repeat,
+                    args.device,
+                )
             with LaunchCounter() as launches:
                 plan(config, batch)
             with LaunchCounter() as graph_launches:
                 graph_path()
             syncs = sum(graph_launches.syncs.values())
             print(
-                f"{mode:<11}{bs:>5}{rows:>7}{eager:>10.3f}{graph:>10.3f}{syncs:>13}  "
+                f"{mode:<11}{bs:>5}{rows:>7}{eager:>10.3f}{graph:>10.3f}{checks:>11.3f}"
+                f"{100 * checks / eager:>9.1f}%{syncs:>13}  "
                 f"{launches.summary()} / {graph_launches.summary()}"
             )
 

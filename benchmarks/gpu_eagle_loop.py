@@ -51,7 +51,6 @@ def make_setup(device: str) -> Setup:
     generator = torch.Generator().manual_seed(0)
     pool = PagedRequestPool(CONFIG, MAX_LENS, generator=generator, device=device)
     model = RandomModel(CONFIG, pool, generator=generator, device=device)
-    harness.reserve_padding_slot(pool)
     runner = harness.mock_runner(
         pool, harness.tiny_hf_config(CONFIG), num_steps=NUM_STEPS, num_draft_tokens=NUM_DRAFT
     )

@@ -10,18 +10,21 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-from dsv4_backend.testing.ab.cli import add_ab_parser
+from dsv4_backend.testing.ab.cli import OneLineErrorParser, add_ab_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser of all commands."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m dsv4_backend",
+        error_prefix="dsv4-backend",
         description="DeepSeek-V4 attention backend for sglang.",
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_info_command(commands)
     add_ab_parser(commands)
+    # Named in the one-line error for a missing command (argparse names the metavar).
+    commands.metavar = "{" + ",".join(commands.choices) + "}"
     return parser
 
 

@@ -19,7 +19,8 @@ HI, DI      indexer heads and head dim                   64, 128   4, 64
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -207,9 +208,13 @@ def _layer_ratios(hf: Any) -> list[int]:
         if unknown:
             raise ConfigError(f"layer_types {unknown} have no entry in compress_rates {rates}")
         ratios = [0 if t == SLIDING_LAYER_TYPE else rates[t] for t in types]
-    ratios = [int(r) for r in ratios]
+    if isinstance(ratios, (str, bytes)) or not isinstance(ratios, Sequence):
+        raise ConfigError(
+            f"compress_ratios={ratios!r}; expected a list of integers (one ratio per layer)"
+        )
+    ratios = [_integer(f"compress_ratios[{i}]", r) for i, r in enumerate(ratios)]
     layers = _field(hf, "num_hidden_layers")
-    if layers is not None and len(ratios) == int(layers) + 1:
+    if layers is not None and len(ratios) == _integer("num_hidden_layers", layers) + 1:
         ratios = ratios[:-1]  # the MTP (draft) layer's slot
     return ratios
 
@@ -270,27 +275,56 @@ def read_hf_config(hf: Any) -> dict[str, Any]:
     main, compress, nested = _rope_sections(hf)
     rope_theta = main.get("rope_theta")
     compress_theta = compress.get("rope_theta") if nested else None
-    original = int(compress.get("original_max_position_embeddings") or 0)
+    original = _integer(
+        "original_max_position_embeddings", compress.get("original_max_position_embeddings") or 0
+    )
+
+    def integer(*keys: str) -> int:
+        return _integer(keys[0], _required(hf, *keys))
+
     values: dict[str, Any] = dict(
         compress_ratios=tuple(_layer_ratios(hf)),
-        num_heads=int(_required(hf, "num_attention_heads")),
-        head_dim=int(_required(hf, "head_dim")),
-        rope_dim=int(_required(hf, "qk_rope_head_dim")),
-        window_size=int(_required(hf, "sliding_window", "window_size")),
-        index_topk=int(_required(hf, "index_topk")),
-        index_n_heads=int(_required(hf, "index_n_heads")),
-        index_head_dim=int(_required(hf, "index_head_dim")),
-        rms_norm_eps=float(_required(hf, "rms_norm_eps")),
-        rope_theta=float(rope_theta if rope_theta is not None else _required(hf, "rope_theta")),
-        compress_rope_theta=float(
-            compress_theta if compress_theta is not None else _required(hf, "compress_rope_theta")
+        num_heads=integer("num_attention_heads"),
+        head_dim=integer("head_dim"),
+        rope_dim=integer("qk_rope_head_dim"),
+        window_size=integer("sliding_window", "window_size"),
+        index_topk=integer("index_topk"),
+        index_n_heads=integer("index_n_heads"),
+        index_head_dim=integer("index_head_dim"),
+        rms_norm_eps=_real("rms_norm_eps", _required(hf, "rms_norm_eps")),
+        rope_theta=_real(
+            "rope_theta", rope_theta if rope_theta is not None else _required(hf, "rope_theta")
+        ),
+        compress_rope_theta=_real(
+            "compress_rope_theta",
+            compress_theta if compress_theta is not None else _required(hf, "compress_rope_theta"),
         ),
         yarn_original_max_position=original,
     )
     if original > 0:
         values.update(
-            yarn_factor=float(compress.get("factor", 1.0)),
-            yarn_beta_fast=float(compress.get("beta_fast", 32.0)),
-            yarn_beta_slow=float(compress.get("beta_slow", 1.0)),
+            yarn_factor=_real("factor", compress.get("factor", 1.0)),
+            yarn_beta_fast=_real("beta_fast", compress.get("beta_fast", 32.0)),
+            yarn_beta_slow=_real("beta_slow", compress.get("beta_slow", 1.0)),
         )
     return values
+
+
+def _integer(name: str, value: Any) -> int:
+    """``value`` as an int; ``ConfigError`` naming ``name`` for anything else (floats with a
+    fraction, strings, booleans included)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, numbers.Real)
+        or not math.isfinite(value)
+        or value != int(value)
+    ):
+        raise ConfigError(f"{name}={value!r}; expected an integer")
+    return int(value)
+
+
+def _real(name: str, value: Any) -> float:
+    """``value`` as a finite float; ``ConfigError`` naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ConfigError(f"{name}={value!r}; expected a finite number")
+    return float(value)

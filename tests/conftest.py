@@ -12,6 +12,9 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # One intra-op thread: on a 2-core machine torch's default thread pool oversubscribes the cores
 # (the suite ran several times slower with it); set OMP_NUM_THREADS to override.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Strict mode: device-side batch checks are read at planning, before anything is written
+# (dsv4_backend/planning/checks.py). Free on the CPU; on a GPU it makes every test raise at once.
+os.environ.setdefault("DSV4_STRICT_CHECKS", "1")
 
 from hypothesis import settings
 

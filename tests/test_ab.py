@@ -191,15 +191,16 @@ def stale_draft_slice_plan(config, batch, *, widths=None):
     return plan(config, batch, widths=widths)
 
 
-def test_wrong_draft_slice_fails_and_names_the_draft_modes(trace) -> None:
+def test_wrong_draft_slice_is_refused_and_names_the_draft_mode(trace) -> None:
+    """Once served silently (error ~0.1): now the write-slot check refuses the plan."""
     result = run_trace(trace, torch_dsv4(planner=stale_draft_slice_plan), ReferenceBackend())
     assert not result.passed
-    # The verify that follows rewrites those slots, so only the draft steps go wrong.
-    assert result.failed == ["draft/eager", "draft/graph"]
-    assert result.modes["draft/eager"].max_abs_error > 1e-2
+    assert result.failed == ["draft/eager"]  # the run stops at the first refusal
+    error = result.modes["draft/eager"].error
+    assert "BatchError" in error and "out_cache_loc (draft step 1's slots" in error
     report = build_report(result)
-    assert report["failed"] == ["draft/eager", "draft/graph"]
-    assert "**FAILED**: draft/eager, draft/graph" in render_markdown(report)
+    assert report["failed"] == ["draft/eager"]
+    assert "**FAILED**: draft/eager" in render_markdown(report)
 
 
 def test_a_backend_that_raises_fails_its_mode_and_stops(trace) -> None:
@@ -320,19 +321,37 @@ def _bad_config(tmp_path: Path) -> list[str]:
         (["--atol", "prefil=1e-3"], "--atol names ['prefil']"),
         (["--max-len", "12"], "max_len=12 leaves no room for a prompt"),
         (["--prefix-share", "--max-len", "150"], "--prefix-share needs a prompt longer than"),
+        (["--max-len", str(10**9)], "--max-len 1000000000: expected at most 65536"),
+        (["--atol", "-1"], "--atol '-1': the tolerance must be a finite number >= 0"),
+        (["--atol", "verify=nan"], "--atol 'verify=nan': the tolerance must be a finite number"),
+        ("out-under-a-file", "is a file, not a folder"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(
     args: list[str] | str, message: str, tmp_path: Path, capsys
 ) -> None:
+    out = tmp_path / "never"
     if args == "bad-config":
         args = _bad_config(tmp_path)
-    status = main([*args, "--out", str(tmp_path / "never"), "--quiet"])
+    elif args == "out-under-a-file":  # refused before the run, not after it
+        (tmp_path / "file").write_text("")
+        args, out = [], tmp_path / "file" / "report"
+    status = main([*args, "--out", str(out), "--quiet"])
     err = capsys.readouterr().err
     assert status == 2
     assert message in err and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("dsv4-backend ab: error: ")
     assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("args", [["--requests", "x"], ["--max-len"], ["--bogus"]])
+def test_argument_errors_are_one_line_and_status_2(args: list[str], capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("dsv4-backend ab: error: ")
+    assert args[0] in err
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -101,7 +101,6 @@ def _backend(pool: PagedRequestPool) -> DSV4AttentionBackend:
 
 def test_environment_setting_switches_the_adapter_to_fp8_keys(monkeypatch) -> None:
     pool = PagedRequestPool(CONFIG, [140, 270], generator=torch.Generator().manual_seed(0))
-    harness.reserve_padding_slot(pool)
     model = RandomModel(CONFIG, pool, generator=torch.Generator().manual_seed(1))
     sim = harness.SimulatedModel(model)
     exact = _backend(pool)

@@ -159,7 +159,6 @@ def test_hit_through_the_sglang_backend() -> None:
     cached pages, ``ForwardBatch``es with sglang's extend prefix lengths, radix cache on."""
     model = make_model([530, 640], shared_pages={1: (0, 2)}, same_tokens={1: (0, 520)})
     pool = model.pool
-    harness.reserve_padding_slot(pool)
     runner = harness.mock_runner(pool, harness.tiny_hf_config(CONFIG))
     assert not runner.server_args.disable_radix_cache
     backend = DSV4AttentionBackend(runner, cache_format="dense")
@@ -315,3 +314,25 @@ def test_hits_decided_by_sglangs_radix_cache_allocator_and_req_to_token_pool() -
         assert host.admit(4, tokens[4]) == 512
         host.extend(4, 188)
         host.decode(4)
+
+
+def test_the_plain_launch_is_accepted_and_other_cache_modes_are_refused_by_name() -> None:
+    """sglang 0.5.23's own ``ServerArgs`` defaults (radix cache on) build the backend; each
+    still unsupported prefix-cache mode is a real ``ServerArgs`` field, off by default, and
+    refused naming its flag."""
+    from sglang.srt.server_args import ServerArgs
+
+    from dsv4_backend.errors import ConfigError
+    from dsv4_backend.sglang_adapter.backend import UNSUPPORTED_CACHE_MODES
+
+    pool = PagedRequestPool(CONFIG, [40], generator=torch.Generator().manual_seed(0))
+    runner = harness.mock_runner(pool, harness.tiny_hf_config(CONFIG))
+    runner.server_args = ServerArgs(model_path="unused", page_size=PAGE)
+    assert not runner.server_args.disable_radix_cache
+    DSV4AttentionBackend(runner, cache_format="dense")
+    for option, flag, _ in UNSUPPORTED_CACHE_MODES:
+        runner.server_args = ServerArgs(model_path="unused", page_size=PAGE)
+        assert not getattr(runner.server_args, option), option
+        setattr(runner.server_args, option, "mine" if option == "radix_cache_backend" else True)
+        with pytest.raises(ConfigError, match=flag):
+            DSV4AttentionBackend(runner, cache_format="dense")

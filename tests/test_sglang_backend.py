@@ -35,9 +35,7 @@ def torch_path():
 
 @pytest.fixture
 def pool() -> PagedRequestPool:
-    pool = PagedRequestPool(CONFIG, [140, 270], generator=torch.Generator().manual_seed(0))
-    harness.reserve_padding_slot(pool)
-    return pool
+    return PagedRequestPool(CONFIG, [140, 270], generator=torch.Generator().manual_seed(0))
 
 
 def make_backend(pool: PagedRequestPool, **runner_kwargs) -> DSV4AttentionBackend:
@@ -86,7 +84,7 @@ def test_draft_worker_serves_the_window_only_mtp_layer(pool: PagedRequestPool) -
         ({"page_size": 128}, {}, "page_size=128"),
         ({"topk": 2}, {}, "speculative_eagle_topk=2"),
         ({"attn_cp_size": 2}, {}, "attn_cp_size=2"),
-        ({"enable_hierarchical_cache": True}, {}, "HiCache (host KV tiers) (drop --enable-hier"),
+        ({"enable_flexkv": True}, {}, "not FlexKV (drop --enable-flexkv)"),
         ({"radix_cache_backend": "mine"}, {}, "radix_cache_backend='mine'"),
         ({"enable_streaming_session": True}, {}, "streaming sessions"),
         ({}, {"compress_ratios": [0, 4, 2, 128, 0]}, "compress_ratios contains [2]"),

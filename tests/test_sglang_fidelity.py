@@ -34,7 +34,6 @@ def torch_path():
 @pytest.fixture
 def pool() -> PagedRequestPool:
     pool = PagedRequestPool(CONFIG, [140, 270], generator=torch.Generator().manual_seed(0))
-    harness.reserve_padding_slot(pool)
     return pool
 
 

@@ -220,7 +220,6 @@ class Run:
 def run(modules: Modules) -> Run:
     gen = torch.Generator().manual_seed(1)
     pool = PagedRequestPool(CONFIG, MAX_LENS, generator=gen)
-    harness.reserve_padding_slot(pool)
     runner = harness.mock_runner(pool, modules.hf)
     x = [torch.randn(n, HIDDEN, generator=gen).bfloat16() for n in MAX_LENS]
     q_lora = [torch.randn(n, Q_LORA, generator=gen).bfloat16() for n in MAX_LENS]

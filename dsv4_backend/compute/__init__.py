@@ -9,6 +9,7 @@ from dsv4_backend.compute.layer import (
     attend,
     compress_and_store,
     forward_layer,
+    layer_ratio,
     select_c4_entries,
     store_window_keys,
 )
@@ -18,6 +19,7 @@ __all__ = [
     "attend",
     "compress_and_store",
     "forward_layer",
+    "layer_ratio",
     "select_c4_entries",
     "store_window_keys",
 ]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.cache.state import AttentionState
+from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.compressor import compress_forward
@@ -21,6 +22,17 @@ from dsv4_backend.kernels.indexer_fp8 import quantised_view
 from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
+
+
+def layer_ratio(config: DSV4AttentionConfig, layer: int, where: str) -> int:
+    """The compress ratio of ``layer``; ``ContractError`` naming a layer id out of range."""
+    ratios = config.compress_ratios
+    if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < len(ratios):
+        raise ContractError(
+            f"{where}: layer_id={layer!r}; expected an integer in [0, {len(ratios)}) (the "
+            "attention layers of the model config)"
+        )
+    return ratios[layer]
 
 
 def _compressed(metadata: AttentionMetadata, ratio: int, where: str) -> CompressedMetadata:
@@ -60,7 +72,8 @@ def compress_and_store(
     indexer key cache) at ``out_loc``. ``norm_eps``: the RMSNorm epsilon (default
     ``config.rms_norm_eps``).
     """
-    ratio = 4 if indexer else state.config.compress_ratios[layer]
+    ratio = layer_ratio(state.config, layer, f"compressor of layer {layer}")
+    ratio = 4 if indexer else ratio
     comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
     rings = (state.indexer_states if indexer else state.compressor_states)[layer]
     entries = compress_forward(
@@ -109,7 +122,7 @@ def attend(
     Keys: the window plus, on compressed layers, the c4 top-k (selected earlier in this
     forward) or every visible c128 entry.
     """
-    ratio = state.config.compress_ratios[layer]
+    ratio = layer_ratio(state.config, layer, "attention")
     comp = _compressed(metadata, ratio, f"attention of layer {layer}") if ratio else None
     return sparse_attention_with_sink(
         q,
@@ -145,16 +158,19 @@ def forward_layer(
     state : caches and rings, updated in place.
     layer : layer id; its ratio is ``config.compress_ratios[layer]``.
     metadata : the plan of this batch (``metadata.num_rows == T``).
-    req_pool_indices : ``[B]`` int — ring row of each request of the batch.
+    req_pool_indices : ``[B]`` int — ring row of each request of the batch: the tensor the
+        plan was made from (``ContractError`` for a plan of another batch).
     inputs : this forward's ``T`` rows (``LayerInputs`` fields with ``T`` in place of ``S``).
     params : the layer's parameters.
 
     Returns ``[T, H, D]`` float32 attention output (before the inverse RoPE and ``wo``).
     """
-    ratio = state.config.compress_ratios[layer]
+    ratio = layer_ratio(state.config, layer, "forward_layer")
+    where = f"layer {layer}"
     metadata.check_matches(
-        batch_size=req_pool_indices.numel(), num_rows=inputs.q.shape[0], where=f"layer {layer}"
+        batch_size=req_pool_indices.numel(), num_rows=inputs.q.shape[0], where=where
     )
+    metadata.check_batch(where, req_pool_indices=req_pool_indices)
 
     def need(value: torch.Tensor | None, name: str) -> torch.Tensor:
         return _required(value, name, layer)

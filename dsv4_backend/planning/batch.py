@@ -26,6 +26,7 @@ row with causal length ``p + 1``.
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -67,7 +68,12 @@ class DraftStep:
             )
 
 
-def _host_ints(name: str, values: torch.Tensor | Sequence[int] | None) -> list[int] | None:
+#: The batch's tensors: each must be an integer tensor on ``req_to_token``'s device.
+_TENSOR_FIELDS = ("req_to_token", "req_pool_indices", "seq_lens", "out_cache_loc", "full_to_swa")
+_INDEX_DTYPES = (torch.int32, torch.int64, torch.int16, torch.int8, torch.uint8)
+
+
+def host_ints(name: str, values: torch.Tensor | Sequence[int] | None) -> list[int] | None:
     """``values`` as a list of ints; ``name`` is the field, for the error message."""
     if values is None:
         return None
@@ -76,8 +82,13 @@ def _host_ints(name: str, values: torch.Tensor | Sequence[int] | None) -> list[i
             raise BatchError(
                 f"{name} is on {values.device}; host lengths must be CPU tensors or lists"
             )
+        if values.dtype not in _INDEX_DTYPES:
+            raise BatchError(f"{name} has dtype {values.dtype}; expected integer host lengths")
         return [int(v) for v in values.tolist()]
-    return [int(v) for v in values]
+    try:
+        return [operator.index(v) for v in values]
+    except TypeError:
+        raise BatchError(f"{name}={list(values)!r}; expected integer host lengths") from None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,8 +110,13 @@ class BatchView:
     draft : the step of a multi-step draft, for DECODE only.
     full_to_swa : optional Tensor ``[full_pool_slots]`` int — window-cache slot of each full
         slot; identity when omitted.
+    num_cache_slots : optional number of full-cache slots; ``out_cache_loc`` must lie in
+        ``[0, num_cache_slots)`` (and inside ``full_to_swa`` when given).
 
-    The tensors all live on ``req_to_token``'s device; the host lengths are lists.
+    The tensors all live on ``req_to_token``'s device and have an integer dtype; the host
+    lengths are lists. Construction checks shapes, dtypes, devices and host lengths; the values
+    of the device tensors (index ranges, write slots) are checked by ``plan``
+    (``planning/checks.py``).
     """
 
     kind: ForwardKind
@@ -114,10 +130,20 @@ class BatchView:
     num_draft_tokens: int | None = None
     draft: DraftStep | None = None
     full_to_swa: torch.Tensor | None = None
+    num_cache_slots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens"):
-            object.__setattr__(self, name, _host_ints(name, getattr(self, name)))
+            object.__setattr__(self, name, host_ints(name, getattr(self, name)))
+        for name in _TENSOR_FIELDS:
+            tensor = getattr(self, name)
+            if tensor is not None and (
+                not isinstance(tensor, torch.Tensor) or tensor.dtype not in _INDEX_DTYPES
+            ):
+                got = tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                raise BatchError(
+                    f"{name} has dtype {got}; expected an integer tensor (int32 or int64)"
+                )
         bs = self.req_pool_indices.numel()
         if self.req_pool_indices.dim() != 1 or self.seq_lens.dim() != 1:
             raise BatchError(
@@ -135,7 +161,7 @@ class BatchView:
                 f"{tuple(self.req_to_token.shape)}"
             )
         device = self.req_to_token.device
-        for name in ("req_pool_indices", "seq_lens", "out_cache_loc", "full_to_swa"):
+        for name in _TENSOR_FIELDS:
             tensor = getattr(self, name)
             if tensor is not None and tensor.device != device:
                 raise BatchError(

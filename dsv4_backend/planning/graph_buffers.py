@@ -181,6 +181,8 @@ class GraphMetadataBuffers:
             **{name: buf[:num_rows] for name, buf in self.common.items()},
             c4=comp.get(4),
             c128=comp.get(128),
+            tag=plan.tag,
+            pending_checks=plan.pending_checks,
         )
 
     def plan(self, batch: BatchView, *, num_rows: int | None = None) -> AttentionMetadata:

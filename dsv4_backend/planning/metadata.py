@@ -25,12 +25,14 @@ Plan records (``compress_plan`` / ``write_plan``, ``[T, 4]`` int32) are rows
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
 from dsv4_backend.errors import ContractError
 from dsv4_backend.planning.batch import ForwardKind
+from dsv4_backend.planning.checks import PendingChecks
+from dsv4_backend.planning.tag import BatchTag
 
 PLAN_COLUMNS = ("ragged_id", "batch_id", "position", "window_len")
 
@@ -84,6 +86,10 @@ class AttentionMetadata:
     swa_topk_lengths : ``[T]`` int32 — ``min(seq_len, window)``.
     c4, c128 : per-ratio fields, or None when no layer uses the ratio or for DRAFT_EXTEND
         (the MTP layer is window only).
+    tag : the batch tensors it was planned from (``check_batch``); None for plans made
+        by hand.
+    pending_checks : the planning checks still on their way to the host (CUDA without strict
+        mode, ``planning/checks.py``); the host calls ``raise_if_failed`` at a safe point.
     """
 
     kind: ForwardKind
@@ -99,6 +105,8 @@ class AttentionMetadata:
     swa_topk_lengths: torch.Tensor
     c4: CompressedMetadata | None = None
     c128: CompressedMetadata | None = None
+    tag: BatchTag | None = field(default=None, compare=False)
+    pending_checks: PendingChecks | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         rows = self.num_rows
@@ -133,4 +141,20 @@ class AttentionMetadata:
                 f"num_rows={num_rows}. The metadata was planned before the batch reached its "
                 "final (padded) shape; plan after padding (skip_attn_backend_init must equal "
                 "can_run_cuda_graph)."
+            )
+
+    def check_batch(self, where: str = "forward", **tensors: torch.Tensor) -> None:
+        """Raise ``ContractError`` unless ``tensors`` (by ``BatchView`` field name, e.g.
+        ``req_pool_indices=``) are the objects this plan was made from, unchanged since.
+
+        Catches a plan reused for another batch of the same shapes (the next step, the same
+        requests in another order) without reading any tensor. A plan without a tag passes.
+        """
+        if self.tag is None:
+            return
+        mismatch = self.tag.mismatch(**tensors)
+        if mismatch is not None:
+            raise ContractError(
+                f"{where}: the attention metadata (plan #{self.tag.serial}, {self.kind.name}) was "
+                f"made for another batch: {mismatch}. Plan every batch before its forward."
             )

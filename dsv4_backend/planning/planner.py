@@ -4,7 +4,9 @@ Each ``ForwardKind`` only says how its requests expand into query rows (``_Rows`
 table in ``planning/batch.py``); one shared body, ``_plan_rows``, builds every field of
 dsv4-attention.md section 4 from those rows. Eager planning, CUDA-graph capture and replay all
 run this same code; the graph path then copies the result into fixed buffers
-(``planning/graph_buffers.py``). Planning never syncs with the device.
+(``planning/graph_buffers.py``). Planning never syncs with a CUDA device, except in strict
+mode, where it reads the verdict of the batch checks (``_checked_rows``, ``planning/checks.py``)
+once per plan.
 
 Graph safety: with ``widths`` given, the uniform kinds (``GRAPH_KINDS``) plan with shapes fixed by
 the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()``); lengths are
@@ -13,7 +15,8 @@ extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``exte
 
 Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` builds every field in one
 launch of ``kernels/plan_fields.py`` (two for extend kinds: their host lengths are uploaded
-first), and ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The
+first), after the batch checks, when these are read at once (``fuses``); and
+``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The
 torch body below serves the torch path; there the per-row compression fields run
 ``kernels/row_metadata.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
 where they can, else their torch references (``kernels/row_fields_torch.py``,
@@ -38,9 +41,12 @@ from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
 from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, plan_fields
 from dsv4_backend.kernels.row_metadata import row_fields
 from dsv4_backend.ops.launches import launch
+from dsv4_backend.planning import checks
 from dsv4_backend.planning.batch import BatchView, ForwardKind
+from dsv4_backend.planning.checks import Check, PendingChecks, run_checks
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
+from dsv4_backend.planning.tag import BatchTag
 
 
 @dataclass(frozen=True)
@@ -163,7 +169,12 @@ def plan(
     Raises
     ------
     BatchError : an unknown kind; no widths and no host lengths; a request longer than
-        ``req_to_token`` or ``widths`` too small (checked when the host knows the lengths).
+        ``req_to_token`` or ``widths`` too small (checked when the host knows the lengths); an
+        index out of range or a write slot that is not the one ``req_to_token`` holds for the
+        row (``_checked_rows``; on CUDA without strict mode these are returned pending in
+        ``metadata.pending_checks`` instead, see ``planning/checks.py``).
+
+    The plan is tagged (``metadata.tag``) with the batch's tensors, for ``check_batch``.
     """
     spec = _KINDS.get(batch.kind)
     if spec is None:
@@ -210,11 +221,14 @@ def _row_layout(batch: BatchView) -> RowLayout:
 
 def fuses(batch: BatchView) -> bool:
     """Whether ``batch`` is planned by the fused kernel (``kernels/plan_fields.py``): on the
-    Triton paths, every kind but IDLE (no rows) and draft trees (topk > 1)."""
+    Triton paths, every kind but IDLE (no rows) and draft trees (topk > 1), when the batch
+    checks are read at once (CPU tensors or strict mode). Deferred checks (CUDA, strict mode
+    off) need the torch body, which makes the rows that fail write nothing."""
     return (
         dispatch.use_triton(batch.req_to_token.device)
         and batch.num_rows > 0
         and (batch.draft is None or batch.draft.topk == 1)
+        and not checks.defer_checks(batch.req_to_token.device)
     )
 
 
@@ -228,6 +242,7 @@ def plan_into(
     """
     spec = _KINDS[batch.kind]
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
+    _checked_rows(batch, spec.expand(batch))  # raises BatchError before anything is written
     if out is None:
         present = config.ratios_present if spec.compressed else frozenset()
         columns = {
@@ -259,6 +274,11 @@ def plan_into(
         **common,
         c4=comp.get(4),
         c128=comp.get(128),
+        tag=BatchTag(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=batch.out_cache_loc,
+        ),
     )
 
 
@@ -293,6 +313,89 @@ def _resolve_widths(
             "the longest context (PlanWidths.for_max_len(max_context_len))"
         )
     return widths
+
+
+def _checked_rows(
+    batch: BatchView, rows: _Rows
+) -> tuple[torch.Tensor, _Rows, PendingChecks | None]:
+    """Check every index before anything is gathered or written (``planning/checks.py``).
+
+    * ``req_pool_indices`` in ``[0, pool_rows)`` (``-1`` included: it would wrap to the last
+      request's row);
+    * each row's position inside ``req_to_token``'s columns;
+    * each write slot in ``[0, num_cache_slots)`` (and inside ``full_to_swa``);
+    * each write slot equal to ``req_to_token[pool_row, position]``, the slot attention reads
+      the row's key back from; a padding row (pool row 0, slot 0: sglang's data-parallel
+      padding) is exempt.
+
+    Returns the rows' pool rows ``[T]`` int64, the rows, and the pending checks (deferred
+    mode). When deferred, rows that fail write nothing (no cache slot, no compressor ring
+    row) and read only in-range indices (pool row 0).
+    """
+    pool_rows, context = batch.req_to_token.shape
+    requests = batch.req_pool_indices.long()
+    bad_request = (requests < 0) | (requests >= pool_rows)
+    req = torch.where(bad_request, 0, requests)[rows.batch_ids.long()]
+    positions, out = rows.positions, rows.out_loc
+    bad_position = (positions < 0) | (positions >= context)
+    held = batch.req_to_token[req, positions.clamp(0, context - 1)].long()
+    limits = [n for n in (batch.num_cache_slots, _len(batch.full_to_swa)) if n is not None]
+    limit = min(limits) if limits else None
+    bad_slot = out < 0 if limit is None else (out < 0) | (out >= limit)
+    foreign = (out != held) & ~((req == 0) & (out == 0))
+    slots = "out_cache_loc"
+    if batch.draft is not None:
+        slots = f"out_cache_loc (draft step {batch.draft.step_id}'s slots, [batch, topk, steps])"
+    where = f"a {batch.kind.name} batch"
+    pending = run_checks(
+        [
+            Check(
+                f"req_pool_indices[{{index}}]={{value}}; expected a row of req_to_token in "
+                f"[0, {pool_rows})",
+                bad_request,
+                requests,
+            ),
+            Check(
+                f"row {{index}} is at position {{value}}, outside req_to_token's {context} "
+                "columns; seq_lens must fit the request pool",
+                bad_position,
+                positions,
+            ),
+            Check(
+                f"{slots}[{{index}}]={{value}}; expected a full-cache slot in "
+                f"[0, {'num_cache_slots' if limit is None else limit})",
+                bad_slot,
+                out,
+            ),
+            Check(
+                f"{slots}[{{index}}]={{value}} but req_to_token holds slot {{expected}} for that "
+                "row's request and position: the write slots are not laid out as the rows "
+                "(attention would read another slot back)",
+                foreign,
+                out,
+                held,
+            ),
+        ],
+        batch.req_to_token.device,
+        where,
+    )
+    if pending is not None:
+        # Rows that failed: pool row 0 (sglang's padding row), no cache write, and position 1
+        # with an unreachable keep length, so no compress or write plan record (no ring write).
+        failed = bad_position | bad_slot | foreign | bad_request[rows.batch_ids.long()]
+        never = torch.iinfo(torch.int32).max
+        req = torch.where(failed, 0, req)
+        rows = rows._replace(
+            positions=torch.where(failed, 1, positions),
+            first_new=torch.where(failed, 1, rows.first_new),
+            keep_lens=torch.where(failed, never, rows.keep_lens),
+            out_loc=torch.where(failed, -1, out),
+        )
+    return req, rows, pending
+
+
+def _len(tensor: torch.Tensor | None) -> int | None:
+    return None if tensor is None else tensor.numel()
 
 
 def _page_table(
@@ -373,7 +476,7 @@ def _plan_rows(
 ) -> AttentionMetadata:
     """Every metadata field from the expanded rows; shared by all kinds."""
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
-    req = batch.req_pool_indices.long()[rows.batch_ids.long()]
+    req, rows, pending = _checked_rows(batch, rows)
     positions = rows.positions
     page_table = _page_table(
         batch.req_to_token, req, rows.request_lens, widths.page_table, config.page_size
@@ -394,4 +497,10 @@ def _plan_rows(
         swa_topk_lengths=(positions + 1).clamp(max=config.window_size).int(),
         c4=comp.get(4),
         c128=comp.get(128),
+        tag=BatchTag(
+            req_pool_indices=batch.req_pool_indices,
+            seq_lens=batch.seq_lens,
+            out_cache_loc=batch.out_cache_loc,
+        ),
+        pending_checks=pending,
     )

@@ -24,8 +24,11 @@ parallelism), per layer, and what each call does here:
 Lazy-init contract: nothing here plans from a forward. ``init_forward_metadata`` (eager) plans
 the batch as it is when called — the host calls it after data-parallel padding — and
 ``init_forward_metadata_out_graph`` plans into fixed ``GraphMetadataBuffers`` (CUDA graphs).
-Every call that consumes the plan first checks it was made for this batch's shape
-(``AttentionMetadata.check_matches``) and raises ``ContractError`` otherwise.
+Every call that consumes the plan first checks it was made for this batch: the same
+``ForwardBatch`` object and tensors, unchanged since planning (``BatchTag``), of the planned
+shapes (``AttentionMetadata.check_matches``) and mode, and raises ``ContractError`` otherwise.
+Planning checks the batch's indices and write slots (``planning/checks.py``); on CUDA without
+strict mode their verdict is read at the next plan.
 
 Memory: the caches and compressor rings (``compute.AttentionState``) are sized from the runner's
 pools. With fp8 caches and an sglang ``DeepSeekV4TokenToKVPool`` the caches (and fitting rings)
@@ -46,12 +49,14 @@ from typing import Any
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.runtime_context import derive_attn_tp_size
 
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.compute import (
     AttentionState,
     attend,
     compress_and_store,
+    layer_ratio,
     select_c4_entries,
     store_window_keys,
 )
@@ -61,7 +66,7 @@ from dsv4_backend.config import (
     SWA_PAGE_SIZE,
     DSV4AttentionConfig,
 )
-from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.kernels.indexer import warm_up_topk
 from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
@@ -74,6 +79,8 @@ from dsv4_backend.planning import (
     plan,
     seq_len_fill_value,
 )
+from dsv4_backend.planning.checks import PendingChecks, strict_checks_enabled
+from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind, padding_rows
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
@@ -85,14 +92,38 @@ from dsv4_backend.sglang_adapter.pool_alias import (
 _STATE_ATTR = "_dsv4_backend_attention_state"
 #: Largest EAGLE draft topk served (draft trees are not).
 MAX_DRAFT_TOPK = 1
-#: Prefix-cache modes refused: ``(server_args option, flag, what it does)``. sglang's default
-#: device radix cache is served (every cache and the c4 rings are addressed by cache slot); these
-#: move a prefix's KV through host or external storage (only sglang's own pool buffers would
-#: travel, not this package's allocated caches and rings), replace the tree, or resume a session
-#: at an unaligned length in a fresh pool row (whose request-scoped c128 ring holds nothing).
+#: Server options that move or rebuild KV state outside this backend, refused when set:
+#: ``(ServerArgs field, value that is safe, CLI flag, why)``. sglang's PD transfer and its host
+#: caches copy the pool's page buffers and its own compressor states; this package's caches and
+#: rings are views of those only where the pool's layout fits (``pool_alias``), and no transfer
+#: of them is verified, so a request resumed from a copy could compress from stale rings.
+#: sglang's default device radix cache is served (``UNSUPPORTED_CACHE_MODES``: the others).
+STATE_MOVING_OPTIONS = (
+    (
+        "disaggregation_mode", "null", "--disaggregation-mode",
+        "PD transfer carries sglang's pool pages, not verified to carry the backend's "
+        "compressor rings",
+    ),
+    (
+        "enable_hierarchical_cache", False, "--enable-hierarchical-cache",
+        "HiCache offloads and reloads pool pages, not verified to carry the backend's "
+        "compressor rings",
+    ),
+    (
+        "enable_hisparse", False, "--enable-hisparse",
+        "HiSparse offloads the c4 cache through sglang's own sparse path, which this backend "
+        "replaces (its c4 cache and top-k are its own)",
+    ),
+    (
+        "enable_lmcache", False, "--enable-lmcache",
+        "LMCache offloads and reloads pool pages, not verified to carry the backend's "
+        "compressor rings",
+    ),
+)  # fmt: skip
+#: Prefix-cache modes refused besides: ``(server_args option, flag, what it is)``. They move a
+#: prefix's KV through external storage, replace the tree, or resume a session at an unaligned
+#: length in a fresh pool row (whose request-scoped c128 ring holds nothing).
 UNSUPPORTED_CACHE_MODES = (
-    ("enable_hierarchical_cache", "--enable-hierarchical-cache", "HiCache (host KV tiers)"),
-    ("enable_lmcache", "--enable-lmcache", "LMCache"),
     ("enable_flexkv", "--enable-flexkv", "FlexKV"),
     (
         "enable_unified_cache_external_linker",
@@ -116,6 +147,13 @@ class RunnerSettings:
     draft_topk: int
     num_draft_tokens: int
     device: torch.device
+    #: Attention tensor-parallel ranks: each serves ``config.num_heads // attn_tp_size`` heads.
+    attn_tp_size: int = 1
+
+    @property
+    def local_heads(self) -> int:
+        """Query heads of this rank (sglang's ``n_local_heads``)."""
+        return self.config.num_heads // self.attn_tp_size
 
     @classmethod
     def from_runner(cls, runner: Any, topk: int = 0) -> RunnerSettings:
@@ -123,8 +161,10 @@ class RunnerSettings:
 
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
-        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size`` and the cache modes
-        of ``UNSUPPORTED_CACHE_MODES``), and the environment variable ``INDEXER_SELECTION_ENV``.
+        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``, ``tp_size``,
+        ``attn_dp_size`` (or ``enable_dp_attention`` with ``dp_size``), the
+        ``STATE_MOVING_OPTIONS`` and the ``UNSUPPORTED_CACHE_MODES``), and the environment
+        variable ``INDEXER_SELECTION_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -148,6 +188,13 @@ class RunnerSettings:
                     f"{option}={size}; the dsv4 backend does not support context parallelism "
                     f"({flag} must be 1)"
                 )
+        for option, safe, flag, why in STATE_MOVING_OPTIONS:
+            value = getattr(args, option, safe)
+            if value not in (safe, None):
+                raise ConfigError(
+                    f"{option}={value!r}; the dsv4 backend cannot serve it: {why}, so a "
+                    f"request resumed from the copy would be wrong (leave {flag} unset)"
+                )
         for option, flag, why in UNSUPPORTED_CACHE_MODES:
             value = getattr(args, option, None)
             if value:
@@ -169,11 +216,27 @@ class RunnerSettings:
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))
+        attn_dp_size = int(getattr(args, "attn_dp_size", 1) or 1)
+        if attn_dp_size == 1 and getattr(args, "enable_dp_attention", False):
+            # The deprecated spelling, before sglang resolves it to attn_dp_size.
+            attn_dp_size = int(getattr(args, "dp_size", 1) or 1)
+        attn_tp_size = derive_attn_tp_size(
+            tp_size=int(getattr(args, "tp_size", 1) or 1),
+            attn_cp_size=1,  # context parallelism is refused above
+            attn_dp_size=attn_dp_size,
+        )
+        if attn_tp_size < 1 or config.num_heads % attn_tp_size:
+            raise ConfigError(
+                f"num_attention_heads={config.num_heads} cannot be split over an attention "
+                f"tensor-parallel group of {attn_tp_size} ranks (tp_size / attn_dp_size); "
+                "choose --tp-size / --attention-data-parallel-size so that it divides the heads"
+            )
         return cls(
             config=config,
             draft_topk=draft_topk,
             num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", 0) or 0),
             device=torch.device(runner.device),
+            attn_tp_size=attn_tp_size,
         )
 
 
@@ -210,15 +273,7 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
                 f"{state.config} vs {config}"
             )
         return state
-    page = config.page_size
-    full = getattr(pool, "full_size", None) or pool.size
-    swa = getattr(pool, "swa_size", None) or pool.size
-    sizes = dict(
-        num_full_slots=math.ceil((full + page) / page) * page,
-        num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
-        num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
-        max_positions=runner.req_to_token_pool.req_to_token.shape[1],
-    )
+    sizes = state_sizes(runner, config)
     reason = unaliasable_reason(pool, config, fmt)
     if reason is None:
         state = aliased_state(pool, config, **sizes)
@@ -227,6 +282,73 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
     log_state_memory(state, pool, reason)
     setattr(pool, _STATE_ATTR, state)
     return state
+
+
+def state_sizes(runner: Any, config: DSV4AttentionConfig) -> dict[str, int]:
+    """``AttentionState`` sizes of ``runner`` (``shared_state``'s docstring)."""
+    pool = runner.token_to_kv_pool
+    page = config.page_size
+    full = getattr(pool, "full_size", None) or pool.size
+    swa = getattr(pool, "swa_size", None) or pool.size
+    return dict(
+        num_full_slots=math.ceil((full + page) / page) * page,
+        num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
+        num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
+        max_positions=runner.req_to_token_pool.req_to_token.shape[1],
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    """What the backend remembers of the batch its current plan was made for.
+
+    ``tag`` holds the ``ForwardBatch`` and its ``req_pool_indices`` / ``seq_lens`` /
+    ``out_cache_loc`` (not for a draft step: sglang hands each step its own slice); the host
+    lists are the batch's ``seq_lens_cpu`` and ``req_pool_indices`` where known without a sync.
+    """
+
+    tag: BatchTag
+    seq_lens: list[int] | None
+    req_pool_indices: list[int] | None
+
+
+def _host_values(values: Any) -> list[int] | None:
+    """``values`` as ints when readable without a device sync (or in strict mode)."""
+    if values is None:
+        return None
+    if isinstance(values, torch.Tensor):
+        if values.device.type != "cpu" and not strict_checks_enabled():
+            return None
+        return [int(v) for v in values.tolist()]
+    return [int(v) for v in values]
+
+
+def _is_idle(fb: Any, rows: torch.Tensor, where: str) -> bool:
+    """Whether ``fb`` is IDLE. An IDLE batch's rows are data-parallel padding (one per
+    ``out_cache_loc`` slot): nothing is written for them and ``forward`` outputs zeros.
+    ``ContractError`` when an IDLE call is handed another number of rows."""
+    if not fb.forward_mode.is_idle():
+        return False
+    padding = 0 if fb.out_cache_loc is None else fb.out_cache_loc.shape[0]
+    if rows.shape[0] != padding:
+        raise ContractError(
+            f"{where}: an IDLE batch has {padding} rows (data-parallel padding only), but "
+            f"{where} got a tensor of shape {tuple(rows.shape)}"
+        )
+    return True
+
+
+def _check_padding_slots(out_cache_loc: torch.Tensor, first: int, where: str) -> None:
+    """Padding tokens (``out_cache_loc[first:]``) write slot 0, where readable without a sync:
+    a real token taken for padding would write no key (``BatchError`` naming it)."""
+    tail = _host_values(out_cache_loc[first:])
+    bad = [(first + i, v) for i, v in enumerate(tail or ()) if v != 0]
+    if bad:
+        index, value = bad[0]
+        raise BatchError(
+            f"{where}: out_cache_loc[{index}]={value} is past the requests' rows, where only "
+            "data-parallel padding tokens (slot 0) may be; check extend_seq_lens_cpu"
+        )
 
 
 def original_ape(compressor: Any) -> torch.Tensor:
@@ -254,8 +376,9 @@ class DSV4AttentionBackend(AttentionBackend):
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios,
-    context parallelism or a prefix-cache mode of ``UNSUPPORTED_CACHE_MODES`` (sglang's default
-    radix cache is served).
+    context parallelism, an option of ``STATE_MOVING_OPTIONS`` (PD disaggregation, HiCache,
+    HiSparse, LMCache) or ``UNSUPPORTED_CACHE_MODES`` (other prefix-cache modes; sglang's
+    default radix cache is served) or heads that the attention TP group does not divide.
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
     to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
@@ -279,6 +402,7 @@ class DSV4AttentionBackend(AttentionBackend):
         self.config = settings.config
         self.device = settings.device
         self.num_draft_tokens = settings.num_draft_tokens
+        self.local_heads = settings.local_heads
         self.topk = settings.draft_topk
         self.speculative_step_id = speculative_step_id
         self.speculative_num_steps = speculative_num_steps
@@ -290,7 +414,11 @@ class DSV4AttentionBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.state = shared_state(model_runner, self.config, cache_format)
+        self.num_cache_slots = state_sizes(model_runner, self.config)["num_full_slots"]
         self.forward_metadata: AttentionMetadata | None = None
+        self.planned: PlannedBatch | None = None
+        #: Device-side planning checks not read yet (CUDA without strict mode).
+        self.pending_checks: list[PendingChecks] = []
         self.graph_buffers: GraphMetadataBuffers | None = None
         self.streams = CudaStreams()
         # The model writes window keys through store_cache only with this set (class docstring).
@@ -307,17 +435,24 @@ class DSV4AttentionBackend(AttentionBackend):
         compressors read the prefix's last c4 block from the prefix's own window page (page-
         scoped rings) and nothing of the c128 ring (no c128 entry spans a page boundary), so
         nothing is reset: no forward reads a ring row it did not write.
+
+        First raises the verdict of earlier batches' device-side checks that has reached the
+        host (the next safe point after them, ``planning/checks.py``).
         """
+        self.raise_pending_checks(wait=False)
+        self.forward_metadata = self.planned = None
         view = batch_view(
             forward_batch,
             req_to_token=self.req_to_token_pool.req_to_token,
             full_to_swa=getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None),
             num_draft_tokens=self.num_draft_tokens,
             draft=self.draft_step,
+            num_cache_slots=self.num_cache_slots,
         )
         metadata = plan(self.config, view) if buffers is None else buffers.plan(view)
         padding = padding_rows(forward_batch, view)
         if padding > 0:
+            _check_padding_slots(forward_batch.out_cache_loc, view.num_rows, "plan")
             # Data-parallel padding tokens (EXTEND / DRAFT_EXTEND_V2, eager only): sentinel rows
             # that write nothing and output 0, as sglang's own backend plans them.
             metadata = pad_plan(
@@ -326,7 +461,45 @@ class DSV4AttentionBackend(AttentionBackend):
                 batch_size=metadata.batch_size,
                 num_rows=metadata.num_rows + padding,
             )
+        if metadata.pending_checks is not None:
+            self.pending_checks.append(metadata.pending_checks)
+        self.planned = self._planned_batch(forward_batch)
         return metadata
+
+    def _planned_batch(self, fb: Any) -> PlannedBatch:
+        idle = fb.forward_mode.is_idle()
+        tensors = {} if idle else dict(
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            out_cache_loc=None if self.draft_step is not None else fb.out_cache_loc,
+        )  # fmt: skip
+        return PlannedBatch(
+            tag=BatchTag(forward_batch=fb, **tensors),
+            seq_lens=None if idle else _host_values(getattr(fb, "seq_lens_cpu", None)),
+            req_pool_indices=None if idle else self._host_pool_rows(fb),
+        )
+
+    @staticmethod
+    def _host_pool_rows(fb: Any) -> list[int] | None:
+        cpu = getattr(fb, "req_pool_indices_cpu", None)
+        return _host_values(cpu if cpu is not None else fb.req_pool_indices)
+
+    def raise_pending_checks(self, wait: bool = True) -> None:
+        """Raise ``BatchError`` for a failed device-side planning check of an earlier batch.
+
+        ``wait=False`` reads only the verdicts already on the host (no sync); the sglang path
+        calls it at every plan. A host may call it with ``wait=True`` at any safe point.
+        """
+        pending, self.pending_checks = self.pending_checks, []
+        for i, checks in enumerate(pending):
+            if wait or checks.ready():
+                try:
+                    checks.raise_if_failed()
+                except BatchError:
+                    self.pending_checks = [c for c in pending[i + 1 :] if not c.ready()]
+                    raise
+            else:
+                self.pending_checks.append(checks)
 
     def init_forward_metadata(self, forward_batch: Any) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
@@ -371,8 +544,8 @@ class DSV4AttentionBackend(AttentionBackend):
     # ------------------------------------------------------------------ plan consumers
     def _metadata(self, forward_batch: Any, num_rows: int, where: str) -> AttentionMetadata:
         """The current plan, checked against this batch (``ContractError`` when stale)."""
-        metadata = self.forward_metadata
-        if metadata is None:
+        metadata, planned = self.forward_metadata, self.planned
+        if metadata is None or planned is None:
             raise ContractError(
                 f"{where}: no attention metadata was planned; the host must call "
                 "init_forward_metadata (eager, after padding) or init_forward_metadata_out_graph "
@@ -385,10 +558,12 @@ class DSV4AttentionBackend(AttentionBackend):
         ):
             # sglang plans the draft-extend batch before data-parallel padding on purpose (it
             # marks it ready and never replans); the requests and tokens it appends are padding.
+            self._check_padding(forward_batch, planned, metadata, where)
             metadata = pad_plan(
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
-            self.forward_metadata = metadata
+            self.forward_metadata, self.planned = metadata, self._planned_batch(forward_batch)
+            planned = self.planned
         metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
         kind = forward_kind(forward_batch.forward_mode)
         if kind is not metadata.kind:
@@ -396,7 +571,46 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: attention metadata was planned for {metadata.kind.name} but the batch "
                 f"is {forward_batch.forward_mode.name}; plan each batch before its forward"
             )
+        mismatch = planned.tag.mismatch(
+            forward_batch=forward_batch,
+            req_pool_indices=forward_batch.req_pool_indices,
+            seq_lens=forward_batch.seq_lens,
+            out_cache_loc=forward_batch.out_cache_loc,
+        )
+        if mismatch is not None:
+            raise ContractError(
+                f"{where}: the attention metadata (plan #{planned.tag.serial}, "
+                f"{metadata.kind.name}) was made for another batch: {mismatch}. Plan every "
+                "batch before its forward (init_forward_metadata after padding, or "
+                "init_forward_metadata_out_graph)."
+            )
         return metadata
+
+    def _check_padding(
+        self, fb: Any, planned: PlannedBatch, metadata: AttentionMetadata, where: str
+    ) -> None:
+        """Refuse a grown draft-extend batch unless it is the planned ``ForwardBatch`` and the
+        requests appended are padding (seq len 1, pool row 0) where the host lists show it."""
+        if planned.tag.mismatch(forward_batch=fb) is not None:
+            raise ContractError(
+                f"{where}: the draft-extend plan (#{planned.tag.serial}) was made for another "
+                "ForwardBatch; only the planned batch may grow by padding"
+            )
+        _check_padding_slots(fb.out_cache_loc, metadata.num_rows, where)
+        n = metadata.batch_size
+        for name, before, now, fill in (
+            ("seq_lens_cpu", planned.seq_lens, _host_values(getattr(fb, "seq_lens_cpu", None)),
+             seq_len_fill_value),
+            ("req_pool_indices", planned.req_pool_indices, self._host_pool_rows(fb), 0),
+        ):  # fmt: skip
+            if before is None or now is None:
+                continue
+            if now[:n] != before or any(v != fill for v in now[n:]):
+                raise ContractError(
+                    f"{where}: the draft-extend batch was planned with {name}={before} and grew "
+                    f"to {now}; only padding requests ({name} {fill}) may be appended after "
+                    "planning. Plan the batch after it reached its final shape."
+                )
 
     def get_swa_out_cache_loc(self, forward_batch: Any) -> torch.Tensor:
         """``[T]`` int64 window slot each row writes (its own step's slots for a draft step)."""
@@ -407,9 +621,11 @@ class DSV4AttentionBackend(AttentionBackend):
 
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: Any) -> None:
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
-        if forward_batch.forward_mode.is_idle():
+        where = f"store_cache (layer {layer_id})"
+        layer_ratio(self.config, layer_id, where)
+        if _is_idle(forward_batch, swa_k, where):
             return
-        metadata = self._metadata(forward_batch, swa_k.shape[0], f"store_cache (layer {layer_id})")
+        metadata = self._metadata(forward_batch, swa_k.shape[0], where)
         store_window_keys(self.state, layer_id, metadata, swa_k.float())
 
     def forward_core_compressor(
@@ -423,9 +639,10 @@ class DSV4AttentionBackend(AttentionBackend):
         ``compressor.is_in_indexer``). The indexer's Hadamard rotation is skipped on both
         sides (keys here, queries in ``forward_c4_indexer``): it leaves ``q . k`` unchanged.
         """
-        if forward_batch.forward_mode.is_idle():
-            return
         where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
+        layer_ratio(self.config, layer_id, where)
+        if _is_idle(forward_batch, x, where):
+            return
         metadata = self._metadata(forward_batch, x.shape[0], where)
         self._compress(metadata, x, forward_batch, layer_id, compressor)
 
@@ -484,10 +701,15 @@ class DSV4AttentionBackend(AttentionBackend):
         before the top-k. ``q_lora_ready`` without ``enable_multi_stream`` is a
         ``ContractError`` (sglang asserts it is None).
         """
-        if forward_batch.forward_mode.is_idle():
+        if _is_idle(forward_batch, x, "c4 indexer"):
             return
         layer_id = c4_indexer.layer_id
         where = f"c4 indexer (layer {layer_id})"
+        if layer_ratio(self.config, layer_id, where) != 4:
+            raise ContractError(
+                f"{where}: layer {layer_id} has compress ratio "
+                f"{self.config.compress_ratios[layer_id]}; the indexer runs on ratio-4 layers"
+            )
         metadata = self._metadata(forward_batch, x.shape[0], where)
         if not enable_multi_stream and q_lora_ready is not None:
             raise ContractError(
@@ -548,9 +770,10 @@ class DSV4AttentionBackend(AttentionBackend):
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
-        """IDLE: an empty ``[0, H, D]``; otherwise sglang's dispatch to decode / extend."""
-        if forward_batch.forward_mode.is_idle():
-            return q.new_empty(q.shape)
+        """IDLE: zeros of ``q``'s shape (rows that data-parallel padding gave an idle rank);
+        otherwise sglang's dispatch to decode / extend."""
+        if _is_idle(forward_batch, q, "forward"):
+            return q.new_zeros(q.shape)
         return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
@@ -568,10 +791,16 @@ class DSV4AttentionBackend(AttentionBackend):
         attn_sink: torch.Tensor | None = None,
         **_: Any,
     ) -> torch.Tensor:
-        """``q`` ``[T, H, D]`` (normed, roped) -> ``[T, H, D]`` in ``q``'s dtype."""
+        """``q`` ``[T, Hq, D]`` (normed, roped) -> ``[T, Hq, D]`` in ``q``'s dtype.
+
+        Attention TP: the rank's ``Hl = num_heads / attn_tp_size`` heads are the first ``Hl``
+        of ``q`` and ``attn_sink`` (``Hq >= Hl``: sglang pads a rank's queries and sink to 64
+        heads for FlashMLA and reads back only the first ``Hl``). Only those are attended;
+        padded heads of the output are 0.
+        """
         layer_id = layer.layer_id
         where = f"forward (layer {layer_id})"
-        ratio = self.config.compress_ratios[layer_id]
+        ratio = layer_ratio(self.config, layer_id, where)
         if compress_ratio is not None and compress_ratio != ratio:
             raise ContractError(
                 f"{where}: compress_ratio={compress_ratio} but the model config gives layer "
@@ -579,8 +808,31 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if attn_sink is None:
             raise ContractError(f"{where}: attn_sink is required (the per-head sink logits)")
-        if q.dim() == 2:
-            q = q.view(q.shape[0], -1, self.config.head_dim)
+        head_dim = self.config.head_dim
+        if q.dim() == 2 and q.shape[1] % head_dim == 0:
+            q = q.view(q.shape[0], -1, head_dim)
+        if q.dim() != 3 or q.shape[2] != head_dim:
+            raise ContractError(
+                f"{where}: q has shape {tuple(q.shape)}; expected [T, H, {head_dim}] or "
+                f"[T, H * {head_dim}] (head_dim={head_dim})"
+            )
+        if attn_sink.shape != (q.shape[1],):
+            raise ContractError(
+                f"{where}: attn_sink has shape {tuple(attn_sink.shape)}; expected one logit per "
+                f"query head, ({q.shape[1]},)"
+            )
+        heads = self.local_heads
+        layer_heads = getattr(layer, "tp_q_head_num", heads)
+        if layer_heads != heads or q.shape[1] < heads:
+            raise ContractError(
+                f"{where}: this rank serves {heads} query heads (num_attention_heads "
+                f"{self.config.num_heads} / attention TP size {self.config.num_heads // heads}) "
+                f"but got a layer of {layer_heads} heads and q {tuple(q.shape)}"
+            )
         metadata = self._metadata(forward_batch, q.shape[0], where)
-        out = attend(self.state, layer_id, metadata, q, attn_sink.float())
-        return out.to(q.dtype)
+        out = attend(self.state, layer_id, metadata, q[:, :heads], attn_sink[:heads].float())
+        if q.shape[1] == heads:
+            return out.to(q.dtype)
+        padded = q.new_zeros(q.shape)
+        padded[:, :heads] = out
+        return padded

@@ -36,6 +36,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from dsv4_backend.errors import BatchError
 from dsv4_backend.planning import BatchView, DraftStep, ForwardKind
+from dsv4_backend.planning.batch import host_ints
 
 #: The planner kind of each supported sglang forward mode.
 KIND_OF_MODE = {
@@ -59,14 +60,12 @@ def forward_kind(forward_mode: ForwardMode) -> ForwardKind:
     return kind
 
 
-def _host(values: Any) -> list[int] | None:
-    if values is None:
+def _host(fb: Any, name: str) -> list[int] | None:
+    """``fb.<name>`` as host ints; None when absent or on the device (reading it would sync)."""
+    values = getattr(fb, name, None)
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
         return None
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu":
-            return None
-        return [int(v) for v in values.tolist()]
-    return [int(v) for v in values]
+    return host_ints(name, values)
 
 
 def padding_rows(fb: Any, view: BatchView) -> int:
@@ -83,6 +82,7 @@ def batch_view(
     full_to_swa: torch.Tensor | None,
     num_draft_tokens: int,
     draft: DraftStep | None = None,
+    num_cache_slots: int | None = None,
 ) -> BatchView:
     """The ``BatchView`` of ``fb`` (a ``ForwardBatch`` or the graph runners' namespace view).
 
@@ -94,15 +94,17 @@ def batch_view(
     full_to_swa : the KV pool's ``full_to_swa_index_mapping`` (None: identity).
     num_draft_tokens : ``speculative_num_draft_tokens`` (TARGET_VERIFY and DRAFT_EXTEND_V2).
     draft : the step of a multi-step draft backend; used for DECODE batches only.
+    num_cache_slots : full-cache slots the backend holds (``out_cache_loc`` range check).
 
     Raises ``BatchError`` for an unsupported mode or inconsistent shapes (e.g. a draft step fed
     a write-slot buffer other than the whole ``[bs, topk, num_steps]`` one).
     """
     kind = forward_kind(fb.forward_mode)
-    seq_lens_cpu = _host(getattr(fb, "seq_lens_cpu", None))
+    seq_lens_cpu = _host(fb, "seq_lens_cpu")
     common: dict[str, Any] = dict(
-        req_to_token=req_to_token, full_to_swa=full_to_swa, seq_lens_cpu=seq_lens_cpu
-    )
+        req_to_token=req_to_token, full_to_swa=full_to_swa, seq_lens_cpu=seq_lens_cpu,
+        num_cache_slots=num_cache_slots,
+    )  # fmt: skip
     if kind is ForwardKind.IDLE:
         empty = torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
         return BatchView(
@@ -115,8 +117,8 @@ def batch_view(
     elif kind is ForwardKind.TARGET_VERIFY:
         common["num_draft_tokens"] = num_draft_tokens
     else:
-        extend = _host(getattr(fb, "extend_seq_lens_cpu", None))
-        prefix = _host(getattr(fb, "extend_prefix_lens_cpu", None))
+        extend = _host(fb, "extend_seq_lens_cpu")
+        prefix = _host(fb, "extend_prefix_lens_cpu")
         if kind is ForwardKind.DRAFT_EXTEND and extend is None:
             extend = [num_draft_tokens] * int(fb.seq_lens.numel())
         if prefix is None and extend is not None and seq_lens_cpu is not None:

@@ -77,9 +77,11 @@ def mock_runner(
     attn_cp_size: int = 1,
     disable_radix_cache: bool = False,
     is_draft_worker: bool = False,
+    tp_size: int = 1,
     **cache_flags: Any,
 ) -> SimpleNamespace:
-    """A model runner with a real ``ReqToTokenPool`` holding ``pool``'s page table.
+    """A model runner with a real ``ReqToTokenPool`` holding ``pool``'s page table
+    (``tp_size``: attention TP ranks, no attention DP).
 
     ``server_args`` has sglang's defaults (radix cache on) unless overridden; ``cache_flags``
     sets further ``server_args`` options (e.g. ``enable_hierarchical_cache=True``)."""
@@ -98,6 +100,8 @@ def mock_runner(
         speculative_num_draft_tokens=num_draft_tokens,
         attn_cp_size=attn_cp_size,
         dcp_size=1,
+        tp_size=tp_size,
+        attn_dp_size=1,
         page_size=page_size,
         disable_radix_cache=disable_radix_cache,
         **cache_flags,
@@ -112,21 +116,6 @@ def mock_runner(
         is_draft_worker=is_draft_worker,
         attn_backend=None,
     )
-
-
-def reserve_padding_slot(pool: PagedRequestPool) -> None:
-    """Move any request page off full page 0, so padding rows (slot 0) overwrite nothing.
-
-    Call before ``mock_runner`` copies the page table.
-    """
-    page = REQUIRED_PAGE_SIZE
-    owned = [pool.req_to_token[i + 1, : -(-n // page) * page] for i, n in enumerate(pool.max_lens)]
-    used = {int(p) for cols in owned for p in (cols[::page] // page).tolist()}
-    if 0 not in used:
-        return
-    spare = next(p for p in range(1, pool.num_pages) if p not in used)
-    for cols in owned:  # views into req_to_token
-        cols[cols // page == 0] += spare * page
 
 
 # ----------------------------------------------------------------------------- batches
@@ -328,6 +317,31 @@ class IndexerStandIn:
         return self.feed.index_weights
 
 
+@dataclass(frozen=True)
+class AttentionTPRank:
+    """Rank ``rank`` of an attention TP group of ``size``: it holds heads ``[rank * Hl, (rank
+    + 1) * Hl)``, ``Hl = H / size``. ``pad_to``: the width sglang's DeepSeek-V4 layer pads a
+    rank's query and sink to (64 on FlashMLA GPUs); padded query heads hold NaN here (sglang
+    leaves them uninitialised), padded sink entries 0 (as sglang's)."""
+
+    rank: int
+    size: int
+    pad_to: int | None = None
+
+    def local(self, q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``q`` ``[T, Hl or pad_to, D]`` and ``sink`` of the full ``q`` / ``sink``."""
+        heads = q.shape[1] // self.size
+        own = slice(self.rank * heads, (self.rank + 1) * heads)
+        q, sink = q[:, own], sink[own]
+        if self.pad_to is None or self.pad_to == heads:
+            return q, sink
+        padded_q = q.new_full((q.shape[0], self.pad_to, q.shape[2]), float("nan"))
+        padded_q[:, :heads] = q
+        padded_sink = sink.new_zeros(self.pad_to)
+        padded_sink[:heads] = sink
+        return padded_q, padded_sink
+
+
 class SimulatedModel:
     """Drives a backend's sglang-facing methods per layer, as ``MQALayer.forward`` does."""
 
@@ -370,12 +384,19 @@ class SimulatedModel:
             feed.index_weights = take("index_weights")
         return feed
 
-    def layer(self, backend: Any, step: Step, layer: int) -> torch.Tensor:
-        """Window-key store, indexer, compressor, attention of ``layer``: ``[T, H, D]``."""
-        return self.run_feed(backend, step.batch, layer, self.feed(step.rows, layer))
+    def layer(
+        self, backend: Any, step: Step, layer: int, tp: AttentionTPRank | None = None
+    ) -> torch.Tensor:
+        """Window-key store, indexer, compressor, attention of ``layer``: ``[T, H, D]``
+        (``tp``: as that attention TP rank, ``run_feed``)."""
+        return self.run_feed(backend, step.batch, layer, self.feed(step.rows, layer), tp)
 
-    def run_feed(self, backend: Any, fb: Any, layer: int, feed: Feed) -> torch.Tensor:
-        """The backend calls of one layer on ``feed`` (graph-capturable: tensor work only)."""
+    def run_feed(
+        self, backend: Any, fb: Any, layer: int, feed: Feed, tp: AttentionTPRank | None = None
+    ) -> torch.Tensor:
+        """The backend calls of one layer on ``feed`` (graph-capturable: tensor work only);
+        with ``tp``, as that attention TP rank (its heads of ``q`` and the sink; the indexer
+        and the compressors are replicated, as in sglang)."""
         ratio = self.model.config.compress_ratios[layer]
         backend.store_cache(layer_id=layer, swa_k=feed.kv, forward_batch=fb)
         if ratio == 4:
@@ -388,13 +409,17 @@ class SimulatedModel:
             compressor = self.compressors[layer]
             compressor.feed = feed
             backend.forward_core_compressor(feed.x, fb, layer, compressor)
-        q = feed.q
+        q, sink = feed.q, self.model.params[layer].sink
+        local_heads = q.shape[1]
+        if tp is not None:
+            local_heads //= tp.size
+            q, sink = tp.local(q, sink)
         attn_layer = SimpleNamespace(
-            layer_id=layer, tp_q_head_num=q.shape[1], v_head_dim=q.shape[2]
+            layer_id=layer, tp_q_head_num=local_heads, v_head_dim=q.shape[2]
         )
         return backend.forward(
             q=q, k=q, v=q, layer=attn_layer, forward_batch=fb, compress_ratio=ratio,
-            attn_sink=self.model.params[layer].sink, save_kv_cache=False,
+            attn_sink=sink, save_kv_cache=False,
         )  # fmt: skip
 
     def max_error(self, rows: Sequence[Row], layer: int, out: torch.Tensor) -> float:

@@ -19,7 +19,9 @@ name               what runs a step
 Every backend builds its own :class:`~dsv4_backend.testing.simulation.RandomModel` from the trace's
 seed, so both sides of a run see the same inputs and caches. On the graph path the ``dsv4``
 backends plan with fixed ``PlanWidths`` and load the plan into ``GraphMetadataBuffers`` padded
-to a graph bucket of rows (the next power of two), as a CUDA-graph replay does.
+to a graph bucket of rows (the next power of two), as a CUDA-graph replay does. A trace's DP
+padding (``--dp-pad``) is planned and run by the ``dsv4`` backends (padding rows dropped from
+their output); the reference and ``sglang:<name>`` serve the real requests only.
 
 Tests perturb a backend through the Python API: ``DSV4Backend(planner=...)`` takes any
 function with ``plan``'s signature.
@@ -85,6 +87,7 @@ class DSV4Backend(Backend):
         self.planner = planner
         self.fmt = fmt
         self.model: RandomModel | None = None
+        self.trace: Trace | None = None
         self.buffers: GraphMetadataBuffers | None = None
         self.device = torch.device("cpu")
 
@@ -105,9 +108,10 @@ class DSV4Backend(Backend):
         self.device = device
         self.model = trace.build_model(device, fmt=self.fmt)
         pool = self.model.pool
+        self.trace = trace
         self.buffers = GraphMetadataBuffers(
             trace.config,
-            max_batch_size=pool.num_requests,
+            max_batch_size=pool.num_requests + trace.dp_pad,
             max_rows=graph_rows(trace.max_rows),
             widths=PlanWidths.for_max_len(pool.max_context, trace.config.page_size),
             device=device,
@@ -119,7 +123,7 @@ class DSV4Backend(Backend):
                 # A planner that raises here raises again in its step, where the runner
                 # records the error against the step's mode.
                 with contextlib.suppress(Exception):
-                    self._planner(step)(trace.config, step.batch(pool))
+                    self._planner(step)(trace.config, trace.batch(step, pool))
             scratch.forward(scratch.pool.extend([0], [0], [6]))
             scratch.forward(scratch.pool.decode([0], [7]))
 
@@ -136,7 +140,7 @@ class DSV4Backend(Backend):
 
     def run(self, step: Step) -> StepOutput:
         model = self.model
-        batch = step.batch(model.pool)
+        batch = self.trace.batch(step, model.pool)
         timings: dict[str, float] = {}
         with self._paths():
             result = model.forward(
@@ -146,7 +150,7 @@ class DSV4Backend(Backend):
                 rejected=step.rejected_map,
                 timings=timings,
             )
-        n = batch.num_rows  # rows past it are graph padding
+        n = len(step.rows())  # rows past it are DP or graph padding
         return StepOutput(
             rows=result.rows[:n],
             layers=result.layers,

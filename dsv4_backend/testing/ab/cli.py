@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 # Light imports only: the lead's parser adds this command for every ``dsv4-backend`` call;
 # torch and the A/B modules load when ``ab`` runs.
@@ -22,6 +24,9 @@ from dsv4_backend.errors import ConfigError, DSV4Error
 
 if TYPE_CHECKING:
     import torch
+
+#: Longest request a trace may hold: the simulated pool and the reference grow with it.
+MAX_TRACE_LEN = 1 << 16
 
 DESCRIPTION = """\
 Replay one serving trace through backend A and backend B on identical inputs and caches and
@@ -36,6 +41,18 @@ with TRITON_INTERPRET=1, torch otherwise), dsv4-torch (torch kernels forced), ds
 with sglang's FP8 caches), reference (the plain torch reference), sglang:<name> (an
 sglang-registered attention backend, e.g. sglang:dsv4_builtin; CUDA only).
 """
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose usage errors are one line on stderr, exit status 2:
+    ``<error_prefix>: error: <message>`` (the form of the tool's other input errors)."""
+
+    def __init__(self, *args: object, error_prefix: str | None = None, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.error_prefix = error_prefix or self.prog
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.error_prefix}: error: {message}\n")
 
 
 def _add_options(parser: argparse.ArgumentParser) -> None:
@@ -55,6 +72,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     trace.add_argument("--decode-steps", type=int, default=4, help="decodes (default 4)")
     trace.add_argument("--seed", type=int, default=0, help="lengths, drafts and data (default 0)")
+    trace.add_argument(
+        "--dp-pad", type=int, default=0, metavar="N",
+        help="DP attention scenario: N padding requests (pool row 0, seq_len 1, slot 0) join "
+        "every draft, verify and decode batch before planning (default 0)",
+    )  # fmt: skip
     trace.add_argument(
         "--prefix-share", action="store_true",
         help="one more request shares request 0's prompt and starts from its cached pages "
@@ -99,6 +121,8 @@ def add_ab_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentPa
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    if isinstance(parser, OneLineErrorParser):  # the parent is the package's parser
+        parser.error_prefix = "dsv4-backend ab"
     _add_options(parser)
     parser.set_defaults(run=run_ab)
     return parser
@@ -171,9 +195,12 @@ def _atol(values: list[str]) -> dict[str, float]:
     for value in values:
         key, _, number = value.rpartition("=")
         try:
-            out[key or "*"] = float(number)
+            tolerance = float(number)
         except ValueError:
             raise ConfigError(f"--atol {value!r}: expected [MODE=]NUMBER") from None
+        if not math.isfinite(tolerance) or tolerance < 0:
+            raise ConfigError(f"--atol {value!r}: the tolerance must be a finite number >= 0")
+        out[key or "*"] = tolerance
     unknown = check_atol_keys(out)
     if unknown:
         raise ConfigError(
@@ -183,16 +210,40 @@ def _atol(values: list[str]) -> dict[str, float]:
     return out
 
 
+def _check_out(out: Path) -> None:
+    """Refuse an ``--out`` that cannot become a folder before the run, not after it."""
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out}: exists and is not a folder")
+    parent = out.absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(f"--out {out}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(f"--out {out}: cannot write into {parent}")
+
+
+def _check_max_len(max_len: int) -> None:
+    if max_len > MAX_TRACE_LEN:
+        raise ConfigError(
+            f"--max-len {max_len}: expected at most {MAX_TRACE_LEN} (the trace keeps every "
+            "request's data and reference in memory)"
+        )
+
+
 def run_ab(args: argparse.Namespace) -> int:
     """Run the ``ab`` command from parsed arguments; return the exit status."""
     import torch
 
+    from dsv4_backend.planning.checks import STRICT_ENV, strict_checks
     from dsv4_backend.testing.ab.backends import make_backend
     from dsv4_backend.testing.ab.report import build_report, render_markdown, write_report
     from dsv4_backend.testing.ab.runner import run_trace
     from dsv4_backend.testing.ab.trace import build_trace
 
     try:
+        _check_out(args.out)
+        _check_max_len(args.max_len)
         device = _device(args.device)
         if args.threads > 0:
             torch.set_num_threads(args.threads)
@@ -207,9 +258,13 @@ def run_ab(args: argparse.Namespace) -> int:
             cycles=args.cycles,
             decode_steps=args.decode_steps,
             seed=args.seed,
+            dp_pad=args.dp_pad,
             prefix_share=args.prefix_share,
         )
-        result = run_trace(trace, a, b, device=device, atol=atol, progress=not args.quiet)
+        # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at
+        # once, against its mode.
+        with strict_checks(os.environ.get(STRICT_ENV, "1") == "1"):
+            result = run_trace(trace, a, b, device=device, atol=atol, progress=not args.quiet)
     except DSV4Error as exc:
         print(f"dsv4-backend ab: error: {exc}", file=sys.stderr)
         return 2
@@ -231,8 +286,9 @@ def run_ab(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``ab`` standalone: ``main(["--requests", "2"])``."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineErrorParser(
         prog="python -m dsv4_backend ab",
+        error_prefix="dsv4-backend ab",
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

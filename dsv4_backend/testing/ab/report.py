@@ -82,6 +82,7 @@ def build_report(result: ABResult) -> dict[str, Any]:
             "max_lens": list(trace.max_lens),
             "steps": len(trace.steps),
             "seed": trace.seed,
+            "dp_pad": trace.dp_pad,
             "prefix_hits": [
                 {"request": r, "owner": owner, "tokens": pages * config.page_size}
                 for r, (owner, pages) in trace.shared_pages
@@ -136,8 +137,8 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- config: compress ratios {config['compress_ratios']}, {config['num_heads']} heads, "
         f"head_dim {config['head_dim']}, index_topk {config['index_topk']}",
         f"- trace: {trace['requests']} requests (lengths {trace['max_lens']}), "
-        f"{trace['steps']} steps, seed {trace['seed']}{_hits(trace['prefix_hits'])}; "
-        f"wall time {report['wall_s']:.1f} s",
+        f"{trace['steps']} steps, seed {trace['seed']}, DP padding {trace['dp_pad']} "
+        f"requests{_hits(trace['prefix_hits'])}; wall time {report['wall_s']:.1f} s",
         "- errors over accepted rows; rel = max|A-B| / max|B|; cos = smallest row cosine",
         "- times in ms per step, median / p90; A/B = ratio of the medians",
         _warmup_line(report["warmup_s"]),

@@ -16,6 +16,12 @@ topk 1 and 3 draft steps (4 draft tokens):
    left out of the comparison) and the next round starts from the accepted length;
 3. ``decode`` steps, alternating eager / graph.
 
+With ``dp_pad = N`` (the ``--dp-pad`` scenario) every ``draft``, ``verify`` and ``decode`` batch
+gains ``N`` requests as DP attention pads them for a rank with fewer requests than its peers
+(pool row 0, ``seq_lens`` 1, write slot 0: :meth:`PagedRequestPool.pad_requests`), before it is
+planned; only the real rows are compared. ``prefill`` (padded in tokens, not requests) and
+``draft_extend`` (padded after planning, in the sglang adapter) are left as they are.
+
 With ``prefix_share`` one more request shares request 0's prompt (its ``req_to_token`` row
 points at request 0's pages, as sglang's radix cache hands a hit over): after request 0's
 prefill it extends from the cached prefix, whole 256-token pages, in a ``prefill`` step of its
@@ -38,6 +44,8 @@ from dsv4_backend.planning import BatchView
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 MODES = ("prefill", "draft", "verify", "draft_extend", "decode")
+#: Modes whose batches DP attention pads with requests before planning (``--dp-pad``).
+DP_PADDED_MODES = ("draft", "verify", "decode")
 PATHS = ("eager", "graph")
 #: EAGLE draft steps per round (topk 1); every step but the last runs attention.
 NUM_DRAFT_STEPS = 3
@@ -111,18 +119,21 @@ class Step:
         ratios = config.compress_ratios
         return [i for i, r in enumerate(ratios) if r == 0 or self.mode != "draft_extend"]
 
-    def batch(self, pool: PagedRequestPool) -> BatchView:
-        """The batch view of this step over ``pool``."""
+    def batch(self, pool: PagedRequestPool, dp_pad: int = 0) -> BatchView:
+        """The batch view of this step over ``pool``; ``dp_pad`` padding requests appended
+        (after the real rows) for the ``DP_PADDED_MODES``."""
         requests, lens = list(self.requests), list(self.lens)
         if self.mode in ("prefill", "draft_extend"):
             return pool.extend(
                 requests, lens, list(self.extend_lens), draft_model=self.mode == "draft_extend"
             )
         if self.mode == "decode":
-            return pool.decode(requests, lens)
-        if self.mode == "verify":
-            return pool.verify(requests, lens, NUM_DRAFT_TOKENS)
-        return pool.draft_step(requests, lens, NUM_DRAFT_STEPS, self.step_id)
+            view = pool.decode(requests, lens)
+        elif self.mode == "verify":
+            view = pool.verify(requests, lens, NUM_DRAFT_TOKENS)
+        else:
+            view = pool.draft_step(requests, lens, NUM_DRAFT_STEPS, self.step_id)
+        return pool.pad_requests(view, dp_pad) if dp_pad else view
 
 
 @dataclass(frozen=True)
@@ -133,6 +144,8 @@ class Trace:
     max_lens: tuple[int, ...]
     steps: tuple[Step, ...]
     seed: int
+    #: Padding requests added to the batches of the ``DP_PADDED_MODES`` (module docstring).
+    dp_pad: int = 0
     #: Prefix hits: ``(request, (owner, pages))`` — the request's first pages are the owner's.
     shared_pages: tuple[tuple[int, tuple[int, int]], ...] = ()
     #: Shared prompts: ``(request, (owner, tokens))`` — the owner's first tokens' data.
@@ -146,7 +159,12 @@ class Trace:
 
     @property
     def max_rows(self) -> int:
-        return max(len(s.rows()) for s in self.steps)
+        """Most query rows of one step, DP padding included."""
+        return max(len(s.rows()) for s in self.steps) + self.dp_pad * NUM_DRAFT_TOKENS
+
+    def batch(self, step: Step, pool: PagedRequestPool) -> BatchView:
+        """``step``'s batch over ``pool`` as this trace serves it (with its DP padding)."""
+        return step.batch(pool, self.dp_pad if step.mode in DP_PADDED_MODES else 0)
 
     def build_model(self, device: torch.device | str = "cpu", fmt: str = "dense") -> RandomModel:
         """A fresh model over a fresh pool with ``fmt`` caches; equal data and page layout
@@ -167,20 +185,22 @@ def build_trace(
     cycles: int = 4,
     decode_steps: int = 4,
     seed: int = 0,
+    dp_pad: int = 0,
     prefix_share: bool = False,
 ) -> Trace:
     """The built-in trace (module docstring) over ``num_requests`` requests of at most
-    ``max_len`` tokens; ``seed`` draws the lengths, the accepted drafts and the data.
+    ``max_len`` tokens; ``seed`` draws the lengths, the accepted drafts and the data;
+    ``dp_pad`` padding requests join every batch of the ``DP_PADDED_MODES``;
     ``prefix_share`` adds request ``num_requests``, a prefix hit on request 0's prompt.
 
     Raises ``ConfigError`` when the sizes cannot make a trace (``max_len`` must leave room for
     a 2-token prompt, the rounds and the decodes; with ``prefix_share``, for a prompt longer
     than a page).
     """
-    if num_requests < 1 or cycles < 0 or decode_steps < 0:
+    if num_requests < 1 or cycles < 0 or decode_steps < 0 or dp_pad < 0:
         raise ConfigError(
-            f"requests={num_requests}, cycles={cycles}, decode_steps={decode_steps}; expected "
-            "requests >= 1 and cycles, decode steps >= 0"
+            f"requests={num_requests}, cycles={cycles}, decode_steps={decode_steps}, "
+            f"dp_pad={dp_pad}; expected requests >= 1 and cycles, decode steps, dp_pad >= 0"
         )
     # Positions past the prompt: each round reaches NUM_DRAFT_TOKENS past its committed length
     # and commits at most as many; each decode commits one.
@@ -254,7 +274,14 @@ def build_trace(
     for step in steps:
         for r, p in step.rows():
             reach[r] = max(reach[r], p + 1)
-    return Trace(config=config, max_lens=tuple(reach), steps=tuple(steps), seed=seed, **shared)
+    return Trace(
+        config=config,
+        max_lens=tuple(reach),
+        steps=tuple(steps),
+        seed=seed,
+        dp_pad=dp_pad,
+        **shared,
+    )
 
 
 def _prompt_lengths(rng: random.Random, count: int, longest: int, advance: int) -> list[int]:

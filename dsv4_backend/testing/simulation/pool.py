@@ -16,17 +16,18 @@ class PagedRequestPool:
     """``req_to_token`` for a fixed set of requests, pages scattered at random.
 
     Request ``i`` lives in pool row ``i + 1`` (row 0 is the padding row, as in sglang) and owns
-    ``ceil(max_len / 256)`` pages drawn from a random permutation of the pool's pages; the
-    window cache is addressed through ``full_to_swa``, a random permutation of whole pages that
-    keeps each token's offset inside its page (as sglang's paged SWA allocator does), so that a
-    plan using full slots where window slots are due is caught.
+    ``ceil(max_len / 256)`` pages drawn from a random permutation of the pool's pages but page 0
+    (sglang's padding page: padded rows write slot 0, see :meth:`pad_requests`); the window
+    cache is addressed through ``full_to_swa``, a random permutation of whole pages that keeps
+    each token's offset inside its page (as sglang's paged SWA allocator does), so that a plan
+    using full slots where window slots are due is caught.
 
     Prefix caching (how sglang's radix cache hands a hit to the backend): ``shared_pages[i] =
     (j, n)`` makes request ``i``'s first ``n`` pages request ``j``'s first ``n`` pages (its
-    ``req_to_token`` row points at them; ``j < i``). With ``same_tokens[i] =
-    (j, m)`` request ``i``'s first ``m`` tokens are ``j``'s (``simulation.RandomModel`` copies
-    their inputs): both together, ``m >= 256 n``, are a prefix hit of ``256 n`` tokens; tokens
-    alone are a prefix recomputed after eviction; pages alone reuse a finished request's pages.
+    ``req_to_token`` row points at them; ``j < i``). With ``same_tokens[i] = (j, m)`` request
+    ``i``'s first ``m`` tokens are ``j``'s (``RandomModel`` copies their inputs): both
+    together, ``m >= 256 n``, are a prefix hit of ``256 n`` tokens; tokens alone are a prefix
+    recomputed after eviction; pages alone reuse a finished request's pages.
 
     Attributes
     ----------
@@ -48,6 +49,8 @@ class PagedRequestPool:
     ) -> None:
         if not max_lens or min(max_lens) < 1:
             raise BatchError(f"max_lens must be positive request lengths, got {list(max_lens)}")
+        if spare_pages < 1:
+            raise BatchError(f"spare_pages={spare_pages}; expected >= 1 (page 0 is padding)")
         page = config.page_size
         self.shared_pages = dict(shared_pages or {})
         self.same_tokens = dict(same_tokens or {})
@@ -59,7 +62,7 @@ class PagedRequestPool:
         self.num_pages = sum(own_pages) + spare_pages
         self.max_context = max(pages_per_request) * page
         self.num_full_slots = self.num_pages * page
-        order = torch.randperm(self.num_pages, generator=generator)
+        order = 1 + torch.randperm(self.num_pages - 1, generator=generator)
         req_to_token = torch.zeros(len(max_lens) + 1, self.max_context, dtype=torch.int32)
         offsets = torch.arange(page, dtype=torch.int32)
         taken = 0
@@ -188,6 +191,31 @@ class PagedRequestPool:
             out_cache_loc=empty,
             req_to_token=self.req_to_token,
             full_to_swa=self.full_to_swa,
+        )
+
+    def pad_requests(self, view: BatchView, extra: int) -> BatchView:
+        """``view`` with ``extra`` requests appended as data-parallel padding lays them out
+        (sglang's ``ForwardBatch._pad_inputs_to_size``): pool row 0, ``seq_lens`` 1, every write
+        slot 0. For the uniform kinds (DECODE, draft steps, TARGET_VERIFY)."""
+        if view.rows_per_request is None or view.kind is ForwardKind.IDLE:
+            raise BatchError(
+                f"{view.kind.name}: request padding is for DECODE, draft steps and TARGET_VERIFY"
+            )
+        draft = view.draft
+        slots_per_request = draft.topk * draft.num_steps if draft else view.rows_per_request
+        zeros = torch.zeros(extra, dtype=torch.int64, device=self.device)
+        return BatchView(
+            kind=view.kind,
+            req_pool_indices=torch.cat([view.req_pool_indices, zeros]),
+            seq_lens=torch.cat([view.seq_lens, zeros + 1]),
+            seq_lens_cpu=[*view.host_seq_lens, *[1] * extra],
+            out_cache_loc=torch.cat(
+                [view.out_cache_loc, zeros.new_zeros(extra * slots_per_request)]
+            ),
+            req_to_token=view.req_to_token,
+            full_to_swa=view.full_to_swa,
+            num_draft_tokens=view.num_draft_tokens,
+            draft=view.draft,
         )
 
 
