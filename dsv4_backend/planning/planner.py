@@ -381,7 +381,8 @@ def _checked_rows(
     )
     if pending is not None:
         # Rows that failed: pool row 0 (sglang's padding row), no cache write, and position 1
-        # with an unreachable keep length, so no compress or write plan record (no ring write).
+        # (no page end) with an unreachable keep length, so no compress or write plan record
+        # (no ring write).
         failed = bad_position | bad_slot | foreign | bad_request[rows.batch_ids.long()]
         never = torch.iinfo(torch.int32).max
         req = torch.where(failed, 0, req)
