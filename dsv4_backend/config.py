@@ -37,6 +37,31 @@ SWA_PAGE_SIZE = 128
 SWA_INDEX_ALIGN = 64
 
 
+def check_compressed_ratio(ratio: int, what: str) -> None:
+    """``ConfigError`` naming ``what`` unless ``ratio`` is a compressed ratio (4 or 128)."""
+    if ratio not in COMPRESSED_RATIOS:
+        raise ConfigError(f"{what} ratio={ratio}; expected one of {COMPRESSED_RATIOS}")
+
+
+def compress_overlap(ratio: int) -> int:
+    """``c``: the ``D``-wide halves of a compressor projection; 2 for ratio 4, whose entries
+    overlap the previous block, else 1."""
+    check_compressed_ratio(ratio, "compressor")
+    return 2 if ratio == 4 else 1
+
+
+def compress_span(ratio: int) -> int:
+    """Tokens pooled into one compressed entry: 8 for ratio 4, 128 for ratio 128."""
+    return compress_overlap(ratio) * ratio
+
+
+def entries_per_page(ratio: int) -> int:
+    """Compressed entries per full page (compressed caches reuse the full page table): 64 for
+    c4 (also the indexer keys), 2 for c128."""
+    check_compressed_ratio(ratio, "compressed cache")
+    return REQUIRED_PAGE_SIZE // ratio
+
+
 @dataclass(frozen=True, kw_only=True)
 class DSV4AttentionConfig:
     """The attention-relevant part of a DeepSeek-V4 ``config.json``.
@@ -127,24 +152,14 @@ class DSV4AttentionConfig:
         return self.head_dim - self.rope_dim
 
     def ring_rows(self, ratio: int) -> int:
-        """Rows of a compressor state ring: c4 8 (16 speculative), c128 128 (256)."""
-        if ratio not in COMPRESSED_RATIOS:
-            raise ConfigError(f"ratio={ratio}; state rings exist for ratios {COMPRESSED_RATIOS}")
-        base = 2 * ratio if ratio == 4 else ratio  # c4 entries overlap the previous block
-        return 2 * base if self.speculative else base
-
-    def entries_per_page(self, ratio: int) -> int:
-        """Compressed entries per full page: 64 for c4, 2 for c128."""
-        if ratio not in COMPRESSED_RATIOS:
-            raise ConfigError(
-                f"ratio={ratio}; compressed caches exist for ratios {COMPRESSED_RATIOS}"
-            )
-        return self.page_size // ratio
+        """Rows of a compressor state ring: one span, c4 8 (16 speculative), c128 128 (256)."""
+        span = compress_span(ratio)
+        return 2 * span if self.speculative else span
 
     # ------------------------------------------------------------------------ constructors
     @classmethod
     def tiny(cls, **overrides: Any) -> DSV4AttentionConfig:
-        """The small configuration of dsv4-attention.md section 6 (every boundary, tiny widths)."""
+        """The small configuration of docs/design.md §6 (every boundary, tiny widths)."""
         values: dict[str, Any] = dict(
             compress_ratios=(0, 4, 128, 4),
             num_heads=8,
@@ -313,14 +328,14 @@ def read_hf_config(hf: Any) -> dict[str, Any]:
 def _integer(name: str, value: Any) -> int:
     """``value`` as an int; ``ConfigError`` naming ``name`` for anything else (floats with a
     fraction, strings, booleans included)."""
-    if (
-        isinstance(value, bool)
-        or not isinstance(value, numbers.Real)
-        or not math.isfinite(value)
-        or value != int(value)
-    ):
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ConfigError(f"{name}={value!r}; expected an integer")
-    return int(value)
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    as_float = float(value)
+    if not as_float.is_integer():  # also false for inf and nan
+        raise ConfigError(f"{name}={value!r}; expected an integer")
+    return int(as_float)
 
 
 def _real(name: str, value: Any) -> float:

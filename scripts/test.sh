@@ -1,12 +1,19 @@
 #!/usr/bin/env bash
-# The test suite: create or reuse the pinned virtualenv (scripts/bootstrap.sh), lint with ruff,
-# run pytest on tests/ (extra arguments are passed to pytest: scripts/test.sh -k registration).
-# Tests run even when lint fails; the exit status is pytest's if it failed, else ruff's.
+# The test suite: create or reuse the pinned virtualenv (scripts/bootstrap.sh), lint with ruff
+# (check and format --check), type-check with mypy, run pytest on tests/ (extra arguments are
+# passed to pytest: scripts/test.sh -k registration). Tests run even when a check fails; the exit
+# status is pytest's if it failed, else that of the first failing check.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 py=$(bash "$repo/scripts/bootstrap.sh" | tail -n 1)
 cd "$repo"
-lint=0
-"$py" -m ruff check . || lint=$?  # pyproject.toml configures it; .gitignore is honoured
+status=0
+check() {  # run a check; remember the status of the first one that fails
+  "$@" || { local rc=$?; [ "$status" -ne 0 ] || status=$rc; }
+}
+# pyproject.toml configures all three; ruff honours .gitignore.
+check "$py" -m ruff check .
+check "$py" -m ruff format --check .
+check "$py" -m mypy
 "$py" -m pytest -q tests "$@"
-exit "$lint"
+exit "$status"

@@ -1,4 +1,4 @@
-"""Brute-force planning straight from dsv4-attention.md sections 3-4, and batch builders.
+"""Brute-force planning straight from docs/design.md §3-4, and batch builders.
 
 A test helper module, not a test. ``expected_metadata`` walks the rows of a batch one by one
 over plain Python ints (no vectorisation, nothing shared with the planner) and produces every
@@ -20,7 +20,7 @@ from dsv4_backend.planning import AttentionMetadata, BatchView, DraftStep, Forwa
 PAGE = 256
 #: Tokens that feed one compressed entry (c4 entries overlap the previous block).
 SPAN = {4: 8, 128: 128}
-INT64_FIELDS = {"raw_out_loc", "swa_out_loc", "positions_causal", "c4.out_loc", "c128.out_loc"}
+INT64_FIELDS = {"swa_out_loc", "positions_causal", "c4.out_loc", "c128.out_loc"}
 
 
 @dataclass(frozen=True)
@@ -100,9 +100,7 @@ def expected_metadata(
         for name in (
             "row_batch_ids",
             "page_table",
-            "raw_out_loc",
             "swa_out_loc",
-            "seq_lens_causal",
             "positions_causal",
             "swa_page_indices",
             "swa_topk_lengths",
@@ -112,7 +110,6 @@ def expected_metadata(
         for name in (
             "out_loc",
             "topk_lengths_raw",
-            "topk_lengths_clamp1",
             "sparse_topk_lengths",
             "page_indices",
         ):
@@ -124,9 +121,7 @@ def expected_metadata(
         out["page_table"].append(
             [tokens[k * PAGE] // PAGE if k * PAGE < row.request_len else -1 for k in range(pw)]
         )
-        out["raw_out_loc"].append(row.out_loc)
         out["swa_out_loc"].append(to_swa[row.out_loc] if to_swa is not None else row.out_loc)
-        out["seq_lens_causal"].append(seq_len)
         out["positions_causal"].append(p)
         swa = []
         for i in range(config.swa_index_width):
@@ -142,7 +137,6 @@ def expected_metadata(
             clamp1 = max(raw, 1)
             out[f"c{r}.out_loc"].append(row.out_loc // r if seq_len % r == 0 else -1)
             out[f"c{r}.topk_lengths_raw"].append(raw)
-            out[f"c{r}.topk_lengths_clamp1"].append(clamp1)
             out[f"c{r}.sparse_topk_lengths"].append(min(clamp1, topk) if r == 4 else clamp1)
             if r == 4:
                 out["c4.page_indices"].append([-1] * topk)

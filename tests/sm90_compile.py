@@ -176,7 +176,7 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
         out.append((f"compress-entry-c{ratio}", *entry))
     # Planner pointers: int32 unless listed as int64.
     int64 = "host_ptr req_pool_ptr out_cache_loc_ptr full_to_swa_ptr positions_ptr"
-    int64 += " raw_out_loc_ptr swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr"
+    int64 += " swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr"
     kinds = {
         n: "*i64" if n in int64.split() else "*i32"
         for n in plan_fields._plan_kernel.arg_names

@@ -241,7 +241,7 @@ def test_device_side_checks_are_raised_at_the_next_plan(
     step = host.batches.decode([0, 1], [1, 1])  # position 0: no earlier keys needed
     step.batch.out_cache_loc[1] = -1
     host.backend.init_forward_metadata(step.batch)  # not raised yet
-    assert host.backend.forward_metadata.raw_out_loc[1] == -1  # the bad row writes nothing
+    assert host.backend.forward_metadata.swa_out_loc[1] == -1  # the bad row writes nothing
     out = host.sim.layer(host.backend, step, 0)
     assert host.sim.max_error(step.rows[:1], 0, out[:1]) < 2e-5  # the good row is served
     nxt = host.batches.decode([0, 1], [2, 2])

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_backend import ops
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import DSV4AttentionConfig, compress_overlap
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.testing import reference
 
@@ -106,4 +106,4 @@ def test_pool_and_finish_equal_reference(ratio: int) -> None:
         torch.zeros(2, CONFIG.head_dim), entry_ids[:2], norm_weight, ratio, table
     )
     assert torch.equal(zero, torch.zeros_like(zero))
-    assert ops.overlap(ratio) == reference.overlap(ratio)
+    assert compress_overlap(ratio) == reference.overlap(ratio)

@@ -16,10 +16,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_backend.config import REQUIRED_PAGE_SIZE
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN, compute_compress_plans
+from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.row_fields_torch import compute_row_fields
 from dsv4_backend.kernels.row_metadata import row_fields
 
@@ -78,7 +78,7 @@ def test_cuda_decomposition_on_cpu_equals_torch(
     inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
     rows = inputs[0].shape[0]
     out = torch.full((rows, 4), 7, dtype=torch.int32), torch.full((rows, 4), 7, dtype=torch.int32)
-    cpt.compiled_kernel(LLVM, threads)(*inputs, *out, ratio, COMPRESS_SPAN[ratio], PAGE)
+    cpt.compiled_kernel(LLVM, threads)(*inputs, *out, ratio, compress_span(ratio), PAGE)
     assert_plans_equal(out, compute_compress_plans(*inputs, ratio))
 
 
@@ -99,7 +99,7 @@ def test_tvm_plans_arbitrary_rows_equal_torch() -> None:
         assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio), want)
         # The CUDA thread count: 2 rows per thread.
         kernel = cpt.compiled_kernel(LLVM, cpt.CUDA_THREADS)
-        kernel(*inputs, *out, ratio, COMPRESS_SPAN[ratio], PAGE)
+        kernel(*inputs, *out, ratio, compress_span(ratio), PAGE)
         assert_plans_equal(out, want)
 
 

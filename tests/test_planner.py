@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planning_spec import BatchSpec, assert_same, expected_metadata, flatten, make_batch
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import DSV4AttentionConfig, entries_per_page
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.planning import (
     GRAPH_KINDS,
@@ -79,18 +79,23 @@ def test_draft_steps_write_their_own_slice() -> None:
     """Section 5 bug 1: step i plans from row i of the [bs, topk, steps] slot layout."""
     steps = [make_batch(spec) for spec in SPECS if spec.name.startswith("draft_step")]
     per_step = per_step_draft_out_cache_loc(steps[0].out_cache_loc, 2, 1, 3)
+    to_swa = steps[0].full_to_swa
+
+    def window_slots(full_slots: torch.Tensor) -> torch.Tensor:
+        return full_slots if to_swa is None else to_swa[full_slots]
+
     seen = []
     for i, batch in enumerate(steps):
         meta = plan(CONFIG, batch)
-        assert torch.equal(meta.raw_out_loc, per_step[i])
+        assert torch.equal(meta.swa_out_loc, window_slots(per_step[i]))
         assert torch.equal(meta.positions_causal, batch.seq_lens.long() + i)
         for ratio in (4, 128):
             comp = meta.compressed(ratio)
             completes = (meta.positions_causal + 1) % ratio == 0
             assert torch.equal(comp.out_loc, torch.where(completes, per_step[i] // ratio, -1))
-        seen += meta.raw_out_loc.tolist()
+        seen += meta.swa_out_loc.tolist()
     # The three steps together write every slot of the draft batch exactly once.
-    assert sorted(seen) == sorted(steps[0].out_cache_loc.tolist())
+    assert sorted(seen) == sorted(window_slots(steps[0].out_cache_loc).tolist())
     # The slots are the next tokens of each request: 126 + 0..2 and 253 + 0..2 complete c4
     # entries at positions 127 (step 1) and 255 (step 2).
     step1 = plan(CONFIG, steps[1])
@@ -421,10 +426,8 @@ def test_config_sizes_per_ratio() -> None:
     assert [CONFIG.ring_rows(4), CONFIG.ring_rows(128)] == [8, 128]
     speculative = DSV4AttentionConfig.tiny(speculative=True)
     assert [speculative.ring_rows(4), speculative.ring_rows(128)] == [16, 256]
-    assert [CONFIG.entries_per_page(4), CONFIG.entries_per_page(128)] == [64, 2]
-    with pytest.raises(
-        ConfigError, match=r"ratio=0; compressed caches exist for ratios \(4, 128\)"
-    ):
-        CONFIG.entries_per_page(0)
-    with pytest.raises(ConfigError, match=r"ratio=0; state rings exist for ratios \(4, 128\)"):
+    assert [entries_per_page(4), entries_per_page(128)] == [64, 2]
+    with pytest.raises(ConfigError, match=r"compressed cache ratio=0; expected one of \(4, 128\)"):
+        entries_per_page(0)
+    with pytest.raises(ConfigError, match=r"ratio=0; expected one of \(4, 128\)"):
         CONFIG.ring_rows(0)

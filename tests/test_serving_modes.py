@@ -1,5 +1,5 @@
 """Every serving mode through the planner, the caches and the kernels equals one full causal
-pass (dsv4-attention.md section 2, "The invariant that makes testing easy").
+pass (docs/design.md §2, "The invariant").
 
 The tiny configuration of section 6 (layers of ratio 0, 4, 128, 4); requests scattered over the
 page pool, window slots behind a random ``full_to_swa``. Most schedules run the torch path (fast);

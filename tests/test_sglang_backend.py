@@ -1,6 +1,6 @@
 """The sglang adapter with real sglang 0.5.23 objects (ForwardBatch, ForwardMode, ReqToTokenPool,
 the registry and the draft factory): construction and its refusals, the batch mapping, the
-lazy-init contract and the two seed failures (dsv4-attention.md section 5)."""
+lazy-init contract and the two seed failures (docs/design.md §5)."""
 
 from __future__ import annotations
 
@@ -194,9 +194,9 @@ def test_draft_step_plans_its_own_slot_and_causal_length(
     per_step = per_step_draft_out_cache_loc(step.batch.out_cache_loc, 2, 1, 3)
     for i, backend in enumerate(draft.attending_backends):
         metadata = backend.forward_metadata
-        assert torch.equal(metadata.raw_out_loc, per_step[i])
+        assert torch.equal(metadata.swa_out_loc, pool.full_to_swa[per_step[i]])
         # Causal length L + i + 1 (like sglang's HIP backend; its CUDA backend uses L).
-        assert metadata.seq_lens_causal.tolist() == [131 + i, 258 + i]
+        assert (metadata.positions_causal + 1).tolist() == [131 + i, 258 + i]
 
 
 # ------------------------------------------------------------------------ lazy-init contract

@@ -267,7 +267,7 @@ def test_window_and_extra_caches_of_different_types(win_fmt, ext_dtype):
 # ------------------------------------------------------- whole requests vs the reference
 def _request_inputs(ratio: int, seq_len: int, positions: list[int], fmt: str, seed: int):
     """One request of ``seq_len`` tokens laid out in caches at shuffled slots, indexed for the
-    query rows at ``positions`` as the planner indexes them (dsv4-attention.md section 4)."""
+    query rows at ``positions`` as the planner indexes them (docs/design.md §4)."""
     g = torch.Generator().manual_seed(seed)
     heads, dim, window = TINY.num_heads, TINY.head_dim, TINY.window_size
     q_all = torch.randn(seq_len, heads, dim, generator=g)

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_backend.config import entries_per_page
 from dsv4_backend.errors import BatchError, ConfigError
 
 E4M3_MAX = 448.0
@@ -41,8 +42,8 @@ E4M3_MAX = 448.0
 SCALE_GROUP = 64
 #: Scale bytes per token in a token-cache page (7 scales + 1 pad byte for Flash).
 SCALE_BYTES_PER_TOKEN = 8
-#: Entries per indexer-cache page (the c4 entries of one 256-token full page).
-INDEXER_PAGE_TOKENS = 64
+#: Entries per indexer-cache page (the c4 entries of one full page).
+INDEXER_PAGE_TOKENS = entries_per_page(4)
 #: Bytes of one indexer scale (fp32).
 INDEXER_SCALE_BYTES = 4
 
@@ -89,10 +90,23 @@ class _PagedBytes:
     ``scale_base + t * scale_bytes``. Storage is ``[num_pages, page_bytes]`` uint8."""
 
     page_tokens: int
-    token_bytes: int
-    scale_bytes: int
-    scale_base: int
-    page_bytes: int
+
+    # Each layout defines these (as properties of its fields).
+    @property
+    def token_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def scale_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def scale_base(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def page_bytes(self) -> int:
+        raise NotImplementedError
 
     def num_pages(self, num_slots: int) -> int:
         return -(-num_slots // self.page_tokens)

@@ -23,7 +23,7 @@ import torch
 
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.cache.token_cache import CacheFormat, TokenCache
-from dsv4_backend.config import SWA_PAGE_SIZE, DSV4AttentionConfig
+from dsv4_backend.config import SWA_PAGE_SIZE, DSV4AttentionConfig, entries_per_page
 from dsv4_backend.errors import ConfigError, ContractError
 
 
@@ -135,7 +135,7 @@ class DSV4CachePools:
             if not ratio:
                 continue
             compressed[layer] = token_cache(
-                "compressed", layer, num_full_slots // ratio, config.entries_per_page(ratio)
+                "compressed", layer, num_full_slots // ratio, entries_per_page(ratio)
             )
             if ratio == 4:
                 indexers[layer] = indexer_cache(layer, num_full_slots // ratio)

@@ -11,9 +11,8 @@ import torch
 
 from dsv4_backend.cache.pools import DSV4CachePools
 from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import DSV4AttentionConfig, compress_overlap
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.ops.compress import overlap
 from dsv4_backend.ops.rope import RopeTable, rope_for_ratio
 
 
@@ -55,7 +54,7 @@ class CompressorState:
     ) -> CompressorState:
         """Reset rings for ``num_slots`` ring slots (c4: window pages of ``config.page_size``
         slots; c128: request pool rows); ``R = config.ring_rows(ratio)``."""
-        width = 2 * overlap(ratio) * head_dim
+        width = 2 * compress_overlap(ratio) * head_dim
         ring = torch.empty(num_slots, config.ring_rows(ratio), width, device=device)
         window_page = config.page_size if ratio == 4 else 0
         state = cls(ratio=ratio, head_dim=head_dim, ring=ring, window_page=window_page)

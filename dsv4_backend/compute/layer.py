@@ -1,7 +1,7 @@
 """Run one attention layer of a planned batch (host-agnostic). The sglang adapter calls the
 steps one by one, as sglang's model calls it; the serving simulator calls ``forward_layer``.
 
-Order inside a layer (dsv4-attention.md section 3): the window key is written; on ratio-4
+Order inside a layer (docs/design.md §3): the window key is written; on ratio-4
 layers the indexer compressor writes its keys and the indexer selects each row's top-k c4
 entries into ``metadata.c4.page_indices``; the layer's compressor writes completed c4 / c128
 entries; then sparse attention with sink reads the window plus the compressed set. Entries

@@ -11,17 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.config import REQUIRED_PAGE_SIZE
-from dsv4_backend.errors import ConfigError
-
-#: Tokens feeding one compressed entry: c4 entries overlap the previous block (2 * 4 tokens).
-COMPRESS_SPAN = {4: 8, 128: 128}
-
-
-def check_plan_ratio(ratio: int) -> None:
-    """Raise ``ConfigError`` unless ``ratio`` has plans (4 or 128)."""
-    if ratio not in COMPRESS_SPAN:
-        raise ConfigError(f"compress plan ratio={ratio}; expected one of {tuple(COMPRESS_SPAN)}")
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
 
 
 def _compact(records: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -67,10 +57,10 @@ def compute_compress_plans(
     pools first, kept in the page's own (page-scoped) ring.
     ``window_len = min(span, position - first_new_position + 1)`` with span 8 (c4) / 128 (c128).
     """
-    check_plan_ratio(ratio)
+    check_compressed_ratio(ratio, "compress plan")
     positions = positions.long()
     ragged_ids = torch.arange(positions.shape[0], device=positions.device)
-    window_len = torch.clamp(positions - first_new_positions + 1, max=COMPRESS_SPAN[ratio])
+    window_len = torch.clamp(positions - first_new_positions + 1, max=compress_span(ratio))
     records = torch.stack((ragged_ids, row_batch_ids.long(), positions, window_len), dim=1).to(
         torch.int32
     )

@@ -1,4 +1,4 @@
-"""Compress and write plans as a TVM kernel with a symbolic row count (dsv4-attention.md §4).
+"""Compress and write plans as a TVM kernel with a symbolic row count (docs/design.md §4).
 
 The records are those of ``planning/metadata.py``: ``[T, 4]`` int32 rows
 ``(ragged_id, batch_id, position, window_len)``, the valid ones first in row order, then ``-1``
@@ -21,7 +21,7 @@ the ``NT`` virtual threads, so the CPU build runs the very same per-thread code.
 default is one virtual thread (a plain serial scan); tests also build it with many.
 
 Compiled once per process per (target, thread count), on first use (``functools.cache``); the
-ratio and its span (``COMPRESS_SPAN``, the torch reference's table) are runtime arguments. CUDA
+ratio and its span (``config.compress_span``) are runtime arguments. CUDA
 needs a TVM runtime built with CUDA (the PyPI wheel of apache-tvm 0.27 is not) and ``nvcc`` to
 compile; ``build_compress_plans`` falls back to the torch reference where TVM cannot run.
 """
@@ -35,13 +35,9 @@ from typing import Any
 
 import torch
 
-from dsv4_backend.config import REQUIRED_PAGE_SIZE
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels.compress_plan_torch import (
-    COMPRESS_SPAN,
-    check_plan_ratio,
-    compute_compress_plans,
-)
+from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 
 #: Name of the symbolic row count in the kernel signature (and in its error messages).
 SYMBOLIC_DIM = "num_rows"
@@ -275,7 +271,7 @@ def launch_compress_plan_kernel(
     ``[T, 4]`` int32; ``ratio`` 4 or 128; ``page_size`` the KV page size. On CUDA the kernel
     runs on torch's current stream.
     """
-    check_plan_ratio(ratio)
+    check_compressed_ratio(ratio, "compress plan")
     args = (row_batch_ids, positions, first_new_positions, request_seq_lens, compress_plan,
             write_plan)  # fmt: skip
     kernel, on_cuda = _kernel_for(positions.device)
@@ -284,9 +280,9 @@ def launch_compress_plan_kernel(
             import tvm_ffi
 
             with tvm_ffi.use_torch_stream():
-                kernel(*args, ratio, COMPRESS_SPAN[ratio], page_size)
+                kernel(*args, ratio, compress_span(ratio), page_size)
         else:
-            kernel(*args, ratio, COMPRESS_SPAN[ratio], page_size)
+            kernel(*args, ratio, compress_span(ratio), page_size)
     except (TypeError, ValueError) as err:
         raise ContractError(
             f"compress plan kernel refused its arguments: every tensor shares the symbolic dim "
@@ -326,15 +322,16 @@ def compress_plans_tvm(
     ``(compress_plan, write_plan)``, each ``[T, 4]`` int32. Tensors that disagree on ``T``
     raise ``ContractError``; a bad ratio ``ConfigError``.
     """
-    check_plan_ratio(ratio)
+    check_compressed_ratio(ratio, "compress plan")
     inputs = (row_batch_ids, positions, first_new_positions, request_seq_lens)
     tensors = dict(zip(_INPUT_DTYPES, inputs, strict=True))
     _check_inputs(tensors)
     rows = positions.shape[0]
     compress_plan = torch.empty(rows, 4, dtype=torch.int32, device=positions.device)
     write_plan = torch.empty_like(compress_plan)
+    row_ids, pos, first_new, seq_lens = (t.contiguous() for t in inputs)
     launch_compress_plan_kernel(
-        *(t.contiguous() for t in inputs), compress_plan, write_plan, ratio, page_size
+        row_ids, pos, first_new, seq_lens, compress_plan, write_plan, ratio, page_size
     )
     return compress_plan, write_plan
 

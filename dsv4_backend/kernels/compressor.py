@@ -1,6 +1,6 @@
 """Compressor: softmax-gated pooling of tokens into c4 / c128 entries, prefill and decode alike.
 
-dsv4-attention.md section 2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shapes use
+docs/design.md §2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shapes use
 ``T`` ragged rows, ``B`` requests, ``D`` the compressed head dim (``config.head_dim`` for a layer,
 ``index_head_dim`` for the indexer's compressor), ``c`` the overlap (2 for ratio 4, else 1),
 ``r`` the ratio, ``span`` the tokens per entry (8 for ratio 4, 128 for ratio 128) and ``R``
@@ -43,10 +43,10 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.config import check_compressed_ratio, compress_overlap, compress_span
+from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
-from dsv4_backend.ops.compress import finish_entries, overlap, pool_slots
+from dsv4_backend.ops.compress import finish_entries, pool_slots
 from dsv4_backend.ops.rope import CosSin, RopeTable
 
 #: Upper bound on the ``[BLOCK_S, 2 * BLOCK_P]`` elements of one pooling step.
@@ -287,7 +287,7 @@ def _entries_triton(
     else:
         entry_positions = (positions.long() + 1) // ratio * ratio - ratio
         cos, sin = (x.contiguous() for x in rope.cos_sin(entry_positions))
-    span = COMPRESS_SPAN[ratio]
+    span = compress_span(ratio)
     block_p = triton.next_power_of_2(max(d // 2, 1))
     block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
     _compress_entry_kernel[(rows,)](
@@ -296,7 +296,7 @@ def _entries_triton(
         rows, d, ring.shape[1], norm_eps,
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
         window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
-        RATIO=ratio, SPAN=span, OVERLAP=overlap(ratio), WINDOW_PAGE=state.window_page,
+        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
         ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
         BLOCK_P=block_p, BLOCK_S=block_s,
     )  # fmt: skip
@@ -355,7 +355,7 @@ def _pool_torch(
 ) -> torch.Tensor:
     """Torch implementation of the pooling kernel (same gathers, vectorised over records)."""
     d, ratio, ring = state.head_dim, state.ratio, state.ring
-    span, rows = COMPRESS_SPAN[ratio], kv_proj.shape[0]
+    span, rows = compress_span(ratio), kv_proj.shape[0]
     out = torch.zeros(rows, d, dtype=torch.float32, device=kv_proj.device)
     plan = compress_plan.long()
     plan = plan[plan[:, 0] >= 0]
@@ -378,7 +378,7 @@ def _pool_torch(
     score = torch.where(present, score, float("-inf"))
     # Ratio 4: slots 0-3 (previous block) use dims [:D], slots 4-7 (current block) [D:].
     second = (j >= ratio)[None, :, None]
-    if overlap(ratio) == 2:
+    if compress_overlap(ratio) == 2:
         kv = torch.where(second, kv[..., d:], kv[..., :d])
         score = torch.where(second, score[..., d:], score[..., :d])
     out[ragged] = pool_slots(kv, score)
@@ -418,9 +418,8 @@ def _check(
     write_plan: torch.Tensor,
 ) -> None:
     ratio, d = state.ratio, state.head_dim
-    if ratio not in COMPRESS_SPAN:
-        raise ConfigError(f"compressor ratio={ratio}; expected 4 or 128")
-    t, cd = kv_proj.shape[0], overlap(ratio) * d
+    check_compressed_ratio(ratio, "compressor")
+    t, cd = kv_proj.shape[0], compress_overlap(ratio) * d
     want = {
         "kv_proj": (t, cd),
         "score_proj": (t, cd),
@@ -456,7 +455,7 @@ def _check(
         raise ContractError(
             f"compressor: req_pool_indices has shape {tuple(req_pool_indices.shape)}, expected [B]"
         )
-    lags = COMPRESS_SPAN[ratio] if state.window_page else 0  # columns the kernels read
+    lags = compress_span(ratio) if state.window_page else 0  # columns the kernels read
     if window_slots.dim() != 2 or window_slots.shape[0] != t or window_slots.shape[1] < lags:
         raise ContractError(
             f"compressor: window_slots has shape {tuple(window_slots.shape)}, expected "

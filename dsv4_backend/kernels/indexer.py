@@ -1,6 +1,6 @@
 """Lightning indexer: score a row's visible c4 entries and keep the top-k as c4 cache slots.
 
-dsv4-attention.md section 2. For query row ``t`` (position ``p``) and c4 entry ``s``::
+docs/design.md §2. For query row ``t`` (position ``p``) and c4 entry ``s``::
 
     score[t, s] = sum_h w[t, h] * relu(q_idx[t, h] . K[s])      for s < num_candidates[t]
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels.compress_plan_torch import COMPRESS_SPAN
+from dsv4_backend.config import compress_span
 from dsv4_backend.kernels.row_metadata import _floor_div, _floor_mod
 
 #: Rows per program (an upper bound: fewer when the batch has many requests).
@@ -84,7 +84,6 @@ def _ratio_fields(
     c128_width,
     out_loc_ptr,  # [T] int64
     raw_ptr,  # [T] int32
-    clamp1_ptr,  # [T] int32
     sparse_ptr,  # [T] int32
     indices_ptr,  # [T, K] (ratio 4) or [T, N128] (ratio 128) int32
     stride_idx,
@@ -125,7 +124,6 @@ def _ratio_fields(
         raw32 = raw.to(tl.int32)
         clamp1 = tl.maximum(raw32, 1)
         tl.store(raw_ptr + t, tl.where(row_ok, raw32, 0), mask=live)
-        tl.store(clamp1_ptr + t, tl.where(row_ok, clamp1, 1), mask=live)
         sparse = tl.minimum(clamp1, index_topk) if R == 4 else clamp1
         tl.store(sparse_ptr + t, tl.where(row_ok, sparse, 1), mask=live)
         # Plan records: earlier requests' counts plus the row's rank in its request.
@@ -171,22 +169,18 @@ def _plan_kernel(
     # outputs
     batch_ids_ptr,  # [T] int32
     positions_ptr,  # [T] int64
-    raw_out_loc_ptr,  # [T] int64
-    swa_out_loc_ptr,  # [T] int64 (HAS_SWA_MAP)
-    seq_lens_ptr,  # [T] int32
+    swa_out_loc_ptr,  # [T] int64
     swa_lengths_ptr,  # [T] int32
     page_table_ptr,  # [T, Pw] int32
     swa_indices_ptr,  # [T, Ws] int32
     c4_out_loc_ptr,
     c4_raw_ptr,
-    c4_clamp1_ptr,
     c4_sparse_ptr,
     c4_indices_ptr,
     c4_compress_ptr,
     c4_write_ptr,
     c128_out_loc_ptr,
     c128_raw_ptr,
-    c128_clamp1_ptr,
     c128_sparse_ptr,
     c128_indices_ptr,
     c128_compress_ptr,
@@ -281,7 +275,6 @@ def _plan_kernel(
         # Padded rows get the sentinels of planning/graph_buffers.py.
         tl.store(batch_ids_ptr + t, tl.where(row_ok, b, 0).to(tl.int32), mask=live)
         tl.store(positions_ptr + t, tl.where(row_ok, pos, 0), mask=live)
-        tl.store(raw_out_loc_ptr + t, tl.where(row_ok, loc, -1), mask=live)
         if HAS_SWA_MAP:
             writes = row_ok & (loc >= 0)
             swa_loc = tl.load(full_to_swa_ptr + tl.maximum(loc, 0), mask=writes, other=0)
@@ -289,7 +282,6 @@ def _plan_kernel(
         else:
             swa_loc = tl.where(row_ok, loc, -1)
         tl.store(swa_out_loc_ptr + t, swa_loc, mask=live)
-        tl.store(seq_lens_ptr + t, tl.where(row_ok, pos + 1, 1).to(tl.int32), mask=live)
         swa_len = tl.where(row_ok, tl.minimum(pos + 1, window), 1).to(tl.int32)
         tl.store(swa_lengths_ptr + t, swa_len, mask=live)
     per_request = (r, req_p0, req_n, req_keep, req_ok)
@@ -297,7 +289,7 @@ def _plan_kernel(
         _ratio_fields(
             t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
             req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
-            c4_out_loc_ptr, c4_raw_ptr, c4_clamp1_ptr, c4_sparse_ptr, c4_indices_ptr,
+            c4_out_loc_ptr, c4_raw_ptr, c4_sparse_ptr, c4_indices_ptr,
             index_topk, c4_compress_ptr, c4_write_ptr,
             R=4, SPAN=SPAN4, PAGE=PAGE, BLOCK_C=BLOCK_C,
         )  # fmt: skip
@@ -305,7 +297,7 @@ def _plan_kernel(
         _ratio_fields(
             t, row_ok, live, b, i, pos, p0, loc, *per_request, keep, first_col,
             req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
-            c128_out_loc_ptr, c128_raw_ptr, c128_clamp1_ptr, c128_sparse_ptr, c128_indices_ptr,
+            c128_out_loc_ptr, c128_raw_ptr, c128_sparse_ptr, c128_indices_ptr,
             c128_width, c128_compress_ptr, c128_write_ptr,
             R=128, SPAN=SPAN128, PAGE=PAGE, BLOCK_C=BLOCK_C,
         )  # fmt: skip
@@ -317,7 +309,6 @@ class RatioFields:
 
     out_loc: torch.Tensor
     topk_lengths_raw: torch.Tensor
-    topk_lengths_clamp1: torch.Tensor
     sparse_topk_lengths: torch.Tensor
     page_indices: torch.Tensor
     compress_plan: torch.Tensor
@@ -330,9 +321,7 @@ class PlanFields:
 
     row_batch_ids: torch.Tensor
     page_table: torch.Tensor
-    raw_out_loc: torch.Tensor
     swa_out_loc: torch.Tensor
-    seq_lens_causal: torch.Tensor
     positions_causal: torch.Tensor
     swa_page_indices: torch.Tensor
     swa_topk_lengths: torch.Tensor
@@ -350,16 +339,14 @@ class PlanFields:
 
         def ratio(r: int) -> RatioFields:
             return RatioFields(
-                empty(rows, dtype=torch.int64), empty(rows), empty(rows), empty(rows),
+                empty(rows, dtype=torch.int64), empty(rows), empty(rows),
                 empty(rows, widths[f"c{r}"]), empty(rows, 4), empty(rows, 4),
             )  # fmt: skip
 
         return cls(
             row_batch_ids=empty(rows),
             page_table=empty(rows, widths["page_table"]),
-            raw_out_loc=empty(rows, dtype=torch.int64),
             swa_out_loc=empty(rows, dtype=torch.int64),
-            seq_lens_causal=empty(rows),
             positions_causal=empty(rows, dtype=torch.int64),
             swa_page_indices=empty(rows, widths["swa_page_indices"]),
             swa_topk_lengths=empty(rows),
@@ -418,7 +405,7 @@ def plan_fields(
         triton.cdiv(padded_rows, block_t),
         triton.cdiv(max(page_width, swa_width, *index_widths), BLOCK_C),
     )
-    stand_in = (out.raw_out_loc,) * 7  # pointers of an absent ratio, never written
+    stand_in = (out.swa_out_loc,) * 6  # pointers of an absent ratio, never written
 
     def ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
         fields = out.ratios.get(ratio)
@@ -428,12 +415,12 @@ def plan_fields(
             else tuple(getattr(fields, f.name) for f in dc_fields(fields))
         )
 
-    host = out.raw_out_loc if layout.host is None else layout.host
+    host = out.swa_out_loc if layout.host is None else layout.host
     _plan_kernel[grid](
         seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
-        out.raw_out_loc if full_to_swa is None else full_to_swa,
-        out.row_batch_ids, out.positions_causal, out.raw_out_loc, out.swa_out_loc,
-        out.seq_lens_causal, out.swa_topk_lengths, out.page_table, out.swa_page_indices,
+        out.swa_out_loc if full_to_swa is None else full_to_swa,
+        out.row_batch_ids, out.positions_causal, out.swa_out_loc, out.swa_topk_lengths,
+        out.page_table, out.swa_page_indices,
         *ratio_args(4), *ratio_args(128),
         num_rows, padded_rows, bs, req_to_token.shape[1], req_to_token.stride(0),
         page_width, swa_width, index_topk, c128_width,
@@ -443,8 +430,8 @@ def plan_fields(
         HAS_C4=4 in out.ratios,
         HAS_C128=128 in out.ratios,
         PAGE=page_size,
-        SPAN4=COMPRESS_SPAN[4],
-        SPAN128=COMPRESS_SPAN[128],
+        SPAN4=compress_span(4),
+        SPAN128=compress_span(128),
         BLOCK_T=block_t,
         BLOCK_B=block_b,
         BLOCK_C=BLOCK_C,

@@ -10,8 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from dsv4_backend.config import COMPRESSED_RATIOS, REQUIRED_PAGE_SIZE
-from dsv4_backend.errors import ConfigError
+from dsv4_backend.config import check_compressed_ratio, entries_per_page
 
 
 class RowFields(NamedTuple):
@@ -53,8 +52,7 @@ def compute_row_fields(
     ``j``, ``page_table[t, j // 2] * 2 + j % 2``, for ``j < raw`` and -1 elsewhere (also where
     column ``j // 2`` lies beyond the table's ``Pw``: a page the table does not hold).
     """
-    if ratio not in COMPRESSED_RATIOS:
-        raise ConfigError(f"row fields ratio={ratio}; expected one of {COMPRESSED_RATIOS}")
+    check_compressed_ratio(ratio, "row fields")
     positions = positions.long()
     completes = (positions + 1) % ratio == 0
     out_loc = torch.where(completes, raw_out_loc.long() // ratio, -1)
@@ -63,7 +61,7 @@ def compute_row_fields(
     sparse = torch.clamp(clamp1, max=index_topk) if ratio == 4 else clamp1.clone()
     page_indices = None
     if ratio == 128:
-        per_page = REQUIRED_PAGE_SIZE // ratio
+        per_page = entries_per_page(ratio)
         entry = torch.arange(c128_width, device=positions.device)
         column = entry // per_page
         known = column < page_table.shape[1]

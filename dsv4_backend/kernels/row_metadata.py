@@ -1,6 +1,6 @@
 """Per-row compression metadata of one ratio (the ``row_compression_metadata`` op).
 
-dsv4-attention.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 1``) gets
+docs/design.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 1``) gets
 
 * ``out_loc = raw_out_loc // ratio`` where ``(p + 1) % ratio == 0`` (the row completes an
   entry), else ``-1``;
@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.config import COMPRESSED_RATIOS, REQUIRED_PAGE_SIZE
+from dsv4_backend.config import check_compressed_ratio, entries_per_page
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.row_fields_torch import RowFields, compute_row_fields
@@ -117,8 +117,7 @@ def _check_inputs(
     index_topk: int,
     c128_width: int,
 ) -> None:
-    if ratio not in COMPRESSED_RATIOS:
-        raise ConfigError(f"row fields ratio={ratio}; expected one of {COMPRESSED_RATIOS}")
+    check_compressed_ratio(ratio, "row fields")
     if index_topk < 1 or c128_width < 0:
         raise ConfigError(
             f"index_topk={index_topk}, c128_width={c128_width}; expected >= 1 and >= 0"
@@ -173,7 +172,7 @@ def _row_fields_triton(
         page_table.stride(0), page_table.stride(1),
         indices_arg.stride(0),
         RATIO=ratio,
-        PER_PAGE=REQUIRED_PAGE_SIZE // ratio,
+        PER_PAGE=entries_per_page(ratio),
         BLOCK_T=BLOCK_T,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip

@@ -1,6 +1,6 @@
 """Sparse attention with a per-head sink over window keys plus compressed keys.
 
-dsv4-attention.md section 2. Query row ``t`` attends, with all ``H`` heads, to the union of
+docs/design.md §2. Query row ``t`` attends, with all ``H`` heads, to the union of
 
 * window keys: ``window`` cache slots ``swa_indices[t, c]`` for ``c < swa_lengths[t]``;
 * extra keys (c4 top-k or c128 entries): ``extra`` cache slots ``extra_indices[t, c]`` for
@@ -340,6 +340,16 @@ def _merge_splits_kernel(
 
 
 # ------------------------------------------------------------------------------- checks
+def _extra_span(
+    extra: TokenCache | None, extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None
+) -> tuple[TokenCache, torch.Tensor, torch.Tensor] | None:
+    """The compressed keys as one triple, None on a window-only layer (``_check_inputs``
+    refuses a partial triple)."""
+    if extra is None or extra_indices is None or extra_lengths is None:
+        return None
+    return extra, extra_indices, extra_lengths
+
+
 def _check_inputs(
     q: torch.Tensor,
     window: TokenCache,
@@ -376,10 +386,10 @@ def _check_inputs(
             f"be None (window-only layer); got given={extra_given}"
         )
     spans = [("window", window, "swa_indices", swa_indices, "swa_lengths", swa_lengths)]
-    if extra is not None:
-        spans.append(
-            ("extra", extra, "extra_indices", extra_indices, "extra_lengths", extra_lengths)
-        )
+    extra_span = _extra_span(extra, extra_indices, extra_lengths)
+    if extra_span is not None:
+        ext, ext_indices, ext_lengths = extra_span
+        spans.append(("extra", ext, "extra_indices", ext_indices, "extra_lengths", ext_lengths))
     tensors = {"sink": sink}
     for cache_name, cache, idx_name, idx, len_name, lengths in spans:
         if cache.dim != dim or cache.rope_dim != window.rope_dim:
@@ -507,9 +517,10 @@ def sparse_attention_triton(
         softmax_scale,
     )
     rows, heads, dim = q.shape
-    has_extra = extra is not None
-    if not has_extra:  # the kernel never reads these; any valid pointers do
-        extra, extra_indices, extra_lengths = window, swa_indices, swa_lengths
+    extra_span = _extra_span(extra, extra_indices, extra_lengths)
+    has_extra = extra_span is not None
+    # A window-only layer: the kernel never reads the extra span; any valid pointers do.
+    extra, extra_indices, extra_lengths = extra_span or (window, swa_indices, swa_lengths)
     for name, cache in (("window", window), ("extra", extra)):
         if not cache.storage.is_contiguous():
             raise BatchError(
@@ -618,8 +629,9 @@ def sparse_attention_torch(
         softmax_scale,
     )
     spans = [(window, swa_indices, swa_lengths)]
-    if extra is not None:
-        spans.append((extra, extra_indices, extra_lengths))
+    extra_span = _extra_span(extra, extra_indices, extra_lengths)
+    if extra_span is not None:
+        spans.append(extra_span)
     rows, heads, dim = q.shape
     out = torch.empty((rows, heads, dim), dtype=torch.float32, device=q.device)
     width = sum(idx.shape[1] for _, idx, _ in spans)

@@ -5,7 +5,7 @@ The test oracle (:mod:`dsv4_backend.testing.reference`) has its own plain implem
 same formulas and imports nothing from here, so a bug in one side shows up as a mismatch.
 """
 
-from dsv4_backend.ops.compress import finish_entries, overlap, pool_slots
+from dsv4_backend.ops.compress import finish_entries, pool_slots
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.ops.norm import rms_norm
 from dsv4_backend.ops.rope import CosSin, RopeParams, RopeTable, Yarn, apply_rope, rope_for_ratio
@@ -19,7 +19,6 @@ __all__ = [
     "Yarn",
     "apply_rope",
     "finish_entries",
-    "overlap",
     "pool_slots",
     "rms_norm",
     "rope_for_ratio",

@@ -9,11 +9,6 @@ from dsv4_backend.ops.norm import rms_norm
 from dsv4_backend.ops.rope import CosSin, apply_rope
 
 
-def overlap(ratio: int) -> int:
-    """``c``: ``D``-wide halves per token's compressor projection (2 for ratio 4, else 1)."""
-    return 2 if ratio == 4 else 1
-
-
 def pool_slots(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     """Per-channel softmax of ``score`` over the slot dim weighting ``kv``.
 

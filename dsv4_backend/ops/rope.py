@@ -27,7 +27,7 @@ import torch
 from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 
-#: Positions per chunk when building a table (bounds the float64 scratch memory).
+#: Positions per chunk when building a table (bounds the scratch memory of the angles).
 _TABLE_CHUNK = 1 << 16
 
 

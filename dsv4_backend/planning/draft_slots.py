@@ -1,4 +1,4 @@
-"""Per-step write slots of a multi-step EAGLE draft (dsv4-attention.md section 5, bug 1)."""
+"""Per-step write slots of a multi-step EAGLE draft (docs/design.md §5, "Per-step draft slots")."""
 
 from __future__ import annotations
 

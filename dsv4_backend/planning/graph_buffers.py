@@ -8,11 +8,11 @@ the batch) and columns past an eager plan's widths hold sentinels that every ker
 ==========================================  ========  ==============================================
 fields                                      sentinel  why
 ==========================================  ========  ==============================================
-``seq_lens_causal``                         1         ``seq_len_fill_value`` (sglang's graph fill)
-``positions_causal``                        0         the position of a length-1 row
+``positions_causal``                        0         the position of a length-1 row (sglang's graph
+                                                      fill ``seq_len_fill_value``)
 ``row_batch_ids``                           0         an in-bounds request; no plan record uses it
-``swa_topk_lengths``, ``*.topk_lengths_``   1         sparse kernels need >= 1; every index is -1
-``clamp1``, ``*.sparse_topk_lengths``
+``swa_topk_lengths``,                       1         sparse kernels need >= 1; every index is -1
+``*.sparse_topk_lengths``
 ``*.topk_lengths_raw``                      0         no visible compressed entry
 ``*_out_loc``, ``*.out_loc``                -1        no cache write (stores skip negative slots)
 ``page_table``, ``*_page_indices``          -1        no slot
@@ -39,12 +39,10 @@ seq_len_fill_value = 1
 
 #: Padding of every field not listed here: -1 (no slot / no write / invalid record).
 _SENTINELS = {
-    "seq_lens_causal": seq_len_fill_value,
-    "positions_causal": 0,
+    "positions_causal": seq_len_fill_value - 1,
     "row_batch_ids": 0,
     "swa_topk_lengths": 1,
     "topk_lengths_raw": 0,
-    "topk_lengths_clamp1": 1,
     "sparse_topk_lengths": 1,
 }
 
@@ -64,7 +62,6 @@ def _compressed_layout(config: DSV4AttentionConfig, ratio: int, widths: PlanWidt
     return {
         "out_loc": ((), _INT64),
         "topk_lengths_raw": ((), _INT32),
-        "topk_lengths_clamp1": ((), _INT32),
         "sparse_topk_lengths": ((), _INT32),
         "page_indices": ((index_width,), _INT32),
         "compress_plan": plan,
@@ -76,9 +73,7 @@ def _layout(config: DSV4AttentionConfig, widths: PlanWidths) -> _Layout:
     return {
         "row_batch_ids": ((), _INT32),
         "page_table": ((widths.page_table,), _INT32),
-        "raw_out_loc": ((), _INT64),
         "swa_out_loc": ((), _INT64),
-        "seq_lens_causal": ((), _INT32),
         "positions_causal": ((), _INT64),
         "swa_page_indices": ((config.swa_index_width,), _INT32),
         "swa_topk_lengths": ((), _INT32),
@@ -155,10 +150,7 @@ class GraphMetadataBuffers:
             batch_size=plan.batch_size,
             plan_rows=plan.num_rows,
             num_rows=num_rows,
-            widths=PlanWidths(
-                page_table=max(plan.page_table.shape[1], 1),
-                c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
-            ),
+            widths=plan_widths(plan),
             device=plan.row_batch_ids.device,
             ratios=[r for r in COMPRESSED_RATIOS if plan.compressed(r) is not None],
         )
@@ -246,6 +238,14 @@ class GraphMetadataBuffers:
                 )
 
 
+def plan_widths(plan: AttentionMetadata) -> PlanWidths:
+    """The widths ``plan`` was made with (at least one column each, like ``PlanWidths``)."""
+    return PlanWidths(
+        page_table=max(plan.page_table.shape[1], 1),
+        c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
+    )
+
+
 def pad_plan(
     config: DSV4AttentionConfig, plan: AttentionMetadata, *, batch_size: int, num_rows: int
 ) -> AttentionMetadata:
@@ -261,15 +261,11 @@ def pad_plan(
             f"cannot pad a plan of batch_size={plan.batch_size}, num_rows={plan.num_rows} to "
             f"batch_size={batch_size}, num_rows={num_rows}: padding only appends"
         )
-    widths = PlanWidths(
-        page_table=max(plan.page_table.shape[1], 1),
-        c128=max(plan.c128.page_indices.shape[1], 1) if plan.c128 is not None else 1,
-    )
     buffers = GraphMetadataBuffers(
         config,
         max_batch_size=batch_size,
         max_rows=num_rows,
-        widths=widths,
+        widths=plan_widths(plan),
         device=plan.row_batch_ids.device,
     )
     return dataclasses.replace(buffers.load(plan, num_rows=num_rows), batch_size=batch_size)

@@ -1,10 +1,10 @@
-"""Immutable attention metadata: one row per query token (dsv4-attention.md section 4).
+"""Immutable attention metadata: one row per query token (docs/design.md §4).
 
 Shapes use ``B`` requests, ``T`` query rows, ``Pw`` page-table width (pages), ``Ws`` window
 index width (``config.swa_index_width``), ``K`` ``index_topk`` and ``N128`` c128 index width.
 Index tensors use ``-1`` for "no slot". The dataclasses are frozen (fields are never rebound,
-which CUDA graphs rely on); ``c4.sparse_page_indices`` is the one tensor written after planning,
-by the indexer's top-k.
+which CUDA graphs rely on); ``c4.page_indices`` is the one tensor written after planning, by the
+indexer's top-k.
 
 Plan records (``compress_plan`` / ``write_plan``, ``[T, 4]`` int32) are rows
 ``(ragged_id, batch_id, position, window_len)``: the valid records first, in row order, then
@@ -44,12 +44,11 @@ class CompressedMetadata:
     Attributes
     ----------
     ratio : 4 or 128.
-    out_loc : ``[T]`` int64 — cache slot of the entry this row completes
-        (``raw_out_loc // ratio``), ``-1`` where ``(position + 1) % ratio != 0``.
+    out_loc : ``[T]`` int64 — cache slot of the entry this row completes (the row's full-cache
+        slot ``// ratio``), ``-1`` where ``(position + 1) % ratio != 0``.
     topk_lengths_raw : ``[T]`` int32 — visible entries, ``seq_len // ratio``.
-    topk_lengths_clamp1 : ``[T]`` int32 — the same clamped to >= 1 (sparse kernels need >= 1;
-        padded indices are -1).
-    sparse_topk_lengths : ``[T]`` int32 — ratio 4: ``min(clamp1, K)``; ratio 128: equals clamp1.
+    sparse_topk_lengths : ``[T]`` int32 — the same clamped to >= 1 (sparse kernels need >= 1;
+        padded indices are -1), and for ratio 4 to at most ``K``.
     page_indices : ratio 4: ``[T, K]`` int32 of -1, filled by the indexer's top-k with c4 cache
         slots; ratio 128: ``[T, N128]`` int32, slots of all visible entries then -1.
     compress_plan, write_plan : ``[T, 4]`` int32 plan records (module docstring).
@@ -58,7 +57,6 @@ class CompressedMetadata:
     ratio: int
     out_loc: torch.Tensor
     topk_lengths_raw: torch.Tensor
-    topk_lengths_clamp1: torch.Tensor
     sparse_topk_lengths: torch.Tensor
     page_indices: torch.Tensor
     compress_plan: torch.Tensor
@@ -75,12 +73,10 @@ class AttentionMetadata:
     batch_size, num_rows : ``B`` and ``T`` this metadata was planned for.
     row_batch_ids : ``[T]`` int32 — request of each row.
     page_table : ``[T, Pw]`` int32 — full-cache page of each of the row's request pages.
-    raw_out_loc : ``[T]`` int64 — full-cache slot the row writes (its draft step's slice for a
-        draft step).
     swa_out_loc : ``[T]`` int64 — window-cache slot the row's key is written to
-        (``full_to_swa[raw_out_loc]``).
-    seq_lens_causal : ``[T]`` int32 — ``position + 1``.
-    positions_causal : ``[T]`` int64.
+        (``full_to_swa`` of the full-cache slot it writes: its draft step's slice for a draft
+        step).
+    positions_causal : ``[T]`` int64 (the causal length of the row is ``position + 1``).
     swa_page_indices : ``[T, Ws]`` int32 — window-cache slots of positions p, p-1, ..., p-127;
         -1 where negative or beyond the window.
     swa_topk_lengths : ``[T]`` int32 — ``min(seq_len, window)``.
@@ -97,9 +93,7 @@ class AttentionMetadata:
     num_rows: int
     row_batch_ids: torch.Tensor
     page_table: torch.Tensor
-    raw_out_loc: torch.Tensor
     swa_out_loc: torch.Tensor
-    seq_lens_causal: torch.Tensor
     positions_causal: torch.Tensor
     swa_page_indices: torch.Tensor
     swa_topk_lengths: torch.Tensor

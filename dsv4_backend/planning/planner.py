@@ -2,7 +2,7 @@
 
 Each ``ForwardKind`` only says how its requests expand into query rows (``_Rows``, see the row
 table in ``planning/batch.py``); one shared body, ``_plan_rows``, builds every field of
-dsv4-attention.md section 4 from those rows. Eager planning, CUDA-graph capture and replay all
+docs/design.md §4 from those rows. Eager planning, CUDA-graph capture and replay all
 run this same code; the graph path then copies the result into fixed buffers
 (``planning/graph_buffers.py``). Planning never syncs with a CUDA device, except in strict
 mode, where it reads the verdict of the batch checks (``_checked_rows``, ``planning/checks.py``)
@@ -30,7 +30,7 @@ import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import torch
 
@@ -104,7 +104,7 @@ def _decode_rows(batch: BatchView) -> _Rows:
 
 def _verify_rows(batch: BatchView) -> _Rows:
     """``num_draft_tokens`` rows per request, at ``seq_lens[b] ... seq_lens[b] + n - 1``."""
-    n = batch.num_draft_tokens
+    n = cast(int, batch.num_draft_tokens)  # BatchView requires it for TARGET_VERIFY
     seq = batch.seq_lens.long()
     row = torch.arange(batch.num_rows, device=seq.device)
     ids = row // n
@@ -459,7 +459,6 @@ def _compressed(
         ratio=ratio,
         out_loc=fields.out_loc,
         topk_lengths_raw=fields.topk_lengths_raw,
-        topk_lengths_clamp1=fields.topk_lengths_clamp1,
         sparse_topk_lengths=fields.sparse_topk_lengths,
         page_indices=page_indices,
         compress_plan=compress_plan,
@@ -490,9 +489,7 @@ def _plan_rows(
         num_rows=batch.num_rows,
         row_batch_ids=rows.batch_ids,
         page_table=page_table,
-        raw_out_loc=rows.out_loc,
         swa_out_loc=_swa_out_loc(batch, rows.out_loc),
-        seq_lens_causal=(positions + 1).int(),
         positions_causal=positions,
         swa_page_indices=_swa_page_indices(config, batch, req, positions),
         swa_topk_lengths=(positions + 1).clamp(max=config.window_size).int(),

@@ -44,7 +44,7 @@ import math
 import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 from sglang.srt.environ import envs
@@ -70,6 +70,7 @@ from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.kernels.indexer import warm_up_topk
 from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
+    SUPPORTED_DRAFT_TOPK,
     AttentionMetadata,
     DraftStep,
     ForwardKind,
@@ -88,10 +89,15 @@ from dsv4_backend.sglang_adapter.pool_alias import (
     unaliasable_reason,
 )
 
+if TYPE_CHECKING:
+    from sglang.srt.layers.attention.dsv4.compressor import Compressor
+    from sglang.srt.layers.attention.dsv4.indexer import C4Indexer
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
 _STATE_ATTR = "_dsv4_backend_attention_state"
-#: Largest EAGLE draft topk served (draft trees are not).
-MAX_DRAFT_TOPK = 1
 #: Server options that move or rebuild KV state outside this backend, refused when set:
 #: ``(ServerArgs field, value that is safe, CLI flag, why)``. sglang's PD transfer and its host
 #: caches copy the pool's page buffers and its own compressor states; this package's caches and
@@ -156,7 +162,7 @@ class RunnerSettings:
         return self.config.num_heads // self.attn_tp_size
 
     @classmethod
-    def from_runner(cls, runner: Any, topk: int = 0) -> RunnerSettings:
+    def from_runner(cls, runner: ModelRunner, topk: int = 0) -> RunnerSettings:
         """Read and validate ``runner``; ``ConfigError`` names the option that cannot be served.
 
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
@@ -173,10 +179,10 @@ class RunnerSettings:
             )
         args = runner.server_args
         draft_topk = max(int(topk or 0), int(getattr(args, "speculative_eagle_topk", 0) or 0))
-        if draft_topk > MAX_DRAFT_TOPK:
+        if draft_topk and draft_topk not in SUPPORTED_DRAFT_TOPK:
             raise ConfigError(
                 f"speculative_eagle_topk={draft_topk}; the dsv4 backend serves EAGLE with "
-                f"--speculative-eagle-topk {MAX_DRAFT_TOPK} only (no draft trees)"
+                f"--speculative-eagle-topk {max(SUPPORTED_DRAFT_TOPK)} only (no draft trees)"
             )
         for option, flag in (
             ("attn_cp_size", "--attention-context-parallel-size"),
@@ -254,7 +260,9 @@ class CudaStreams:
         return torch.cuda.stream(stream)
 
 
-def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> AttentionState:
+def shared_state(
+    runner: ModelRunner, config: DSV4AttentionConfig, fmt: CacheFormat
+) -> AttentionState:
     """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
     Sizes: full slots ``full_size`` (else ``size``) plus one page, rounded to pages; window slots
@@ -284,13 +292,22 @@ def shared_state(runner: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> 
     return state
 
 
-def state_sizes(runner: Any, config: DSV4AttentionConfig) -> dict[str, int]:
+class StateSizes(TypedDict):
+    """The sizes ``AttentionState.allocate`` and ``aliased_state`` take."""
+
+    num_full_slots: int
+    num_swa_slots: int
+    num_request_slots: int
+    max_positions: int
+
+
+def state_sizes(runner: ModelRunner, config: DSV4AttentionConfig) -> StateSizes:
     """``AttentionState`` sizes of ``runner`` (``shared_state``'s docstring)."""
     pool = runner.token_to_kv_pool
     page = config.page_size
     full = getattr(pool, "full_size", None) or pool.size
     swa = getattr(pool, "swa_size", None) or pool.size
-    return dict(
+    return StateSizes(
         num_full_slots=math.ceil((full + page) / page) * page,
         num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
         num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
@@ -351,7 +368,7 @@ def _check_padding_slots(out_cache_loc: torch.Tensor, first: int, where: str) ->
         )
 
 
-def original_ape(compressor: Any) -> torch.Tensor:
+def original_ape(compressor: Compressor) -> torch.Tensor:
     """``[r, c*D]`` float32 ape in checkpoint layout.
 
     sglang's ``Compressor._apply_ape_hotfix`` (``ape_converted``) stores a ratio-4 ape
@@ -389,7 +406,7 @@ class DSV4AttentionBackend(AttentionBackend):
 
     def __init__(
         self,
-        model_runner: Any,
+        model_runner: ModelRunner,
         skip_prefill: bool = False,
         speculative_step_id: int = 0,
         topk: int = 0,
@@ -425,7 +442,9 @@ class DSV4AttentionBackend(AttentionBackend):
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
     # ------------------------------------------------------------------------- planning
-    def _plan(self, forward_batch: Any, buffers: GraphMetadataBuffers | None) -> AttentionMetadata:
+    def _plan(
+        self, forward_batch: ForwardBatch, buffers: GraphMetadataBuffers | None
+    ) -> AttentionMetadata:
         """Plan ``forward_batch``: eager (``buffers`` None) or into the graph buffers (the
         same planning body).
 
@@ -501,15 +520,20 @@ class DSV4AttentionBackend(AttentionBackend):
             else:
                 self.pending_checks.append(checks)
 
-    def init_forward_metadata(self, forward_batch: Any) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
         self.forward_metadata = self._plan(forward_batch, None)
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(
+        self, forward_batch: ForwardBatch, in_capture: bool = False
+    ) -> None:
         """CUDA graphs: plan with fixed widths and load the plan into the graph buffers.
 
-        The same planning body as eager; no host sync for the graph kinds (DECODE, draft
-        steps, TARGET_VERIFY, IDLE). Needs ``init_cuda_graph_state`` first.
+        The same planning body as eager. It runs outside the graph (before capture and before
+        each replay), so every kind is accepted, not only ``GRAPH_KINDS`` (DECODE, draft steps,
+        TARGET_VERIFY, IDLE: planned without a host sync): sglang 0.5.23 also graphs
+        DRAFT_EXTEND_V2 batches (``eagle_draft_extend_cuda_graph_runner``), whose rows come
+        from host lengths. Needs ``init_cuda_graph_state`` first.
         """
         if self.graph_buffers is None:
             raise ContractError(
@@ -518,7 +542,7 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         self.forward_metadata = self._plan(forward_batch, self.graph_buffers)
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -542,8 +566,14 @@ class DSV4AttentionBackend(AttentionBackend):
         """Nothing to reset: planning keeps no per-capture state."""
 
     # ------------------------------------------------------------------ plan consumers
-    def _metadata(self, forward_batch: Any, num_rows: int, where: str) -> AttentionMetadata:
-        """The current plan, checked against this batch (``ContractError`` when stale)."""
+    def _metadata(
+        self, forward_batch: ForwardBatch, num_rows: int | None, where: str
+    ) -> AttentionMetadata:
+        """The current plan, checked against this batch (``ContractError`` when stale).
+
+        ``num_rows``: the rows the caller got (None when it has none to compare: then the
+        batch's size, kind and identity are checked).
+        """
         metadata, planned = self.forward_metadata, self.planned
         if metadata is None or planned is None:
             raise ContractError(
@@ -554,6 +584,7 @@ class DSV4AttentionBackend(AttentionBackend):
         if (
             metadata.kind is ForwardKind.DRAFT_EXTEND
             and forward_batch.batch_size >= metadata.batch_size
+            and num_rows is not None
             and num_rows > metadata.num_rows
         ):
             # sglang plans the draft-extend batch before data-parallel padding on purpose (it
@@ -564,7 +595,11 @@ class DSV4AttentionBackend(AttentionBackend):
             )
             self.forward_metadata, self.planned = metadata, self._planned_batch(forward_batch)
             planned = self.planned
-        metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
+        metadata.check_matches(
+            batch_size=forward_batch.batch_size,
+            num_rows=metadata.num_rows if num_rows is None else num_rows,
+            where=where,
+        )
         kind = forward_kind(forward_batch.forward_mode)
         if kind is not metadata.kind:
             raise ContractError(
@@ -587,7 +622,7 @@ class DSV4AttentionBackend(AttentionBackend):
         return metadata
 
     def _check_padding(
-        self, fb: Any, planned: PlannedBatch, metadata: AttentionMetadata, where: str
+        self, fb: ForwardBatch, planned: PlannedBatch, metadata: AttentionMetadata, where: str
     ) -> None:
         """Refuse a grown draft-extend batch unless it is the planned ``ForwardBatch`` and the
         requests appended are padding (seq len 1, pool row 0) where the host lists show it."""
@@ -612,14 +647,23 @@ class DSV4AttentionBackend(AttentionBackend):
                     "planning. Plan the batch after it reached its final shape."
                 )
 
-    def get_swa_out_cache_loc(self, forward_batch: Any) -> torch.Tensor:
-        """``[T]`` int64 window slot each row writes (its own step's slots for a draft step)."""
-        metadata = self.forward_metadata
-        if metadata is None:
-            raise ContractError("get_swa_out_cache_loc: no attention metadata was planned")
-        return metadata.swa_out_loc
+    def get_swa_out_cache_loc(self, forward_batch: ForwardBatch) -> torch.Tensor:
+        """``[T]`` int64 window slot each row writes (its own step's slots for a draft step).
 
-    def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: Any) -> None:
+        The plan is checked against the batch like every consumer's: with ``T`` taken from
+        ``out_cache_loc``, except for a draft step (whose ``out_cache_loc`` holds every step's
+        slots: batch size, kind and identity are checked) and IDLE (no rows planned).
+        """
+        where = "get_swa_out_cache_loc"
+        if forward_batch.forward_mode.is_idle():
+            metadata = self.forward_metadata
+            if metadata is None:
+                raise ContractError(f"{where}: no attention metadata was planned")
+            return metadata.swa_out_loc
+        rows = None if self.draft_step is not None else forward_batch.out_cache_loc.shape[0]
+        return self._metadata(forward_batch, rows, where).swa_out_loc
+
+    def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: ForwardBatch) -> None:
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
         where = f"store_cache (layer {layer_id})"
         layer_ratio(self.config, layer_id, where)
@@ -629,7 +673,7 @@ class DSV4AttentionBackend(AttentionBackend):
         store_window_keys(self.state, layer_id, metadata, swa_k.float())
 
     def forward_core_compressor(
-        self, x: torch.Tensor, forward_batch: Any, layer_id: int, compressor: Any
+        self, x: torch.Tensor, forward_batch: ForwardBatch, layer_id: int, compressor: Compressor
     ) -> None:
         """Run sglang ``Compressor`` ``compressor``'s projections through ``compress_forward``.
 
@@ -652,9 +696,9 @@ class DSV4AttentionBackend(AttentionBackend):
         self,
         metadata: AttentionMetadata,
         x: torch.Tensor,
-        forward_batch: Any,
+        forward_batch: ForwardBatch,
         layer_id: int,
-        compressor: Any,
+        compressor: Compressor,
     ) -> None:
         """``forward_core_compressor``'s body, for a plan already checked against the batch."""
         kv_score = compressor.compute_kv_score(x, forward_batch).float()
@@ -676,8 +720,8 @@ class DSV4AttentionBackend(AttentionBackend):
         self,
         x: torch.Tensor,
         q_lora: torch.Tensor,
-        forward_batch: Any,
-        c4_indexer: Any,
+        forward_batch: ForwardBatch,
+        c4_indexer: C4Indexer,
         alt_streams: Sequence[Any] | None = None,
         enable_multi_stream: bool = False,
         q_lora_ready: Any = None,
@@ -746,12 +790,12 @@ class DSV4AttentionBackend(AttentionBackend):
         select_c4_entries(self.state, layer_id, metadata, q, weights)
 
     @staticmethod
-    def _index_weights(c4_indexer: Any, x: torch.Tensor) -> torch.Tensor:
+    def _index_weights(c4_indexer: C4Indexer, x: torch.Tensor) -> torch.Tensor:
         """``[T, HI]`` float32 head weights: the projection times ``weight_scale`` in fp32."""
         return c4_indexer.compute_weights(x, skip_scale=True).float() * c4_indexer.weight_scale
 
     def _index_queries(
-        self, c4_indexer: Any, q_lora: torch.Tensor, metadata: AttentionMetadata
+        self, c4_indexer: C4Indexer, q_lora: torch.Tensor, metadata: AttentionMetadata
     ) -> torch.Tensor:
         """``[T, HI, DI]`` float32 indexer queries, roped at each row's position."""
         q, _ = c4_indexer.wq_b(q_lora)
@@ -765,8 +809,8 @@ class DSV4AttentionBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
         save_kv_cache: bool = True,
         **kwargs: Any,
     ) -> torch.Tensor:
@@ -785,8 +829,8 @@ class DSV4AttentionBackend(AttentionBackend):
     def _attend(
         self,
         q: torch.Tensor,
-        layer: Any,
-        forward_batch: Any,
+        layer: RadixAttention,
+        forward_batch: ForwardBatch,
         compress_ratio: int | None = None,
         attn_sink: torch.Tensor | None = None,
         **_: Any,

@@ -9,13 +9,17 @@ last step only samples and never runs attention.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.planning import seq_len_fill_value
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 
 class DSV4MultiStepDraftBackend(AttentionBackend):
@@ -31,7 +35,7 @@ class DSV4MultiStepDraftBackend(AttentionBackend):
 
     def __init__(
         self,
-        model_runner: Any,
+        model_runner: ModelRunner,
         topk: int,
         speculative_num_steps: int,
         *,
@@ -58,15 +62,17 @@ class DSV4MultiStepDraftBackend(AttentionBackend):
         """Steps ``0 ... n-2``: the ones that run attention (the last only samples)."""
         return self.attn_backends[:-1]
 
-    def init_forward_metadata(self, forward_batch: Any) -> None:
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         for backend in self.attending_backends:
             backend.init_forward_metadata(forward_batch)
 
-    def init_forward_metadata_out_graph(self, forward_batch: Any, in_capture: bool = False) -> None:
+    def init_forward_metadata_out_graph(
+        self, forward_batch: ForwardBatch, in_capture: bool = False
+    ) -> None:
         for backend in self.attending_backends:
             backend.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
 
-    def init_forward_metadata_in_graph(self, forward_batch: Any) -> None:
+    def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         for backend in self.attn_backends:
             backend.init_forward_metadata_in_graph(forward_batch)
 

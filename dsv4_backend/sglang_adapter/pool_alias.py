@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
 
 import torch
 from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
@@ -36,13 +35,13 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
 
 from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
 from dsv4_backend.cache.state import compressed_rope, ring_slots
-from dsv4_backend.cache.token_cache import CacheFormat
+from dsv4_backend.cache.token_cache import CacheFormat, SlotCache
 from dsv4_backend.config import DSV4AttentionConfig
 
 logger = logging.getLogger(__name__)
 
 
-def unaliasable_reason(pool: Any, config: DSV4AttentionConfig, fmt: CacheFormat) -> str | None:
+def unaliasable_reason(pool: object, config: DSV4AttentionConfig, fmt: CacheFormat) -> str | None:
     """Why this package's caches cannot be views of ``pool``'s buffers, or None when they can."""
     if fmt != "fp8":
         return f"cache format {fmt!r} (only fp8 caches alias sglang's pool)"
@@ -173,7 +172,7 @@ def _ring_view(
     return buf[: num_slots * rows].view(num_slots, rows, width) if fits else None
 
 
-def log_state_memory(state: AttentionState, pool: Any, reason: str | None) -> None:
+def log_state_memory(state: AttentionState, pool: object, reason: str | None) -> None:
     """One INFO line: bytes aliased from sglang's pool and bytes this package allocated."""
     rings = [*state.compressor_states.values(), *state.indexer_states.values()]
     tensors = [c.storage for c in _caches(state.pools)] + [r.ring for r in rings]
@@ -198,7 +197,7 @@ def log_state_memory(state: AttentionState, pool: Any, reason: str | None) -> No
         )
 
 
-def _caches(pools: DSV4CachePools) -> list[Any]:
+def _caches(pools: DSV4CachePools) -> list[SlotCache]:
     return [*pools.windows, *pools.compressed_caches.values(), *pools.indexer_caches.values()]
 
 

@@ -197,7 +197,7 @@ class BatchBuilder:
     def advance(step: Step) -> Step:
         """The next draft step of the same batch: positions + 1 (as ``draft_forward`` does)."""
         step.batch.positions = step.batch.positions + 1
-        return Step(step.batch, [(r, p + 1) for r, p in step.rows])  # type: ignore[misc]
+        return Step(step.batch, [(r, p + 1) for r, p in step.rows])
 
     def verify(self, requests: Sequence[int], seq_lens: Sequence[int], n: int) -> Step:
         """TARGET_VERIFY: ``seq_lens = L``; rows ``L ... L + n - 1`` per request."""

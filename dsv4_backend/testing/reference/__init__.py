@@ -1,4 +1,4 @@
-"""Plain float32 torch reference of DeepSeek-V4 attention (dsv4-attention.md sections 2-3).
+"""Plain float32 torch reference of DeepSeek-V4 attention (docs/design.md §2-3).
 
 One request at a time, tokens at positions ``0 ... S-1``; small loops, no cleverness. Every
 kernel test compares against these functions.

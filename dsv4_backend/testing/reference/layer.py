@@ -2,7 +2,7 @@
 
 Every kernel and serving-mode test in the project compares against ``reference_layer``: a
 request's tokens sit at positions ``0 ... S-1`` and every query sees exactly what
-dsv4-attention.md section 2 says it sees. The pass is, for a layer of compress ratio ``r``:
+docs/design.md §2 says it sees. The pass is, for a layer of compress ratio ``r``:
 
 1. ratio 4 or 128: ``compressed = compress_entries(kv_proj, score_proj, ape, norm_weight)``;
 2. ratio 4: ``index_keys`` = the indexer compressor's entries (head dim ``DI``, ratio 4, the

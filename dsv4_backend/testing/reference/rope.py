@@ -6,7 +6,7 @@ their compressors and the indexer use ``compress_rope_theta`` with YaRN.
 
 YaRN here blends ``freq / factor`` and ``freq`` with a linear ramp between the correction dims
 of ``beta_fast`` and ``beta_slow`` (DeepSeek's formula) and never rescales cos/sin magnitudes.
-Activation rule (the sources disagree, dsv4-attention.md section 2): like sglang, YaRN applies
+Activation rule (the sources disagree, docs/design.md §2): like sglang, YaRN applies
 whenever ``yarn_original_max_position > 0``; DeepSeek's own code applies it only when the
 maximum sequence length exceeds that value.
 """

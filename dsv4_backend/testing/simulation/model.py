@@ -52,7 +52,7 @@ def _select_rows(
     Rows at or past ``rejected[request]`` get negated inputs: a draft token the target will
     reject, whose keys and compressor state later forwards must not see.
     """
-    picked = {}
+    picked: dict[str, torch.Tensor | None] = {}
     for f in fields(LayerInputs):
         if getattr(inputs[rows[0][0]], f.name) is None:
             picked[f.name] = None

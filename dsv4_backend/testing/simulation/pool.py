@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -99,7 +100,7 @@ class PagedRequestPool:
     # -------------------------------------------------------------------------- batch views
     def _view(
         self, kind: ForwardKind, requests: Sequence[int], seq_lens: Sequence[int],
-        out_cache_loc: torch.Tensor, **extra: object,
+        out_cache_loc: torch.Tensor, **extra: Any,
     ) -> BatchView:  # fmt: skip
         device = self.device
         return BatchView(
