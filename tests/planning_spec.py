@@ -160,7 +160,12 @@ def expected_metadata(
     }
     for r in ratios:
         completes = [(row.position + 1) % r == 0 for row in rows]
-        keep = [row.position >= (row.keep_len // r) * r - (r if r == 4 else 0) for row in rows]
+        # The ring keeps the request's tail and (c4) the last block of every page.
+        keep = [
+            row.position >= (row.keep_len // r) * r - (r if r == 4 else 0)
+            or (r == 4 and row.position % config.page_size >= config.page_size - r)
+            for row in rows
+        ]
         result[f"c{r}.compress_plan"] = _tensor(_plan_records(rows, r, completes), torch.int32, 4)
         result[f"c{r}.write_plan"] = _tensor(_plan_records(rows, r, keep), torch.int32, 4)
     return result

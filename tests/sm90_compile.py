@@ -177,10 +177,10 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
         entry = _source(
             compressor._compress_entry_kernel,
             dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
-                 pool_ptr="*i64", plan_ptr="*i32", norm_ptr="*fp32", cos_ptr="*fp32",
-                 sin_ptr="*fp32", out_ptr="*fp32", eps="fp32"),
-            dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
-                 BLOCK_P=DIM // 2, BLOCK_S=8),
+                 pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", norm_ptr="*fp32",
+                 cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32", eps="fp32"),
+            dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, WINDOW_PAGE=256 if ratio == 4 else 0,
+                 ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_P=DIM // 2, BLOCK_S=8),
         )  # fmt: skip
         out.append((f"compress-entry-c{ratio}", *entry))
     # Planner pointers: int32 unless listed as int64.

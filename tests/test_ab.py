@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import BatchError
+from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
 from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
@@ -31,9 +31,9 @@ from dsv4_backend.testing.ab.trace import (
     NUM_DRAFT_STEPS,
     NUM_DRAFT_TOKENS,
     PATHS,
+    SHARE_TAIL,
     build_trace,
 )
-from dsv4_backend.testing.simulation import PagedRequestPool
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
@@ -58,16 +58,24 @@ def torch_dsv4(**kwargs) -> DSV4Backend:
     max_len=st.integers(30, 700),
     cycles=st.integers(0, 4),
     decode_steps=st.integers(0, 4),
+    prefix_share=st.booleans(),
 )
 def test_trace_fits_its_pool_and_covers_every_mode(
-    seed: int, requests: int, max_len: int, cycles: int, decode_steps: int
+    seed: int, requests: int, max_len: int, cycles: int, decode_steps: int, prefix_share: bool
 ) -> None:
-    trace = build_trace(
+    build = lambda: build_trace(  # noqa: E731
         CONFIG, num_requests=requests, max_len=max_len, cycles=cycles,
-        decode_steps=decode_steps, seed=seed,
+        decode_steps=decode_steps, seed=seed, prefix_share=prefix_share,
     )  # fmt: skip
+    headroom = NUM_DRAFT_TOKENS * cycles + decode_steps
+    if prefix_share and max_len - headroom < CONFIG.page_size + 2 * SHARE_TAIL:
+        with pytest.raises(ConfigError, match="--prefix-share needs"):
+            build()
+        return
+    trace = build()
     assert max(trace.max_lens) <= max_len
-    pool = PagedRequestPool(CONFIG, trace.max_lens, generator=torch.Generator().manual_seed(0))
+    assert len(trace.max_lens) == requests + prefix_share
+    pool = trace.build_model().pool
     for step in trace.steps:
         batch = step.batch(pool)  # the pool's builders accept every step
         assert batch.num_rows == len(step.rows())
@@ -80,7 +88,7 @@ def test_trace_fits_its_pool_and_covers_every_mode(
         assert any(step.rejected for step in trace.steps), "no verify rejects a draft"
         drafts = {s.step_id for s in trace.steps if s.mode == "draft"}
         assert drafts == set(range(NUM_DRAFT_STEPS - 1))  # the last step only samples
-    if max_len - NUM_DRAFT_TOKENS * cycles - decode_steps >= BOUNDARY and cycles + decode_steps:
+    if max_len - headroom >= BOUNDARY and cycles + decode_steps and not prefix_share:
         # Every request crosses a multiple of 128 after its prompt.
         for r in range(requests):
             prompt = next(s for s in trace.steps if s.mode == "prefill" and s.path == "graph")
@@ -142,6 +150,34 @@ def test_package_matches_reference_on_every_mode(trace) -> None:
     verify_rows = sum(len(s.rows()) for s in trace.steps if s.mode == "verify")
     compared = result.modes["verify/eager"].rows + result.modes["verify/graph"].rows
     assert compared < verify_rows
+
+
+def test_prefix_share_trace_serves_a_cache_hit(tmp_path: Path, capsys) -> None:
+    """``--prefix-share``: request 2 shares request 0's prompt and its first page, and starts at
+    256 in a prefill step of its own; every mode still matches the reference."""
+    trace = build_trace(CONFIG, num_requests=2, max_len=290, cycles=1, decode_steps=1,
+                        prefix_share=True)  # fmt: skip
+    assert trace.shared_pages == ((2, (0, 1)),)
+    ((owner, prompt),) = (spec for r, spec in trace.same_tokens if r == 2)
+    assert owner == 0 and prompt > 256
+    join = [s for s in trace.steps if s.requests == (2,)]
+    assert [(s.mode, s.lens) for s in join] == [("prefill", (256,))]
+    assert all(2 in s.requests for s in trace.steps if s.mode != "prefill")
+    pool = trace.build_model().pool
+    assert torch.equal(pool.req_to_token[3, :256], pool.req_to_token[1, :256])
+    assert not torch.equal(pool.req_to_token[3, 256:512], pool.req_to_token[1, 256:512])
+    result = run_trace(trace, torch_dsv4(), ReferenceBackend())
+    assert result.passed, result.failed
+    args = ["--requests", "2", "--max-len", "290", "--cycles", "1", "--decode-steps", "1"]
+    status = main(["--a", "dsv4-torch", *args, "--prefix-share", "--out", str(tmp_path), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["trace"]["prefix_hits"] == [
+        {"request": 2, "owner": 0, "tokens": 256}
+    ]
+    assert (
+        "request 2 starts from request 0's cached 256 tokens"
+        in (tmp_path / "report.md").read_text()
+    )
 
 
 def stale_draft_slice_plan(config, batch, *, widths=None):
@@ -284,6 +320,7 @@ def _bad_config(tmp_path: Path) -> list[str]:
         (["--layers", "0,9"], "layer ids must be in 0 ... 3"),
         (["--atol", "prefil=1e-3"], "--atol names ['prefil']"),
         (["--max-len", "12"], "max_len=12 leaves no room for a prompt"),
+        (["--prefix-share", "--max-len", "150"], "--prefix-share needs a prompt longer than"),
         (["--max-len", str(10**9)], "--max-len 1000000000: expected at most 65536"),
         (["--atol", "-1"], "--atol '-1': the tolerance must be a finite number >= 0"),
         (["--atol", "verify=nan"], "--atol 'verify=nan': the tolerance must be a finite number"),

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import ContractError
+from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.compressor import CompressorState, compress_forward
@@ -18,6 +18,9 @@ from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_r
 
 CONFIG = DSV4AttentionConfig.tiny()
 SPEC_CONFIG = DSV4AttentionConfig.tiny(speculative=True)
+PAGE = CONFIG.page_size
+#: Window pages per request (requests here are at most 4 pages long).
+PAGES_PER_REQUEST = 4
 
 
 @dataclass(frozen=True)
@@ -32,11 +35,27 @@ class Layer:
 
 @dataclass(frozen=True)
 class Request:
-    """One request's true token projections (scores without ape) and its ring slot."""
+    """One request's true token projections (scores without ape), its pool row (the c128
+    ring slot) and the window page of each of its 256-token pages (c4 ring slots): pages
+    ``4 * pool_index + k`` unless it shares another request's (a cached prefix)."""
 
     pool_index: int
     kv: torch.Tensor  # [S, c*D]
     score: torch.Tensor  # [S, c*D]
+    window_pages: tuple[int, ...] = ()
+
+    def pages(self) -> tuple[int, ...]:
+        first = PAGES_PER_REQUEST * self.pool_index
+        return self.window_pages or tuple(range(first, first + PAGES_PER_REQUEST))
+
+    def window_slot(self, position: int) -> int:
+        return self.pages()[position // PAGE] * PAGE + position % PAGE
+
+
+def allocate(config: DSV4AttentionConfig, layer: Layer, pool_rows: int) -> CompressorState:
+    """Rings for requests in pool rows ``< pool_rows`` (c4: their window pages)."""
+    slots = pool_rows * (PAGES_PER_REQUEST if layer.ratio == 4 else 1)
+    return CompressorState.allocate(config, layer.ratio, layer.head_dim, slots)
 
 
 def make_layer(ratio: int, head_dim: int, seed: int = 0) -> Layer:
@@ -78,7 +97,7 @@ def run_forward(
 ) -> torch.Tensor:
     """One forward over ``segments`` (one per batch entry); record entries of committed rows
     into ``found[(pool_index, w)]``. Returns the ``[T, D]`` output."""
-    kv, score, batch_ids, positions, first_new, lens = [], [], [], [], [], []
+    kv, score, batch_ids, positions, first_new, lens, window = [], [], [], [], [], [], []
     g = torch.Generator().manual_seed(7)
     for b, seg in enumerate(segments):
         rows = slice(seg.start, seg.start + seg.n)
@@ -93,6 +112,10 @@ def run_forward(
         positions += range(seg.start, seg.start + seg.n)
         first_new += [seg.start] * seg.n
         lens += [seg.start + seg.n if seg.committed is None else seg.committed] * seg.n
+        window += [
+            [seg.req.window_slot(p - k) if p >= k else -1 for k in range(8)]
+            for p in range(seg.start, seg.start + seg.n)
+        ]
     positions_t = torch.tensor(positions)
     plans = compute_compress_plans(
         torch.tensor(batch_ids, dtype=torch.int32),
@@ -104,7 +127,8 @@ def run_forward(
     out = compress_forward(
         state, torch.cat(kv), torch.cat(score), layer.ape, layer.norm_weight,
         rope_for_ratio(CONFIG, layer.ratio),
-        torch.tensor([s.req.pool_index for s in segments]), positions_t, *plans,
+        torch.tensor([s.req.pool_index for s in segments]),
+        torch.tensor(window, dtype=torch.int32).reshape(-1, 8), positions_t, *plans,
     )  # fmt: skip
     done = (positions_t + 1) % layer.ratio == 0
     assert not out[~done].any(), "rows that complete no entry must be zero"
@@ -131,7 +155,7 @@ def run_schedule(layer: Layer, lengths: list[int], chunks: list[list[int]], path
     """Requests of ``lengths`` fed in forwards of ``chunks[i]`` new tokens each (0 = idle),
     on kernel ``path``; request ``i`` uses ring slot ``3 + 2i`` (not its batch id)."""
     requests = [make_request(layer, n, 3 + 2 * i, i) for i, n in enumerate(lengths)]
-    state = CompressorState.allocate(CONFIG, layer.ratio, layer.head_dim, 2 * len(lengths) + 4)
+    state = allocate(CONFIG, layer, 2 * len(lengths) + 4)
     found: dict = {}
     done = [0] * len(lengths)
     for step in range(max(len(c) for c in chunks)):
@@ -226,7 +250,7 @@ def test_triton_interpreter_equals_torch(layer: Layer) -> None:
     outs, rings = [], []
     for path in (TORCH, INTERP):
         req = make_request(layer, 200, 1, seed=5)
-        state = CompressorState.allocate(CONFIG, layer.ratio, layer.head_dim, 3)
+        state = allocate(CONFIG, layer, 3)
         found: dict = {}
         with dispatch.force_path(path):
             run_forward(state, layer, [Segment(req, 0, 130)], found)
@@ -238,38 +262,42 @@ def test_triton_interpreter_equals_torch(layer: Layer) -> None:
 
 @pytest.mark.parametrize("path", [TORCH, INTERP])
 def test_strided_pool_indices(path: str) -> None:
-    """A strided ``req_pool_indices`` view is read through its stride (ring slots 3 and 1)."""
-    reqs = [make_request(C4, 12, 0, seed=s) for s in (11, 12)]
+    """A strided ``req_pool_indices`` view is read through its stride (c128 ring slots 3, 1)."""
+    reqs = [make_request(C128, 12, 0, seed=s) for s in (11, 12)]
     kv, score = torch.cat([r.kv for r in reqs]), torch.cat([r.score for r in reqs])
     batch_ids = torch.arange(2).repeat_interleave(12).int()
     positions = torch.arange(12).repeat(2)
     plans = compute_compress_plans(
         batch_ids, positions, torch.zeros(24, dtype=torch.int64),
-        torch.full((24,), 12, dtype=torch.int32), 4,
+        torch.full((24,), 12, dtype=torch.int32), 128,
     )  # fmt: skip
-    rope = rope_for_ratio(CONFIG, 4)
+    rope = rope_for_ratio(CONFIG, 128)
     rings = []
     for pool_indices in (torch.tensor([3, 1]), torch.tensor([3, 0, 1, 2])[::2]):
-        state = CompressorState.allocate(CONFIG, 4, C4.head_dim, 4)
+        state = allocate(CONFIG, C128, 4)
         with dispatch.force_path(path):
-            compress_forward(state, kv, score, C4.ape, C4.norm_weight, rope, pool_indices,
-                             positions, *plans)  # fmt: skip
+            compress_forward(state, kv, score, C128.ape, C128.norm_weight, rope, pool_indices,
+                             torch.zeros(24, 0, dtype=torch.int32), positions, *plans)  # fmt: skip
         rings.append(state.ring)
-    assert torch.isfinite(rings[0][[1, 3], :4]).all()  # positions 8-11 kept in slots 3 and 1
+    assert torch.isfinite(rings[0][[1, 3], :12]).all()  # positions 0-11 kept in slots 3 and 1
     torch.testing.assert_close(rings[1], rings[0], atol=0, rtol=0)
 
 
-def test_state_reset_and_allocation_sizes() -> None:
+def test_state_reset_scope_and_allocation_sizes() -> None:
     for config, rows in ((CONFIG, {4: 8, 128: 128}), (SPEC_CONFIG, {4: 16, 128: 256})):
         for ratio, width in ((4, 4 * 128), (128, 2 * 128)):
             state = CompressorState.allocate(config, ratio, 128, 2)
             assert state.ring.shape == (2, rows[ratio], width)
+            assert state.window_page == (PAGE if ratio == 4 else 0)
             assert not state.ring[..., : width // 2].any()
             assert (state.ring[..., width // 2 :] == float("-inf")).all()
     state.ring.fill_(1.0)
-    state.reset(torch.tensor([1]))
-    assert (state.ring[0] == 1).all() and (state.ring[1, :, 128:] == float("-inf")).all()
-    assert not state.ring[1, :, :128].any()
+    state.reset()
+    assert not state.ring[..., :128].any() and (state.ring[..., 128:] == float("-inf")).all()
+    with pytest.raises(ConfigError, match="c4 state is page-scoped"):
+        CompressorState(ratio=4, head_dim=128, ring=state.ring)
+    with pytest.raises(ConfigError, match="c128 state request-scoped"):
+        CompressorState(ratio=128, head_dim=128, ring=state.ring, window_page=PAGE)
 
 
 @pytest.mark.parametrize(
@@ -290,7 +318,7 @@ def test_speculative_verify_with_rejections_equals_one_shot(
     n, accepts = 4, [0, 3, 1, 2, 0, 3, 1, 0]
     total = seq + sum(a + 1 for a in accepts)
     req = make_request(layer, total + n, 0, seed=seq)
-    state = CompressorState.allocate(SPEC_CONFIG, layer.ratio, layer.head_dim, 1)
+    state = allocate(SPEC_CONFIG, layer, 1)
     found: dict = {}
     with dispatch.force_path(path):
         run_forward(state, layer, [Segment(req, 0, seq)], found)
@@ -310,7 +338,7 @@ def test_padding_records_are_ignored() -> None:
     plan = torch.full((8, 4), -1, dtype=torch.int32)
     out = compress_forward(
         state, req.kv, req.score, C4.ape, C4.norm_weight, rope_for_ratio(CONFIG, 4),
-        torch.tensor([0]), torch.arange(8), plan, plan,
+        torch.tensor([0]), torch.zeros(8, 8, dtype=torch.int32), torch.arange(8), plan, plan,
     )  # fmt: skip
     assert not out.any()
     assert (state.ring[..., 256:] == float("-inf")).all()
@@ -321,9 +349,61 @@ def test_shape_errors_name_the_tensor() -> None:
     plan = torch.full((8, 4), -1, dtype=torch.int32)
     args = (torch.zeros(8, 256), torch.zeros(8, 256), torch.zeros(4, 256), torch.ones(128))
     rope = rope_for_ratio(CONFIG, 4)
+    window = torch.zeros(8, 8, dtype=torch.int32)
     with pytest.raises(ContractError, match=r"kv_proj has shape \(8, 128\), expected \(8, 256\)"):
-        compress_forward(state, torch.zeros(8, 128), *args[1:], rope, torch.tensor([0]),
+        compress_forward(state, torch.zeros(8, 128), *args[1:], rope, torch.tensor([0]), window,
                          torch.arange(8), plan, plan)  # fmt: skip
     with pytest.raises(ContractError, match=r"compress_plan has dtype torch\.int64"):
-        compress_forward(state, *args, rope, torch.tensor([0]), torch.arange(8), plan.long(),
-                         plan)  # fmt: skip
+        compress_forward(state, *args, rope, torch.tensor([0]), window, torch.arange(8),
+                         plan.long(), plan)  # fmt: skip
+    with pytest.raises(ContractError, match=r"window_slots has shape \(8, 4\), expected \(8, >="):
+        compress_forward(state, *args, rope, torch.tensor([0]), window[:, :4], torch.arange(8),
+                         plan, plan)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("layer", "prefix", "chunks", "path"),
+    [
+        (C4, 256, [5, 1, 1], TORCH),
+        (C4, 512, [130, 3], TORCH),
+        (INDEXER_C4, 256, [300], TORCH),
+        (C128, 256, [127, 1, 1], TORCH),
+        (C128, 512, [200], TORCH),
+        (C4, 256, [9, 1], INTERP),
+        (C128, 256, [128, 1], INTERP),
+    ],
+)
+def test_request_starting_from_a_cached_prefix_equals_one_shot(
+    layer: Layer, prefix: int, chunks: list[int], path: str
+) -> None:
+    """Request B shares A's first ``prefix`` tokens and their window pages (a radix-cache hit)
+    and starts there in its own pool row, then goes on in ``chunks``.
+
+    A prefilled in one forward, so only the write plan's last-block-of-every-page rule left
+    the block before ``prefix`` in its (page-scoped) c4 ring. B's own c128 ring and its own
+    window pages' c4 rings hold NaN (an earlier request's leftovers): nothing may read them.
+    """
+    total = prefix + sum(chunks)
+    owner = make_request(layer, 700, 1, seed=40)
+    data = make_request(layer, total, 2, seed=41)
+    kv, score = data.kv.clone(), data.score.clone()
+    kv[:prefix], score[:prefix] = owner.kv[:prefix], owner.score[:prefix]
+    shared = prefix // PAGE
+    own_pages = tuple(range(PAGES_PER_REQUEST * 2, PAGES_PER_REQUEST * 3))
+    hit = Request(2, kv, score, window_pages=(*owner.pages()[:shared], *own_pages))
+    state = allocate(CONFIG, layer, 3)
+    found: dict = {}
+    with dispatch.force_path(path):
+        run_forward(state, layer, [Segment(owner, 0, 700)], found)
+        if layer.ratio == 4:
+            state.ring[list(own_pages)] = float("nan")
+        else:
+            state.ring[2] = float("nan")
+        start = prefix
+        for n in chunks:
+            run_forward(state, layer, [Segment(hit, start, n)], found)
+            start += n
+    want = reference(layer, hit)
+    first = prefix // layer.ratio
+    got = torch.stack([found[(2, w)] for w in range(first, want.shape[0])])
+    torch.testing.assert_close(got, want[first:], atol=2e-5, rtol=2e-5)

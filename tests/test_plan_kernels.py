@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_backend.config import compress_span
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
@@ -29,6 +29,7 @@ from dsv4_backend.kernels import compress_plan_tvm as cpt  # noqa: E402
 
 LLVM = json.dumps({"kind": "llvm"})
 CUDA_SM90 = json.dumps({"kind": "cuda", "arch": "sm_90"})
+PAGE = REQUIRED_PAGE_SIZE
 
 
 def plan_inputs(
@@ -60,11 +61,11 @@ requests = st.lists(st.tuples(st.integers(0, 1100), st.integers(1, 400)), min_si
 
 # -------------------------------------------------------------------- TVM compress plans
 @settings(max_examples=25, deadline=None)
-@given(reqs=requests, ratio=st.sampled_from([4, 128]))
-def test_tvm_plans_equal_torch(reqs: list[tuple[int, int]], ratio: int) -> None:
+@given(reqs=requests, ratio=st.sampled_from([4, 128]), page=st.sampled_from([64, PAGE]))
+def test_tvm_plans_equal_torch(reqs: list[tuple[int, int]], ratio: int, page: int) -> None:
     inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
-    want = compute_compress_plans(*inputs, ratio)
-    assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio), want)
+    want = compute_compress_plans(*inputs, ratio, page)
+    assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio, page), want)
 
 
 @settings(max_examples=15, deadline=None)
@@ -77,7 +78,7 @@ def test_cuda_decomposition_on_cpu_equals_torch(
     inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
     rows = inputs[0].shape[0]
     out = torch.full((rows, 4), 7, dtype=torch.int32), torch.full((rows, 4), 7, dtype=torch.int32)
-    cpt.compiled_kernel(LLVM, threads)(*inputs, *out, ratio, compress_span(ratio))
+    cpt.compiled_kernel(LLVM, threads)(*inputs, *out, ratio, compress_span(ratio), PAGE)
     assert_plans_equal(out, compute_compress_plans(*inputs, ratio))
 
 
@@ -97,7 +98,8 @@ def test_tvm_plans_arbitrary_rows_equal_torch() -> None:
         want = compute_compress_plans(*inputs, ratio)
         assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio), want)
         # The CUDA thread count: 2 rows per thread.
-        cpt.compiled_kernel(LLVM, cpt.CUDA_THREADS)(*inputs, *out, ratio, compress_span(ratio))
+        kernel = cpt.compiled_kernel(LLVM, cpt.CUDA_THREADS)
+        kernel(*inputs, *out, ratio, compress_span(ratio), PAGE)
         assert_plans_equal(out, want)
 
 

@@ -120,6 +120,51 @@ def test_compress_plans_by_hand() -> None:
     assert compress.dtype == write.dtype == torch.int32 and compress.shape == (8, 4)
 
 
+def test_c4_write_plan_keeps_the_last_block_of_every_page() -> None:
+    """Positions 200..600 of a 601-token request: the c4 ring keeps 252-255 and 508-511 (the
+    block a request starting from the cached 256- or 512-token prefix pools first) besides the
+    tail 596-600; the c128 ring only its tail (no c128 entry spans a page boundary)."""
+    positions = torch.arange(200, 601)
+    n = positions.numel()
+    args = (torch.zeros(n, dtype=torch.int32), positions, torch.full((n,), 200),
+            torch.full((n,), 601, dtype=torch.int32))  # fmt: skip
+    kept = lambda plan: [p for p in plan[:, 2].tolist() if p >= 0]  # noqa: E731
+    _, write = compute_compress_plans(*args, 4)
+    assert kept(write) == [252, 253, 254, 255, 508, 509, 510, 511, 596, 597, 598, 599, 600]
+    _, write = compute_compress_plans(*args, 4, page_size=512)
+    assert kept(write) == [508, 509, 510, 511, 596, 597, 598, 599, 600]
+    _, write = compute_compress_plans(*args, 128)
+    assert kept(write) == list(range(512, 601))
+
+
+def test_fused_planner_keeps_the_page_ends_too() -> None:
+    """The fused kernel's closed-form record indices agree with the torch plans when the c4
+    write plan holds page ends before each request's tail (long extends, verify, decode)."""
+    from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+    from dsv4_backend.planning.planner import fuses
+    from dsv4_backend.testing.simulation import PagedRequestPool
+
+    config = DSV4AttentionConfig.tiny(speculative=True)
+    generator = torch.Generator().manual_seed(0)
+    pool = PagedRequestPool(config, [900, 700, 1300, 40], generator=generator)
+    batches = [
+        pool.extend([0, 1, 2, 3], [0, 250, 509, 3], [900, 420, 700, 30]),
+        pool.extend([2, 0], [1000, 100], [255, 700]),
+        pool.verify([0, 1, 2], [251, 509, 254], 4),
+    ]
+    for batch in batches:
+        with force_path(TRITON_INTERPRETER):
+            assert fuses(batch)
+            fused = plan(config, batch)
+        with force_path(TORCH):
+            torch_plan = plan(config, batch)
+        for ratio in (4, 128):
+            for name in ("compress_plan", "write_plan"):
+                got = getattr(fused.compressed(ratio), name)
+                assert torch.equal(got, getattr(torch_plan.compressed(ratio), name)), name
+    assert int((fused.c4.write_plan[:, 0] >= 0).sum()) == 12  # verify: every row kept
+
+
 def test_row_fields_by_hand() -> None:
     positions = torch.tensor([0, 3, 127, 255, 300])
     raw_out_loc = torch.tensor([1000, 1003, 2047, 4095, 5000])

@@ -88,14 +88,31 @@ def test_caches_are_views_of_the_pool_buffers(pool, state) -> None:
     assert ring128.shape == (REQUEST_SLOTS, CONFIG.ring_rows(128), 2 * CONFIG.head_dim)
     assert torch.all(ring128[..., : CONFIG.head_dim] == 0)
     assert torch.all(ring128[..., CONFIG.head_dim :] == float("-inf"))
-    # c4 rings: sglang's are addressed by window page, so they stay this package's own.
-    for ring_state in (state.compressor_states[1], state.indexer_states[1]):
-        assert not inside(
-            ring_state.ring, pool.get_attention_compress_states(1).kv_score_buffer.kv_score
-        )
-        assert not inside(
-            ring_state.ring, pool.get_indexer_compress_states(1).kv_score_buffer.kv_score
-        )
+    # c4 rings: page-scoped like sglang's (row swa_page * R + pos % R), one per window page.
+    pages = -(-pool.swa_size // 256) + 1  # window slots swa_size + 1, rounded up, in pages
+    for layer in (1, 3):
+        for ring_state, states, dim in (
+            (state.compressor_states[layer], pool.get_attention_compress_states(layer), 512),
+            (state.indexer_states[layer], pool.get_indexer_compress_states(layer), 128),
+        ):
+            buf = states.kv_score_buffer.kv_score
+            assert ring_state.ring.data_ptr() == buf.data_ptr()
+            assert ring_state.ring.shape == (pages, CONFIG.ring_rows(4), 4 * dim)
+            assert ring_state.window_page == states.swa_page_size == 256
+            assert torch.all(ring_state.ring[..., : 2 * dim] == 0)
+
+
+def test_c4_state_rows_are_sglangs(pool, state) -> None:
+    """Our ring row of (window slot s, position p) is the row sglang's translation gives."""
+    states = pool.get_attention_compress_states(1)
+    ring = state.compressor_states[1].ring
+    swa_loc = torch.tensor([256 + 5, 512 + 250, 255])  # positions p with p % 256 = swa_loc % 256
+    state_loc = states.translate_from_swa_loc_to_state_loc(swa_loc.clone())
+    positions = torch.tensor([5, 1018, 511])
+    values = torch.randn(3, ring.shape[-1])
+    ring[swa_loc // 256, positions % ring.shape[1]] = values
+    torch.testing.assert_close(states.kv_score_buffer.kv_score[state_loc], values)
+    state.compressor_states[1].reset()
 
 
 def test_store_gather_round_trip_through_the_pool(pool, state) -> None:
@@ -144,8 +161,10 @@ def test_logs_aliased_or_allocated(caplog) -> None:
     with caplog.at_level(logging.INFO, logger="dsv4_backend.sglang_adapter.pool_alias"):
         fp8 = shared_state(make_runner(pool), CONFIG, "fp8")
     assert "aliased" in caplog.text and "DeepSeekV4TokenToKVPool" in caplog.text
-    expected = fp8.pools.nbytes + fp8.compressor_states[2].ring.nbytes
+    rings = [*fp8.compressor_states.values(), *fp8.indexer_states.values()]
+    expected = fp8.pools.nbytes + sum(r.ring.nbytes for r in rings)
     assert f"aliased {expected} bytes" in caplog.text
+    assert f"{len(rings)} of {len(rings)} compressor rings" in caplog.text
     caplog.clear()
     dense_pool = make_pool()
     with caplog.at_level(logging.INFO, logger="dsv4_backend.sglang_adapter.pool_alias"):

@@ -84,7 +84,9 @@ def test_draft_worker_serves_the_window_only_mtp_layer(pool: PagedRequestPool) -
         ({"page_size": 128}, {}, "page_size=128"),
         ({"topk": 2}, {}, "speculative_eagle_topk=2"),
         ({"attn_cp_size": 2}, {}, "attn_cp_size=2"),
-        ({"disable_radix_cache": False}, {}, "--disable-radix-cache"),
+        ({"enable_flexkv": True}, {}, "not FlexKV (drop --enable-flexkv)"),
+        ({"radix_cache_backend": "mine"}, {}, "radix_cache_backend='mine'"),
+        ({"enable_streaming_session": True}, {}, "streaming sessions"),
         ({}, {"compress_ratios": [0, 4, 2, 128, 0]}, "compress_ratios contains [2]"),
     ],
 )
@@ -95,6 +97,13 @@ def test_unservable_configurations_are_refused_naming_the_option(
     with pytest.raises(ConfigError) as refused:
         DSV4AttentionBackend(runner)
     assert message in str(refused.value)
+
+
+def test_sglang_default_radix_cache_is_accepted(pool: PagedRequestPool) -> None:
+    """The plain launch: radix cache on (sglang's default), no cache flags."""
+    runner = harness.mock_runner(pool, HF, disable_radix_cache=False)
+    assert not runner.server_args.disable_radix_cache
+    DSV4AttentionBackend(runner, cache_format="dense")
 
 
 def test_draft_topk_argument_is_checked_too(pool: PagedRequestPool) -> None:
@@ -234,30 +243,6 @@ def test_graph_planning_needs_the_graph_state(pool: PagedRequestPool) -> None:
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
     backend.init_forward_metadata_out_graph(step.batch)
     assert backend.forward_metadata.page_table.shape == (2, backend.graph_buffers.widths.page_table)
-
-
-@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
-def test_planning_resets_the_rings_of_requests_starting_at_zero(
-    pool: PagedRequestPool, graph: bool
-) -> None:
-    """Pool rows are reused: a request (re)starting at position 0 must not see the rings of
-    the row's earlier request, on either planning path."""
-    backend = make_backend(pool)
-    rings = [*backend.state.compressor_states.values(), *backend.state.indexer_states.values()]
-    for state in rings:
-        state.ring.fill_(7.0)  # an earlier request's state in every pool row
-    step = harness.BatchBuilder(pool).extend([0, 1], [0, 3], [5, 2])
-    if graph:
-        backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
-        backend.init_forward_metadata_out_graph(step.batch)
-    else:
-        backend.init_forward_metadata(step.batch)
-    fresh, continuing = pool.pool_index(0), pool.pool_index(1)
-    for state in rings:
-        half = state.ring.shape[-1] // 2
-        assert (state.ring[fresh, :, :half] == 0).all()
-        assert (state.ring[fresh, :, half:] == float("-inf")).all()
-        assert (state.ring[continuing] == 7.0).all()
 
 
 # ---------------------------------------------------------------------------- seed failures

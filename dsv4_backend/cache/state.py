@@ -4,6 +4,7 @@ allocation and resets."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,7 @@ import torch
 from dsv4_backend.cache.pools import DSV4CachePools
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import DSV4AttentionConfig, compress_overlap
+from dsv4_backend.errors import ConfigError
 from dsv4_backend.ops.rope import RopeTable, rope_for_ratio
 
 
@@ -22,13 +24,24 @@ class CompressorState:
     ----------
     ratio : 4 or 128.
     head_dim : ``D`` of the compressed entries.
-    ring : ``[num_slots, R, 2 * c * D]`` float32 rows ``[kv | score + ape]``, indexed by a
-        request's pool index (``req_pool_indices``) and ``position % R``.
+    ring : ``[num_slots, R, 2 * c * D]`` float32 rows ``[kv | score + ape]``, indexed by ring
+        slot and ``position % R``. Slots, like sglang's ``CompressStatePool``: c128, a request's
+        pool index (``req_pool_indices``); c4, a window page (``window_slot // window_page``).
+    window_page : window slots per ring slot of a page-scoped (c4) state (the KV page size,
+        256); 0 for a request-scoped (c128) state.
     """
 
     ratio: int
     head_dim: int
     ring: torch.Tensor
+    window_page: int = 0
+
+    def __post_init__(self) -> None:
+        if (self.ratio == 4) != (self.window_page > 0):
+            raise ConfigError(
+                f"compressor state of ratio {self.ratio} with window_page={self.window_page}; "
+                "c4 state is page-scoped (window_page > 0), c128 state request-scoped (0)"
+            )
 
     @classmethod
     def allocate(
@@ -39,10 +52,12 @@ class CompressorState:
         num_slots: int,
         device: torch.device | str = "cpu",
     ) -> CompressorState:
-        """Reset rings for ``num_slots`` request slots; ``R = config.ring_rows(ratio)``."""
+        """Reset rings for ``num_slots`` ring slots (c4: window pages of ``config.page_size``
+        slots; c128: request pool rows); ``R = config.ring_rows(ratio)``."""
         width = 2 * compress_overlap(ratio) * head_dim
         ring = torch.empty(num_slots, config.ring_rows(ratio), width, device=device)
-        state = cls(ratio=ratio, head_dim=head_dim, ring=ring)
+        window_page = config.page_size if ratio == 4 else 0
+        state = cls(ratio=ratio, head_dim=head_dim, ring=ring, window_page=window_page)
         state.reset()
         return state
 
@@ -50,12 +65,13 @@ class CompressorState:
     def ring_rows(self) -> int:
         return self.ring.shape[1]
 
-    def reset(self, pool_indices: torch.Tensor | None = None) -> None:
-        """kv 0 and score -inf in the rings of ``pool_indices`` ``[n]`` (all when None)."""
-        slots = slice(None) if pool_indices is None else pool_indices.long()
+    def reset(self) -> None:
+        """kv 0 and score -inf in every ring (no forward reads a row it did not write: the
+        pooling reads ring rows only for positions before a request's first new row, which an
+        earlier forward of the request, or of the one that cached its prefix, wrote)."""
         half = self.ring.shape[-1] // 2
-        self.ring[slots, :, :half] = 0.0
-        self.ring[slots, :, half:] = float("-inf")
+        self.ring[..., :half] = 0.0
+        self.ring[..., half:] = float("-inf")
 
 
 @dataclass(frozen=True, eq=False)
@@ -69,6 +85,12 @@ class AttentionState:
     indexer_states : the indexer compressor's rings of each ratio-4 layer.
     rope : cos/sin of the compressed layers' RoPE (compressed entries, indexer queries) for
         every position a request can reach.
+
+    Everything but the c128 rings is addressed by cache slot (full page, window slot or window
+    page), never by request: a request that starts from another request's cached, page-aligned
+    prefix (a radix-cache hit) finds the prefix's keys, entries and c4 state where that request
+    left them. A c128 entry never spans a page boundary, so nothing of the c128 ring is pending
+    at such a prefix; the rings are request-scoped like sglang's.
     """
 
     config: DSV4AttentionConfig
@@ -90,7 +112,8 @@ class AttentionState:
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
     ) -> AttentionState:
-        """Zeroed caches and reset rings for ``num_request_slots`` request pool rows.
+        """Zeroed caches and reset rings: c4 rings for every window page of ``num_swa_slots``,
+        c128 rings for ``num_request_slots`` request pool rows.
 
         ``max_positions``: the longest request (the RoPE table's rows); default
         ``num_full_slots``, which no request can outgrow.
@@ -103,15 +126,16 @@ class AttentionState:
             dtype=dtype,
             device=device,
         )
+        slots = ring_slots(config, num_swa_slots=num_swa_slots, num_request_slots=num_request_slots)
         core, index = {}, {}
         for layer, ratio in enumerate(config.compress_ratios):
             if ratio:
                 core[layer] = CompressorState.allocate(
-                    config, ratio, config.head_dim, num_request_slots, device
+                    config, ratio, config.head_dim, slots[ratio], device
                 )
             if ratio == 4:
                 index[layer] = CompressorState.allocate(
-                    config, 4, config.index_head_dim, num_request_slots, device
+                    config, 4, config.index_head_dim, slots[4], device
                 )
         return cls(
             config=config,
@@ -121,10 +145,13 @@ class AttentionState:
             rope=compressed_rope(config, max_positions or num_full_slots, device),
         )
 
-    def reset_requests(self, pool_indices: torch.Tensor) -> None:
-        """Reset the rings of requests that (re)start at position 0 in these pool rows."""
-        for state in (*self.compressor_states.values(), *self.indexer_states.values()):
-            state.reset(pool_indices)
+
+def ring_slots(
+    config: DSV4AttentionConfig, *, num_swa_slots: int, num_request_slots: int
+) -> dict[int, int]:
+    """Ring slots of each ratio's compressor states: c4 rings are page-scoped (one per window
+    page of ``config.page_size`` slots), c128 rings request-scoped (one per pool row)."""
+    return {4: math.ceil(num_swa_slots / config.page_size), 128: num_request_slots}
 
 
 def compressed_rope(

@@ -78,7 +78,8 @@ def compress_and_store(
     rings = (state.indexer_states if indexer else state.compressor_states)[layer]
     entries = compress_forward(
         rings, kv_proj, score_proj, ape, norm_weight, state.rope,
-        req_pool_indices, metadata.positions_causal, comp.compress_plan, comp.write_plan,
+        req_pool_indices, metadata.swa_page_indices, metadata.positions_causal,
+        comp.compress_plan, comp.write_plan,
         norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
     )  # fmt: skip
     pools = state.pools

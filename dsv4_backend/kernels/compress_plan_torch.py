@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.config import check_compressed_ratio, compress_span
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
 
 
 def _compact(records: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -31,6 +31,7 @@ def compute_compress_plans(
     first_new_positions: torch.Tensor,
     request_seq_lens: torch.Tensor,
     ratio: int,
+    page_size: int = REQUIRED_PAGE_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress plan and write plan of ``ratio`` for ``T`` query rows.
 
@@ -43,13 +44,17 @@ def compute_compress_plans(
     request_seq_lens : ``[T]`` int32 — the shortest length the row's request can have after
         this forward (``keep_len`` of ``planning/metadata.py``: ``seq_lens + 1`` for verify).
     ratio : 4 or 128.
+    page_size : tokens per KV page (the window pages that scope the c4 rings).
 
     Returns
     -------
     ``(compress_plan, write_plan)``, each ``[T, 4]`` int32 records
     ``(ragged_id, batch_id, position, window_len)``, valid records first in row order, then
     ``-1`` rows. The compress plan lists rows with ``(position + 1) % ratio == 0``; the write
-    plan rows with ``position >= (seq_len // ratio) * ratio`` (``- ratio`` for ratio 4).
+    plan rows with ``position >= (seq_len // ratio) * ratio`` (``- ratio`` for ratio 4) and,
+    for ratio 4, the last ``ratio`` positions of every page (``position % page_size >=
+    page_size - ratio``): the block a request starting from that cached, page-aligned prefix
+    pools first, kept in the page's own (page-scoped) ring.
     ``window_len = min(span, position - first_new_position + 1)`` with span 8 (c4) / 128 (c128).
     """
     check_compressed_ratio(ratio, "compress plan")
@@ -60,6 +65,9 @@ def compute_compress_plans(
         torch.int32
     )
     keep_from = (request_seq_lens.long() // ratio) * ratio - (ratio if ratio == 4 else 0)
+    keep = positions >= keep_from
+    if ratio == 4:
+        keep |= positions % page_size >= page_size - ratio
     compress_plan = _compact(records, (positions + 1) % ratio == 0)
-    write_plan = _compact(records, positions >= keep_from)
+    write_plan = _compact(records, keep)
     return compress_plan, write_plan

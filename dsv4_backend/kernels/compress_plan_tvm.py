@@ -45,7 +45,7 @@ from typing import Any
 
 import torch
 
-from dsv4_backend.config import check_compressed_ratio, compress_span
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 
@@ -63,7 +63,7 @@ _INPUT_DTYPES = {
     "request_seq_lens": torch.int32,
 }
 #: Tensor arguments, in the kernel's order: 4 inputs ``[T]``, 2 outputs ``[T, 4]`` (then the
-#: scalars ``ratio`` and ``span``).
+#: scalars ``ratio``, ``span`` and ``page``).
 KERNEL_ARGS = (*_INPUT_DTYPES, "compress_plan", "write_plan")
 #: The shipped CUDA source (generated): TVM's kernel, then the tvm-ffi launcher.
 CUDA_SOURCE = Path(__file__).with_name("compress_plan_cuda.cu")
@@ -93,12 +93,14 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
     def completes(p: Any, ratio: Any) -> Any:  # the row completes a compressed entry
         return tirx.floormod(p + 1, ratio) == 0
 
-    def keeps(p: Any, seq_len: Any, ratio: Any, overlap: Any) -> Any:  # state stays in the ring
-        return p >= tirx.floordiv(tirx.Cast("int64", seq_len), ratio) * ratio - overlap
+    def keeps(p: Any, seq_len: Any, ratio: Any, overlap: Any, page: Any) -> Any:
+        # State stays in the ring: the request's tail, and (c4) the last block of every page.
+        tail = p >= tirx.floordiv(tirx.Cast("int64", seq_len), ratio) * ratio - overlap
+        return tirx.Or(tail, tirx.And(overlap > 0, tirx.floormod(p, page) >= page - ratio))
 
     # The phases of virtual thread ``t`` (rows [t * chunk, (t + 1) * chunk) of ``rows``).
     @T.macro
-    def count(t, rows, chunk, ratio, overlap, positions, seq_lens, counts):
+    def count(t, rows, chunk, ratio, overlap, page, positions, seq_lens, counts):
         first_row: T.let = T.Cast("int64", t) * chunk
         kept_c: T.int32 = 0
         kept_w: T.int32 = 0
@@ -107,7 +109,7 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
                 p: T.let = positions[first_row + j]
                 if completes(p, ratio):
                     kept_c = kept_c + 1
-                if keeps(p, seq_lens[first_row + j], ratio, overlap):
+                if keeps(p, seq_lens[first_row + j], ratio, overlap, page):
                     kept_w = kept_w + 1
         counts[0, t + 1] = kept_c
         counts[1, t + 1] = kept_w
@@ -134,7 +136,7 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
         plan[slot, 3] = window_len
 
     @T.macro
-    def emit(t, rows, chunk, ratio, span, overlap, ins, c_plan, w_plan, counts):
+    def emit(t, rows, chunk, ratio, span, overlap, page, ins, c_plan, w_plan, counts):
         # Unpacking names the buffers: the kernel's own names keep its error messages.
         row_batch_ids, positions, first_new_positions, request_seq_lens = ins
         first_row: T.let = T.Cast("int64", t) * chunk
@@ -149,7 +151,7 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
                 if completes(p, ratio):
                     store(c_plan, slot_c, row, row_batch_ids[row], p, window_len)
                     slot_c = slot_c + 1
-                if keeps(p, request_seq_lens[row], ratio, overlap):
+                if keeps(p, request_seq_lens[row], ratio, overlap, page):
                     store(w_plan, slot_w, row, row_batch_ids[row], p, window_len)
                     slot_w = slot_w + 1
 
@@ -174,6 +176,7 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
         write_plan_h: T.handle,
         ratio: T.int64,
         span: T.int64,
+        page: T.int64,
     ):
         num_rows = T.int64()
         row_batch_ids = T.match_buffer(row_batch_ids_h, (num_rows,), "int32")
@@ -191,30 +194,30 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
                     # counts[k, i]: rows kept by plan k (0 compress, 1 write) in chunks < i.
                     counts = T.alloc_buffer((2, nt + 1), "int32", scope="shared")
                     partial = T.alloc_buffer((2, nt), "int32", scope="shared")
-                    count(t, num_rows, chunk, ratio, overlap, positions, request_seq_lens, counts)
+                    count(t, num_rows, chunk, ratio, overlap, page, positions, request_seq_lens,
+                          counts)  # fmt: skip
                     T.tvm_storage_sync("shared")
                     for r in T.serial(rounds):
                         scan_read(t, r, counts, partial)
                         T.tvm_storage_sync("shared")
                         scan_write(t, counts, partial)
                         T.tvm_storage_sync("shared")
-                    emit(t, num_rows, chunk, ratio, span, overlap, ins, compress_plan, write_plan,
-                         counts)  # fmt: skip
+                    emit(t, num_rows, chunk, ratio, span, overlap, page, ins, compress_plan,
+                         write_plan, counts)  # fmt: skip
                     pad(t, num_rows, compress_plan, write_plan, counts)
         else:
             counts = T.alloc_buffer((2, nt + 1), "int32")
             partial = T.alloc_buffer((2, nt), "int32")
             for t in T.serial(nt):
-                count(t, num_rows, chunk, ratio, overlap, positions, request_seq_lens, counts)
+                count(t, num_rows, chunk, ratio, overlap, page, positions, request_seq_lens, counts)
             for r in T.serial(rounds):
                 for t in T.serial(nt):
                     scan_read(t, r, counts, partial)
                 for t in T.serial(nt):
                     scan_write(t, counts, partial)
             for t in T.serial(nt):
-                emit(
-                    t, num_rows, chunk, ratio, span, overlap, ins, compress_plan, write_plan, counts
-                )
+                emit(t, num_rows, chunk, ratio, span, overlap, page, ins, compress_plan, write_plan,
+                     counts)  # fmt: skip
             for t in T.serial(nt):
                 pad(t, num_rows, compress_plan, write_plan, counts)
 
@@ -321,6 +324,7 @@ def launch_compress_plan_kernel(
     compress_plan: torch.Tensor,
     write_plan: torch.Tensor,
     ratio: int,
+    page_size: int = REQUIRED_PAGE_SIZE,
 ) -> None:
     """Run the compiled kernel, filling ``compress_plan`` and ``write_plan`` in place.
 
@@ -329,7 +333,8 @@ def launch_compress_plan_kernel(
     and any refusal is raised as ``ContractError`` (on CUDA the shipped launcher checks the
     same, with TVM's wording). Inputs ``[T]``: ``row_batch_ids`` int32,
     ``positions`` int64, ``first_new_positions`` int64, ``request_seq_lens`` int32; outputs
-    ``[T, 4]`` int32; ``ratio`` 4 or 128. On CUDA the kernel runs on torch's current stream.
+    ``[T, 4]`` int32; ``ratio`` 4 or 128; ``page_size`` the KV page size. On CUDA the kernel
+    runs on torch's current stream.
     """
     check_compressed_ratio(ratio, "compress plan")
     args = (row_batch_ids, positions, first_new_positions, request_seq_lens, compress_plan,
@@ -340,9 +345,9 @@ def launch_compress_plan_kernel(
             import tvm_ffi
 
             with tvm_ffi.use_torch_stream():
-                kernel(*args, ratio, compress_span(ratio))
+                kernel(*args, ratio, compress_span(ratio), page_size)
         else:
-            kernel(*args, ratio, compress_span(ratio))
+            kernel(*args, ratio, compress_span(ratio), page_size)
     except (TypeError, ValueError) as err:
         raise ContractError(
             f"compress plan kernel refused its arguments: every tensor shares the symbolic dim "
@@ -372,12 +377,13 @@ def compress_plans_tvm(
     first_new_positions: torch.Tensor,
     request_seq_lens: torch.Tensor,
     ratio: int,
+    page_size: int = REQUIRED_PAGE_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress plan and write plan of ``ratio`` from the TVM kernel.
 
     Same contract as ``kernels.compress_plan_torch.compute_compress_plans``: inputs ``[T]``
     (``row_batch_ids`` int32, ``positions`` int64, ``first_new_positions`` int64,
-    ``request_seq_lens`` int32, all on one device), ``ratio`` 4 or 128; returns
+    ``request_seq_lens`` int32, all on one device), ``ratio`` 4 or 128, ``page_size``; returns
     ``(compress_plan, write_plan)``, each ``[T, 4]`` int32. Tensors that disagree on ``T``
     raise ``ContractError``; a bad ratio ``ConfigError``.
     """
@@ -389,7 +395,9 @@ def compress_plans_tvm(
     compress_plan = torch.empty(rows, 4, dtype=torch.int32, device=positions.device)
     write_plan = torch.empty_like(compress_plan)
     row_ids, pos, first_new, seq_lens = (t.contiguous() for t in inputs)
-    launch_compress_plan_kernel(row_ids, pos, first_new, seq_lens, compress_plan, write_plan, ratio)
+    launch_compress_plan_kernel(
+        row_ids, pos, first_new, seq_lens, compress_plan, write_plan, ratio, page_size
+    )
     return compress_plan, write_plan
 
 
@@ -416,6 +424,7 @@ def build_compress_plans(
     first_new_positions: torch.Tensor,
     request_seq_lens: torch.Tensor,
     ratio: int,
+    page_size: int = REQUIRED_PAGE_SIZE,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Compress and write plans: the TVM kernel where it can run, else the torch reference.
 
@@ -425,10 +434,10 @@ def build_compress_plans(
     """
     if tvm_available(positions.device.type):
         return compress_plans_tvm(
-            row_batch_ids, positions, first_new_positions, request_seq_lens, ratio
+            row_batch_ids, positions, first_new_positions, request_seq_lens, ratio, page_size
         )
     return compute_compress_plans(
-        row_batch_ids, positions, first_new_positions, request_seq_lens, ratio
+        row_batch_ids, positions, first_new_positions, request_seq_lens, ratio, page_size
     )
 
 

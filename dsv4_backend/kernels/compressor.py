@@ -6,8 +6,13 @@ docs/design.md §2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shape
 ``r`` the ratio, ``span`` the tokens per entry (8 for ratio 4, 128 for ratio 128) and ``R``
 ``ring_rows``.
 
-State: each request (by its pool index) owns a ring of ``R`` rows ``[kv | score + ape]``
-(``2 * c * D`` fp32); position ``p`` lives in ring row ``p % R``. One forward:
+State: rings of ``R`` rows ``[kv | score + ape]`` (``2 * c * D`` fp32); position ``p`` lives in
+ring row ``p % R`` of its ring slot. Like sglang's ``CompressStatePool``, c128 rings are
+request-scoped (slot = the request's pool index) and c4 rings are page-scoped (slot = the window
+page holding ``p``: ``window_slot(p) // page_size``). A c4 entry reaches at most one block back,
+so the state of a page-aligned prefix (its last block, which the write plan always keeps) lives
+with the prefix's own window page, where a request that starts from that cached prefix finds it.
+One forward:
 
 1. **pool** (reads only): for each compress-plan record ``(ragged_id, batch_id, position p,
    window_len L)`` the entry ending at ``p`` pools the ``span`` tokens ``p - span + 1 ... p``:
@@ -101,7 +106,8 @@ def _compress_entry_kernel(
     score_ptr,  # [T, C*D] float score projection (without ape)
     ape_ptr,  # [RATIO, C*D] float
     ring_ptr,  # [num_slots, ring_rows, 2*C*D] fp32 [kv | score + ape]
-    pool_ptr,  # [B] int request pool index of each batch id
+    pool_ptr,  # [B] int request pool index of each batch id (request-scoped rings)
+    window_ptr,  # [T, >= SPAN] int window slot of positions p, p-1, ... (page-scoped rings)
     plan_ptr,  # [T, 4] int32 compress plan records
     norm_ptr,  # [D] float RMSNorm weight
     cos_ptr,  # [N, ROPE_PAIRS] fp32 RoPE cos: rows by position (a RopeTable) or by ragged row
@@ -116,12 +122,14 @@ def _compress_entry_kernel(
     stride_ape,
     stride_ring_slot,
     stride_ring_row,
+    stride_window,
     stride_plan,
     stride_out,
     stride_rope,
     RATIO: tl.constexpr,
     SPAN: tl.constexpr,
     OVERLAP: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,  # > 0: ring slot = window slot // WINDOW_PAGE; 0: pool index
     ROPE_PAIRS: tl.constexpr,
     ROPE_BY_ROW: tl.constexpr,  # cos / sin rows are ragged rows, not positions
     BLOCK_P: tl.constexpr,  # channel pairs per program (>= D / 2)
@@ -155,7 +163,9 @@ def _compress_entry_kernel(
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
         pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
         window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
-        ring_slot = ring_ptr + tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
+        request_ring = ring_ptr
+        if WINDOW_PAGE == 0:
+            request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
         m_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
         m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
         for j0 in range(0, SPAN, BLOCK_S):
@@ -164,7 +174,13 @@ def _compress_entry_kernel(
             from_rows = q > pos - window_len
             from_ring = (q >= 0) & ~from_rows
             rows = tl.where(from_rows, row - (pos - q), 0)
-            ring_base = ring_slot + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
+            ring_base = request_ring + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
+            if WINDOW_PAGE > 0:
+                # Each slot's ring is the window page of its own position (lag pos - q).
+                window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
+                ring_base += (tl.where(from_ring, window, 0).to(tl.int64) // WINDOW_PAGE) * (
+                    stride_ring_slot
+                )
             ape_row = tl.where(from_rows, q, 0) % RATIO
             # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
             col = (j >= RATIO).to(tl.int64)[:, None] * D + 2 * pair[None, :]
@@ -205,7 +221,8 @@ def _ring_write_kernel(
     score_ptr,  # [T, C*D] float score projection (without ape)
     ape_ptr,  # [RATIO, C*D] float
     ring_ptr,  # [num_slots, ring_rows, 2*C*D] fp32
-    pool_ptr,  # [B] int request pool index of each batch id
+    pool_ptr,  # [B] int request pool index of each batch id (request-scoped rings)
+    window_ptr,  # [T, >= 1] int window slot of each row's position (page-scoped rings)
     plan_ptr,  # [T, 4] int32 write plan records
     CD,
     ring_rows,
@@ -214,8 +231,10 @@ def _ring_write_kernel(
     stride_ape,
     stride_ring_slot,
     stride_ring_row,
+    stride_window,
     stride_plan,
     RATIO: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,  # > 0: ring slot = window slot // WINDOW_PAGE; 0: pool index
     BLOCK: tl.constexpr,
 ):
     """One (record, column block): ``ring[slot, p % R] = [kv | score + ape[p % RATIO]]``."""
@@ -225,7 +244,10 @@ def _ring_write_kernel(
         return
     batch = tl.load(plan_ptr + rec * stride_plan + 1)
     pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
-    slot = tl.load(pool_ptr + batch).to(tl.int64)
+    if WINDOW_PAGE > 0:
+        slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
+    else:
+        slot = tl.load(pool_ptr + batch).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < CD
     kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0).to(tl.float32)
@@ -243,6 +265,7 @@ def _entries_triton(
     score_proj: torch.Tensor,
     ape: torch.Tensor,
     req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
     compress_plan: torch.Tensor,
     norm_weight: torch.Tensor,
     rope: CosSin,
@@ -268,13 +291,14 @@ def _entries_triton(
     block_p = triton.next_power_of_2(max(d // 2, 1))
     block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
     _compress_entry_kernel[(rows,)](
-        kv_proj, score_proj, ape, ring, req_pool_indices, compress_plan, norm_weight, cos, sin,
-        out,
+        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
+        norm_weight, cos, sin, out,
         rows, d, ring.shape[1], norm_eps,
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        compress_plan.stride(0), out.stride(0), cos.stride(0),
-        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), ROPE_PAIRS=cos.shape[-1],
-        ROPE_BY_ROW=not isinstance(rope, RopeTable), BLOCK_P=block_p, BLOCK_S=block_s,
+        window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
+        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
+        ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
+        BLOCK_P=block_p, BLOCK_S=block_s,
     )  # fmt: skip
     return out
 
@@ -285,17 +309,18 @@ def _write_triton(
     score_proj: torch.Tensor,
     ape: torch.Tensor,
     req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
     write_plan: torch.Tensor,
 ) -> None:
     """Launch ``_ring_write_kernel`` for every write-plan record."""
     ring, cd = state.ring, kv_proj.shape[1]
     grid = (write_plan.shape[0], triton.cdiv(cd, WRITE_BLOCK))
     _ring_write_kernel[grid](
-        kv_proj, score_proj, ape, ring, req_pool_indices, write_plan,
+        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, write_plan,
         cd, ring.shape[1],
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        write_plan.stride(0),
-        RATIO=state.ratio, BLOCK=WRITE_BLOCK,
+        window_slots.stride(0), write_plan.stride(0),
+        RATIO=state.ratio, WINDOW_PAGE=state.window_page, BLOCK=WRITE_BLOCK,
     )  # fmt: skip
 
 
@@ -304,12 +329,28 @@ def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------ torch path
+def _ring_slots(
+    state: CompressorState,
+    req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
+    ragged: torch.Tensor,
+    batch: torch.Tensor,
+    lags: torch.Tensor,
+) -> torch.Tensor:
+    """Ring slot of position ``p - lag`` of each record ``[n, lags]`` (``ragged``, ``batch``
+    ``[n]``; ``lags`` ``[n, k]`` in ``[0, SPAN)``, clamped by the caller where unused)."""
+    if state.window_page:
+        return window_slots.long()[ragged[:, None], lags] // state.window_page
+    return req_pool_indices.long()[batch][:, None].expand_as(lags)
+
+
 def _pool_torch(
     state: CompressorState,
     kv_proj: torch.Tensor,
     score_proj: torch.Tensor,
     ape: torch.Tensor,
     req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
     compress_plan: torch.Tensor,
 ) -> torch.Tensor:
     """Torch implementation of the pooling kernel (same gathers, vectorised over records)."""
@@ -324,7 +365,9 @@ def _pool_torch(
     from_rows = q > (pos - window_len)[:, None]
     from_ring = (q >= 0) & ~from_rows
     src = torch.where(from_rows, ragged[:, None] - (pos[:, None] - q), 0)
-    slot_rows = ring[req_pool_indices.long()[batch][:, None], q.clamp(min=0) % ring.shape[1]]
+    lags = torch.where(from_ring, pos[:, None] - q, 0)
+    slots = _ring_slots(state, req_pool_indices, window_slots, ragged, batch, lags)
+    slot_rows = ring[slots, q.clamp(min=0) % ring.shape[1]]
     cd = kv_proj.shape[1]
     in_rows, present = from_rows[..., None], (from_rows | from_ring)[..., None]
     kv = torch.where(in_rows, kv_proj.float()[src], slot_rows[..., :cd])
@@ -348,6 +391,7 @@ def _write_torch(
     score_proj: torch.Tensor,
     ape: torch.Tensor,
     req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
     write_plan: torch.Tensor,
 ) -> None:
     """Torch implementation of the ring-write kernel."""
@@ -355,7 +399,9 @@ def _write_torch(
     ragged, batch, pos, _ = plan[plan[:, 0] >= 0].unbind(1)
     score = score_proj[ragged].float() + ape.float()[pos % state.ratio]
     rows = torch.cat([kv_proj[ragged].float(), score], dim=1)
-    state.ring[req_pool_indices.long()[batch], pos % state.ring_rows] = rows
+    lag0 = torch.zeros(ragged.shape[0], 1, dtype=torch.long, device=ragged.device)
+    slots = _ring_slots(state, req_pool_indices, window_slots, ragged, batch, lag0)[:, 0]
+    state.ring[slots, pos % state.ring_rows] = rows
 
 
 # ---------------------------------------------------------------------------------- public
@@ -366,6 +412,7 @@ def _check(
     ape: torch.Tensor,
     norm_weight: torch.Tensor,
     req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
     positions: torch.Tensor,
     compress_plan: torch.Tensor,
     write_plan: torch.Tensor,
@@ -408,7 +455,13 @@ def _check(
         raise ContractError(
             f"compressor: req_pool_indices has shape {tuple(req_pool_indices.shape)}, expected [B]"
         )
-    devices = {x.device for x in (*got.values(), req_pool_indices)}
+    lags = compress_span(ratio) if state.window_page else 0  # columns the kernels read
+    if window_slots.dim() != 2 or window_slots.shape[0] != t or window_slots.shape[1] < lags:
+        raise ContractError(
+            f"compressor: window_slots has shape {tuple(window_slots.shape)}, expected "
+            f"({t}, >= {lags}) (window slots of positions p, p - 1, ...)"
+        )
+    devices = {x.device for x in (*got.values(), req_pool_indices, window_slots)}
     if len(devices) != 1:
         raise ContractError(f"compressor: tensors on several devices {sorted(map(str, devices))}")
 
@@ -421,6 +474,7 @@ def compress_forward(
     norm_weight: torch.Tensor,
     rope: CosSin,
     req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
     positions: torch.Tensor,
     compress_plan: torch.Tensor,
     write_plan: torch.Tensor,
@@ -436,7 +490,11 @@ def compress_forward(
     ape : ``[r, c*D]`` float.
     norm_weight : ``[D]`` float RMSNorm weight.
     rope : the compressed layers' RoPE cos/sin (``AttentionState.rope``, a ``RopeTable``).
-    req_pool_indices : ``[B]`` int — ring slot of each batch id.
+    req_pool_indices : ``[B]`` int — ring slot of each batch id (request-scoped c128 rings).
+    window_slots : ``[T, >= span]`` int — window slot of positions ``p, p - 1, ...`` of each row
+        (``AttentionMetadata.swa_page_indices``); a page-scoped (c4) ring slot is a position's
+        ``window_slot // state.window_page``. Only columns ``< span`` of rows with records
+        are read.
     positions : ``[T]`` int — absolute position of each row.
     compress_plan, write_plan : ``[T, 4]`` int32 plan records of this ratio (planning/metadata.py).
     norm_eps : the RMSNorm epsilon (sglang: the compressor's ``norm.variance_epsilon``).
@@ -445,12 +503,13 @@ def compress_forward(
     each row, zeros for rows that complete none. Decode is the same call with one row per
     request.
     """
-    _check(state, kv_proj, score_proj, ape, norm_weight, req_pool_indices, positions,
-           compress_plan, write_plan)  # fmt: skip
+    _check(state, kv_proj, score_proj, ape, norm_weight, req_pool_indices, window_slots,
+           positions, compress_plan, write_plan)  # fmt: skip
     # The kernels step channels and batch ids with unit stride (rows may be strided: the
     # kv and score halves of one projection are used in place).
     args = (state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
-            ape.contiguous(), req_pool_indices.contiguous())  # fmt: skip
+            ape.contiguous(), req_pool_indices.contiguous(),
+            _unit_channel_stride(window_slots))  # fmt: skip
     if dispatch.use_triton(kv_proj.device):
         entries = _entries_triton(
             *args, compress_plan.contiguous(), norm_weight.contiguous(), rope, norm_eps, positions

@@ -50,11 +50,21 @@ REQUEST_TILE = 1024
 
 
 @triton.jit
-def _plan_counts(p0, n, keep, R: tl.constexpr, OVERLAP_BACK: tl.constexpr):
+def _page_ends(x, R: tl.constexpr, PAGE: tl.constexpr):
+    """Positions ``q < x`` (``x >= 0``) among the last ``R`` of their page: the c4 write plan
+    keeps them besides the request's tail (the block a cached page-aligned prefix needs)."""
+    return _floor_div(x, PAGE) * R + tl.maximum(_floor_mod(x, PAGE) - (PAGE - R), 0)
+
+
+@triton.jit
+def _plan_counts(p0, n, keep, R: tl.constexpr, OVERLAP_BACK: tl.constexpr, PAGE: tl.constexpr):
     """Rows of a request (positions ``p0 ... p0 + n - 1``) in the compress and write plans."""
     compress = _floor_div(p0 + n, R) - _floor_div(p0, R)
     keep_from = _floor_div(keep, R) * R - OVERLAP_BACK
-    write = tl.minimum(tl.maximum(p0 + n - tl.maximum(p0, keep_from), 0), n)
+    tail_from = tl.maximum(p0, keep_from)
+    write = tl.minimum(tl.maximum(p0 + n - tail_from, 0), n)
+    if R == 4:  # page ends before the tail
+        write += _page_ends(tl.minimum(p0 + n, tail_from), R, PAGE) - _page_ends(p0, R, PAGE)
     return compress, write
 
 
@@ -127,7 +137,7 @@ def _ratio_fields(
         sparse = tl.minimum(clamp1, index_topk) if R == 4 else clamp1
         tl.store(sparse_ptr + t, tl.where(row_ok, sparse, 1), mask=live)
         # Plan records: earlier requests' counts plus the row's rank in its request.
-        c_req, w_req = _plan_counts(req_p0, req_n, req_keep, R, OVERLAP_BACK)
+        c_req, w_req = _plan_counts(req_p0, req_n, req_keep, R, OVERLAP_BACK, PAGE)
         earlier = (r[None, :] < b[:, None]) & req_ok[None, :]
         c_before = tl.sum(tl.where(earlier, c_req[None, :], 0), axis=1)
         w_before = tl.sum(tl.where(earlier, w_req[None, :], 0), axis=1)
@@ -135,14 +145,20 @@ def _ratio_fields(
         w_total = tl.sum(tl.where(req_ok, w_req, 0), axis=0)
         keep_from = _floor_div(keep, R) * R - OVERLAP_BACK
         c_idx = c_before + _floor_div(pos, R) - _floor_div(p0, R)  # earlier completing rows
-        w_idx = w_before + i - tl.maximum(keep_from - p0, 0)
+        # Earlier kept rows of the request: page ends before the tail, then the tail's.
+        tail_from = tl.maximum(p0, keep_from)
+        w_idx = w_before + tl.maximum(pos - tail_from, 0)
+        writes = pos >= keep_from
+        if R == 4:
+            w_idx += _page_ends(tl.minimum(pos, tail_from), R, PAGE) - _page_ends(p0, R, PAGE)
+            writes |= _floor_mod(pos, PAGE) >= PAGE - R
         window = tl.minimum(pos - p0 + 1, SPAN)
         field = tl.arange(0, 4)[None, :]
         record = tl.where(field == 0, t[:, None], tl.where(field == 1, b[:, None], pos[:, None]))
         record = tl.where(field == 3, window[:, None], record).to(tl.int32)
         kept = (planned & completes)[:, None] & (field < 4)
         tl.store(compress_ptr + c_idx[:, None] * 4 + field, record, mask=kept)
-        kept = (planned & (pos >= keep_from))[:, None] & (field < 4)
+        kept = (planned & writes)[:, None] & (field < 4)
         tl.store(write_ptr + w_idx[:, None] * 4 + field, record, mask=kept)
         # Records past each plan's total are -1 (no valid record lands there).
         pad = record * 0 - 1

@@ -402,7 +402,8 @@ def _checked_rows(
     )
     if pending is not None:
         # Requests with a failing row: pool row 0 (sglang's padding row), no cache write, and
-        # position 1 with an unreachable keep length, so no compress or write plan record.
+        # position 1 (no page end) with an unreachable keep length, so no compress or write
+        # plan record.
         row_failed = (bad_position | bad_slot | foreign).int()
         failed_requests = bad_request.int().index_add(0, ids, row_failed) > 0
         failed = failed_requests[ids]
@@ -475,7 +476,7 @@ def _compressed(
             device=rows.positions.device,
         )
     compress_plan, write_plan = build_compress_plans(
-        rows.batch_ids, rows.positions, rows.first_new, rows.keep_lens, ratio
+        rows.batch_ids, rows.positions, rows.first_new, rows.keep_lens, ratio, config.page_size
     )
     return CompressedMetadata(
         ratio=ratio,

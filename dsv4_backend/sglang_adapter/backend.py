@@ -31,7 +31,7 @@ Planning checks the batch's indices and write slots (``planning/checks.py``); on
 strict mode their verdict is read at the next plan.
 
 Memory: the caches and compressor rings (``compute.AttentionState``) are sized from the runner's
-pools. With fp8 caches and an sglang ``DeepSeekV4TokenToKVPool`` the caches (and the c128 rings)
+pools. With fp8 caches and an sglang ``DeepSeekV4TokenToKVPool`` the caches (and fitting rings)
 are views of that pool's buffers, which sglang leaves unwritten on this path (``pool_alias``);
 otherwise they are allocated. One state is shared by every backend of a runner (the target
 backend; the draft runner's draft-extend backend and its per-step backends).
@@ -100,17 +100,20 @@ if TYPE_CHECKING:
 _STATE_ATTR = "_dsv4_backend_attention_state"
 #: Server options that move or rebuild KV state outside this backend, refused when set:
 #: ``(ServerArgs field, value that is safe, CLI flag, why)``. sglang's PD transfer and its host
-#: caches copy the pool's page buffers and its own compressor states, not this package's c4
-#: attention and indexer compressor rings (nor any cache when ``unaliasable_reason`` keeps them
-#: in this package's memory), so a request resumed from a copy would compress from stale rings.
+#: caches copy the pool's page buffers and its own compressor states; this package's caches and
+#: rings are views of those only where the pool's layout fits (``pool_alias``), and no transfer
+#: of them is verified, so a request resumed from a copy could compress from stale rings.
+#: sglang's default device radix cache is served (``UNSUPPORTED_CACHE_MODES``: the others).
 STATE_MOVING_OPTIONS = (
     (
         "disaggregation_mode", "null", "--disaggregation-mode",
-        "PD transfer carries sglang's pool pages, not the backend's c4 compressor rings",
+        "PD transfer carries sglang's pool pages, not verified to carry the backend's "
+        "compressor rings",
     ),
     (
         "enable_hierarchical_cache", False, "--enable-hierarchical-cache",
-        "HiCache offloads and reloads pool pages, not the backend's compressor rings",
+        "HiCache offloads and reloads pool pages, not verified to carry the backend's "
+        "compressor rings",
     ),
     (
         "enable_hisparse", False, "--enable-hisparse",
@@ -119,9 +122,24 @@ STATE_MOVING_OPTIONS = (
     ),
     (
         "enable_lmcache", False, "--enable-lmcache",
-        "LMCache offloads and reloads pool pages, not the backend's compressor rings",
+        "LMCache offloads and reloads pool pages, not verified to carry the backend's "
+        "compressor rings",
     ),
 )  # fmt: skip
+#: Prefix-cache modes refused besides: ``(server_args option, flag, what it is)``. They move a
+#: prefix's KV through external storage, replace the tree, or resume a session at an unaligned
+#: length in a fresh pool row (whose request-scoped c128 ring holds nothing).
+UNSUPPORTED_CACHE_MODES = (
+    ("enable_flexkv", "--enable-flexkv", "FlexKV"),
+    (
+        "enable_unified_cache_external_linker",
+        "--enable-unified-cache-external-linker",
+        "an external KV cache linker",
+    ),
+    ("radix_cache_backend", "--radix-cache-backend", "a custom radix cache backend"),
+    ("enable_session_radix_cache", "--enable-session-radix-cache", "session radix caching"),
+    ("enable_streaming_session", "--enable-streaming-session", "streaming sessions"),
+)
 #: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
 #: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
 INDEXER_SELECTION_ENV = "DSV4_BACKEND_INDEXER_SELECTION"
@@ -149,10 +167,10 @@ class RunnerSettings:
 
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
-        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``,
-        ``disable_radix_cache``, ``tp_size``, ``attn_dp_size`` (or ``enable_dp_attention`` with
-        ``dp_size``) and the ``STATE_MOVING_OPTIONS``), and the environment variable
-        ``INDEXER_SELECTION_ENV``.
+        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``, ``tp_size``,
+        ``attn_dp_size`` (or ``enable_dp_attention`` with ``dp_size``), the
+        ``STATE_MOVING_OPTIONS`` and the ``UNSUPPORTED_CACHE_MODES``), and the environment
+        variable ``INDEXER_SELECTION_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -183,14 +201,13 @@ class RunnerSettings:
                     f"{option}={value!r}; the dsv4 backend cannot serve it: {why}, so a "
                     f"request resumed from the copy would be wrong (leave {flag} unset)"
                 )
-        if not getattr(args, "disable_radix_cache", False):
-            # Compressor state rings live per request pool row: a request that starts from a
-            # cached prefix of another request has no ring state for the prefix's last block.
-            raise ConfigError(
-                "disable_radix_cache=False; the dsv4 backend keeps compressor state per request "
-                "and cannot resume from a radix-cache prefix hit (start sglang with "
-                "--disable-radix-cache)"
-            )
+        for option, flag, why in UNSUPPORTED_CACHE_MODES:
+            value = getattr(args, option, None)
+            if value:
+                raise ConfigError(
+                    f"{option}={value!r}; the dsv4 backend serves sglang's device radix cache "
+                    f"only, not {why} (drop {flag})"
+                )
         selection = os.environ.get(INDEXER_SELECTION_ENV, "exact")
         if selection not in INDEXER_SELECTIONS:
             raise ConfigError(
@@ -249,11 +266,11 @@ def shared_state(
     """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
     Sizes: full slots ``full_size`` (else ``size``) plus one page, rounded to pages; window slots
-    ``swa_size`` (else ``size``) plus one, rounded to window pages; one ring row per
-    ``req_to_token`` row. Slot 0 is sglang's padding slot and stays addressable. With an fp8
-    format and an sglang ``DeepSeekV4TokenToKVPool`` the caches are views of that pool's
-    buffers (``pool_alias``; ``ConfigError`` when one is too small), otherwise allocated; one
-    INFO line says which.
+    ``swa_size`` (else ``size``) plus one, rounded to window pages; c4 rings one per window
+    page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is sglang's padding
+    slot and stays addressable. With an fp8 format and an sglang ``DeepSeekV4TokenToKVPool``
+    the caches are views of that pool's buffers (``pool_alias``; ``ConfigError`` when one is
+    too small), otherwise allocated; one INFO line says which.
     """
     pool = runner.token_to_kv_pool
     state = getattr(pool, _STATE_ATTR, None)
@@ -376,9 +393,9 @@ class DSV4AttentionBackend(AttentionBackend):
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios,
-    context parallelism, an enabled radix cache, an option of ``STATE_MOVING_OPTIONS`` (PD
-    disaggregation, HiCache, HiSparse, LMCache) or heads that the attention TP group does not
-    divide.
+    context parallelism, an option of ``STATE_MOVING_OPTIONS`` (PD disaggregation, HiCache,
+    HiSparse, LMCache) or ``UNSUPPORTED_CACHE_MODES`` (other prefix-cache modes; sglang's
+    default radix cache is served) or heads that the attention TP group does not divide.
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
     to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
@@ -431,9 +448,12 @@ class DSV4AttentionBackend(AttentionBackend):
         """Plan ``forward_batch``: eager (``buffers`` None) or into the graph buffers (the
         same planning body).
 
-        Also resets the compressor rings of requests that (re)start at position 0: the
-        overlapping ratio-4 windows read ring rows before a request's first position, which
-        may still hold an earlier request's state (pool rows are reused).
+        A radix-cache hit is an EXTEND whose ``extend_prefix_lens`` is the cached, page-aligned
+        prefix (sglang matches whole 256-token pages), in a fresh pool row whose
+        ``req_to_token`` row points at the prefix's pages: it is planned like any extend. Its
+        compressors read the prefix's last c4 block from the prefix's own window page (page-
+        scoped rings) and nothing of the c128 ring (no c128 entry spans a page boundary), so
+        nothing is reset: no forward reads a ring row it did not write.
 
         First raises the verdict of earlier batches' device-side checks that has reached the
         host (the next safe point after them, ``planning/checks.py``).
@@ -463,13 +483,6 @@ class DSV4AttentionBackend(AttentionBackend):
         if metadata.pending_checks is not None:
             self.pending_checks.append(metadata.pending_checks)
         self.planned = self._planned_batch(forward_batch)
-        if view.extend_prefix_lens is not None and metadata.c4 is not None:
-            fresh = [i for i, p in enumerate(view.extend_prefix_lens) if p == 0]
-            if fresh:
-                rows = view.req_pool_indices[fresh]
-                # Pool row 0 (padding) for indices the pending checks will refuse.
-                in_range = (rows >= 0) & (rows < view.req_to_token.shape[0])
-                self.state.reset_requests(torch.where(in_range, rows, 0))
         return metadata
 
     def _planned_batch(self, fb: Any) -> PlannedBatch:

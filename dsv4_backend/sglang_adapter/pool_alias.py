@@ -10,29 +10,33 @@ buffers' bytes instead of allocating a second copy:
 * c4 / c128 cache: ``get_extra_key_buffer(l)`` (fp8 view of ``[pages, 37440]`` / ``[pages,
   1728]`` bytes), read as uint8;
 * indexer keys: ``get_index_k_with_scale_buffer(l)`` (``[pages, 64 * 132]`` uint8);
-* c128 compressor rings: ``get_attention_compress_states(l)`` when it is request-addressed
-  fp32 ``[rows, 2 * D]`` with our ring length (row ``req * R + pos % R``, our ring's layout).
+* compressor rings: ``get_attention_compress_states(l)`` (c4 and c128) and
+  ``get_indexer_compress_states(l)`` (c4) when fp32 ``[rows, 2 * c * D]`` with our ring length
+  and scope. Both address row ``slot * R + pos % R`` as our rings do: c128 request-scoped (slot
+  = request pool row), c4 page-scoped (slot = ``swa_loc // 256``; sglang's ``swa_loc % R``
+  equals ``pos % R`` because its allocator keeps a token's offset inside its 256-slot page).
 
-Not aliased: the c4 attention and indexer compressor rings (sglang's are addressed by window
-page, ``swa_loc // 256 * R + swa_loc % R``, and sized from the window pool, not per request), and
+Not aliased: a state pool of another layout (online c128, bf16 state, other ring length) and
 anything of a pool whose layout this package does not serve (the reasons in
 :func:`unaliasable_reason`); those are allocated as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
+from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
     DeepSeekV4SingleKVPool,
     DeepSeekV4TokenToKVPool,
 )
 
 from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
-from dsv4_backend.cache.state import compressed_rope
+from dsv4_backend.cache.state import compressed_rope, ring_slots
 from dsv4_backend.cache.token_cache import CacheFormat, SlotCache
-from dsv4_backend.config import DSV4AttentionConfig, compress_overlap
+from dsv4_backend.config import DSV4AttentionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +91,7 @@ def aliased_state(
     num_request_slots: int,
     max_positions: int,
 ) -> AttentionState:
-    """``AttentionState`` whose caches (and fitting c128 rings) are views of ``pool``'s buffers.
+    """``AttentionState`` whose caches (and fitting rings) are views of ``pool``'s buffers.
 
     Call only when :func:`unaliasable_reason` is None. The views are not zeroed (every slot is
     written before it is read); aliased rings are reset. Raises ``ConfigError`` naming a buffer
@@ -111,21 +115,23 @@ def aliased_state(
         name="sglang DeepSeekV4TokenToKVPool",
     )
     device = pool.get_swa_raw_buffer(0).device
+    slots = ring_slots(config, num_swa_slots=num_swa_slots, num_request_slots=num_request_slots)
+
+    def rings(states: CompressStatePool, ratio: int, head_dim: int) -> CompressorState:
+        state = CompressorState.allocate(config, ratio, head_dim, 0, device)  # empty: layout only
+        view = _ring_view(states, state, slots[ratio])
+        if view is None:
+            return CompressorState.allocate(config, ratio, head_dim, slots[ratio], device)
+        state = dataclasses.replace(state, ring=view)
+        state.reset()
+        return state
+
     core, index = {}, {}
     for layer in compressed:
         ratio = config.compress_ratios[layer]
-        ring = _c128_ring_view(pool, config, layer, num_request_slots) if ratio == 128 else None
-        if ring is None:
-            core[layer] = CompressorState.allocate(
-                config, ratio, config.head_dim, num_request_slots, device
-            )
-        else:
-            core[layer] = CompressorState(ratio=ratio, head_dim=config.head_dim, ring=ring)
-            core[layer].reset()
+        core[layer] = rings(pool.get_attention_compress_states(layer), ratio, config.head_dim)
         if ratio == 4:
-            index[layer] = CompressorState.allocate(
-                config, 4, config.index_head_dim, num_request_slots, device
-            )
+            index[layer] = rings(pool.get_indexer_compress_states(layer), 4, config.index_head_dim)
     return AttentionState(
         config=config,
         pools=pools,
@@ -135,30 +141,35 @@ def aliased_state(
     )
 
 
-def _c128_ring_view(
-    pool: DeepSeekV4TokenToKVPool, config: DSV4AttentionConfig, layer: int, num_request_slots: int
+def _ring_view(
+    states: CompressStatePool, layout: CompressorState, num_slots: int
 ) -> torch.Tensor | None:
-    """``[num_request_slots, R, 2 * D]`` fp32 view of sglang's c128 state of ``layer``, or None.
+    """``[num_slots, R, 2 * c * D]`` fp32 view of sglang's state pool ``states``, or None.
 
-    Only a request-addressed, offline (ring, not online max/sum) fp32 state with our ring length
-    and enough rows fits: sglang then addresses row ``req * R + pos % R`` exactly as we do, so
-    its own resets of rejected draft rows (``clear_unaccepted_c128_draft_states``) hit the rows
-    we would reset too.
+    Fits when sglang addresses the rows as ``layout`` does: an offline (ring, not online
+    max/sum) fp32 state with our ring length and width, of the same scope (c128
+    request-scoped, so its own resets of rejected draft rows, ``clear_unaccepted_c128_draft_
+    states``, hit the rows we would reset too; c4 page-scoped by window pages of our page
+    size), with rows for ``num_slots`` ring slots.
     """
-    states = pool.get_attention_compress_states(layer)
     buf = states.kv_score_buffer.kv_score
-    rows = config.ring_rows(128)
-    width = 2 * compress_overlap(128) * config.head_dim
+    rows, width = layout.ring_rows, layout.ring.shape[-1]
+    scope_ok = (
+        not states.request_scoped and states.swa_page_size == layout.window_page
+        if layout.window_page
+        else states.request_scoped
+    )
     fits = (
-        states.request_scoped
+        scope_ok
+        and states.ratio == layout.ratio
         and not states.online
         and states.ring_size == rows
         and buf.dtype == torch.float32
         and buf.is_contiguous()
         and buf.shape[-1] == width
-        and buf.shape[0] >= num_request_slots * rows
+        and buf.shape[0] >= num_slots * rows
     )
-    return buf[: num_request_slots * rows].view(num_request_slots, rows, width) if fits else None
+    return buf[: num_slots * rows].view(num_slots, rows, width) if fits else None
 
 
 def log_state_memory(state: AttentionState, pool: object, reason: str | None) -> None:
@@ -171,10 +182,11 @@ def log_state_memory(state: AttentionState, pool: object, reason: str | None) ->
     allocated = sum(t.nbytes for t in tensors) - aliased
     if reason is None:
         logger.info(
-            "dsv4 backend: aliased %d bytes of sglang's DeepSeekV4TokenToKVPool (caches%s); "
-            "allocated %d bytes (compressor rings, RoPE table)",
+            "dsv4 backend: aliased %d bytes of sglang's DeepSeekV4TokenToKVPool (caches, %d of "
+            "%d compressor rings); allocated %d bytes (the other rings, RoPE table)",
             aliased,
-            ", c128 rings" if any(_inside(r.ring, owned) for r in rings) else "",
+            sum(_inside(r.ring, owned) for r in rings),
+            len(rings),
             allocated,
         )
     else:

@@ -75,12 +75,16 @@ def mock_runner(
     num_steps: int = 3,
     num_draft_tokens: int = 4,
     attn_cp_size: int = 1,
-    disable_radix_cache: bool = True,
+    disable_radix_cache: bool = False,
     is_draft_worker: bool = False,
     tp_size: int = 1,
+    **cache_flags: Any,
 ) -> SimpleNamespace:
     """A model runner with a real ``ReqToTokenPool`` holding ``pool``'s page table
-    (``tp_size``: attention TP ranks, no attention DP)."""
+    (``tp_size``: attention TP ranks, no attention DP).
+
+    ``server_args`` has sglang's defaults (radix cache on) unless overridden; ``cache_flags``
+    sets further ``server_args`` options (e.g. ``enable_hierarchical_cache=True``)."""
     device = str(pool.device)
     req_to_token_pool = ReqToTokenPool(
         size=pool.num_requests,
@@ -100,6 +104,7 @@ def mock_runner(
         attn_dp_size=1,
         page_size=page_size,
         disable_radix_cache=disable_radix_cache,
+        **cache_flags,
     )
     return SimpleNamespace(
         device=device,

@@ -77,6 +77,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="DP attention scenario: N padding requests (pool row 0, seq_len 1, slot 0) join "
         "every draft, verify and decode batch before planning (default 0)",
     )  # fmt: skip
+    trace.add_argument(
+        "--prefix-share", action="store_true",
+        help="one more request shares request 0's prompt and starts from its cached pages "
+        "(a radix-cache hit of whole 256-token pages)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(
         "--config", type=Path, metavar="PATH",
@@ -254,6 +259,7 @@ def run_ab(args: argparse.Namespace) -> int:
             decode_steps=args.decode_steps,
             seed=args.seed,
             dp_pad=args.dp_pad,
+            prefix_share=args.prefix_share,
         )
         # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at
         # once, against its mode.

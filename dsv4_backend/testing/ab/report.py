@@ -83,11 +83,22 @@ def build_report(result: ABResult) -> dict[str, Any]:
             "steps": len(trace.steps),
             "seed": trace.seed,
             "dp_pad": trace.dp_pad,
+            "prefix_hits": [
+                {"request": r, "owner": owner, "tokens": pages * config.page_size}
+                for r, (owner, pages) in trace.shared_pages
+            ],
         },
         "wall_s": result.wall_s,
         "warmup_s": dict(result.warmup_s),
         "modes": [_mode_dict(stats) for stats in result.modes.values()],
     }
+
+
+def _hits(hits: list[dict[str, int]]) -> str:
+    return "".join(
+        f"; request {h['request']} starts from request {h['owner']}'s cached {h['tokens']} tokens"
+        for h in hits
+    )
 
 
 def _num(value: float | None, missing: str = "-", fmt: str = ".3g") -> str:
@@ -127,7 +138,7 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"head_dim {config['head_dim']}, index_topk {config['index_topk']}",
         f"- trace: {trace['requests']} requests (lengths {trace['max_lens']}), "
         f"{trace['steps']} steps, seed {trace['seed']}, DP padding {trace['dp_pad']} "
-        f"requests; wall time {report['wall_s']:.1f} s",
+        f"requests{_hits(trace['prefix_hits'])}; wall time {report['wall_s']:.1f} s",
         "- errors over accepted rows; rel = max|A-B| / max|B|; cos = smallest row cosine",
         "- times in ms per step, median / p90; A/B = ratio of the medians",
         _warmup_line(report["warmup_s"]),

@@ -22,6 +22,11 @@ gains ``N`` requests as DP attention pads them for a rank with fewer requests th
 planned; only the real rows are compared. ``prefill`` (padded in tokens, not requests) and
 ``draft_extend`` (padded after planning, in the sglang adapter) are left as they are.
 
+With ``prefix_share`` one more request shares request 0's prompt (its ``req_to_token`` row
+points at request 0's pages, as sglang's radix cache hands a hit over): after request 0's
+prefill it extends from the cached prefix, whole 256-token pages, in a ``prefill`` step of its
+own, then takes part in the rounds and decodes.
+
 Prompts end a few tokens before a multiple of 128 (window, c128 block and, at 256, page
 boundaries), so the rounds and decodes that follow cross it.
 """
@@ -48,6 +53,9 @@ NUM_DRAFT_STEPS = 3
 NUM_DRAFT_TOKENS = NUM_DRAFT_STEPS + 1
 #: Prompts end just before a multiple of this (window = c128 block = half a page).
 BOUNDARY = 128
+#: With ``prefix_share``: the shared prompt's tokens past its last whole page, and the sharing
+#: request's own prompt tokens after it, each at most this many.
+SHARE_TAIL = 8
 
 Row = tuple[int, int]  # (request, position)
 
@@ -138,6 +146,10 @@ class Trace:
     seed: int
     #: Padding requests added to the batches of the ``DP_PADDED_MODES`` (module docstring).
     dp_pad: int = 0
+    #: Prefix hits: ``(request, (owner, pages))`` — the request's first pages are the owner's.
+    shared_pages: tuple[tuple[int, tuple[int, int]], ...] = ()
+    #: Shared prompts: ``(request, (owner, tokens))`` — the owner's first tokens' data.
+    same_tokens: tuple[tuple[int, tuple[int, int]], ...] = ()
 
     @property
     def labels(self) -> list[str]:
@@ -158,7 +170,10 @@ class Trace:
         """A fresh model over a fresh pool with ``fmt`` caches; equal data and page layout
         for equal seeds."""
         generator = torch.Generator().manual_seed(self.seed)
-        pool = PagedRequestPool(self.config, self.max_lens, generator=generator, device=device)
+        pool = PagedRequestPool(
+            self.config, self.max_lens, generator=generator, device=device,
+            shared_pages=dict(self.shared_pages), same_tokens=dict(self.same_tokens),
+        )  # fmt: skip
         return RandomModel(self.config, pool, generator=generator, fmt=fmt, device=device)
 
 
@@ -171,13 +186,16 @@ def build_trace(
     decode_steps: int = 4,
     seed: int = 0,
     dp_pad: int = 0,
+    prefix_share: bool = False,
 ) -> Trace:
     """The built-in trace (module docstring) over ``num_requests`` requests of at most
     ``max_len`` tokens; ``seed`` draws the lengths, the accepted drafts and the data;
-    ``dp_pad`` padding requests join every batch of the ``DP_PADDED_MODES``.
+    ``dp_pad`` padding requests join every batch of the ``DP_PADDED_MODES``;
+    ``prefix_share`` adds request ``num_requests``, a prefix hit on request 0's prompt.
 
     Raises ``ConfigError`` when the sizes cannot make a trace (``max_len`` must leave room for
-    a 2-token prompt, the rounds and the decodes).
+    a 2-token prompt, the rounds and the decodes; with ``prefix_share``, for a prompt longer
+    than a page).
     """
     if num_requests < 1 or cycles < 0 or decode_steps < 0 or dp_pad < 0:
         raise ConfigError(
@@ -194,18 +212,43 @@ def build_trace(
             f"least {headroom + 2}"
         )
     rng = random.Random(seed)
-    prompts = _prompt_lengths(rng, num_requests, max_len - headroom, cycles + decode_steps)
+    longest = max_len - headroom
+    prompts = _prompt_lengths(rng, num_requests, longest, cycles + decode_steps)
+    page = config.page_size
+    share: tuple[int, int] | None = None  # (hit, the sharing request's prompt)
+    if prefix_share:
+        if longest < page + 2 * SHARE_TAIL:
+            raise ConfigError(
+                f"--prefix-share needs a prompt longer than a page ({page} tokens): use a "
+                f"max_len of at least {page + 2 * SHARE_TAIL + headroom}"
+            )
+        if prompts[0] <= page:
+            prompts[0] = rng.randint(page + 1, page + SHARE_TAIL)
+        prompts[0] = min(prompts[0], longest - 1)  # room for the sharing request's own tokens
+        hit = prompts[0] // page * page
+        share = (hit, rng.randint(prompts[0] + 1, min(longest, prompts[0] + SHARE_TAIL)))
     accepted = [[rng.randint(0, NUM_DRAFT_TOKENS - 1) for _ in prompts] for _ in range(cycles)]
     if cycles and all(a == NUM_DRAFT_TOKENS - 1 for row in accepted for a in row):
         accepted[0][0] = 0  # keep at least one rejection in every trace
-    requests = tuple(range(num_requests))
     first = tuple(rng.randint(1, p - 1) for p in prompts)
     rest = tuple(p - f for p, f in zip(prompts, first, strict=True))
     steps = [
-        Step("prefill", "eager", requests, (0,) * num_requests, first),
-        Step("prefill", "graph", requests, first, rest),
+        Step("prefill", "eager", tuple(range(num_requests)), (0,) * num_requests, first),
+        Step("prefill", "graph", tuple(range(num_requests)), first, rest),
     ]
     lens = list(prompts)
+    shared: dict[str, tuple[tuple[int, tuple[int, int]], ...]] = {}
+    if share is not None:
+        hit, prompt = share
+        steps.append(Step("prefill", "eager", (num_requests,), (hit,), (prompt - hit,)))
+        shared = dict(
+            shared_pages=((num_requests, (0, hit // page)),),
+            same_tokens=((num_requests, (0, prompts[0])),),
+        )
+        lens.append(prompt)
+        accepted = [[*taken, rng.randint(0, NUM_DRAFT_TOKENS - 1)] for taken in accepted]
+    num_requests = len(lens)
+    requests = tuple(range(num_requests))
     for cycle, taken in enumerate(accepted):
         path = PATHS[cycle % 2]
         committed = tuple(lens)
@@ -231,7 +274,14 @@ def build_trace(
     for step in steps:
         for r, p in step.rows():
             reach[r] = max(reach[r], p + 1)
-    return Trace(config=config, max_lens=tuple(reach), steps=tuple(steps), seed=seed, dp_pad=dp_pad)
+    return Trace(
+        config=config,
+        max_lens=tuple(reach),
+        steps=tuple(steps),
+        seed=seed,
+        dp_pad=dp_pad,
+        **shared,
+    )
 
 
 def _prompt_lengths(rng: random.Random, count: int, longest: int, advance: int) -> list[int]:

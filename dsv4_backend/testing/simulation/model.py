@@ -69,8 +69,9 @@ def _select_rows(
 class RandomModel:
     """Random layers (one per ``config.compress_ratios``) over the requests of a pool.
 
-    Every request has its own random token data of length ``pool.max_lens[i]``; parameters are
-    shared across requests. ``expected(layer, rows)`` gives the full causal pass's rows.
+    Every request has its own random token data of length ``pool.max_lens[i]``, except the
+    prefixes ``pool.same_tokens`` declares shared (a shared prompt); parameters are shared across
+    requests. ``expected(layer, rows)`` gives the full causal pass's rows.
     """
 
     def __init__(
@@ -90,9 +91,12 @@ class RandomModel:
         self.inputs: list[list[LayerInputs]] = []  # [layer][request]
         for ratio in config.compress_ratios:
             per_request = [make_random_layer(config, ratio, n, generator) for n in pool.max_lens]
+            inputs = [inputs for inputs, _ in per_request]
+            for i, (j, n) in pool.same_tokens.items():
+                inputs[i] = _with_prefix(inputs[i], inputs[j], n)
             self.params.append(_to(per_request[0][1], self.device))
             self.runtime_params.append(_to(per_request[0][1], self.device, ops.LayerParams))
-            self.inputs.append([_to(inputs, self.device) for inputs, _ in per_request])
+            self.inputs.append([_to(x, self.device) for x in inputs])
         self._expected: dict[tuple[int, int], torch.Tensor] = {}
         self.state = AttentionState.allocate(
             config,
@@ -205,3 +209,14 @@ def _to(obj, device: torch.device, cls=None):
         for f in fields(obj)
     }
     return (cls or type(obj))(**values)
+
+
+def _with_prefix(inputs: LayerInputs, source: LayerInputs, n: int) -> LayerInputs:
+    """``inputs`` with its first ``n`` tokens' rows taken from ``source``."""
+    values = {}
+    for f in fields(inputs):
+        value = getattr(inputs, f.name)
+        if value is not None:
+            value = torch.cat([getattr(source, f.name)[:n], value[n:]])
+        values[f.name] = value
+    return LayerInputs(**values)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -18,14 +18,23 @@ class PagedRequestPool:
 
     Request ``i`` lives in pool row ``i + 1`` (row 0 is the padding row, as in sglang) and owns
     ``ceil(max_len / 256)`` pages drawn from a random permutation of the pool's pages but page 0
-    (sglang's padding page: padded rows write slot 0, see :meth:`pad_requests`); the
-    window cache is addressed through a random ``full_to_swa`` permutation so that a plan using
-    full slots where window slots are due is caught.
+    (sglang's padding page: padded rows write slot 0, see :meth:`pad_requests`); the window
+    cache is addressed through ``full_to_swa``, a random permutation of whole pages that keeps
+    each token's offset inside its page (as sglang's paged SWA allocator does), so that a plan
+    using full slots where window slots are due is caught.
+
+    Prefix caching (how sglang's radix cache hands a hit to the backend): ``shared_pages[i] =
+    (j, n)`` makes request ``i``'s first ``n`` pages request ``j``'s first ``n`` pages (its
+    ``req_to_token`` row points at them; ``j < i``). With ``same_tokens[i] = (j, m)`` request
+    ``i``'s first ``m`` tokens are ``j``'s (``RandomModel`` copies their inputs): both
+    together, ``m >= 256 n``, are a prefix hit of ``256 n`` tokens; tokens alone are a prefix
+    recomputed after eviction; pages alone reuse a finished request's pages.
 
     Attributes
     ----------
     req_to_token : ``[num_requests + 1, max_context]`` int32 full slots.
-    full_to_swa : ``[num_full_slots]`` int64 window slot of each full slot.
+    full_to_swa : ``[num_full_slots]`` int64 window slot of each full slot:
+        ``swa_page(page) * 256 + offset`` for full slot ``page * 256 + offset``.
     """
 
     def __init__(
@@ -36,28 +45,39 @@ class PagedRequestPool:
         generator: torch.Generator,
         spare_pages: int = 3,
         device: torch.device | str = "cpu",
+        shared_pages: Mapping[int, tuple[int, int]] | None = None,
+        same_tokens: Mapping[int, tuple[int, int]] | None = None,
     ) -> None:
         if not max_lens or min(max_lens) < 1:
             raise BatchError(f"max_lens must be positive request lengths, got {list(max_lens)}")
         if spare_pages < 1:
             raise BatchError(f"spare_pages={spare_pages}; expected >= 1 (page 0 is padding)")
         page = config.page_size
+        self.shared_pages = dict(shared_pages or {})
+        self.same_tokens = dict(same_tokens or {})
+        _check_prefixes(max_lens, page, self.shared_pages, self.same_tokens)
         pages_per_request = [math.ceil(n / page) for n in max_lens]
-        self.num_pages = sum(pages_per_request) + spare_pages
+        own_pages = [
+            count - self.shared_pages.get(i, (i, 0))[1] for i, count in enumerate(pages_per_request)
+        ]
+        self.num_pages = sum(own_pages) + spare_pages
         self.max_context = max(pages_per_request) * page
         self.num_full_slots = self.num_pages * page
         order = 1 + torch.randperm(self.num_pages - 1, generator=generator)
         req_to_token = torch.zeros(len(max_lens) + 1, self.max_context, dtype=torch.int32)
         offsets = torch.arange(page, dtype=torch.int32)
         taken = 0
-        for i, count in enumerate(pages_per_request):
-            for k in range(count):
+        for i in range(len(max_lens)):
+            owner, shared = self.shared_pages.get(i, (i, 0))
+            req_to_token[i + 1, : shared * page] = req_to_token[owner + 1, : shared * page]
+            for k in range(shared, pages_per_request[i]):
                 start = int(order[taken]) * page
                 req_to_token[i + 1, k * page : (k + 1) * page] = start + offsets
                 taken += 1
         self.device = torch.device(device)
         self.req_to_token = req_to_token.to(self.device)
-        self.full_to_swa = torch.randperm(self.num_full_slots, generator=generator).to(self.device)
+        swa_pages = torch.randperm(self.num_pages, generator=generator)
+        self.full_to_swa = (swa_pages[:, None] * page + offsets.long()).flatten().to(self.device)
         self.max_lens = list(max_lens)
 
     @property
@@ -198,3 +218,23 @@ class PagedRequestPool:
             num_draft_tokens=view.num_draft_tokens,
             draft=view.draft,
         )
+
+
+def _check_prefixes(
+    max_lens: Sequence[int],
+    page: int,
+    shared_pages: Mapping[int, tuple[int, int]],
+    same_tokens: Mapping[int, tuple[int, int]],
+) -> None:
+    """``BatchError`` unless every shared prefix names an earlier request with a prefix that
+    long."""
+    n = len(max_lens)
+    for what, spec, unit in (("shared_pages", shared_pages, page), ("same_tokens", same_tokens, 1)):
+        for i, (j, count) in spec.items():
+            ok = 0 <= j < i < n and count > 0
+            if not ok or any(count > math.ceil(max_lens[r] / unit) for r in (i, j)):
+                raise BatchError(
+                    f"{what}[{i}] = ({j}, {count}): expected an earlier request j and a prefix "
+                    f"of {count} {'pages' if unit > 1 else 'tokens'} within both requests' "
+                    f"lengths {list(max_lens)}"
+                )
