@@ -55,32 +55,34 @@
   #define uchar unsigned char
   #define ushort unsigned short
 #endif
-extern "C" __global__ void __launch_bounds__(1024) compress_plan_kernel_kernel(int* __restrict__ compress_plan_ptr, int64_t* __restrict__ first_new_positions_ptr, int64_t* __restrict__ positions_ptr, int* __restrict__ request_seq_lens_ptr, int* __restrict__ row_batch_ids_ptr, int* __restrict__ write_plan_ptr, int64_t cse_v7, int64_t num_rows, int64_t ratio, int64_t span);
-extern "C" __global__ void __launch_bounds__(1024) compress_plan_kernel_kernel(int* __restrict__ compress_plan_ptr, int64_t* __restrict__ first_new_positions_ptr, int64_t* __restrict__ positions_ptr, int* __restrict__ request_seq_lens_ptr, int* __restrict__ row_batch_ids_ptr, int* __restrict__ write_plan_ptr, int64_t cse_v7, int64_t num_rows, int64_t ratio, int64_t span) {
+extern "C" __global__ void __launch_bounds__(1024) compress_plan_kernel_kernel(int* __restrict__ compress_plan_ptr, int64_t* __restrict__ first_new_positions_ptr, int64_t* __restrict__ positions_ptr, int* __restrict__ request_seq_lens_ptr, int* __restrict__ row_batch_ids_ptr, int* __restrict__ write_plan_ptr, int64_t cse_v2, int64_t cse_v9, int64_t num_rows, int64_t page, int64_t ratio, int64_t span);
+extern "C" __global__ void __launch_bounds__(1024) compress_plan_kernel_kernel(int* __restrict__ compress_plan_ptr, int64_t* __restrict__ first_new_positions_ptr, int64_t* __restrict__ positions_ptr, int* __restrict__ request_seq_lens_ptr, int* __restrict__ row_batch_ids_ptr, int* __restrict__ write_plan_ptr, int64_t cse_v2, int64_t cse_v9, int64_t num_rows, int64_t page, int64_t ratio, int64_t span) {
   __shared__ alignas(64) int counts_ptr[2050];
   __shared__ alignas(64) int partial_ptr[2048];
-  int64_t cse_v2 = ((int64_t)((int)threadIdx.x));
-  int64_t cse_v9 = (((int64_t)((int)threadIdx.x)) * cse_v7);
-  int64_t first_row = (((int64_t)((int)threadIdx.x)) * cse_v7);
+  int64_t cse_v3 = ((int64_t)((int)threadIdx.x));
+  int64_t cse_v11 = (((int64_t)((int)threadIdx.x)) * cse_v9);
+  int64_t first_row = (((int64_t)((int)threadIdx.x)) * cse_v9);
   alignas(64) int kept_c_ptr[1];
   kept_c_ptr[0] = 0;
   alignas(64) int kept_w_ptr[1];
   kept_w_ptr[0] = 0;
-  for (int64_t j = (int64_t)0; j < cse_v7; ++j) {
-    int64_t cse_v10 = ((((int64_t)((int)threadIdx.x)) * cse_v7) + j);
-    if (((((int64_t)((int)threadIdx.x)) * cse_v7) + j) < num_rows) {
-      int64_t p = positions_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j)];
+  int64_t cse_v4 = (page - ratio);
+  for (int64_t j = (int64_t)0; j < cse_v9; ++j) {
+    int64_t cse_v12 = ((((int64_t)((int)threadIdx.x)) * cse_v9) + j);
+    if (((((int64_t)((int)threadIdx.x)) * cse_v9) + j) < num_rows) {
+      int64_t p = positions_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j)];
       if (((p + (int64_t)1) % ratio) == (int64_t)0) {
         kept_c_ptr[0] = (kept_c_ptr[0] + 1);
       }
-      int64_t rmod = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j)]) % ratio);
-      int64_t rdiv = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j)]) / ratio);
-      if ((((((((ratio >= (int64_t)0) && (rmod >= (int64_t)0)) || ((ratio < (int64_t)0) && (rmod <= (int64_t)0))) ? rdiv : (rdiv - (int64_t)1)) + (int64_t)1) * ratio) - span) <= p) {
+      int64_t rmod = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j)]) % ratio);
+      int64_t rdiv = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j)]) / ratio);
+      int64_t rmod_1 = (p % page);
+      if (((((((((ratio >= (int64_t)0) && (rmod >= (int64_t)0)) || ((ratio < (int64_t)0) && (rmod <= (int64_t)0))) ? rdiv : (rdiv - (int64_t)1)) + (int64_t)1) * ratio) - span) <= p) || (((int64_t)0 < cse_v2) && ((page - ratio) <= ((((page >= (int64_t)0) && (rmod_1 >= (int64_t)0)) || ((page < (int64_t)0) && (rmod_1 <= (int64_t)0))) ? rmod_1 : (rmod_1 + page))))) {
         kept_w_ptr[0] = (kept_w_ptr[0] + 1);
       }
     }
   }
-  int cse_v3 = (((int)threadIdx.x) + 1);
+  int cse_v5 = (((int)threadIdx.x) + 1);
   counts_ptr[(((int)threadIdx.x) + 1)] = kept_c_ptr[0];
   counts_ptr[(((int)threadIdx.x) + 1026)] = kept_w_ptr[0];
   if (((int)threadIdx.x) == 0) {
@@ -90,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(1024) compress_plan_kernel_kernel(i
   __syncthreads();
   for (int r = 0; r < 10; ++r) {
     for (int k = 0; k < 2; ++k) {
-      int cse_v4 = (k * 1025);
+      int cse_v6 = (k * 1025);
       partial_ptr[((k * 1024) + ((int)threadIdx.x))] = (counts_ptr[(((k * 1025) + ((int)threadIdx.x)) + 1)] + counts_ptr[((k * 1025) + max(((((int)threadIdx.x) + 1) - (1 << r)), 0))]);
     }
     __syncthreads();
@@ -99,46 +101,47 @@ extern "C" __global__ void __launch_bounds__(1024) compress_plan_kernel_kernel(i
     }
     __syncthreads();
   }
-  int64_t first_row_1 = (((int64_t)((int)threadIdx.x)) * cse_v7);
+  int64_t first_row_1 = (((int64_t)((int)threadIdx.x)) * cse_v9);
   alignas(64) int slot_c_ptr[1];
   slot_c_ptr[0] = counts_ptr[((int)threadIdx.x)];
   alignas(64) int slot_w_ptr[1];
   slot_w_ptr[0] = counts_ptr[(((int)threadIdx.x) + 1025)];
-  for (int64_t j_1 = (int64_t)0; j_1 < cse_v7; ++j_1) {
-    int64_t cse_v11 = ((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1);
-    int64_t row = ((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1);
-    if (((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1) < num_rows) {
-      int64_t p_1 = positions_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1)];
-      int64_t first = first_new_positions_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1)];
-      int64_t cse_v5 = (p_1 + (int64_t)1);
-      int cse_v12 = ((int)min(span, ((p_1 + (int64_t)1) - first)));
+  for (int64_t j_1 = (int64_t)0; j_1 < cse_v9; ++j_1) {
+    int64_t cse_v13 = ((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1);
+    int64_t row = ((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1);
+    if (((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1) < num_rows) {
+      int64_t p_1 = positions_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1)];
+      int64_t first = first_new_positions_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1)];
+      int64_t cse_v7 = (p_1 + (int64_t)1);
+      int cse_v14 = ((int)min(span, ((p_1 + (int64_t)1) - first)));
       int window_len = ((int)min(span, ((p_1 + (int64_t)1) - first)));
-      int cse_v6 = ((int)p_1);
-      int cse_v14 = ((int)((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1));
+      int cse_v8 = ((int)p_1);
+      int cse_v16 = ((int)((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1));
       if (((p_1 + (int64_t)1) % ratio) == (int64_t)0) {
-        compress_plan_ptr[(((int64_t)slot_c_ptr[0]) * (int64_t)4)] = ((int)((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1));
-        compress_plan_ptr[((((int64_t)slot_c_ptr[0]) * (int64_t)4) + (int64_t)1)] = row_batch_ids_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1)];
+        compress_plan_ptr[(((int64_t)slot_c_ptr[0]) * (int64_t)4)] = ((int)((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1));
+        compress_plan_ptr[((((int64_t)slot_c_ptr[0]) * (int64_t)4) + (int64_t)1)] = row_batch_ids_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1)];
         compress_plan_ptr[((((int64_t)slot_c_ptr[0]) * (int64_t)4) + (int64_t)2)] = ((int)p_1);
         compress_plan_ptr[((((int64_t)slot_c_ptr[0]) * (int64_t)4) + (int64_t)3)] = ((int)min(span, ((p_1 + (int64_t)1) - first)));
         slot_c_ptr[0] = (slot_c_ptr[0] + 1);
       }
-      int64_t rmod_1 = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1)]) % ratio);
-      int64_t rdiv_1 = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1)]) / ratio);
-      if ((((((((ratio >= (int64_t)0) && (rmod_1 >= (int64_t)0)) || ((ratio < (int64_t)0) && (rmod_1 <= (int64_t)0))) ? rdiv_1 : (rdiv_1 - (int64_t)1)) + (int64_t)1) * ratio) - span) <= p_1) {
-        write_plan_ptr[(((int64_t)slot_w_ptr[0]) * (int64_t)4)] = ((int)((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1));
-        write_plan_ptr[((((int64_t)slot_w_ptr[0]) * (int64_t)4) + (int64_t)1)] = row_batch_ids_ptr[((((int64_t)((int)threadIdx.x)) * cse_v7) + j_1)];
+      int64_t rmod_2 = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1)]) % ratio);
+      int64_t rdiv_1 = (((int64_t)request_seq_lens_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1)]) / ratio);
+      int64_t rmod_3 = (p_1 % page);
+      if (((((((((ratio >= (int64_t)0) && (rmod_2 >= (int64_t)0)) || ((ratio < (int64_t)0) && (rmod_2 <= (int64_t)0))) ? rdiv_1 : (rdiv_1 - (int64_t)1)) + (int64_t)1) * ratio) - span) <= p_1) || (((int64_t)0 < cse_v2) && ((page - ratio) <= ((((page >= (int64_t)0) && (rmod_3 >= (int64_t)0)) || ((page < (int64_t)0) && (rmod_3 <= (int64_t)0))) ? rmod_3 : (rmod_3 + page))))) {
+        write_plan_ptr[(((int64_t)slot_w_ptr[0]) * (int64_t)4)] = ((int)((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1));
+        write_plan_ptr[((((int64_t)slot_w_ptr[0]) * (int64_t)4) + (int64_t)1)] = row_batch_ids_ptr[((((int64_t)((int)threadIdx.x)) * cse_v9) + j_1)];
         write_plan_ptr[((((int64_t)slot_w_ptr[0]) * (int64_t)4) + (int64_t)2)] = ((int)p_1);
         write_plan_ptr[((((int64_t)slot_w_ptr[0]) * (int64_t)4) + (int64_t)3)] = ((int)min(span, ((p_1 + (int64_t)1) - first)));
         slot_w_ptr[0] = (slot_w_ptr[0] + 1);
       }
     }
   }
-  for (int64_t j_2 = (int64_t)0; j_2 < cse_v7; ++j_2) {
-    int64_t cse_v8 = ((j_2 * (int64_t)1024) + ((int64_t)((int)threadIdx.x)));
+  for (int64_t j_2 = (int64_t)0; j_2 < cse_v9; ++j_2) {
+    int64_t cse_v10 = ((j_2 * (int64_t)1024) + ((int64_t)((int)threadIdx.x)));
     int64_t row_1 = ((j_2 * (int64_t)1024) + ((int64_t)((int)threadIdx.x)));
     if (((j_2 * (int64_t)1024) + ((int64_t)((int)threadIdx.x))) < num_rows) {
       for (int c = 0; c < 4; ++c) {
-        int64_t cse_v13 = (((j_2 * (int64_t)4096) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)) + ((int64_t)c));
+        int64_t cse_v15 = (((j_2 * (int64_t)4096) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)) + ((int64_t)c));
         if (((int64_t)counts_ptr[1024]) <= ((j_2 * (int64_t)1024) + ((int64_t)((int)threadIdx.x)))) {
           compress_plan_ptr[(((j_2 * (int64_t)4096) + (((int64_t)((int)threadIdx.x)) * (int64_t)4)) + ((int64_t)c))] = -1;
         }
@@ -200,7 +203,7 @@ void launch_compress_plan(tvm::ffi::TensorView row_batch_ids, tvm::ffi::TensorVi
                           tvm::ffi::TensorView first_new_positions,
                           tvm::ffi::TensorView request_seq_lens,
                           tvm::ffi::TensorView compress_plan, tvm::ffi::TensorView write_plan,
-                          int64_t ratio, int64_t span) {
+                          int64_t ratio, int64_t span, int64_t page) {
   const DLDataType i32{kDLInt, 32, 1};
   const DLDataType i64{kDLInt, 64, 1};
   if (positions.ndim() != 1) {
@@ -224,8 +227,10 @@ void launch_compress_plan(tvm::ffi::TensorView row_batch_ids, tvm::ffi::TensorVi
   cudaSetDevice(device.device_id);
   auto stream =
       static_cast<cudaStream_t>(TVMFFIEnvGetStream(device.device_type, device.device_id));
-  compress_plan_kernel_kernel<<<1, kThreads, 0, stream>>>(c_plan, first, pos, seq, rb, w_plan,
-                                                          chunk, num_rows, ratio, span);
+  // TVM's parameters after the buffers, sorted by name: cse_v2 = span - ratio (the overlap),
+  // cse_v9 = rows per thread, then num_rows, page, ratio, span.
+  compress_plan_kernel_kernel<<<1, kThreads, 0, stream>>>(
+      c_plan, first, pos, seq, rb, w_plan, span - ratio, chunk, num_rows, page, ratio, span);
   const cudaError_t err = cudaGetLastError();
   cudaSetDevice(caller_device);
   if (err != cudaSuccess) {

@@ -47,7 +47,7 @@ void launch_compress_plan(tvm::ffi::TensorView row_batch_ids, tvm::ffi::TensorVi
                           tvm::ffi::TensorView first_new_positions,
                           tvm::ffi::TensorView request_seq_lens,
                           tvm::ffi::TensorView compress_plan, tvm::ffi::TensorView write_plan,
-                          int64_t ratio, int64_t span) {
+                          int64_t ratio, int64_t span, int64_t page) {
   const DLDataType i32{kDLInt, 32, 1};
   const DLDataType i64{kDLInt, 64, 1};
   if (positions.ndim() != 1) {
@@ -71,8 +71,10 @@ void launch_compress_plan(tvm::ffi::TensorView row_batch_ids, tvm::ffi::TensorVi
   cudaSetDevice(device.device_id);
   auto stream =
       static_cast<cudaStream_t>(TVMFFIEnvGetStream(device.device_type, device.device_id));
-  compress_plan_kernel_kernel<<<1, kThreads, 0, stream>>>(c_plan, first, pos, seq, rb, w_plan,
-                                                          chunk, num_rows, ratio, span);
+  // TVM's parameters after the buffers, sorted by name: cse_v2 = span - ratio (the overlap),
+  // cse_v9 = rows per thread, then num_rows, page, ratio, span.
+  compress_plan_kernel_kernel<<<1, kThreads, 0, stream>>>(
+      c_plan, first, pos, seq, rb, w_plan, span - ratio, chunk, num_rows, page, ratio, span);
   const cudaError_t err = cudaGetLastError();
   cudaSetDevice(caller_device);
   if (err != cudaSuccess) {

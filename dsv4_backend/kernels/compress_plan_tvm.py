@@ -70,14 +70,15 @@ CUDA_SOURCE = Path(__file__).with_name("compress_plan_cuda.cu")
 _CUDA_LAUNCHER = Path(__file__).with_name("compress_plan_launcher.cu")
 #: Entry point exported by the launcher, with ``launch_compress_plan_kernel``'s arguments.
 CUDA_ENTRY = "launch_compress_plan"
-#: The kernel as TVM 0.27 emits it (parameters sorted by name; ``cse_v7`` is the rows per
-#: thread): the launcher calls exactly this, so generation fails if TVM emits another.
+#: The kernel as TVM 0.27 emits it (parameters sorted by name; ``cse_v2`` is the overlap
+#: ``span - ratio``, ``cse_v9`` the rows per thread): the launcher calls exactly this, so
+#: generation fails if TVM emits another.
 _CUDA_KERNEL_SIGNATURE = (
     'extern "C" __global__ void __launch_bounds__(1024) compress_plan_kernel_kernel('
     "int* __restrict__ compress_plan_ptr, int64_t* __restrict__ first_new_positions_ptr, "
     "int64_t* __restrict__ positions_ptr, int* __restrict__ request_seq_lens_ptr, "
-    "int* __restrict__ row_batch_ids_ptr, int* __restrict__ write_plan_ptr, int64_t cse_v7, "
-    "int64_t num_rows, int64_t ratio, int64_t span)"
+    "int* __restrict__ row_batch_ids_ptr, int* __restrict__ write_plan_ptr, int64_t cse_v2, "
+    "int64_t cse_v9, int64_t num_rows, int64_t page, int64_t ratio, int64_t span)"
 )
 
 
