@@ -292,12 +292,17 @@ def plan_into(
         **common,
         c4=comp.get(4),
         c128=comp.get(128),
-        tag=BatchTag(
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=batch.seq_lens,
-            out_cache_loc=batch.out_cache_loc,
-        ),
+        tag=_tag(batch),
         pending_checks=pending,
+    )
+
+
+def _tag(batch: BatchView) -> BatchTag:
+    """The plan's tag: the batch tensors it was made from (``check_batch``)."""
+    return BatchTag(
+        req_pool_indices=batch.req_pool_indices,
+        seq_lens=batch.seq_lens,
+        out_cache_loc=batch.out_cache_loc,
     )
 
 
@@ -518,10 +523,6 @@ def _plan_rows(
         swa_topk_lengths=(positions + 1).clamp(max=config.window_size).int(),
         c4=comp.get(4),
         c128=comp.get(128),
-        tag=BatchTag(
-            req_pool_indices=batch.req_pool_indices,
-            seq_lens=batch.seq_lens,
-            out_cache_loc=batch.out_cache_loc,
-        ),
+        tag=_tag(batch),
         pending_checks=pending,
     )

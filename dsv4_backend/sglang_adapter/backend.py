@@ -321,7 +321,8 @@ class PlannedBatch:
 
     ``tag`` holds the ``ForwardBatch`` and its ``req_pool_indices`` / ``seq_lens`` /
     ``out_cache_loc`` (not for a draft step: sglang hands each step its own slice); the host
-    lists are the batch's ``seq_lens_cpu`` and ``req_pool_indices`` where known without a sync.
+    lists (draft-extend plans only) are the batch's ``seq_lens_cpu`` and ``req_pool_indices``
+    where known without a sync.
     """
 
     tag: BatchTag
@@ -482,20 +483,23 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if metadata.pending_checks is not None:
             self.pending_checks.append(metadata.pending_checks)
-        self.planned = self._planned_batch(forward_batch)
+        self.planned = self._planned_batch(forward_batch, metadata.kind)
         return metadata
 
-    def _planned_batch(self, fb: Any) -> PlannedBatch:
-        idle = fb.forward_mode.is_idle()
+    def _planned_batch(self, fb: Any, kind: ForwardKind) -> PlannedBatch:
+        """Tag ``fb``; its host lists only for a draft-extend plan (``_check_padding`` is their
+        one reader), so no other plan pays for them."""
+        idle = kind is ForwardKind.IDLE
         tensors = {} if idle else dict(
             req_pool_indices=fb.req_pool_indices,
             seq_lens=fb.seq_lens,
             out_cache_loc=None if self.draft_step is not None else fb.out_cache_loc,
         )  # fmt: skip
+        lists = kind is ForwardKind.DRAFT_EXTEND
         return PlannedBatch(
             tag=BatchTag(forward_batch=fb, **tensors),
-            seq_lens=None if idle else _host_values(getattr(fb, "seq_lens_cpu", None)),
-            req_pool_indices=None if idle else self._host_pool_rows(fb),
+            seq_lens=_host_values(getattr(fb, "seq_lens_cpu", None)) if lists else None,
+            req_pool_indices=self._host_pool_rows(fb) if lists else None,
         )
 
     @staticmethod
@@ -593,7 +597,10 @@ class DSV4AttentionBackend(AttentionBackend):
             metadata = pad_plan(
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
-            self.forward_metadata, self.planned = metadata, self._planned_batch(forward_batch)
+            self.forward_metadata, self.planned = (
+                metadata,
+                self._planned_batch(forward_batch, metadata.kind),
+            )
             planned = self.planned
         metadata.check_matches(
             batch_size=forward_batch.batch_size,
