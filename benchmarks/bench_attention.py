@@ -20,20 +20,26 @@ Per case, analytically:
 
 The fraction of the roofline is roofline time / measured time.
 
-Verify at attention TP (analytic, printed everywhere): 16 and 32 heads a rank, ``draft`` rows
-per request (MTP verify / draft extend), Flash shapes. ``per-row`` is what the kernel moves
-today (each row gathers its own keys); ``shared`` is the bound of a kernel whose program takes
-a request's rows together and gathers their union once (window ``128 + draft - 1`` keys, c128
-entries once, c4 top-k sets at best identical). FLOP/B says how far below the ridge (bf16
-peak / HBM bandwidth) each row is.
+Verify at attention TP: 16 and 32 heads a rank, ``draft`` rows per request (MTP verify /
+draft extend) at context 8192, Flash shapes. The table (printed everywhere) gives the bytes
+of three schedules: ``per-row`` (one row a program: every row gathers its own keys),
+``grouped`` (the kernel's: a program takes a request's rows and walks their union list from
+``kernels/key_union.py``; the column counts come from running that rule on the rows' index
+lists, plus 8 B of slot and row bits per union column) and ``ideal`` (a request's keys once:
+window ``128 + draft - 1``, c128 entries once, c4 top-k sets identical). The c4 top-k lists
+here are drawn independently per row (the worst case for sharing). FLOP/B says how far below
+the ridge (bf16 peak / HBM bandwidth) a row is. ``--verify`` also times both schedules
+(GPU: 16 heads at Flash shapes; CPU: the tiny config's 8 heads through the interpreter), with
+the roofline fraction on the ideal bytes.
 
     python benchmarks/bench_attention.py [--batch 1 8 32 64 128] [--fmt dense fp8]
-        [--layer window ratio4 ratio128] [--splits N] [--reps 3] [--threads 1]
+        [--layer window ratio4 ratio128] [--splits N] [--reps 3] [--threads 1] [--verify]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import time
@@ -48,7 +54,9 @@ if not ON_GPU:
 from dsv4_backend.cache import TokenCache  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
 from dsv4_backend.kernels.cache_store import store_rows  # noqa: E402
+from dsv4_backend.kernels.key_union import key_union_torch  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import (  # noqa: E402
+    group_rows,
     sparse_attention_torch,
     sparse_attention_triton,
 )
@@ -98,38 +106,97 @@ def cost(batch: int, layer: str, fmt: str, shapes: dict) -> tuple[float, float]:
     return moved, 4.0 * batch * heads * keys * dim
 
 
-def verify_cost(requests: int, draft: int, heads: int, layer: str, fmt: str) -> dict[str, float]:
-    """Analytic bytes of ``requests`` verify requests of ``draft`` rows at Flash shapes:
-    ``per_row`` (every row's keys) and ``shared`` (each request's union of keys once, best
-    case), and the FLOPs (module docstring)."""
-    shapes = dict(FLASH, heads=heads)
+def verify_lists(requests: int, draft: int, layer: str, shapes: dict, g: torch.Generator):
+    """Index lists of ``requests`` verify requests of ``draft`` rows each, as the planner and
+    the indexer lay them out: ``(swa_idx, swa_len, ext_idx, ext_len, entries)``, request
+    ``b``'s window keys at slots ``b (W + draft) ...`` and its compressed entries at
+    ``b entries ...`` (``ext_*`` None on a window-only layer)."""
+    rows = requests * draft
+    request = torch.arange(rows) // draft
+    newest = WINDOW - 1 + torch.arange(rows) % draft  # a row's own position in its window run
+    swa_idx = (request[:, None] * (WINDOW + draft) + newest[:, None] - torch.arange(WINDOW)).int()
+    swa_len = torch.full((rows,), WINDOW, dtype=torch.int32)
+    n_extra = extra_keys(layer, shapes)
+    entries = shapes["context"] // (4 if layer == "ratio4" else 128)
+    if not n_extra:
+        return swa_idx, swa_len, None, None, entries
+    if layer == "ratio4":  # each row's own top-k, ascending entry order (the indexer's)
+        picks = torch.rand(rows, entries, generator=g).argsort(dim=1)[:, :n_extra].sort(dim=1)
+        ext = picks.values
+    else:  # every entry
+        ext = torch.arange(entries).expand(rows, entries)
+    ext_idx = (request[:, None] * entries + ext).int()
+    return swa_idx, swa_len, ext_idx, torch.full((rows,), n_extra, dtype=torch.int32), entries
+
+
+def verify_cost(
+    requests: int, draft: int, heads: int, layer: str, fmt: str, shapes: dict, g: torch.Generator
+) -> dict[str, float]:
+    """Analytic bytes of the three schedules of the module docstring, and the FLOPs."""
+    shapes = dict(shapes, heads=heads)
     rows = requests * draft
     per_row, flops = cost(rows, layer, fmt, shapes)
-    union_keys = WINDOW + draft - 1 + extra_keys(layer, shapes)
-    shared = requests * union_keys * key_bytes(fmt, shapes["dim"]) + rows * heads * shapes[
-        "dim"
-    ] * (2 + 4)
-    return dict(per_row=per_row, shared=shared, flops=flops)
+    q_out = rows * heads * shapes["dim"] * (2 + 4)
+    lists = verify_lists(requests, draft, layer, shapes, g)[:4]
+    group = group_rows(heads, draft)
+    union = key_union_torch(*lists, group)
+    columns = int(union.lengths.sum())
+    key = key_bytes(fmt, shapes["dim"]) - 4  # the cache row; index bytes counted apart
+    grouped = columns * (key + 8) + q_out
+    ideal_keys = WINDOW + draft - 1 + extra_keys(layer, shapes)
+    ideal = requests * ideal_keys * key_bytes(fmt, shapes["dim"]) + q_out
+    return dict(per_row=per_row, grouped=grouped, ideal=ideal, flops=flops, group=group)
 
 
 def print_verify_table(bandwidth: float, flops_peak: float, formats: list[str]) -> None:
     """The verify-at-attention-TP table of the module docstring."""
     print(f"verify at attention TP, Flash shapes, analytic, roofline on the peaks above "
           f"(ridge {flops_peak / bandwidth:.0f} FLOP/B):")  # fmt: skip
-    print(f"{'layer':>8} {'fmt':>5} {'heads':>5} {'reqs':>4} {'draft':>5} {'per-row MB':>10} "
-          f"{'shared MB':>9} {'FLOP/B':>6} {'per-row us':>10} {'shared us':>9}")  # fmt: skip
+    print(f"{'layer':>8} {'fmt':>5} {'heads':>5} {'reqs':>4} {'draft':>5} {'G':>2} "
+          f"{'per-row MB':>10} {'grouped MB':>10} {'ideal MB':>8} {'FLOP/B':>6} "
+          f"{'per-row us':>10} {'grouped us':>10} {'ideal us':>8}")  # fmt: skip
+    g = torch.Generator().manual_seed(0)
     for layer in LAYERS:
         for fmt in formats:
             for heads in (16, 32):
                 for requests, draft in ((8, 4), (64, 4)):
-                    c = verify_cost(requests, draft, heads, layer, fmt)
+                    c = verify_cost(requests, draft, heads, layer, fmt, FLASH, g)
                     t_fl = c["flops"] / flops_peak
-                    t_row = max(c["per_row"] / bandwidth, t_fl)
-                    t_shared = max(c["shared"] / bandwidth, t_fl)
+                    schedules = ("per_row", "grouped", "ideal")
+                    t = {k: max(c[k] / bandwidth, t_fl) * 1e6 for k in schedules}
                     print(f"{layer:>8} {fmt:>5} {heads:>5} {requests:>4} {draft:>5} "
-                          f"{c['per_row'] / 1e6:10.2f} {c['shared'] / 1e6:9.2f} "
-                          f"{c['flops'] / c['per_row']:6.0f} {t_row * 1e6:10.2f} "
-                          f"{t_shared * 1e6:9.2f}")  # fmt: skip
+                          f"{c['group']:>2} {c['per_row'] / 1e6:10.2f} "
+                          f"{c['grouped'] / 1e6:10.2f} {c['ideal'] / 1e6:8.2f} "
+                          f"{c['flops'] / c['per_row']:6.0f} {t['per_row']:10.2f} "
+                          f"{t['grouped']:10.2f} {t['ideal']:8.2f}")  # fmt: skip
+
+
+def filled_cache(num: int, dim: int, page_tokens: int, fmt: str, device: str) -> TokenCache:
+    """A ``num``-slot token cache of random keys (filling it is not what is timed)."""
+    cache = TokenCache(num, dim, 64, page_tokens, fmt, torch.bfloat16, device)
+    with dispatch.force_path("torch"):
+        for r0 in range(0, num, 1 << 16):
+            slots = torch.arange(r0, min(r0 + (1 << 16), num), device=device)
+            store_rows(cache, torch.randn(len(slots), dim, device=device), slots)
+    return cache
+
+
+def make_verify_inputs(
+    requests: int, draft: int, heads: int, layer: str, fmt: str, shapes: dict, device: str,
+    g: torch.Generator,
+):  # fmt: skip
+    """Arguments of the op for ``requests`` verify requests of ``draft`` rows."""
+    dim = shapes["dim"]
+    swa_idx, swa_len, ext_idx, ext_len, entries = verify_lists(requests, draft, layer, shapes, g)
+    win = filled_cache(requests * (WINDOW + draft), dim, 128, fmt, device)
+    extra = [None, None, None]
+    if ext_idx is not None:
+        cache = filled_cache(requests * entries, dim, 64 if layer == "ratio4" else 2, fmt, device)
+        extra = [cache, ext_idx, ext_len]
+    q = torch.randn(requests * draft, heads, dim, generator=g).bfloat16()
+    sink = torch.randn(heads, generator=g)
+    args = (q, win, swa_idx, swa_len, *extra, sink, dim**-0.5)
+    return tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in args)
 
 
 def make_inputs(batch: int, layer: str, fmt: str, shapes: dict, device: str, g: torch.Generator):
@@ -137,26 +204,16 @@ def make_inputs(batch: int, layer: str, fmt: str, shapes: dict, device: str, g: 
     heads, dim = shapes["heads"], shapes["dim"]
     n_extra = extra_keys(layer, shapes)
     entries = shapes["context"] // (4 if layer == "ratio4" else 128)
-    win = TokenCache(batch * WINDOW, dim, 64, 128, fmt, torch.bfloat16, device)
-    caches = [win]
-    if n_extra:
-        page_tokens = 64 if layer == "ratio4" else 2
-        caches.append(
-            TokenCache(batch * entries, dim, 64, page_tokens, fmt, torch.bfloat16, device)
-        )
-    with dispatch.force_path("torch"):  # filling the caches is not what is timed
-        for cache in caches:
-            for r0 in range(0, cache.num_slots, 1 << 16):
-                slots = torch.arange(r0, min(r0 + (1 << 16), cache.num_slots), device=device)
-                store_rows(cache, torch.randn(len(slots), dim, device=device), slots)
+    win = filled_cache(batch * WINDOW, dim, 128, fmt, device)
     rows = torch.arange(batch)[:, None]
     swa_idx = (rows * WINDOW + torch.arange(WINDOW - 1, -1, -1)).int()
     swa_len = torch.full((batch,), WINDOW, dtype=torch.int32)
     extra = [None, None, None]
     if n_extra:  # ratio4: top-k of the row's own entries; ratio128: all of them
+        cache = filled_cache(batch * entries, dim, 64 if layer == "ratio4" else 2, fmt, device)
         picks = torch.rand(batch, entries, generator=g).argsort(dim=1)[:, :n_extra]
         ext_idx = (rows * entries + picks.sort(dim=1).values).int()
-        extra = [caches[1], ext_idx, torch.full((batch,), n_extra, dtype=torch.int32)]
+        extra = [cache, ext_idx, torch.full((batch,), n_extra, dtype=torch.int32)]
     q = torch.randn(batch, heads, dim, generator=g).bfloat16()
     sink = torch.randn(heads, generator=g)
     args = (q, win, swa_idx, swa_len, *extra, sink, dim**-0.5)
@@ -178,6 +235,22 @@ def time_call(fn: Callable[[], object], reps: int) -> float:
     return statistics.median(times)
 
 
+def measure(
+    fn: Callable[[], torch.Tensor],
+    reference: torch.Tensor,
+    reps: int,
+    moved: float,
+    flops: float,
+    matched: tuple[str, float, float] | None,
+) -> tuple[float, str, float]:
+    """``(seconds per call, fraction of the roofline of moved bytes and flops or "-" without
+    device peaks, max |output - reference|)``."""
+    diff = (fn() - reference).abs().max().item()
+    sec = time_call(fn, reps)
+    frac = f"{max(moved / matched[1], flops / matched[2]) / sec:.1%}" if matched else "-"
+    return sec, frac, diff
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+")
@@ -186,6 +259,7 @@ def main() -> None:
     parser.add_argument("--splits", type=int, help="key splits (default: the launcher's choice)")
     parser.add_argument("--reps", type=int, default=3, help="CPU timing calls")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--verify", action="store_true", help="also time verify rows at TP")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -231,14 +305,33 @@ def main() -> None:
                     ("torch", lambda a=args: sparse_attention_torch(*a)),
                     ("triton", lambda a=args: sparse_attention_triton(*a, num_splits=opts.splits)),
                 ):
-                    diff = (fn() - reference).abs().max().item()
-                    sec = time_call(fn, opts.reps)
-                    frac = "-"
-                    if matched:
-                        frac = f"{max(moved / matched[1], fl / matched[2]) / sec:.1%}"
+                    sec, frac, diff = measure(fn, reference, opts.reps, moved, fl, matched)
                     print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>6} {sec * 1e6:10.1f} "
                           f"{moved / sec / 1e9:9.3g} {fl / sec / 1e12:8.3g} {frac:>8}  "
                           f"{diff:.2e}")  # fmt: skip
+    if opts.verify:
+        time_verify(opts, shapes, device, matched, g)
+
+
+def time_verify(opts, shapes: dict, device: str, matched, g: torch.Generator) -> None:
+    """Verify rows at attention TP, one row a program against a request's rows together."""
+    heads = 16 if ON_GPU else shapes["heads"]
+    requests, draft = (64, 4) if ON_GPU else (2, 4)
+    print(f"measured verify: {requests} requests x {draft} rows, {heads} heads; roofline on "
+          "the ideal bytes")  # fmt: skip
+    print(f"{'layer':>8} {'fmt':>5} {'schedule':>8} {'time us':>10} {'roofline':>8}  max|diff|")
+    for layer in opts.layer:
+        for fmt in opts.fmt:
+            args = make_verify_inputs(requests, draft, heads, layer, fmt, shapes, device, g)
+            c = verify_cost(requests, draft, heads, layer, fmt, shapes, g)
+            reference = sparse_attention_torch(*args)
+            for schedule, rows in (("per-row", 1), ("grouped", draft)):
+                fn = functools.partial(
+                    sparse_attention_triton, *args, num_splits=opts.splits, rows_per_group=rows
+                )
+                sec, frac, diff = measure(fn, reference, opts.reps, c["ideal"], c["flops"], matched)
+                print(f"{layer:>8} {fmt:>5} {schedule:>8} {sec * 1e6:10.1f} {frac:>8}  "
+                      f"{diff:.2e}")  # fmt: skip
 
 
 if __name__ == "__main__":

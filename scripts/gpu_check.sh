@@ -23,7 +23,7 @@ tests=$?
 loop=$?
 # Figures for the notes (they print; they do not decide the exit status).
 "$py" benchmarks/bench_ops.py
-"$py" benchmarks/bench_attention.py
+"$py" benchmarks/bench_attention.py --verify
 "$py" benchmarks/bench_planning.py --device cuda
 echo "gpu_check summary: kernel/serving tests $([ $tests -eq 0 ] && echo PASS || echo FAIL)," \
      "CUDA-graph loop $([ $loop -eq 0 ] && echo PASS || echo FAIL)"

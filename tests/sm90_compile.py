@@ -32,6 +32,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
+from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
 
 SM90 = GPUTarget("cuda", 90, 32)
@@ -50,13 +51,16 @@ def _aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:
 
 
 def attention_source(
-    fmt: str, ratio: int, splits: int, heads: int = HEADS
+    fmt: str, ratio: int, splits: int, heads: int = HEADS, rows_per_group: int = 1
 ) -> tuple[ASTSource, dict]:
     """The attention kernel as launched for a layer of compress ``ratio`` (0: window only) with
-    ``heads`` heads a rank (fewer than 64 under attention TP)."""
+    ``heads`` heads a rank (fewer than 64 under attention TP), packing up to ``rows_per_group``
+    rows a program (verify / draft extend)."""
     fp8 = fmt == "fp8"
-    block_h = sa._block_h(heads)
-    block_n, num_warps, num_stages = sa._launch_config(DIM, fp8, block_h)
+    group = sa.group_rows(heads, rows_per_group)
+    block_h = sa._block_h(heads) if group == 1 else triton.next_power_of_2(heads)
+    block_g = triton.next_power_of_2(group)
+    block_n, num_warps, num_stages = sa._launch_config(DIM, fp8, block_h * block_g)
     cache = "*u8" if fp8 else "*bf16"
     names = sa._sparse_attention_kernel.arg_names
     kinds = dict(
@@ -65,7 +69,8 @@ def attention_source(
         m_ptr="*fp32", l_ptr="*fp32", qk_scale="fp32",
     )  # fmt: skip
     constexprs = dict(
-        D=DIM, BLOCK_D=DIM, BLOCK_H=block_h, BLOCK_N=block_n, NUM_SPLITS=splits,
+        D=DIM, BLOCK_D=DIM, BLOCK_H=block_h, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n,
+        NUM_SPLITS=splits,
         HAS_EXTRA=ratio != 0, NOPE_DIM=DIM - ROPE, WIN_FP8=fp8, WIN_PAGE_TOKENS=PAGE_TOKENS[0],
         EXT_FP8=fp8, EXT_PAGE_TOKENS=PAGE_TOKENS[ratio], ONE_GATHER=not fp8,
         INTERPRETER=False,
@@ -73,6 +78,18 @@ def attention_source(
     signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
     src = ASTSource(sa._sparse_attention_kernel, signature, constexprs, _aligned(signature))
     return src, dict(num_warps=num_warps, num_stages=num_stages)
+
+
+def union_source(group: int) -> tuple[ASTSource, dict]:
+    """The key-union kernel for groups of ``group`` rows."""
+    names = ku._key_union_kernel.arg_names
+    constexprs = dict(GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=ku.BLOCK_N)
+    signature = {
+        n: "constexpr" if n in constexprs else ("*i32" if n.endswith("_ptr") else "i32")
+        for n in names
+    }
+    src = ASTSource(ku._key_union_kernel, signature, constexprs, _aligned(signature))
+    return src, dict(num_warps=4)
 
 
 def merge_source(splits: int) -> tuple[ASTSource, dict]:
@@ -124,7 +141,8 @@ def compile_report(name: str, src: ASTSource, options: dict) -> dict:
 def configurations() -> list[tuple[str, ASTSource, dict]]:
     """Every launch shape of the Flash layers: window-only / c4 / c128, dense bf16 / fp8, one
     split (finalising) and several (partials), and the merge kernel; then the c4 layer with
-    16 and 32 heads a rank (attention TP 4 and 2)."""
+    16 and 32 heads a rank (attention TP 4 and 2), one row a program (decode) and the rows of
+    a 4-token verify together (``-g``: 64 M lines, as at H = 64), and the key union."""
     out = []
     for fmt in ("dense", "fp8"):
         for ratio, splits in ((0, 1), (4, 1), (4, 8), (128, 4)):
@@ -134,7 +152,11 @@ def configurations() -> list[tuple[str, ASTSource, dict]]:
         for heads in (16, 32):
             src = attention_source(fmt, 4, 4, heads)
             out.append((f"attention-{fmt}-r4-s4-h{heads}", *src))
+            for ratio, splits in ((4, 1), (128, 4)):
+                src = attention_source(fmt, ratio, splits, heads, rows_per_group=4)
+                out.append((f"attention-{fmt}-r{ratio}-s{splits}-g-h{heads}", *src))
     out.append(("merge-s8", *merge_source(8)))
+    out.append(("key-union-g4", *union_source(4)))
     return out + fused_configurations()
 
 

@@ -32,6 +32,7 @@ from dsv4_backend.kernels.sparse_attention import (
     default_num_splits,
     dot_operand_dtype,
     force_num_splits,
+    group_rows,
     sparse_attention_torch,
     sparse_attention_triton,
     sparse_attention_with_sink,
@@ -86,11 +87,15 @@ def _rowwise(q, spans, sink, scale) -> torch.Tensor:
     return torch.stack(out)
 
 
-def _all_paths(*args, splits=(1, 3)) -> dict[str, torch.Tensor]:
-    """Outputs of the torch path and of the Triton kernel at each split count."""
+def _all_paths(*args, splits=(1, 3), groups=(1,)) -> dict[str, torch.Tensor]:
+    """Outputs of the torch path and of the Triton kernel at each split count and each
+    ``rows_per_group``."""
     outs = {"torch": sparse_attention_torch(*args)}
     for s in splits:
-        outs[f"triton-s{s}"] = sparse_attention_triton(*args, num_splits=s)
+        for rows in groups:
+            outs[f"triton-s{s}-g{rows}"] = sparse_attention_triton(
+                *args, num_splits=s, rows_per_group=rows
+            )
     return outs
 
 
@@ -253,7 +258,9 @@ def test_fp8_cache(dim):
 def test_verify_rows_at_attention_tp_heads(heads, fmt):
     """Verify / draft-extend rows (consecutive rows of two requests sharing most keys: windows
     shifted by one position, top-k sets drawn from one pool) with 16 and 32 heads a rank, one
-    split and several: Triton == torch path == per-row reference over the stored keys."""
+    split and several, one row a program and a request's rows together (and groups that
+    straddle the two requests): Triton == torch path == per-row reference over the stored
+    keys."""
     g = torch.Generator().manual_seed(20 + heads)
     window, draft, num_slots, num_entries = 128, 4, 400, 40
     win = _cache(_keys(num_slots, 128, g), 128, fmt)
@@ -279,7 +286,8 @@ def test_verify_rows_at_attention_tp_heads(heads, fmt):
         (win.gather(torch.arange(num_slots)), idx, lens),
         (ext.gather(torch.arange(num_entries)), eidx, elens),
     ]
-    _assert_all_close(_all_paths(*args, splits=(1, 2, 5)), _rowwise(q, stored, sink, 128**-0.5))
+    outs = _all_paths(*args, splits=(1, 2, 5), groups=(1, 3, draft))
+    _assert_all_close(outs, _rowwise(q, stored, sink, 128**-0.5))
 
 
 @pytest.mark.parametrize("win_fmt, ext_dtype", [("dense", torch.bfloat16), ("fp8", torch.float32)])
@@ -377,12 +385,14 @@ def test_public_op_dispatches():
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 12)), min_size=1, max_size=4),
     splits=st.integers(1, 6),
+    rows_per_group=st.integers(1, 9),
     holes=st.floats(0.0, 1.0),
     sink=st.floats(-20.0, 20.0),
     seed=st.integers(0, 2**16),
 )
-def test_any_split_matches_torch(lengths, splits, holes, sink, seed):
-    """Invariant: any split count, holes and lengths give the torch path's answer."""
+def test_any_split_matches_torch(lengths, splits, rows_per_group, holes, sink, seed):
+    """Invariant: any split count, rows per program, holes and lengths give the torch path's
+    answer."""
     g = torch.Generator().manual_seed(seed)
     win, ext = _cache(_keys(90, 128, g), 128, "dense"), _cache(_keys(20, 128, g), 64, "dense")
     idx, lens = _indices([w for w, _ in lengths], 64, 90, g, holes)
@@ -390,7 +400,7 @@ def test_any_split_matches_torch(lengths, splits, holes, sink, seed):
     q = torch.randn(len(lengths), 8, 128, generator=g)
     args = (q, win, idx, lens, ext, eidx, elens, torch.full((8,), sink), TINY.softmax_scale)
     torch.testing.assert_close(
-        sparse_attention_triton(*args, num_splits=splits),
+        sparse_attention_triton(*args, num_splits=splits, rows_per_group=rows_per_group),
         sparse_attention_torch(*args),
         atol=ATOL,
         rtol=1e-5,
@@ -474,6 +484,22 @@ def test_bad_split_count_is_refused():
         sparse_attention_triton(**_valid_args(), num_splits=40)
     with pytest.raises(BatchError, match="num_splits=0"):  # not taken as "pick one"
         sparse_attention_triton(**_valid_args(), num_splits=0)
+
+
+def test_bad_rows_per_group_is_refused():
+    for bad in (0, -2, 1.5):
+        with pytest.raises(BatchError, match=f"rows_per_group={bad}"):
+            sparse_attention_triton(**_valid_args(), rows_per_group=bad)
+
+
+def test_rows_a_program_fill_one_wgmma_tile():
+    """Rows packed a program: as many as make 64 M lines with the heads (at most the rows a
+    request has, at most ``MAX_GROUP``); none at H = 64, none below a 16-line dot."""
+    assert group_rows(64, 4) == 1
+    assert group_rows(32, 4) == 2 and group_rows(16, 4) == 4 and group_rows(16, 3) == 3
+    assert group_rows(8, 16) == 8 and group_rows(16, 1) == 1
+    assert group_rows(4, 2) == 1  # 4 heads x 2 rows: an 8-line tile, below a dot's 16
+    assert group_rows(4, 8) == 8
 
 
 def test_default_split_count_fills_the_gpu():

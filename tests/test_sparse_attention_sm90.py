@@ -37,13 +37,22 @@ def test_every_configuration_compiled(reports: dict[str, dict]) -> None:
             assert any(n.startswith(f"attention-{fmt}-{layer}-") for n in names), (fmt, layer)
     assert any(n.endswith("-s1") for n in names) and any(not n.endswith("-s1") for n in names)
     assert any(n.startswith("merge-") for n in names)
+    assert any("-g-" in n for n in names) and "key-union-g4" in names
+
+
+def _one_row_at_tp(name: str) -> bool:
+    """An attention launch of one row a program with fewer than 64 heads (``-h`` without
+    ``-g-``)."""
+    return "-h" in name and "-g-" not in name
 
 
 def test_attention_dots_are_bf16_wgmma(reports: dict[str, dict]) -> None:
     """Both dots (q k^T and p v) on Hopper tensor cores with bf16 operands and fp32
-    accumulation: wgmma ``.f32.bf16.bf16``; no tf32 and no pre-Hopper ``mma.sync``."""
+    accumulation: wgmma ``.f32.bf16.bf16``; no tf32 and no pre-Hopper ``mma.sync``. Also at
+    16 and 32 heads a rank when a program takes the rows of a verify request together
+    (``-g-``: 64 M lines)."""
     for name, report in reports.items():
-        if not name.startswith("attention-") or "-h" in name:
+        if not name.startswith("attention-") or _one_row_at_tp(name):
             continue
         mma = report["mma"]
         assert mma, f"{name}: no tensor-core instruction"
@@ -54,9 +63,10 @@ def test_attention_dots_are_bf16_wgmma(reports: dict[str, dict]) -> None:
 
 
 def test_attention_tp_dots_are_bf16(reports: dict[str, dict]) -> None:
-    """16 and 32 heads a rank: a program's M side is below the 64 rows of a warpgroup's wgmma,
-    so Triton emits ``mma.sync`` -- still bf16 operands with fp32 accumulation, never tf32."""
-    tp = [name for name in reports if name.startswith("attention-") and "-h" in name]
+    """16 and 32 heads a rank, one row a program (decode): the M side is below the 64 rows of a
+    warpgroup's wgmma, so Triton emits ``mma.sync`` -- still bf16 operands with fp32
+    accumulation, never tf32."""
+    tp = [name for name in reports if name.startswith("attention-") and _one_row_at_tp(name)]
     assert {n.rsplit("-", 1)[1] for n in tp} == {"h16", "h32"}, tp
     for name in tp:
         mma = reports[name]["mma"]

@@ -134,7 +134,14 @@ def attend(
         None if comp is None else comp.sparse_topk_lengths,
         sink,
         state.config.softmax_scale,
+        rows_per_group=_rows_per_request(metadata),
     )
+
+
+def _rows_per_request(metadata: AttentionMetadata) -> int:
+    """Query rows per request, rounded up (1 for decode): a request's rows share most of their
+    keys, so attention may take that many rows a program and gather their keys once."""
+    return max(1, -(-metadata.num_rows // max(1, metadata.batch_size)))
 
 
 def _required(value: torch.Tensor | None, name: str, layer: int) -> torch.Tensor:

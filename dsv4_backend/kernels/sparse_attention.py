@@ -13,13 +13,14 @@ skipping slot ``-1``. K = V (one shared KV head, all ``D`` dims)::
 A row with no valid key outputs 0. Shapes: ``T`` rows, ``H`` heads, ``D`` head dim, ``Ws``
 window index width, ``Ke`` extra index width, ``S`` key splits.
 
-Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T, cdiv(H, BLOCK_H), S)``:
+Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T / G, cdiv(H, BLOCK_H), S)``:
 
-* M side = heads. A program takes ``BLOCK_H`` heads of one row (all 64 of Flash; at least
-  16, the smallest dot M), so each key row is gathered once per program and K = V serves both
-  dots: ``s = q k^T`` (``[BLOCK_H, D] x [D, BLOCK_N]``) and ``acc += p v`` (``[BLOCK_H,
-  BLOCK_N] x [BLOCK_N, D]``), one loop over the split's key blocks, window blocks then extra
-  blocks, with an fp32 online softmax in the log2 domain.
+* M side = heads (of ``G`` rows, see below; ``G = 1`` for decode). A program takes
+  ``BLOCK_H`` heads of one row (all 64 of Flash; at least 16, the smallest dot M), so each key
+  row is gathered once per program and K = V serves both dots: ``s = q k^T`` (``[M, D] x [D,
+  BLOCK_N]``) and ``acc += p v`` (``[M, BLOCK_N] x [BLOCK_N, D]``), one loop over the split's
+  key blocks, window blocks then extra blocks, with an fp32 online softmax in the log2
+  domain.
 * Operands. On a GPU q, keys and p are bf16 and the dots accumulate in fp32 (Hopper wgmma);
   the constexpr ``INTERPRETER`` keeps fp32 operands in the Triton interpreter (its bf16 dot is
   wrong) and decodes e4m3 arithmetically there (it has no fp8 type). FP8 keys are dequantised
@@ -37,25 +38,21 @@ Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T, cdiv(H, BLOCK_
   (:func:`default_num_splits`); callers and tests can set it (``num_splits``,
   :func:`force_num_splits`).
 
-Fewer than 64 heads (attention TP: 16 or 32 a rank; the tiny config's 8). A program then
-takes ``BLOCK_H`` = 16 or 32 heads of one row and Triton emits ``mma.sync`` (bf16, fp32
-accumulation) instead of wgmma, whose M is 64 a warpgroup. Packing the rows of one verify /
-draft-extend request into the M side was weighed and not done:
+Fewer than 64 heads (attention TP: 16 or 32 a rank; the tiny config's 8). One row a program
+(decode) takes ``BLOCK_H`` = 16 or 32 heads and Triton emits ``mma.sync`` (bf16, fp32
+accumulation) instead of wgmma, whose M is 64 a warpgroup. Rows that share keys -- the rows of
+one verify, draft-extend or extend request (``rows_per_group``) -- go together instead:
 
-* Walking the rows' key lists one after another with ``M = R * H`` (R rows a program, keys a
-  row does not see masked) gets wgmma but gathers exactly the bytes it gathers now and
-  multiplies by ``R`` the dot work (each key block meets all ``R * H`` query rows), over ``R``
-  times fewer programs. Per key a row does ``4 H D`` FLOPs on ``2 D`` (bf16) or 584 (fp8)
-  bytes: 23-55 FLOP/B at 16-32 heads, against an H200 ridge of 206, so these rows are
-  bandwidth-bound and faster dots buy nothing.
-* The gain is in gathering a request's keys once for all its rows (window: ``128 + R - 1``
-  keys instead of ``128 R``; c128 entries once; c4 top-k sets overlap): up to 2-3x fewer
-  bytes (``benchmarks/bench_attention.py``, verify table). That needs the union of the rows'
-  key lists and, per key, which rows see it -- a planner product (a union index list per
-  request and a per-row visibility mask or window bounds), since the kernel sees only slot
-  lists and finding shared slots in them costs ``O(width^2)``. On a GPU the concurrent
-  programs of one request's rows already share those keys through L2, so part of that gain
-  is in HBM traffic today.
+* A program takes ``G`` consecutive rows (:func:`group_rows`: ``G * BLOCK_H`` = 64 M lines,
+  ``BLOCK_H`` the heads rounded up to a power of two), so its dots are wgmma again.
+* It walks its group's union key list (``kernels/key_union.py``, one launch before this one):
+  each key once for all ``G`` rows, masked per M line by the key's row bits. A request's
+  window is ``128 + G (G - 1) / 2`` keys instead of ``128 G``, its c128 entries are read
+  once; c4 top-k lists that differ fall back to each row's own keys (as many bytes as one row
+  a program, ``G`` times the dot work: at 16-32 heads these rows are at 23-55 FLOP/B,
+  bandwidth-bound, against an H200 ridge of 206).
+* The result does not depend on ``G``: every row sees exactly its own keys, in another order.
+  ``benchmarks/bench_attention.py`` prints the bytes (verify table).
 
 Every launch shape depends only on tensor shapes (no host reads of lengths), so the op can be
 captured in a CUDA graph once compiled.
@@ -80,6 +77,7 @@ from dsv4_backend.kernels.fp8_device import (
     fp8_token_addresses,
     pow2_of_biased,
 )
+from dsv4_backend.kernels.key_union import MAX_GROUP, key_union
 
 #: exp(x) = exp2(x * LOG2E): the kernels work in the log2 domain.
 LOG2E = tl.constexpr(math.log2(math.e))
@@ -187,11 +185,11 @@ def _gather_block(
 def _sparse_attention_kernel(
     q_ptr,  # [T, H, D] fp32 / bf16
     win_ptr,  # window cache storage
-    win_idx_ptr,  # [T, Ws] int32
-    win_len_ptr,  # [T] int32
+    win_idx_ptr,  # [T, Ws] int32 (GROUP > 1: [T / G, G Ws] union slots, row bits bits_offset on)
+    win_len_ptr,  # [T] int32 (GROUP > 1: [T / G])
     ext_ptr,  # extra cache storage (window's when HAS_EXTRA is false)
-    ext_idx_ptr,  # [T, Ke] int32
-    ext_len_ptr,  # [T] int32
+    ext_idx_ptr,  # [T, Ke] int32 (as win_idx_ptr)
+    ext_len_ptr,  # [T] int32 (as win_len_ptr)
     sink_ptr,  # [H] fp32
     out_ptr,  # S == 1: [T, H, D] fp32 output; S > 1: [T, H, S, D] fp32 partial numerators
     m_ptr,  # [T, H, S] fp32 log2-domain max per split (S > 1 only)
@@ -209,12 +207,16 @@ def _sparse_attention_kernel(
     stride_mt,
     stride_mh,
     H,
+    num_rows,
     win_width,
     ext_width,
+    bits_offset,
     qk_scale,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
@@ -226,23 +228,36 @@ def _sparse_attention_kernel(
     ONE_GATHER: tl.constexpr,
     INTERPRETER: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    # Program row: a query row (GROUP == 1) or a group of GROUP rows sharing a union key list.
+    prog = tl.program_id(0).to(tl.int64)
     split = tl.program_id(2)
     offs_d = tl.arange(0, BLOCK_D)
-    h_mask = offs_h < H
+    offs_m = tl.arange(0, BLOCK_H * BLOCK_G)  # M side: BLOCK_G rows x BLOCK_H heads
+    offs_h = tl.program_id(1) * BLOCK_H + offs_m % BLOCK_H
+    if GROUP == 1:  # scalar row addressing: fewer registers where H = 64 needs them all
+        m_mask = offs_h < H
+        q_rows = prog * stride_qt
+        out_rows = prog * stride_ot
+        ml_rows = prog * stride_mt
+    else:
+        m_row = offs_m // BLOCK_H  # the row of the group each M line belongs to
+        rows = prog * GROUP + m_row
+        m_mask = (offs_h < H) & (m_row < GROUP) & (rows < num_rows)
+        q_rows = (rows * stride_qt)[:, None]
+        out_rows = (rows * stride_ot)[:, None]
+        ml_rows = rows * stride_mt
     # A mask constant along D keeps the q loads and output stores vectorised (and, at D = 512,
     # the epilogue within registers).
-    hd_mask = h_mask[:, None] if BLOCK_D == D else h_mask[:, None] & (offs_d < D)[None, :]
+    md_mask = m_mask[:, None] if BLOCK_D == D else m_mask[:, None] & (offs_d < D)[None, :]
 
-    q_ptrs = q_ptr + row * stride_qt + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=hd_mask, other=0.0).to(tl.float32 if INTERPRETER else tl.bfloat16)
+    q_ptrs = q_ptr + q_rows + offs_h[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=md_mask, other=0.0).to(tl.float32 if INTERPRETER else tl.bfloat16)
 
     # Lengths beyond the index width have no columns to read: clamp like the torch path.
-    n_win = tl.minimum(tl.maximum(tl.load(win_len_ptr + row), 0), win_width)
+    n_win = tl.minimum(tl.maximum(tl.load(win_len_ptr + prog), 0), win_width)
     n_ext = 0
     if HAS_EXTRA:
-        n_ext = tl.minimum(tl.maximum(tl.load(ext_len_ptr + row), 0), ext_width)
+        n_ext = tl.minimum(tl.maximum(tl.load(ext_len_ptr + prog), 0), ext_width)
     # This split's chunk of the concatenated key list, whole blocks except at its end.
     chunk = tl.cdiv(tl.cdiv(n_win + n_ext, NUM_SPLITS), BLOCK_N) * BLOCK_N
     lo = split * chunk
@@ -257,37 +272,42 @@ def _sparse_attention_kernel(
     num_blocks = win_blocks
     if HAS_EXTRA:
         num_blocks += tl.cdiv(tl.maximum(ext_hi - ext_lo, 0), BLOCK_N)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    win_idx_row = win_idx_ptr + prog * stride_win_idx_t
+    ext_idx_row = ext_idx_ptr + prog * stride_ext_idx_t
+    acc = tl.zeros([BLOCK_H * BLOCK_G, BLOCK_D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H * BLOCK_G], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H * BLOCK_G], dtype=tl.float32)
     for block in range(0, num_blocks):
+        in_win = block < win_blocks
+        idx_row = tl.where(in_win, win_idx_row, ext_idx_row)
+        start = tl.where(in_win, lo + block * BLOCK_N, ext_lo + (block - win_blocks) * BLOCK_N)
+        span_hi = tl.where(in_win, win_hi, ext_hi)
         if ONE_GATHER:  # one gather, its source picked by scalars: a single copy of the
             # gather code holds registers down (no spills at D = 512)
-            in_win = block < win_blocks
             slots, k = _gather_block(
                 tl.where(in_win, win_ptr, ext_ptr),
-                tl.where(in_win, stride_win_row, stride_ext_row),
-                tl.where(in_win, win_idx_ptr + row * stride_win_idx_t,
-                         ext_idx_ptr + row * stride_ext_idx_t),
-                tl.where(in_win, lo + block * BLOCK_N, ext_lo + (block - win_blocks) * BLOCK_N),
-                tl.where(in_win, win_hi, ext_hi), D, BLOCK_D, BLOCK_N,
-                False, NOPE_DIM, WIN_PAGE_TOKENS, INTERPRETER,
+                tl.where(in_win, stride_win_row, stride_ext_row), idx_row, start, span_hi,
+                D, BLOCK_D, BLOCK_N, False, NOPE_DIM, WIN_PAGE_TOKENS, INTERPRETER,
             )  # fmt: skip
-        elif block < win_blocks:
+        elif in_win:
             slots, k = _gather_block(
-                win_ptr, stride_win_row, win_idx_ptr + row * stride_win_idx_t,
-                lo + block * BLOCK_N, win_hi, D, BLOCK_D, BLOCK_N,
+                win_ptr, stride_win_row, idx_row, start, span_hi, D, BLOCK_D, BLOCK_N,
                 WIN_FP8, NOPE_DIM, WIN_PAGE_TOKENS, INTERPRETER,
             )  # fmt: skip
         else:
             slots, k = _gather_block(
-                ext_ptr, stride_ext_row, ext_idx_ptr + row * stride_ext_idx_t,
-                ext_lo + (block - win_blocks) * BLOCK_N, ext_hi, D, BLOCK_D, BLOCK_N,
+                ext_ptr, stride_ext_row, idx_row, start, span_hi, D, BLOCK_D, BLOCK_N,
                 EXT_FP8, NOPE_DIM, EXT_PAGE_TOKENS, INTERPRETER,
             )  # fmt: skip
-        # The block serves both dots: q k^T for all BLOCK_H heads, and p v with v = k.
-        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_H, BLOCK_N] fp32, log2 domain
-        s = tl.where((slots >= 0)[None, :], s, float("-inf"))
+        # The block serves both dots: q k^T for all M lines, and p v with v = k.
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
+        if GROUP == 1:
+            seen = (slots >= 0)[None, :]
+        else:  # a union key counts for the rows whose bit it carries
+            cols = start + tl.arange(0, BLOCK_N)
+            bits = tl.load(idx_row + bits_offset + cols, mask=cols < span_hi, other=0)
+            seen = (slots >= 0)[None, :] & (((bits[None, :] >> m_row[:, None]) & 1) != 0)
+        s = tl.where(seen, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # While no key was seen m_new is -inf; subtract 0 then so exp2 gives 0, not NaN.
         m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -297,21 +317,21 @@ def _sparse_attention_kernel(
         acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None])
         m_i = m_new
 
-    out_ptrs = out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    out_ptrs = out_ptr + out_rows + offs_h[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
-        sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E
+        sink = tl.load(sink_ptr + offs_h, mask=m_mask, other=0.0) * LOG2E
         m_fin = tl.maximum(m_i, sink)
         m_ref = tl.where(m_fin == float("-inf"), 0.0, m_fin)
         alpha = tl.exp2(m_i - m_ref)
         denom = l_i * alpha + tl.exp2(sink - m_ref)
         # denom is 0 only for a -inf sink and no key: output 0, not NaN.
         scale = alpha / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptrs, acc * scale[:, None], mask=hd_mask)
+        tl.store(out_ptrs, acc * scale[:, None], mask=md_mask)
     else:
-        tl.store(out_ptrs + split * stride_os, acc, mask=hd_mask)
-        ml_off = row * stride_mt + offs_h * stride_mh + split
-        tl.store(m_ptr + ml_off, m_i, mask=h_mask)
-        tl.store(l_ptr + ml_off, l_i, mask=h_mask)
+        tl.store(out_ptrs + split * stride_os, acc, mask=md_mask)
+        ml_off = ml_rows + offs_h * stride_mh + split
+        tl.store(m_ptr + ml_off, m_i, mask=m_mask)
+        tl.store(l_ptr + ml_off, l_i, mask=m_mask)
 
 
 @triton.jit
@@ -450,9 +470,9 @@ def _block_h(heads: int) -> int:
     return min(MAX_BLOCK_H, max(16, triton.next_power_of_2(heads)))
 
 
-def _launch_config(dim: int, fp8: bool, block_h: int) -> tuple[int, int, int]:
-    """``(BLOCK_N, num_warps, num_stages)`` of the attention kernel for ``block_h`` heads a
-    program.
+def _launch_config(dim: int, fp8: bool, block_m: int) -> tuple[int, int, int]:
+    """``(BLOCK_N, num_warps, num_stages)`` of the attention kernel for ``block_m`` M lines a
+    program (heads, times rows when a program takes several).
 
     Chosen from ptxas reports for sm_90a (Triton 3.8, compiled ahead of time on the CPU by
     ``tests/sm90_compile.py``; not yet timed on a GPU). At D = 512 the fp32 ``[64, 512]``
@@ -460,19 +480,21 @@ def _launch_config(dim: int, fp8: bool, block_h: int) -> tuple[int, int, int]:
     3-stage cp.async pipeline (the gather of the next blocks overlaps the dots), 245 registers,
     no spills (64-key blocks spill once pipelined). FP8 keys are dequantised in registers, which
     Triton does not pipeline: 16-key blocks, one stage, 255 registers (32 spill).
-    D <= 256: 4 warps. ``block_h`` < 64 (attention TP, 16 or 32 local heads) compiles to
-    ``mma.sync`` (Triton's wgmma needs M = 64 a warpgroup); fp8 at 16 heads spills over
-    8 warps (36 B) and not over 4 (218 registers).
+    D <= 256: 4 warps. ``block_m`` < 64 (attention TP, 16 or 32 local heads, one row a
+    program) compiles to ``mma.sync`` (Triton's wgmma needs M = 64 a warpgroup); fp8 at 16
+    lines spills over 8 warps (36 B) and not over 4 (218 registers). 64 lines of 2 or 4 rows
+    compile as 64 heads do (234-255 registers, no spills).
     """
     if dim <= 256:
         return 32, 4, 1
     if fp8:
-        return 16, 4 if block_h <= 16 else 8, 1
+        return 16, 4 if block_m <= 16 else 8, 1
     return 32, 8, 3
 
 
 def default_num_splits(rows: int, heads: int, width: int, block_n: int, sms: int) -> int:
-    """Key splits per row so that the grid fills the SMs in one wave.
+    """Key splits per program row (a query row, or a group of rows taken together) so that
+    the grid fills the SMs in one wave.
 
     ``rows * cdiv(heads, BLOCK_H)`` programs share ``sms`` SMs (one program per SM: its
     registers fill one); each row gets ``sms // programs`` splits (a partial second wave would
@@ -511,6 +533,16 @@ def _num_splits(rows: int, heads: int, width: int, block_n: int, device: torch.d
     return default_num_splits(rows, heads, width, block_n, sms)
 
 
+def group_rows(heads: int, rows_per_group: int) -> int:
+    """Rows a program takes together (``G``): as many of the ``rows_per_group`` consecutive
+    rows as fill the 64 lines of one wgmma M tile with their heads (``64 // BLOCK_H``, at most
+    ``key_union.MAX_GROUP``); 1 where the heads alone fill it (H = 64) or the tile would be
+    below the 16 lines of the smallest dot."""
+    block_h = triton.next_power_of_2(heads)
+    group = min(rows_per_group, MAX_BLOCK_H // block_h, MAX_GROUP)
+    return group if group > 1 and block_h * triton.next_power_of_2(group) >= 16 else 1
+
+
 def sparse_attention_triton(
     q: torch.Tensor,
     window: TokenCache,
@@ -523,12 +555,14 @@ def sparse_attention_triton(
     softmax_scale: float,
     *,
     num_splits: int | None = None,
+    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """Triton path of :func:`sparse_attention_with_sink`.
 
-    ``num_splits`` (1 ... ``MAX_SPLITS``) splits each row's key list across that many
+    ``num_splits`` (1 ... ``MAX_SPLITS``) splits each program's key list across that many
     programs; None takes the count pinned by :func:`force_num_splits`, else
-    :func:`default_num_splits` on a GPU, else 1.
+    :func:`default_num_splits` on a GPU, else 1. ``rows_per_group``: see
+    :func:`sparse_attention_with_sink`.
     """
     _check_inputs(
         q,
@@ -541,26 +575,45 @@ def sparse_attention_triton(
         sink,
         softmax_scale,
     )
+    if not isinstance(rows_per_group, int) or rows_per_group < 1:
+        raise BatchError(f"rows_per_group={rows_per_group!r}; expected an int >= 1")
     rows, heads, dim = q.shape
     extra_span = _extra_span(extra, extra_indices, extra_lengths)
     has_extra = extra_span is not None
     # A window-only layer: the kernel never reads the extra span; any valid pointers do.
-    extra, extra_indices, extra_lengths = extra_span or (window, swa_indices, swa_lengths)
-    for name, cache in (("window", window), ("extra", extra)):
+    ext_cache, ext_indices, ext_lengths = extra_span or (window, swa_indices, swa_lengths)
+    for name, cache in (("window", window), ("extra", ext_cache)):
         if not cache.storage.is_contiguous():
             raise BatchError(
                 f"the {name} cache storage has strides {cache.storage.stride()}; the kernel "
                 "needs it contiguous"
             )
-    # The kernel steps index columns, lengths and sink with unit stride (no-ops when so).
-    swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
-    extra_indices, extra_lengths = extra_indices.contiguous(), extra_lengths.contiguous()
+    group = group_rows(heads, rows_per_group)
+    if group > 1:  # programs read their group's union lists (key_union's table)
+        union = key_union(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
+        slots = union.table[0]
+        swa_indices, swa_lengths = slots[:, : union.extra_column], union.lengths[0]
+        if has_extra:
+            ext_indices, ext_lengths = slots[:, union.extra_column :], union.lengths[1]
+        else:
+            ext_indices, ext_lengths = swa_indices, swa_lengths
+        bits_offset = union.table.stride(0)  # table[1] (row bits) beside table[0] (slots)
+        block_h = triton.next_power_of_2(heads)
+    else:
+        # The kernel steps index columns and lengths with unit stride (no-ops when so).
+        swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
+        ext_indices, ext_lengths = ext_indices.contiguous(), ext_lengths.contiguous()
+        bits_offset = 0
+        block_h = _block_h(heads)
     sink = sink.contiguous()
-    block_h = _block_h(heads)
-    block_n, num_warps, num_stages = _launch_config(dim, "fp8" in (window.fmt, extra.fmt), block_h)
-    width = swa_indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
+    block_g = triton.next_power_of_2(group)
+    block_n, num_warps, num_stages = _launch_config(
+        dim, "fp8" in (window.fmt, ext_cache.fmt), block_h * block_g
+    )
+    programs = swa_indices.shape[0]  # rows, or groups of rows
+    width = swa_indices.shape[1] + (ext_indices.shape[1] if has_extra else 0)
     if num_splits is None:
-        splits = _num_splits(rows, heads, width, block_n, q.device)
+        splits = _num_splits(programs, heads, width, block_n, q.device)
     else:
         splits = num_splits
     if not 1 <= splits <= MAX_SPLITS:
@@ -578,22 +631,23 @@ def sparse_attention_triton(
         l_s = torch.empty_like(m)
         stride_ps, stride_mt, stride_mh = part.stride(2), m.stride(0), m.stride(1)
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs K >= 16 on a GPU
-    grid = (rows, triton.cdiv(heads, block_h), splits)
+    grid = (programs, triton.cdiv(heads, block_h), splits)
     _sparse_attention_kernel[grid](
         q, window.storage, swa_indices, swa_lengths,
-        extra.storage, extra_indices, extra_lengths, sink,
+        ext_cache.storage, ext_indices, ext_lengths, sink,
         part, m, l_s,
         q.stride(0), q.stride(1), q.stride(2),
         window.storage.stride(0), swa_indices.stride(0),
-        extra.storage.stride(0), extra_indices.stride(0),
+        ext_cache.storage.stride(0), ext_indices.stride(0),
         part.stride(0), part.stride(1), stride_ps, stride_mt, stride_mh,
-        heads, swa_indices.shape[1], extra_indices.shape[1], softmax_scale * LOG2E.value,
-        D=dim, BLOCK_D=block_d, BLOCK_H=block_h, BLOCK_N=block_n,
+        heads, rows, swa_indices.shape[1], ext_indices.shape[1], bits_offset,
+        softmax_scale * LOG2E.value,
+        D=dim, BLOCK_D=block_d, BLOCK_H=block_h, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n,
         NUM_SPLITS=splits, HAS_EXTRA=has_extra, NOPE_DIM=dim - window.rope_dim,
         WIN_FP8=window.fmt == "fp8", WIN_PAGE_TOKENS=window.page_tokens,
-        EXT_FP8=extra.fmt == "fp8", EXT_PAGE_TOKENS=extra.page_tokens,
-        ONE_GATHER=window.fmt == extra.fmt == "dense"
-        and window.storage.dtype == extra.storage.dtype,
+        EXT_FP8=ext_cache.fmt == "fp8", EXT_PAGE_TOKENS=ext_cache.page_tokens,
+        ONE_GATHER=window.fmt == ext_cache.fmt == "dense"
+        and window.storage.dtype == ext_cache.storage.dtype,
         INTERPRETER=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
@@ -692,6 +746,8 @@ def sparse_attention_with_sink(
     extra_lengths: torch.Tensor | None,
     sink: torch.Tensor,
     softmax_scale: float,
+    *,
+    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """Attention of each query row over its window keys plus its compressed keys, with sink.
 
@@ -708,20 +764,16 @@ def sparse_attention_with_sink(
         ``extra``.
     sink : ``[H]`` float32 finite per-head sink logit (adds ``exp(sink)`` to the denominator).
     softmax_scale : logit scale, ``head_dim ** -0.5``.
+    rows_per_group : how many consecutive rows mostly share keys (the rows of one verify or
+        draft-extend request; 1 for decode). The Triton path packs up to that many rows into
+        one program (:func:`group_rows`) and gathers their union of keys once
+        (``kernels/key_union.py``); the result does not depend on it.
 
     Returns
     -------
     ``[T, H, D]`` float32 (the caller casts). Rows without a valid key are 0.
     """
-    impl = sparse_attention_triton if dispatch.use_triton(q.device) else sparse_attention_torch
-    return impl(
-        q,
-        window,
-        swa_indices,
-        swa_lengths,
-        extra,
-        extra_indices,
-        extra_lengths,
-        sink,
-        softmax_scale,
-    )
+    args = (q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink)
+    if dispatch.use_triton(q.device):
+        return sparse_attention_triton(*args, softmax_scale, rows_per_group=rows_per_group)
+    return sparse_attention_torch(*args, softmax_scale)
