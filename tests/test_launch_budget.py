@@ -4,7 +4,8 @@ Launch counts do not depend on the machine: Triton kernels count one each (in th
 as compiled), torch ops that run a kernel count one each, CPU-only checks not at all. The budgets
 are those of the fused kernels: a compressor call (pool + norm + RoPE, ring update, cache store)
 in 3, the lightning indexer (scores, top-k, slots) in 3, a plan (batch checks, fields, an extend
-kind's host lengths, the deferred verdict's copy to the host) in 4.
+kind's host lengths, the deferred verdict's copy to the host) in 4, sparse attention in 1 plus
+the merge of its key splits, plus the union key list where a program takes several rows.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ import torch
 from planning_spec import BatchSpec, make_batch
 
 from dsv4_backend.compute import AttentionState, compress_and_store, select_c4_entries
+from dsv4_backend.compute.layer import attend
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
+from dsv4_backend.kernels.sparse_attention import force_num_splits
 from dsv4_backend.planning import ForwardKind, GraphMetadataBuffers, PlanWidths, checks, plan
 from dsv4_backend.testing.op_counter import LaunchCounter
 from dsv4_backend.testing.simulation import PagedRequestPool
@@ -98,6 +101,29 @@ def test_indexer_within_budget(setup: tuple, mode: str):
     q, w = torch.randn(rows, heads, dim), torch.rand(rows, heads)
     launches = _count(lambda: select_c4_entries(state, 0, metadata, q, w))
     assert launches.total <= INDEXER_BUDGET, launches.summary()
+    assert not launches.syncs
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode", "verify"])
+@pytest.mark.parametrize("heads", [8, 64])
+@pytest.mark.parametrize("splits", [1, 3])
+def test_attention_within_budget(setup: tuple, mode: str, heads: int, splits: int):
+    """Attention of a c4 layer: the kernel, the merge when the keys are split, and the union
+    key list when a program takes the rows of a request together (8 heads, verify and
+    prefill) -- never at 64 heads or for decode."""
+    state, batches = setup
+    metadata = plan(CONFIG, batches[mode])
+    q, sink = torch.randn(metadata.num_rows, heads, CONFIG.head_dim), torch.zeros(heads)
+    grouped = heads < 64 and mode != "decode"
+    with force_num_splits(splits):
+        launches = _count(lambda: attend(state, 0, metadata, q, sink))
+    kernels = {"triton:_sparse_attention_kernel": 1}
+    if splits > 1:
+        kernels["triton:_merge_splits_kernel"] = 1
+    if grouped:
+        kernels["triton:_key_union_kernel"] = 1
+    assert launches.kernels == kernels, launches.summary()
+    assert launches.total == len(kernels), (launches.summary(), launches.torch_ops)
     assert not launches.syncs
 
 

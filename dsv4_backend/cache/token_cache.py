@@ -74,8 +74,9 @@ class SlotCache:
     def device(self) -> torch.device:
         return self.storage.device
 
-    def check_slots(self, slots: torch.Tensor, name: str = "slots") -> torch.Tensor:
-        """Validate slot ids (int tensor on the cache's device) and return them as int64.
+    def check_slots(self, slots: torch.Tensor, name: str = "slots") -> None:
+        """Validate slot ids (int tensor on the cache's device); no device work (callers that
+        need int64 ids convert them, attention reads int32 ones as they are).
 
         On the CPU the range ``[-1, num_slots)`` is checked too; on a GPU that would need a
         host sync, so it is not.
@@ -92,12 +93,11 @@ class SlotCache:
                     f"{name} spans [{lo}, {hi}]; expected slot ids in [0, {self.num_slots}) "
                     "or -1 (no slot)"
                 )
-        return slots.long()
 
     def gather(self, slots: torch.Tensor) -> torch.Tensor:
         """Rows at ``slots`` (int, any shape ``[...]``) as ``[..., dim]`` fp32; -1 gives zeros."""
-        slots = self.check_slots(slots)
-        flat = slots.reshape(-1)
+        self.check_slots(slots)
+        flat = slots.long().reshape(-1)
         valid = flat >= 0
         safe = flat.clamp(min=0)
         if self.layout is None:

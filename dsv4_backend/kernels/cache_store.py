@@ -178,7 +178,8 @@ def store_rows(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> Non
     slots : ``[N]`` integer slot ids in ``[0, num_slots)`` or -1 (skip). With duplicate slots,
         which row ends up stored is unspecified.
     """
-    slots = cache.check_slots(slots)
+    cache.check_slots(slots)
+    slots = slots.long()
     if (
         not isinstance(rows, torch.Tensor)
         or rows.dim() != 2
