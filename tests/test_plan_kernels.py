@@ -2,8 +2,8 @@
 
 * ``kernels/compress_plan_tvm.py`` (TVM, symbolic ``num_rows``) vs
   ``kernels.compress_plan_torch.compute_compress_plans``;
-* ``kernels/row_metadata.py`` (Triton, run by the interpreter here) vs
-  ``kernels.row_fields_torch.compute_row_fields``.
+* ``kernels/row_fields.py``: the Triton kernel (run by the interpreter here) vs its torch
+  twin ``row_fields_torch``.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ from dsv4_backend.config import REQUIRED_PAGE_SIZE, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
-from dsv4_backend.kernels.row_fields_torch import compute_row_fields
-from dsv4_backend.kernels.row_metadata import row_fields
+from dsv4_backend.kernels.row_fields import row_fields, row_fields_torch
 
 tvm = pytest.importorskip("tvm")
 
@@ -244,7 +243,7 @@ def test_triton_row_fields_equal_torch(
     kw = {"ratio": ratio, "index_topk": index_topk, "c128_width": c128_width}
     with dispatch.force_path(dispatch.TRITON_INTERPRETER):
         got = row_fields(*inputs, **kw)
-    assert_fields_equal(got, compute_row_fields(*inputs, **kw))
+    assert_fields_equal(got, row_fields_torch(*inputs, **kw))
 
 
 @needs_interpreter
@@ -258,7 +257,7 @@ def test_triton_row_fields_strided_and_negative_inputs(ratio: int) -> None:
     kw = {"ratio": ratio, "index_topk": 16, "c128_width": 70}
     with dispatch.force_path(dispatch.TRITON_INTERPRETER):
         got = row_fields(positions, raw_out_loc, page_table, **kw)
-    assert_fields_equal(got, compute_row_fields(positions, raw_out_loc, page_table, **kw))
+    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
 
 
 @needs_interpreter
@@ -272,7 +271,7 @@ def test_triton_row_fields_edge_sizes(ratio: int, position: int | None) -> None:
     kw = {"ratio": ratio, "index_topk": 16, "c128_width": 6}
     with dispatch.force_path(dispatch.TRITON_INTERPRETER):
         got = row_fields(positions, raw_out_loc, page_table, **kw)
-    assert_fields_equal(got, compute_row_fields(positions, raw_out_loc, page_table, **kw))
+    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
 
 
 def test_row_fields_torch_path_and_contract_errors() -> None:
@@ -280,7 +279,7 @@ def test_row_fields_torch_path_and_contract_errors() -> None:
     kw = {"ratio": 128, "index_topk": 16, "c128_width": 5}
     with dispatch.force_path(dispatch.TORCH):
         got = row_fields(positions, raw_out_loc, page_table, **kw)
-    assert_fields_equal(got, compute_row_fields(positions, raw_out_loc, page_table, **kw))
+    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
     with pytest.raises(ContractError, match=r"raw_out_loc has shape \(8,\).*expected \[T\]"):
         row_fields(positions, raw_out_loc[:8], page_table, **kw)
     with pytest.raises(ContractError, match=r"page_table has shape \(9, 2\) and dtype torch.int64"):

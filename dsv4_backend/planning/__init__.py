@@ -1,7 +1,7 @@
 """Host-agnostic metadata planning: batch view -> plan -> (graph buffers)."""
 
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
-from dsv4_backend.kernels.row_fields_torch import RowFields, compute_row_fields
+from dsv4_backend.kernels.row_fields import RowFields, row_fields_torch
 from dsv4_backend.planning.batch import SUPPORTED_DRAFT_TOPK, BatchView, DraftStep, ForwardKind
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.graph_buffers import GraphMetadataBuffers, pad_plan, seq_len_fill_value
@@ -21,9 +21,9 @@ __all__ = [
     "PlanWidths",
     "RowFields",
     "compute_compress_plans",
-    "compute_row_fields",
     "pad_plan",
     "per_step_draft_out_cache_loc",
     "plan",
+    "row_fields_torch",
     "seq_len_fill_value",
 ]

@@ -19,8 +19,8 @@ first): ``check_rows``, the batch checks (``_checked_rows``'s twin), then the fu
 kernel, which plans the requests that failed a deferred check as writing nothing;
 ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The torch body
 below serves the torch path; there the per-row compression fields run
-``kernels/row_metadata.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
-where they can, else their torch references (``kernels/row_fields_torch.py``,
+``kernels/row_fields.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
+where they can, else their torch references (``row_fields_torch`` beside that kernel,
 ``kernels/compress_plan_torch.py``).
 """
 
@@ -40,7 +40,7 @@ from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
 from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
-from dsv4_backend.kernels.row_metadata import row_fields
+from dsv4_backend.kernels.row_fields import row_fields
 from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning import checks
 from dsv4_backend.planning.batch import BatchView, ForwardKind

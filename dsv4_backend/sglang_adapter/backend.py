@@ -82,7 +82,12 @@ from dsv4_backend.planning import (
 )
 from dsv4_backend.planning.checks import PendingChecks, strict_checks_enabled
 from dsv4_backend.planning.tag import BatchTag
-from dsv4_backend.sglang_adapter.batch_view import batch_view, forward_kind, padding_rows
+from dsv4_backend.sglang_adapter.batch_view import (
+    batch_view,
+    forward_kind,
+    padding_rows,
+    readable_ints,
+)
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
@@ -330,15 +335,9 @@ class PlannedBatch:
     req_pool_indices: list[int] | None
 
 
-def _host_values(values: Any) -> list[int] | None:
-    """``values`` as ints when readable without a device sync (or in strict mode)."""
-    if values is None:
-        return None
-    if isinstance(values, torch.Tensor):
-        if values.device.type != "cpu" and not strict_checks_enabled():
-            return None
-        return [int(v) for v in values.tolist()]
-    return [int(v) for v in values]
+def _host_values(name: str, values: Any) -> list[int] | None:
+    """``values`` as host ints when readable without a device sync, or in strict mode."""
+    return readable_ints(name, values, sync_ok=strict_checks_enabled())
 
 
 def _is_idle(fb: Any, rows: torch.Tensor, where: str) -> bool:
@@ -359,7 +358,7 @@ def _is_idle(fb: Any, rows: torch.Tensor, where: str) -> bool:
 def _check_padding_slots(out_cache_loc: torch.Tensor, first: int, where: str) -> None:
     """Padding tokens (``out_cache_loc[first:]``) write slot 0, where readable without a sync:
     a real token taken for padding would write no key (``BatchError`` naming it)."""
-    tail = _host_values(out_cache_loc[first:])
+    tail = _host_values("out_cache_loc", out_cache_loc[first:])
     bad = [(first + i, v) for i, v in enumerate(tail or ()) if v != 0]
     if bad:
         index, value = bad[0]
@@ -498,14 +497,18 @@ class DSV4AttentionBackend(AttentionBackend):
         lists = kind is ForwardKind.DRAFT_EXTEND
         return PlannedBatch(
             tag=BatchTag(forward_batch=fb, **tensors),
-            seq_lens=_host_values(getattr(fb, "seq_lens_cpu", None)) if lists else None,
+            seq_lens=self._host_seq_lens(fb) if lists else None,
             req_pool_indices=self._host_pool_rows(fb) if lists else None,
         )
 
     @staticmethod
+    def _host_seq_lens(fb: Any) -> list[int] | None:
+        return _host_values("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
+
+    @staticmethod
     def _host_pool_rows(fb: Any) -> list[int] | None:
         cpu = getattr(fb, "req_pool_indices_cpu", None)
-        return _host_values(cpu if cpu is not None else fb.req_pool_indices)
+        return _host_values("req_pool_indices", cpu if cpu is not None else fb.req_pool_indices)
 
     def raise_pending_checks(self, wait: bool = True) -> None:
         """Raise ``BatchError`` for a failed device-side planning check of an earlier batch.
@@ -641,8 +644,7 @@ class DSV4AttentionBackend(AttentionBackend):
         _check_padding_slots(fb.out_cache_loc, metadata.num_rows, where)
         n = metadata.batch_size
         for name, before, now, fill in (
-            ("seq_lens_cpu", planned.seq_lens, _host_values(getattr(fb, "seq_lens_cpu", None)),
-             seq_len_fill_value),
+            ("seq_lens_cpu", planned.seq_lens, self._host_seq_lens(fb), seq_len_fill_value),
             ("req_pool_indices", planned.req_pool_indices, self._host_pool_rows(fb), 0),
         ):  # fmt: skip
             if before is None or now is None:

@@ -60,11 +60,14 @@ def forward_kind(forward_mode: ForwardMode) -> ForwardKind:
     return kind
 
 
-def _host(fb: Any, name: str) -> list[int] | None:
-    """``fb.<name>`` as host ints; None when absent or on the device (reading it would sync)."""
-    values = getattr(fb, name, None)
+def readable_ints(name: str, values: Any, *, sync_ok: bool = False) -> list[int] | None:
+    """``values`` (a tensor or ints, the field ``name``) as host ints, checked as
+    ``host_ints`` checks them; None when absent, or on the device unless ``sync_ok`` (reading
+    it would sync the host with the device)."""
     if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        return None
+        if not sync_ok:
+            return None
+        values = values.cpu()
     return host_ints(name, values)
 
 
@@ -100,7 +103,7 @@ def batch_view(
     a write-slot buffer other than the whole ``[bs, topk, num_steps]`` one).
     """
     kind = forward_kind(fb.forward_mode)
-    seq_lens_cpu = _host(fb, "seq_lens_cpu")
+    seq_lens_cpu = readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
     common: dict[str, Any] = dict(
         req_to_token=req_to_token, full_to_swa=full_to_swa, seq_lens_cpu=seq_lens_cpu,
         num_cache_slots=num_cache_slots,
@@ -117,8 +120,10 @@ def batch_view(
     elif kind is ForwardKind.TARGET_VERIFY:
         common["num_draft_tokens"] = num_draft_tokens
     else:
-        extend = _host(fb, "extend_seq_lens_cpu")
-        prefix = _host(fb, "extend_prefix_lens_cpu")
+        extend = readable_ints("extend_seq_lens_cpu", getattr(fb, "extend_seq_lens_cpu", None))
+        prefix = readable_ints(
+            "extend_prefix_lens_cpu", getattr(fb, "extend_prefix_lens_cpu", None)
+        )
         if kind is ForwardKind.DRAFT_EXTEND and extend is None:
             extend = [num_draft_tokens] * int(fb.seq_lens.numel())
         if prefix is None and extend is not None and seq_lens_cpu is not None:

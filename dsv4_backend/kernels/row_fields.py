@@ -1,4 +1,4 @@
-"""Per-row compression metadata of one ratio (the ``row_compression_metadata`` op).
+"""Per-row compression fields of one ratio (the ``row_compression_metadata`` op).
 
 docs/design.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 1``) gets
 
@@ -10,12 +10,15 @@ docs/design.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 
   entry ``j``; 2 c128 entries per 256-token page) for ``j < raw`` with ``j // 2 < Pw``, ``-1``
   elsewhere.
 
-``kernels.row_fields_torch.compute_row_fields`` is the torch implementation; the Triton kernel
-matches it exactly (floor division and modulo, as torch's, also for negative values). Shapes:
-``T`` rows, ``Pw`` page-table width, ``N128`` c128 index width, ``K`` ``index_topk``.
+The Triton kernel, its launcher, the torch twin :func:`row_fields_torch` (the kernel matches it
+exactly: floor division and modulo, as torch's, also for negative values) and the dispatching
+:func:`row_fields`. Shapes: ``T`` rows, ``Pw`` page-table width, ``N128`` c128 index width,
+``K`` ``index_topk``.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import triton
@@ -24,12 +27,21 @@ import triton.language as tl
 from dsv4_backend.config import check_compressed_ratio, entries_per_page
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.row_fields_torch import RowFields, compute_row_fields
 
 #: Rows per program.
 BLOCK_T = 64
 #: c128 index columns per program.
 BLOCK_N = 64
+
+
+class RowFields(NamedTuple):
+    """``T`` rows of one ratio; dtypes as in ``CompressedMetadata``."""
+
+    out_loc: torch.Tensor  # [T] int64
+    topk_lengths_raw: torch.Tensor  # [T] int32
+    topk_lengths_clamp1: torch.Tensor  # [T] int32
+    sparse_topk_lengths: torch.Tensor  # [T] int32
+    page_indices: torch.Tensor | None  # ratio 128: [T, c128_width] int32; ratio 4: None
 
 
 # --------------------------------------------------------------------------------- kernel
@@ -47,7 +59,7 @@ def _floor_div(a, D: tl.constexpr):
 
 
 @triton.jit
-def _row_metadata_kernel(
+def _row_fields_kernel(
     positions_ptr,  # [T] int64
     raw_out_loc_ptr,  # [T] int64
     page_table_ptr,  # [T, Pw] int32 (read for ratio 128 only)
@@ -164,7 +176,7 @@ def _row_fields_triton(
     # Without c128 indices the output pointer is unused; any int32 tensor stands in.
     indices_arg = page_indices if page_indices is not None else raw
     grid = (triton.cdiv(rows, BLOCK_T), max(1, triton.cdiv(width, BLOCK_N)))
-    _row_metadata_kernel[grid](
+    _row_fields_kernel[grid](
         positions, raw_out_loc, page_table,
         out_loc, raw, clamp1, sparse, indices_arg,
         rows, page_table.shape[1], width, index_topk,
@@ -176,6 +188,56 @@ def _row_fields_triton(
         BLOCK_T=BLOCK_T,
         BLOCK_N=BLOCK_N,
     )  # fmt: skip
+    return RowFields(out_loc, raw, clamp1, sparse, page_indices)
+
+
+# ---------------------------------------------------------------------------- torch path
+def row_fields_torch(
+    positions: torch.Tensor,
+    raw_out_loc: torch.Tensor,
+    page_table: torch.Tensor,
+    *,
+    ratio: int,
+    index_topk: int,
+    c128_width: int,
+) -> RowFields:
+    """Torch path of :func:`row_fields`: the per-row fields of ``ratio`` for ``T`` query rows.
+
+    Parameters
+    ----------
+    positions : ``[T]`` int64 — absolute position ``p`` of each row.
+    raw_out_loc : ``[T]`` int64 — full-cache slot each row writes.
+    page_table : ``[T, Pw]`` int32 — full-cache page of each page of the row's request
+        (``Pw >= 1`` when ``T > 0``); read for ratio 128 only.
+    ratio : 4 or 128.
+    index_topk : ``K``, c4 entries kept per query (ratio 4).
+    c128_width : ``N128``, columns of the c128 page indices (ratio 128).
+
+    Returns
+    -------
+    ``RowFields``: ``out_loc = raw_out_loc // ratio`` where ``(p + 1) % ratio == 0`` else -1;
+    ``raw = (p + 1) // ratio``; ``clamp1 = max(raw, 1)``; ``sparse = min(clamp1, K)`` for ratio 4
+    and ``clamp1`` for ratio 128; for ratio 128 ``page_indices[t, j]`` is the c128 slot of entry
+    ``j``, ``page_table[t, j // 2] * 2 + j % 2``, for ``j < raw`` and -1 elsewhere (also where
+    column ``j // 2`` lies beyond the table's ``Pw``: a page the table does not hold).
+    """
+    check_compressed_ratio(ratio, "row fields")
+    positions = positions.long()
+    completes = (positions + 1) % ratio == 0
+    out_loc = torch.where(completes, raw_out_loc.long() // ratio, -1)
+    raw = ((positions + 1) // ratio).to(torch.int32)
+    clamp1 = torch.clamp(raw, min=1)
+    sparse = torch.clamp(clamp1, max=index_topk) if ratio == 4 else clamp1.clone()
+    page_indices = None
+    if ratio == 128:
+        per_page = entries_per_page(ratio)
+        entry = torch.arange(c128_width, device=positions.device)
+        column = entry // per_page
+        known = column < page_table.shape[1]
+        # Clamping keeps the masked-out columns in bounds.
+        pages = page_table[:, column.clamp(max=max(page_table.shape[1] - 1, 0))].long()
+        slots = pages * per_page + entry % per_page
+        page_indices = torch.where((entry < raw[:, None]) & known, slots, -1).to(torch.int32)
     return RowFields(out_loc, raw, clamp1, sparse, page_indices)
 
 
@@ -191,14 +253,13 @@ def row_fields(
 ) -> RowFields:
     """The per-row fields of ``ratio``: the Triton kernel or the torch implementation.
 
-    Arguments, shapes and result as ``kernels.row_fields_torch.compute_row_fields`` (the
-    reference). Runs the Triton kernel when ``dispatch.use_triton(positions.device)``; both
-    paths give identical tensors.
+    Arguments, shapes and result as :func:`row_fields_torch` (the reference). Runs the Triton
+    kernel when ``dispatch.use_triton(positions.device)``; both paths give identical tensors.
     """
     _check_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
     if dispatch.use_triton(positions.device):
         return _row_fields_triton(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
-    return compute_row_fields(
+    return row_fields_torch(
         positions, raw_out_loc, page_table, ratio=ratio, index_topk=index_topk,
         c128_width=c128_width,
     )  # fmt: skip
