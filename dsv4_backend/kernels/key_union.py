@@ -31,6 +31,8 @@ Output (:class:`KeyUnion`): ``table [2, NG, U]`` int32 (``table[0]`` slots, ``ta
 bits, bit ``r`` = row ``g G + r``), ``U = G (Ws + We)`` with the window union in columns
 ``[0, G Ws)`` and the extra union from column ``G Ws``; ``lengths [spans, NG]`` int32 (window,
 then extra if given). Columns past a length are unspecified. ``NG = cdiv(T, G)``, ``G <= 8``.
+The table takes twice the bytes of the index tensors it unites, for the duration of one
+attention call.
 
 One Triton launch for both spans (grid ``(NG, spans)``; a program makes one pass over its
 group's column blocks, all rows at once), its torch twin, and the dispatching
