@@ -600,11 +600,8 @@ class DSV4AttentionBackend(AttentionBackend):
             metadata = pad_plan(
                 self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
             )
-            self.forward_metadata, self.planned = (
-                metadata,
-                self._planned_batch(forward_batch, metadata.kind),
-            )
-            planned = self.planned
+            self.forward_metadata = metadata
+            self.planned = planned = self._planned_batch(forward_batch, metadata.kind)
         metadata.check_matches(
             batch_size=forward_batch.batch_size,
             num_rows=metadata.num_rows if num_rows is None else num_rows,
