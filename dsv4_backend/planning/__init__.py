@@ -4,6 +4,7 @@ from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.row_fields import RowFields, row_fields_torch
 from dsv4_backend.planning.batch import SUPPORTED_DRAFT_TOPK, BatchView, DraftStep, ForwardKind
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
+from dsv4_backend.planning.dspark_block import dspark_swa_width, plan_dspark_block
 from dsv4_backend.planning.graph_buffers import GraphMetadataBuffers, pad_plan, seq_len_fill_value
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import GRAPH_KINDS, PlanWidths, plan
@@ -21,9 +22,11 @@ __all__ = [
     "PlanWidths",
     "RowFields",
     "compute_compress_plans",
+    "dspark_swa_width",
     "pad_plan",
     "per_step_draft_out_cache_loc",
     "plan",
+    "plan_dspark_block",
     "row_fields_torch",
     "seq_len_fill_value",
 ]

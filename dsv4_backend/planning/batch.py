@@ -15,12 +15,15 @@ EXTEND         ``extend_seq_lens[b]``, at positions        ``sum(extend_seq_lens
 DRAFT_EXTEND   as EXTEND; window only (the MTP layer)      ``sum(extend_seq_lens)``
 TARGET_VERIFY  ``num_draft_tokens``, at positions          ``B * num_draft_tokens``
                ``seq_lens[b] ... seq_lens[b] + n - 1``
+DSPARK_BLOCK   as TARGET_VERIFY (``n`` = the block size),  ``B * num_draft_tokens``
+               window only; every row sees the block
 =============  ==========================================  ====================================
 
 So ``seq_lens`` counts the tokens already in the cache *including* this forward's for DECODE and
-the extend kinds, and *excluding* the speculative tokens for a draft step and for verify (as
-sglang's EAGLE workers hand them over). Every row ``r`` at position ``p`` is planned as a decode
-row with causal length ``p + 1``.
+the extend kinds, and *excluding* the speculative tokens for a draft step, for verify and for a
+DSpark draft block (as sglang's EAGLE and DSpark workers hand them over). Every row ``r`` at
+position ``p`` is planned as a decode row with causal length ``p + 1``, except a DSpark draft
+block's, whose rows all see the same keys (``planning/dspark_block.py``).
 """
 
 from __future__ import annotations
@@ -44,6 +47,12 @@ class ForwardKind(enum.Enum):
     EXTEND = "extend"
     TARGET_VERIFY = "target_verify"
     DRAFT_EXTEND = "draft_extend"
+    #: A DSpark draft block (sglang runs it as TARGET_VERIFY on the draft worker).
+    DSPARK_BLOCK = "dspark_block"
+
+
+#: Kinds of ``num_draft_tokens`` rows per request from ``seq_lens[b]`` on.
+UNIFORM_BLOCK_KINDS = frozenset({ForwardKind.TARGET_VERIFY, ForwardKind.DSPARK_BLOCK})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +115,7 @@ class BatchView:
     seq_lens_cpu : optional host copy of ``seq_lens``; lets eager planning size its outputs
         and check values without a device sync.
     extend_prefix_lens, extend_seq_lens : host lengths ``[B]`` for EXTEND / DRAFT_EXTEND.
-    num_draft_tokens : tokens per request for TARGET_VERIFY.
+    num_draft_tokens : tokens per request for TARGET_VERIFY and DSPARK_BLOCK.
     draft : the step of a multi-step draft, for DECODE only.
     full_to_swa : optional Tensor ``[full_pool_slots]`` int — window-cache slot of each full
         slot; identity when omitted.
@@ -203,7 +212,7 @@ class BatchView:
             return 0
         if self.kind is ForwardKind.DECODE:
             return 1
-        if self.kind is ForwardKind.TARGET_VERIFY:
+        if self.kind in UNIFORM_BLOCK_KINDS:
             return self.num_draft_tokens
         return None
 
@@ -226,11 +235,11 @@ class BatchView:
         kind = self.kind
         if kind is ForwardKind.IDLE and bs != 0:
             raise BatchError(f"an IDLE batch has no requests, got batch size {bs}")
-        if kind is ForwardKind.TARGET_VERIFY and (
+        if kind in UNIFORM_BLOCK_KINDS and (
             self.num_draft_tokens is None or self.num_draft_tokens < 1
         ):
             raise BatchError(
-                f"TARGET_VERIFY needs num_draft_tokens >= 1, got {self.num_draft_tokens}"
+                f"{kind.name} needs num_draft_tokens >= 1, got {self.num_draft_tokens}"
             )
         if kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
             prefix, extend = self.extend_prefix_lens, self.extend_seq_lens

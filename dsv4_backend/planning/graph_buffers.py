@@ -69,13 +69,13 @@ def _compressed_layout(config: DSV4AttentionConfig, ratio: int, widths: PlanWidt
     }
 
 
-def _layout(config: DSV4AttentionConfig, widths: PlanWidths) -> _Layout:
+def _layout(config: DSV4AttentionConfig, widths: PlanWidths, swa_width: int) -> _Layout:
     return {
         "row_batch_ids": ((), _INT32),
         "page_table": ((widths.page_table,), _INT32),
         "swa_out_loc": ((), _INT64),
         "positions_causal": ((), _INT64),
-        "swa_page_indices": ((config.swa_index_width,), _INT32),
+        "swa_page_indices": ((swa_width,), _INT32),
         "swa_topk_lengths": ((), _INT32),
     }
 
@@ -103,6 +103,8 @@ class GraphMetadataBuffers:
     widths : the ``PlanWidths`` every graph plan is made with (e.g.
         ``PlanWidths.for_max_len(max_context_len)``); eager plans may be narrower.
     device : where the buffers live.
+    swa_width : columns of ``swa_page_indices`` (default ``config.swa_index_width``; a DSpark
+        draft block's are wider, ``planning.dspark_swa_width``).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class GraphMetadataBuffers:
         max_rows: int,
         widths: PlanWidths,
         device: torch.device | str,
+        swa_width: int | None = None,
     ) -> None:
         if max_batch_size < 0 or max_rows < 0:
             raise ContractError(
@@ -129,7 +132,7 @@ class GraphMetadataBuffers:
                 for name, (shape, dtype) in layout.items()
             }
 
-        self.common = alloc(_layout(config, widths))
+        self.common = alloc(_layout(config, widths, swa_width or config.swa_index_width))
         self.compressed = {
             r: alloc(_compressed_layout(config, r, widths)) for r in sorted(config.ratios_present)
         }
@@ -154,6 +157,13 @@ class GraphMetadataBuffers:
             device=plan.row_batch_ids.device,
             ratios=[r for r in COMPRESSED_RATIOS if plan.compressed(r) is not None],
         )
+        swa_columns = self.common["swa_page_indices"].shape[1]
+        if plan.swa_page_indices.shape[1] > swa_columns:
+            raise ContractError(
+                f"plan has {plan.swa_page_indices.shape[1]} swa_page_indices columns, the "
+                f"buffers {swa_columns}; build the buffers with swa_width covering the plan's "
+                "(a DSpark block: planning.dspark_swa_width)"
+            )
         for name, buf in self.common.items():
             _load_field(buf, getattr(plan, name), num_rows, _sentinel(name))
         comp = {}

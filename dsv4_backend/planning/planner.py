@@ -181,7 +181,8 @@ def plan(
     if spec is None:
         raise BatchError(
             f"cannot plan forward kind {batch.kind!r}; expected one of "
-            f"{[kind.name for kind in _KINDS]}"
+            f"{[kind.name for kind in _KINDS]} (a DSpark draft block: "
+            "planning.plan_dspark_block)"
         )
     if fuses(batch):
         return plan_into(config, batch, widths, None)
@@ -228,7 +229,7 @@ def _row_layout(batch: BatchView) -> RowLayout:
 def fuses(batch: BatchView) -> bool:
     """Whether ``batch`` is planned by the fused kernels (``kernels/plan_fields.py``): on the
     Triton paths, every kind, its batch checks included (read at once or deferred)."""
-    return dispatch.use_triton(batch.req_to_token.device)
+    return batch.kind in _KINDS and dispatch.use_triton(batch.req_to_token.device)
 
 
 def fused_checks(batch: BatchView, layout: RowLayout) -> tuple[torch.Tensor, PendingChecks | None]:

@@ -16,6 +16,7 @@ from dsv4_backend.testing.reference.compressor import (
     overlap,
     pool_slots,
 )
+from dsv4_backend.testing.reference.dspark import reference_dspark_block
 from dsv4_backend.testing.reference.indexer import indexer_scores, indexer_select
 from dsv4_backend.testing.reference.layer import (
     LayerInputs,
@@ -49,6 +50,7 @@ __all__ = [
     "overlap",
     "pool_slots",
     "reference_attention",
+    "reference_dspark_block",
     "reference_layer",
     "rms_norm",
     "rope_cos_sin",

@@ -147,18 +147,18 @@ class PagedRequestPool:
         return self._view(ForwardKind.DECODE, requests, seq_lens, loc)
 
     def verify(
-        self, requests: Sequence[int], seq_lens: Sequence[int], num_draft_tokens: int
-    ) -> BatchView:
-        """TARGET_VERIFY: ``num_draft_tokens`` rows per request from position ``seq_lens[i]``."""
+        self, requests: Sequence[int], seq_lens: Sequence[int], num_draft_tokens: int,
+        *, kind: ForwardKind = ForwardKind.TARGET_VERIFY,
+    ) -> BatchView:  # fmt: skip
+        """TARGET_VERIFY: ``num_draft_tokens`` rows per request from position ``seq_lens[i]``;
+        ``kind=DSPARK_BLOCK``: a DSpark draft block of that many rows, the same slots."""
         loc = self._cat_slots(
             [
                 self.slots(r, range(s, s + num_draft_tokens))
                 for r, s in zip(requests, seq_lens, strict=True)
             ]
         )
-        return self._view(
-            ForwardKind.TARGET_VERIFY, requests, seq_lens, loc, num_draft_tokens=num_draft_tokens
-        )
+        return self._view(kind, requests, seq_lens, loc, num_draft_tokens=num_draft_tokens)
 
     def draft_out_cache_loc(
         self, requests: Sequence[int], seq_lens: Sequence[int], num_steps: int
@@ -197,10 +197,11 @@ class PagedRequestPool:
     def pad_requests(self, view: BatchView, extra: int) -> BatchView:
         """``view`` with ``extra`` requests appended as data-parallel padding lays them out
         (sglang's ``ForwardBatch._pad_inputs_to_size``): pool row 0, ``seq_lens`` 1, every write
-        slot 0. For the uniform kinds (DECODE, draft steps, TARGET_VERIFY)."""
+        slot 0. For the uniform kinds (DECODE, draft steps, TARGET_VERIFY, DSPARK_BLOCK)."""
         if view.rows_per_request is None or view.kind is ForwardKind.IDLE:
             raise BatchError(
-                f"{view.kind.name}: request padding is for DECODE, draft steps and TARGET_VERIFY"
+                f"{view.kind.name}: request padding is for DECODE, draft steps, TARGET_VERIFY "
+                "and DSPARK_BLOCK"
             )
         draft = view.draft
         slots_per_request = draft.topk * draft.num_steps if draft else view.rows_per_request
