@@ -72,6 +72,7 @@ from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
     SUPPORTED_DRAFT_TOPK,
     AttentionMetadata,
+    BatchView,
     DraftStep,
     ForwardKind,
     GraphMetadataBuffers,
@@ -415,7 +416,7 @@ class DSV4AttentionBackend(AttentionBackend):
         cache_format: CacheFormat = "fp8",
     ) -> None:
         super().__init__()
-        settings = RunnerSettings.from_runner(model_runner, topk)
+        settings = self.runner_settings(model_runner, topk)
         self.config = settings.config
         self.device = settings.device
         self.num_draft_tokens = settings.num_draft_tokens
@@ -437,9 +438,16 @@ class DSV4AttentionBackend(AttentionBackend):
         #: Device-side planning checks not read yet (CUDA without strict mode).
         self.pending_checks: list[PendingChecks] = []
         self.graph_buffers: GraphMetadataBuffers | None = None
+        #: Columns of the graph buffers' ``swa_page_indices`` (None: the config's window).
+        self.graph_swa_width: int | None = None
         self.streams = CudaStreams()
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
+
+    @classmethod
+    def runner_settings(cls, model_runner: ModelRunner, topk: int = 0) -> RunnerSettings:
+        """What this backend serves of ``model_runner`` (``RunnerSettings.from_runner``)."""
+        return RunnerSettings.from_runner(model_runner, topk)
 
     # ------------------------------------------------------------------------- planning
     def _plan(
@@ -468,7 +476,7 @@ class DSV4AttentionBackend(AttentionBackend):
             draft=self.draft_step,
             num_cache_slots=self.num_cache_slots,
         )
-        metadata = plan(self.config, view) if buffers is None else buffers.plan(view)
+        metadata = self._plan_view(view, buffers)
         padding = padding_rows(forward_batch, view)
         if padding > 0:
             _check_padding_slots(forward_batch.out_cache_loc, view.num_rows, "plan")
@@ -484,6 +492,16 @@ class DSV4AttentionBackend(AttentionBackend):
             self.pending_checks.append(metadata.pending_checks)
         self.planned = self._planned_batch(forward_batch, metadata.kind)
         return metadata
+
+    def _plan_view(
+        self, view: BatchView, buffers: GraphMetadataBuffers | None
+    ) -> AttentionMetadata:
+        """The plan of ``view``: eager, or into the graph buffers."""
+        return plan(self.config, view) if buffers is None else buffers.plan(view)
+
+    def _forward_kind(self, forward_batch: ForwardBatch) -> ForwardKind:
+        """The planner kind this backend plans ``forward_batch``'s mode as."""
+        return forward_kind(forward_batch.forward_mode)
 
     def _planned_batch(self, fb: Any, kind: ForwardKind) -> PlannedBatch:
         """Tag ``fb``; its host lists only for a draft-extend plan (``_check_padding`` is their
@@ -564,6 +582,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 self.req_to_token_pool.req_to_token.shape[1], self.config.page_size
             ),
             device=self.device,
+            swa_width=self.graph_swa_width,
         )
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
@@ -607,7 +626,7 @@ class DSV4AttentionBackend(AttentionBackend):
             num_rows=metadata.num_rows if num_rows is None else num_rows,
             where=where,
         )
-        kind = forward_kind(forward_batch.forward_mode)
+        kind = self._forward_kind(forward_batch)
         if kind is not metadata.kind:
             raise ContractError(
                 f"{where}: attention metadata was planned for {metadata.kind.name} but the batch "

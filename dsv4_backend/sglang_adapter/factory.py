@@ -27,6 +27,7 @@ BUILTIN_NAME = "dsv4_builtin"
 
 BACKEND_MODULE = "dsv4_backend.sglang_adapter.backend"
 DRAFT_MODULE = "dsv4_backend.sglang_adapter.draft"
+DSPARK_MODULE = "dsv4_backend.sglang_adapter.dspark"
 
 
 def adapter_class(module_name: str, class_name: str) -> type:
@@ -54,8 +55,19 @@ def adapter_class(module_name: str, class_name: str) -> type:
 
 
 def create_dsv4_backend(runner: ModelRunner) -> AttentionBackend:
-    """Build this package's attention backend for ``runner`` (``ATTENTION_BACKENDS["dsv4"]``)."""
+    """Build this package's attention backend for ``runner`` (``ATTENTION_BACKENDS["dsv4"]``):
+    ``DSparkDraftBackend`` for the DSpark draft runner, else ``DSV4AttentionBackend``."""
+    if is_dspark_draft(runner):
+        return adapter_class(DSPARK_MODULE, "DSparkDraftBackend")(runner)
     return adapter_class(BACKEND_MODULE, "DSV4AttentionBackend")(runner)
+
+
+def is_dspark_draft(runner: ModelRunner) -> bool:
+    """Whether ``runner`` is the draft runner of ``--speculative-algorithm DSPARK``."""
+    algorithm = getattr(getattr(runner, "server_args", None), "speculative_algorithm", None)
+    return str(algorithm or "").upper() == "DSPARK" and bool(
+        getattr(runner, "is_draft_worker", False)
+    )
 
 
 def create_dsv4_draft_decode_backend(

@@ -78,13 +78,15 @@ def mock_runner(
     disable_radix_cache: bool = False,
     is_draft_worker: bool = False,
     tp_size: int = 1,
+    speculative_algorithm: str | None = None,
     **cache_flags: Any,
 ) -> SimpleNamespace:
     """A model runner with a real ``ReqToTokenPool`` holding ``pool``'s page table
     (``tp_size``: attention TP ranks, no attention DP).
 
     ``server_args`` has sglang's defaults (radix cache on) unless overridden; ``cache_flags``
-    sets further ``server_args`` options (e.g. ``enable_hierarchical_cache=True``)."""
+    sets further ``server_args`` options (e.g. ``enable_hierarchical_cache=True``);
+    ``speculative_algorithm`` defaults to ``"EAGLE"`` with a ``topk``, else None."""
     device = str(pool.device)
     req_to_token_pool = ReqToTokenPool(
         size=pool.num_requests,
@@ -94,7 +96,7 @@ def mock_runner(
     )
     req_to_token_pool.req_to_token.copy_(pool.req_to_token)
     server_args = SimpleNamespace(
-        speculative_algorithm="EAGLE" if topk else None,
+        speculative_algorithm=speculative_algorithm or ("EAGLE" if topk else None),
         speculative_eagle_topk=topk,
         speculative_num_steps=num_steps,
         speculative_num_draft_tokens=num_draft_tokens,

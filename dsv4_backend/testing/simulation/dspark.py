@@ -68,6 +68,26 @@ class BlockResult:
         )
 
 
+@dataclass(frozen=True)
+class StageInputs:
+    """One stage's block rows: ``q`` ``[T, H, D]``, ``kv`` ``[T, D]`` (the block's keys),
+    ``sink`` ``[H]`` and the reference's ``expected`` ``[T, H, D]`` float32."""
+
+    q: torch.Tensor
+    kv: torch.Tensor
+    sink: torch.Tensor
+    expected: torch.Tensor
+
+    def padded(self, num_rows: int) -> StageInputs:
+        """The rows followed by zero rows up to ``num_rows`` (graph padding)."""
+        pad = num_rows - self.q.shape[0]
+        return dataclasses.replace(
+            self,
+            q=torch.cat([self.q, self.q.new_zeros(pad, *self.q.shape[1:])]),
+            kv=torch.cat([self.kv, self.kv.new_zeros(pad, self.kv.shape[1])]),
+        )
+
+
 def draft_config(config: DSV4AttentionConfig, num_stages: int = NUM_STAGES) -> DSV4AttentionConfig:
     """The draft head's attention configuration: ``num_stages`` window-only layers
     (``layer_id = stage_id``), the target's widths."""
@@ -165,41 +185,44 @@ class DSparkDraft:
         metadata = plan_dspark_block(self.config, view, widths=buffers.widths)
         return buffers.load(metadata, num_rows=graph_rows(view.num_rows))
 
+    def block_inputs(
+        self, requests: Sequence[int], seq_lens: Sequence[int], *, seed: int
+    ) -> list[StageInputs]:
+        """Per stage, a block's queries and keys at committed lengths ``seq_lens`` (drawn
+        from ``seed``: equal seeds, equal data) and the reference's output rows."""
+        g = self.block_size
+        generator = torch.Generator().manual_seed(seed)
+        stages = []
+        for stage, sink in enumerate(self.sinks):
+            blocks = [make_random_layer(self.config, 0, g, generator)[0] for _ in requests]
+            expected = [
+                reference_dspark_block(self.config, b.q, self.context_kv[stage][r][:s], b.kv, sink)
+                for b, r, s in zip(blocks, requests, seq_lens, strict=True)
+            ]
+            q, kv = torch.cat([b.q for b in blocks]), torch.cat([b.kv for b in blocks])
+            stages.append(StageInputs(q=q, kv=kv, sink=sink, expected=torch.cat(expected)))
+        return stages
+
     def block(
         self, requests: Sequence[int], seq_lens: Sequence[int], *, seed: int,
         graph: bool = False, dp_pad: int = 0,
         planner: Callable[[BatchView], AttentionMetadata] | None = None,
     ) -> BlockResult:  # fmt: skip
-        """Run one draft block at committed lengths ``seq_lens``; ``seed`` draws the block's
-        queries and keys (equal seeds, equal data). ``planner`` replaces ``plan`` (negative
-        controls)."""
+        """Run one draft block at committed lengths ``seq_lens`` through ``forward_layer``
+        (``block_inputs``' data); ``planner`` replaces ``plan`` (negative controls)."""
         view = self.view(requests, seq_lens, dp_pad=dp_pad)
         metadata = self.plan(view, graph=graph) if planner is None else planner(view)
-        g, heads, dim = self.block_size, self.config.num_heads, self.config.head_dim
+        g = self.block_size
         rows = [(r, s + i) for r, s in zip(requests, seq_lens, strict=True) for i in range(g)]
-        real, total = len(rows), metadata.num_rows
-        generator = torch.Generator().manual_seed(seed)
-        outputs, expected = [], []
-        for stage, sink in enumerate(self.sinks):
-            blocks = [make_random_layer(self.config, 0, g, generator)[0] for _ in requests]
-            q = torch.zeros(total, heads, dim)
-            kv = torch.zeros(total, dim)
-            q[:real] = torch.cat([b.q for b in blocks])
-            kv[:real] = torch.cat([b.kv for b in blocks])
+        stages = self.block_inputs(requests, seq_lens, seed=seed)
+        outputs = []
+        for stage, inputs in enumerate(stages):
+            padded = inputs.padded(metadata.num_rows)
             out = forward_layer(
                 self.state, stage, metadata, view.req_pool_indices,
-                ops.LayerInputs(q=q.to(self.device), kv=kv.to(self.device)),
-                ops.LayerParams(sink=sink.to(self.device)),
+                ops.LayerInputs(q=padded.q.to(self.device), kv=padded.kv.to(self.device)),
+                ops.LayerParams(sink=inputs.sink.to(self.device)),
             )  # fmt: skip
-            outputs.append(out[:real].cpu())
-            expected.append(
-                torch.cat(
-                    [
-                        reference_dspark_block(
-                            self.config, b.q, self.context_kv[stage][r][:s], b.kv, sink
-                        )
-                        for b, r, s in zip(blocks, requests, seq_lens, strict=True)
-                    ]
-                )
-            )
+            outputs.append(out[: len(rows)].cpu())
+        expected = [inputs.expected for inputs in stages]
         return BlockResult(metadata=metadata, rows=rows, outputs=outputs, expected=expected)
