@@ -109,6 +109,7 @@ class DSparkDraft:
     block_size : ``g``, draft rows per request and block (sglang: ``num_draft_tokens - 1``).
     generator : draws the committed keys and the sinks.
     fmt : window cache format, ``"dense"`` or ``"fp8"``.
+    state : the caches to serve (e.g. an sglang adapter backend's); None allocates them.
     """
 
     def __init__(
@@ -121,6 +122,7 @@ class DSparkDraft:
         fmt: str = "dense",
         device: torch.device | str = "cpu",
         num_stages: int = NUM_STAGES,
+        state: AttentionState | None = None,
     ) -> None:
         self.config = draft_config(config, num_stages)
         self.pool = pool
@@ -132,7 +134,7 @@ class DSparkDraft:
             layers = [make_random_layer(self.config, 0, n, generator) for n in pool.max_lens]
             self.context_kv.append([inputs.kv for inputs, _ in layers])
             self.sinks.append(layers[0][1].sink)
-        self.state = AttentionState.allocate(
+        self.state = state or AttentionState.allocate(
             self.config,
             num_full_slots=pool.num_full_slots,
             num_swa_slots=pool.num_full_slots,
