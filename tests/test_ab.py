@@ -38,7 +38,8 @@ from dsv4_backend.testing.ab.trace import (
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
 SMALL_ARGS = ["--requests", "2", "--max-len", "150", "--cycles", "2", "--decode-steps", "2"]
-ALL_LABELS = [f"{m}/{p}" for m in MODES for p in PATHS]
+#: Every mode of an EAGLE trace (the default; ``dspark`` steps belong to ``--spec dspark``).
+ALL_LABELS = [f"{m}/{p}" for m in MODES if m != "dspark" for p in PATHS]
 
 
 @pytest.fixture(scope="module")
@@ -150,6 +151,33 @@ def test_package_matches_reference_on_every_mode(trace) -> None:
     verify_rows = sum(len(s.rows()) for s in trace.steps if s.mode == "verify")
     compared = result.modes["verify/eager"].rows + result.modes["verify/graph"].rows
     assert compared < verify_rows
+
+
+def test_dspark_trace_matches_reference() -> None:
+    """``--spec dspark``: draft blocks through the draft head's stages (eager, graph, DP
+    padding) and the target's verify of each block, every row within tolerance; a perturbed
+    draft plan (causal rows, as a verify plans them) fails the dspark modes only."""
+    trace = build_trace(CONFIG, **{**SMALL, "decode_steps": 0}, seed=1, spec="dspark", dp_pad=1)
+    assert {s.mode for s in trace.steps} == {"prefill", "dspark", "verify"}
+    result = run_trace(trace, torch_dsv4(), ReferenceBackend())
+    assert result.passed, result.failed
+    assert {"dspark/eager", "dspark/graph"} <= set(result.modes)
+    assert result.modes["dspark/eager"].rows == 2 * 3  # one block of 3 rows per request
+
+    class CausalDraft(DSV4Backend):
+        """Plans every draft block as a causal verify of the draft's layers."""
+
+        def prepare(self, trace, device) -> None:
+            super().prepare(trace, device)
+            draft = self.draft
+            verify = ForwardKind.TARGET_VERIFY
+            draft.plan = lambda view, graph=False: plan(  # type: ignore[method-assign]
+                draft.config, dataclasses.replace(view, kind=verify)
+            )
+
+    perturbed = run_trace(trace, CausalDraft("causal", path="torch"), ReferenceBackend())
+    assert not perturbed.passed
+    assert {label.split("/")[0] for label in perturbed.failed} == {"dspark"}
 
 
 def test_prefix_share_trace_serves_a_cache_hit(tmp_path: Path, capsys) -> None:

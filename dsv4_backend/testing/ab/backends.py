@@ -21,7 +21,9 @@ seed, so both sides of a run see the same inputs and caches. On the graph path t
 backends plan with fixed ``PlanWidths`` and load the plan into ``GraphMetadataBuffers`` padded
 to a graph bucket of rows (the next power of two), as a CUDA-graph replay does. A trace's DP
 padding (``--dp-pad``) is planned and run by the ``dsv4`` backends (padding rows dropped from
-their output); the reference and ``sglang:<name>`` serve the real requests only.
+their output); the reference and ``sglang:<name>`` serve the real requests only. A DSpark
+trace's ``dspark`` steps run the draft head (``Trace.build_draft``): the ``dsv4`` backends through
+``plan_dspark_block`` and the kernels, the reference through ``reference_dspark_block``.
 
 Tests perturb a backend through the Python API: ``DSV4Backend(planner=...)`` takes any
 function with ``plan``'s signature.
@@ -49,7 +51,7 @@ from dsv4_backend.planning import (
 from dsv4_backend.testing.ab.base import Backend, StepOutput
 from dsv4_backend.testing.ab.trace import Step, Trace
 from dsv4_backend.testing.reference.layer import LayerInputs, reference_layer
-from dsv4_backend.testing.simulation import RandomModel
+from dsv4_backend.testing.simulation import DSparkDraft, RandomModel
 
 #: ``plan``'s signature: ``planner(config, batch, widths=None) -> AttentionMetadata``.
 Planner = Callable[..., AttentionMetadata]
@@ -89,6 +91,7 @@ class DSV4Backend(Backend):
         self.model: RandomModel | None = None
         self.trace: Trace | None = None
         self.buffers: GraphMetadataBuffers | None = None
+        self.draft: DSparkDraft | None = None
         self.device = torch.device("cpu")
 
     @property
@@ -109,6 +112,7 @@ class DSV4Backend(Backend):
         self.model = trace.build_model(device, fmt=self.fmt)
         pool = self.model.pool
         self.trace = trace
+        self.draft = trace.build_draft(pool, device, self.fmt) if trace.spec == "dspark" else None
         self.buffers = GraphMetadataBuffers(
             trace.config,
             max_batch_size=pool.num_requests + trace.dp_pad,
@@ -139,6 +143,8 @@ class DSV4Backend(Backend):
         return graph_plan
 
     def run(self, step: Step) -> StepOutput:
+        if step.mode == "dspark":
+            return self._run_dspark(step)
         model = self.model
         batch = self.trace.batch(step, model.pool)
         timings: dict[str, float] = {}
@@ -159,6 +165,21 @@ class DSV4Backend(Backend):
             kernel_s=timings.get("kernels", 0.0),
         )
 
+    def _run_dspark(self, step: Step) -> StepOutput:
+        """A DSpark draft block: the committed keys injected, then the block's stages."""
+        draft, trace = self.draft, self.trace
+        draft.commit(step.requests, step.lens)
+        timings: dict[str, float] = {}
+        with self._paths():
+            result = draft.block(
+                step.requests, step.lens, seed=trace.block_seed(step), graph=step.path == "graph",
+                dp_pad=trace.dp_pad, timings=timings,
+            )  # fmt: skip
+        return StepOutput(
+            rows=result.rows, layers=step.layers(trace.config), outputs=result.outputs,
+            plan_s=timings.get("plan", 0.0), kernel_s=timings.get("kernels", 0.0),
+        )  # fmt: skip
+
 
 class ReferenceBackend(Backend):
     """The plain torch reference (module docstring); planning time is 0."""
@@ -166,6 +187,8 @@ class ReferenceBackend(Backend):
     def __init__(self, name: str = "reference") -> None:
         self.name = name
         self.model: RandomModel | None = None
+        self.trace: Trace | None = None
+        self.draft: DSparkDraft | None = None
 
     @property
     def kernel_path(self) -> str:
@@ -173,8 +196,12 @@ class ReferenceBackend(Backend):
 
     def prepare(self, trace: Trace, device: torch.device) -> None:
         self.model = trace.build_model("cpu")
+        self.trace = trace
+        self.draft = trace.build_draft(self.model.pool) if trace.spec == "dspark" else None
 
     def run(self, step: Step) -> StepOutput:
+        if step.mode == "dspark":
+            return self._run_dspark(step)
         model = self.model
         config = model.config
         rows = step.rows()
@@ -192,6 +219,17 @@ class ReferenceBackend(Backend):
                 out.append(full[positions.start : positions.stop])
             outputs.append(torch.cat(out))
         return StepOutput(rows=rows, layers=layers, outputs=outputs, plan_s=0.0, kernel_s=elapsed)
+
+    def _run_dspark(self, step: Step) -> StepOutput:
+        """``reference_dspark_block`` over each request's committed keys and block."""
+        trace = self.trace
+        start = time.perf_counter()
+        stages = self.draft.block_inputs(step.requests, step.lens, seed=trace.block_seed(step))
+        return StepOutput(
+            rows=step.rows(), layers=step.layers(trace.config),
+            outputs=[inputs.expected for inputs in stages], plan_s=0.0,
+            kernel_s=time.perf_counter() - start,
+        )  # fmt: skip
 
 
 def _truncate(inputs: LayerInputs, length: int) -> LayerInputs:

@@ -82,6 +82,11 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="one more request shares request 0's prompt and starts from its cached pages "
         "(a radix-cache hit of whole 256-token pages)",
     )  # fmt: skip
+    trace.add_argument(
+        "--spec", choices=("eagle", "dspark"), default="eagle",
+        help="speculative rounds: EAGLE (draft steps, verify, draft extend) or DSpark (a draft "
+        "block through the draft head's window-only stages, then the verify) (default eagle)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(
         "--config", type=Path, metavar="PATH",
@@ -260,6 +265,7 @@ def run_ab(args: argparse.Namespace) -> int:
             seed=args.seed,
             dp_pad=args.dp_pad,
             prefix_share=args.prefix_share,
+            spec=args.spec,
         )
         # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at
         # once, against its mode.

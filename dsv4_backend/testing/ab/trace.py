@@ -16,6 +16,13 @@ topk 1 and 3 draft steps (4 draft tokens):
    left out of the comparison) and the next round starts from the accepted length;
 3. ``decode`` steps, alternating eager / graph.
 
+With ``spec="dspark"`` (``--spec dspark``) the rounds are DSpark's instead: a ``dspark`` draft
+block of ``DSPARK_BLOCK_SIZE`` rows per request at ``L ... L + g - 1`` through the draft head's
+three window-only stages (``simulation.DSparkDraft``: the committed tokens' keys are injected
+first, every row sees the last 128 committed keys and the whole block; the reference is
+``reference_dspark_block``), then the target's ``verify`` of the anchor and the ``g`` drafts
+(``NUM_DRAFT_TOKENS`` rows), a random number of them accepted.
+
 With ``dp_pad = N`` (the ``--dp-pad`` scenario) every ``draft``, ``verify`` and ``decode`` batch
 gains ``N`` requests as DP attention pads them for a rank with fewer requests than its peers
 (pool row 0, ``seq_lens`` 1, write slot 0: :meth:`PagedRequestPool.pad_requests`), before it is
@@ -40,17 +47,22 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.planning import BatchView
-from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.planning import BatchView, ForwardKind
+from dsv4_backend.testing.simulation import DSparkDraft, PagedRequestPool, RandomModel
+from dsv4_backend.testing.simulation.dspark import NUM_STAGES as DSPARK_STAGES
 
-MODES = ("prefill", "draft", "verify", "draft_extend", "decode")
+MODES = ("prefill", "draft", "verify", "draft_extend", "decode", "dspark")
 #: Modes whose batches DP attention pads with requests before planning (``--dp-pad``).
-DP_PADDED_MODES = ("draft", "verify", "decode")
+DP_PADDED_MODES = ("draft", "dspark", "verify", "decode")
+#: Speculative algorithms of the rounds (``--spec``).
+SPECS = ("eagle", "dspark")
 PATHS = ("eager", "graph")
 #: EAGLE draft steps per round (topk 1); every step but the last runs attention.
 NUM_DRAFT_STEPS = 3
 #: Tokens a verify checks per request: the bonus token and one draft per step.
 NUM_DRAFT_TOKENS = NUM_DRAFT_STEPS + 1
+#: Rows per request of a DSpark draft block (its verify checks the anchor and these drafts).
+DSPARK_BLOCK_SIZE = NUM_DRAFT_TOKENS - 1
 #: Prompts end just before a multiple of this (window = c128 block = half a page).
 BOUNDARY = 128
 #: With ``prefix_share``: the shared prompt's tokens past its last whole page, and the sharing
@@ -103,6 +115,8 @@ class Step:
             return range(start - 1, start)
         if self.mode == "verify":
             return range(start, start + NUM_DRAFT_TOKENS)
+        if self.mode == "dspark":
+            return range(start, start + DSPARK_BLOCK_SIZE)
         return range(start + self.step_id, start + self.step_id + 1)  # draft
 
     def rows(self) -> list[Row]:
@@ -115,7 +129,10 @@ class Step:
         return position < self.rejected_map.get(request, position + 1)
 
     def layers(self, config: DSV4AttentionConfig) -> list[int]:
-        """Layers the step runs: all, or the window-only ones for the MTP draft extend."""
+        """Layers the step runs: all, the window-only ones for the MTP draft extend, or the
+        DSpark draft head's stages."""
+        if self.mode == "dspark":
+            return list(range(DSPARK_STAGES))
         ratios = config.compress_ratios
         return [i for i, r in enumerate(ratios) if r == 0 or self.mode != "draft_extend"]
 
@@ -131,6 +148,8 @@ class Step:
             view = pool.decode(requests, lens)
         elif self.mode == "verify":
             view = pool.verify(requests, lens, NUM_DRAFT_TOKENS)
+        elif self.mode == "dspark":
+            view = pool.verify(requests, lens, DSPARK_BLOCK_SIZE, kind=ForwardKind.DSPARK_BLOCK)
         else:
             view = pool.draft_step(requests, lens, NUM_DRAFT_STEPS, self.step_id)
         return pool.pad_requests(view, dp_pad) if dp_pad else view
@@ -150,6 +169,8 @@ class Trace:
     shared_pages: tuple[tuple[int, tuple[int, int]], ...] = ()
     #: Shared prompts: ``(request, (owner, tokens))`` — the owner's first tokens' data.
     same_tokens: tuple[tuple[int, tuple[int, int]], ...] = ()
+    #: The speculative algorithm of the rounds (``SPECS``).
+    spec: str = "eagle"
 
     @property
     def labels(self) -> list[str]:
@@ -176,6 +197,21 @@ class Trace:
         )  # fmt: skip
         return RandomModel(self.config, pool, generator=generator, fmt=fmt, device=device)
 
+    def build_draft(
+        self, pool: PagedRequestPool, device: torch.device | str = "cpu", fmt: str = "dense"
+    ) -> DSparkDraft:
+        """The DSpark draft head over ``pool`` (a model's from ``build_model``); equal data
+        for equal seeds."""
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        return DSparkDraft(
+            self.config, pool, block_size=DSPARK_BLOCK_SIZE, generator=generator, fmt=fmt,
+            device=device,
+        )  # fmt: skip
+
+    def block_seed(self, step: Step) -> int:
+        """The seed of a ``dspark`` step's block data (the same for both backends)."""
+        return self.seed * 1_000_003 + sum((i + 1) * n for i, n in enumerate(step.lens))
+
 
 def build_trace(
     config: DSV4AttentionConfig,
@@ -187,16 +223,20 @@ def build_trace(
     seed: int = 0,
     dp_pad: int = 0,
     prefix_share: bool = False,
+    spec: str = "eagle",
 ) -> Trace:
     """The built-in trace (module docstring) over ``num_requests`` requests of at most
     ``max_len`` tokens; ``seed`` draws the lengths, the accepted drafts and the data;
     ``dp_pad`` padding requests join every batch of the ``DP_PADDED_MODES``;
-    ``prefix_share`` adds request ``num_requests``, a prefix hit on request 0's prompt.
+    ``prefix_share`` adds request ``num_requests``, a prefix hit on request 0's prompt;
+    ``spec`` picks EAGLE or DSpark rounds (module docstring).
 
     Raises ``ConfigError`` when the sizes cannot make a trace (``max_len`` must leave room for
     a 2-token prompt, the rounds and the decodes; with ``prefix_share``, for a prompt longer
     than a page).
     """
+    if spec not in SPECS:
+        raise ConfigError(f"spec={spec!r}; expected one of {SPECS}")
     if num_requests < 1 or cycles < 0 or decode_steps < 0 or dp_pad < 0:
         raise ConfigError(
             f"requests={num_requests}, cycles={cycles}, decode_steps={decode_steps}, "
@@ -255,17 +295,21 @@ def build_trace(
         rejected = tuple(
             (r, committed[r] + 1 + a) for r, a in enumerate(taken) if a < NUM_DRAFT_TOKENS - 1
         )
-        steps += [
-            Step("draft", path, requests, committed, step_id=i, rejected=rejected)
-            for i in range(NUM_DRAFT_STEPS - 1)
-        ]
-        steps.append(Step("verify", path, requests, committed, rejected=rejected))
-        steps.append(
-            Step(
-                "draft_extend", path, requests, committed,
-                (NUM_DRAFT_TOKENS,) * num_requests, rejected=rejected,
-            )
-        )  # fmt: skip
+        if spec == "dspark":
+            steps.append(Step("dspark", path, requests, committed))
+            steps.append(Step("verify", path, requests, committed, rejected=rejected))
+        else:
+            steps += [
+                Step("draft", path, requests, committed, step_id=i, rejected=rejected)
+                for i in range(NUM_DRAFT_STEPS - 1)
+            ]
+            steps.append(Step("verify", path, requests, committed, rejected=rejected))
+            steps.append(
+                Step(
+                    "draft_extend", path, requests, committed,
+                    (NUM_DRAFT_TOKENS,) * num_requests, rejected=rejected,
+                )
+            )  # fmt: skip
         lens = [n + 1 + a for n, a in zip(lens, taken, strict=True)]
     for i in range(decode_steps):
         lens = [n + 1 for n in lens]
@@ -280,6 +324,7 @@ def build_trace(
         steps=tuple(steps),
         seed=seed,
         dp_pad=dp_pad,
+        spec=spec,
         **shared,
     )
 

@@ -39,6 +39,7 @@ from dsv4_backend.planning import (
     plan_dspark_block,
 )
 from dsv4_backend.testing.reference import make_random_layer, reference_dspark_block
+from dsv4_backend.testing.simulation.model import timed
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
 
 #: Window-only attention stages of the DSpark draft head of the official checkpoints.
@@ -143,6 +144,8 @@ class DSparkDraft:
             device=self.device,
         )
         self._buffers: GraphMetadataBuffers | None = None
+        #: Per request, the positions below which its committed keys are injected.
+        self.injected = [0] * pool.num_requests
 
     @property
     def swa_width(self) -> int:
@@ -157,6 +160,13 @@ class DSparkDraft:
         for stage, per_request in enumerate(self.context_kv):
             kv = per_request[request][index].to(self.device)
             store_rows(self.state.pools.window(stage), kv, slots)
+
+    def commit(self, requests: Sequence[int], seq_lens: Sequence[int]) -> None:
+        """KV inject of every committed position not injected yet: ``request`` has committed
+        ``seq_lens`` tokens (a prefill's, or a verify's anchor and accepted drafts)."""
+        for request, length in zip(requests, seq_lens, strict=True):
+            self.inject(request, range(self.injected[request], length))
+            self.injected[request] = max(self.injected[request], length)
 
     def buffers(self, max_rows: int) -> GraphMetadataBuffers:
         """The graph buffers, grown to ``max_rows`` rows when needed."""
@@ -209,22 +219,26 @@ class DSparkDraft:
         self, requests: Sequence[int], seq_lens: Sequence[int], *, seed: int,
         graph: bool = False, dp_pad: int = 0,
         planner: Callable[[BatchView], AttentionMetadata] | None = None,
+        timings: dict[str, float] | None = None,
     ) -> BlockResult:  # fmt: skip
         """Run one draft block at committed lengths ``seq_lens`` through ``forward_layer``
-        (``block_inputs``' data); ``planner`` replaces ``plan`` (negative controls)."""
+        (``block_inputs``' data); ``planner`` replaces ``plan`` (negative controls);
+        ``timings`` gains the seconds of planning and of the stages (``RandomModel.forward``)."""
         view = self.view(requests, seq_lens, dp_pad=dp_pad)
-        metadata = self.plan(view, graph=graph) if planner is None else planner(view)
+        with timed(timings, "plan", self.device):
+            metadata = self.plan(view, graph=graph) if planner is None else planner(view)
         g = self.block_size
         rows = [(r, s + i) for r, s in zip(requests, seq_lens, strict=True) for i in range(g)]
         stages = self.block_inputs(requests, seq_lens, seed=seed)
         outputs = []
         for stage, inputs in enumerate(stages):
             padded = inputs.padded(metadata.num_rows)
-            out = forward_layer(
-                self.state, stage, metadata, view.req_pool_indices,
-                ops.LayerInputs(q=padded.q.to(self.device), kv=padded.kv.to(self.device)),
-                ops.LayerParams(sink=inputs.sink.to(self.device)),
-            )  # fmt: skip
+            layer_inputs = ops.LayerInputs(q=padded.q.to(self.device), kv=padded.kv.to(self.device))
+            with timed(timings, "kernels", self.device):
+                out = forward_layer(
+                    self.state, stage, metadata, view.req_pool_indices, layer_inputs,
+                    ops.LayerParams(sink=inputs.sink.to(self.device)),
+                )  # fmt: skip
             outputs.append(out[: len(rows)].cpu())
         expected = [inputs.expected for inputs in stages]
         return BlockResult(metadata=metadata, rows=rows, outputs=outputs, expected=expected)

@@ -138,7 +138,7 @@ class RandomModel:
         ``timings``, when given, gains the seconds spent planning (``"plan"``) and in the
         layers (``"kernels"``, gathering their inputs excluded), timed between device syncs.
         """
-        with _timed(timings, "plan", self.device):
+        with timed(timings, "plan", self.device):
             metadata = planner(self.config, batch)
         requests = [int(i) - 1 for i in batch.req_pool_indices.tolist()]
         rows = [
@@ -155,7 +155,7 @@ class RandomModel:
             if inputs is None:
                 outputs.append(torch.zeros(0, self.config.num_heads, self.config.head_dim))
                 continue
-            with _timed(timings, "kernels", self.device):
+            with timed(timings, "kernels", self.device):
                 out = forward_layer(
                     self.state,
                     layer,
@@ -188,7 +188,7 @@ class RandomModel:
 
 
 @contextlib.contextmanager
-def _timed(timings: dict[str, float] | None, key: str, device: torch.device) -> Iterator[None]:
+def timed(timings: dict[str, float] | None, key: str, device: torch.device) -> Iterator[None]:
     """Add the block's wall time to ``timings[key]`` (no-op, and no sync, when None)."""
     if timings is None:
         yield
