@@ -10,6 +10,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from sglang.srt.environ import envs
+from test_pool_alias import CONFIG as FLASH_WIDTH
+from test_pool_alias import inside, make_pool
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
@@ -120,3 +122,20 @@ def test_factory_builds_the_dspark_draft_backend_and_its_refusals() -> None:
         DSparkDraftBackend(draft_runner(pool, 3), cache_format="dense")
     with pytest.raises(ConfigError, match="speculative_num_draft_tokens=1"):
         DSparkDraftBackend(draft_runner(pool, 0), cache_format="dense")
+
+
+def test_dspark_draft_reads_the_draft_pools_window_buffers() -> None:
+    """On sglang's window-only draft pool (three stages, fp8) the draft's window caches are
+    views of the pool's window buffers, where sglang's DSpark model writes the block keys and
+    the injected context keys (``set_swa_key_buffer_radix_fused_norm_rope``)."""
+    pool = PagedRequestPool(FLASH_WIDTH, [64], generator=torch.Generator().manual_seed(0))
+    runner = harness.mock_runner(
+        pool, harness.tiny_hf_config(FLASH_WIDTH, num_nextn_predict_layers=3), topk=0,
+        num_draft_tokens=4, is_draft_worker=True, speculative_algorithm="DSPARK",
+    )  # fmt: skip
+    runner.token_to_kv_pool = draft_pool = make_pool(ratios=(0, 0, 0))
+    backend = create_dsv4_backend(runner)
+    assert isinstance(backend, DSparkDraftBackend)
+    for stage in range(3):
+        window = backend.state.pools.window(stage).storage
+        assert inside(window, draft_pool.get_swa_raw_buffer(stage))

@@ -24,8 +24,11 @@ CONFIG = DSV4AttentionConfig(compress_ratios=(0, 4, 128, 4), num_heads=8, index_
 REQUEST_SLOTS = 4
 
 
-def make_pool(swa_size: int = 512, full_size: int = 1024) -> DeepSeekV4TokenToKVPool:
-    """A pool as sglang's configurator builds it (page 256, paged window, offline c128)."""
+def make_pool(
+    swa_size: int = 512, full_size: int = 1024, ratios: tuple[int, ...] = CONFIG.compress_ratios
+) -> DeepSeekV4TokenToKVPool:
+    """A pool as sglang's configurator builds it (page 256, paged window, offline c128), of
+    layers of compress ``ratios``."""
     with get_context().override_server_args(device="cpu"):
         return DeepSeekV4TokenToKVPool(
             max_num_reqs=REQUEST_SLOTS - 1,
@@ -43,10 +46,10 @@ def make_pool(swa_size: int = 512, full_size: int = 1024) -> DeepSeekV4TokenToKV
             qk_nope_head_dim=448,
             qk_rope_head_dim=64,
             indexer_head_dim=128,
-            layer_num=len(CONFIG.compress_ratios),
+            layer_num=len(ratios),
             device="cpu",
             enable_memory_saver=False,
-            compression_ratios=list(CONFIG.compress_ratios),
+            compression_ratios=list(ratios),
             full_size=full_size,
         )
 
