@@ -128,5 +128,8 @@ class DSparkDraftBackend(DSV4AttentionBackend):
         if view.kind is not ForwardKind.TARGET_VERIFY:
             return super()._plan_view(view, buffers)
         block = dataclasses.replace(view, kind=ForwardKind.DSPARK_BLOCK)
-        metadata = plan_dspark_block(self.config, block, widths=self.widths)
+        # sglang's per-row mark of the first position whose draft key the request wrote (0
+        # unless PD or a ring restart set it; None on pools without it).
+        valid_from = getattr(self.token_to_kv_pool, "swa_valid_from", None)
+        metadata = plan_dspark_block(self.config, block, widths=self.widths, valid_from=valid_from)
         return metadata if buffers is None else buffers.load(metadata)
