@@ -120,6 +120,9 @@ def test_factory_builds_the_dspark_draft_backend_and_its_refusals() -> None:
     deferred = envs.SGLANG_DSPARK_DEFER_CONTEXT_KV.override(True)
     with deferred, pytest.raises(ConfigError, match="SGLANG_DSPARK_DEFER_CONTEXT_KV"):
         DSparkDraftBackend(draft_runner(pool, 3), cache_format="dense")
+    ragged = envs.SGLANG_RAGGED_VERIFY_MODE.override("compact")
+    with ragged, pytest.raises(ConfigError, match="SGLANG_RAGGED_VERIFY_MODE='compact'"):
+        DSparkDraftBackend(draft_runner(pool, 3), cache_format="dense")
     with pytest.raises(ConfigError, match="speculative_num_draft_tokens=1"):
         DSparkDraftBackend(draft_runner(pool, 0), cache_format="dense")
 

@@ -68,9 +68,10 @@ class DSparkDraftBackend(DSV4AttentionBackend):
     ``L + g``, not the ``L`` of ``seq_lens``) and every block plans with fixed widths.
 
     Raises ``ConfigError`` (besides the base backend's) when the draft's window caches are not
-    the draft pool's buffers in the fp8 format (sglang's model writes its keys there) and with
+    the draft pool's buffers in the fp8 format (sglang's model writes its keys there), with
     ``SGLANG_DSPARK_DEFER_CONTEXT_KV`` (sglang hooks the deferred commit's join into its own
-    backend class only, so the staged key writes would race the block).
+    backend class only, so the staged key writes would race the block) and with a ragged
+    ``SGLANG_RAGGED_VERIFY_MODE`` (verifies of per-request token counts).
     """
 
     needs_cpu_seq_lens = False
@@ -87,6 +88,12 @@ class DSparkDraftBackend(DSV4AttentionBackend):
                 "SGLANG_DSPARK_DEFER_CONTEXT_KV=1; the dsv4 backend does not join sglang's "
                 "deferred DSpark context-KV commit (its hook targets sglang's own backend): "
                 "leave it unset"
+            )
+        ragged = envs.SGLANG_RAGGED_VERIFY_MODE.get()
+        if ragged != "static":
+            raise ConfigError(
+                f"SGLANG_RAGGED_VERIFY_MODE={ragged!r}; the dsv4 backend plans DSpark verifies "
+                "of speculative_num_draft_tokens tokens per request (static): leave it unset"
             )
         super().__init__(model_runner, *args, cache_format=cache_format, **kwargs)
         # A block's rows per request; the views of its TARGET_VERIFY batches take this many.
