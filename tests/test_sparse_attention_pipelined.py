@@ -22,7 +22,10 @@ from dsv4_backend.kernels.sparse_attention import (
     sparse_attention_triton,
     sparse_attention_with_sink,
 )
-from dsv4_backend.kernels.sparse_attention_pipelined import sparse_attention_pipelined
+from dsv4_backend.kernels.sparse_attention_pipelined import (
+    sparse_attention_pipelined,
+    sparse_attention_with_kernel_choice,
+)
 
 pytestmark = pytest.mark.skipif(
     not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
@@ -99,17 +102,19 @@ def test_refuses_dense_caches():
 
 
 def test_selection(monkeypatch):
-    """The public op runs the pipelined kernel when selected (bf16-rounded answer) and today's
-    kernel otherwise or for dense caches; an unknown name is a ConfigError; ``info``'s table
-    says which kernel runs."""
+    """``sparse_attention_with_kernel_choice`` (what compute/layer.py calls) runs the pipelined
+    kernel when selected (a bf16-rounded answer) and today's kernel otherwise or for dense
+    caches; an unknown name is a ConfigError; ``info``'s table says which kernel runs."""
     args, _ = _request_inputs(4, 40, [20, 39], "fp8", seed=62)
     with dispatch.force_path("triton-interpreter"), force_num_splits(2):
-        default = sparse_attention_with_sink(*args)
+        default = sparse_attention_with_kernel_choice(*args)
+        assert torch.equal(default, sparse_attention_with_sink(*args))
         monkeypatch.setenv(dispatch.ATTENTION_KERNEL_ENV, "pipelined")
         assert dispatch.attention_kernel()[0] == "pipelined"
-        chosen = sparse_attention_with_sink(*args)
+        chosen = sparse_attention_with_kernel_choice(*args)
         dense, _ = _request_inputs(4, 40, [39], "dense", seed=62)
-        assert torch.equal(sparse_attention_with_sink(*dense), sparse_attention_triton(*dense))
+        via_choice = sparse_attention_with_kernel_choice(*dense)
+        assert torch.equal(via_choice, sparse_attention_triton(*dense))
     torch.testing.assert_close(chosen, default, atol=ATOL, rtol=RTOL)
     assert chosen.dtype == torch.float32
     assert torch.equal(chosen, chosen.bfloat16().float()) and not torch.equal(chosen, default)

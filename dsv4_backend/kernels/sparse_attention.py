@@ -774,15 +774,6 @@ def sparse_attention_with_sink(
     ``[T, H, D]`` float32 (the caller casts). Rows without a valid key are 0.
     """
     args = (q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink)
-    if dispatch.use_triton(q.device) and dispatch.attention_kernel()[0] == "pipelined":
-        # Imported here: that module builds on this one's checks and helpers.
-        from dsv4_backend.kernels import sparse_attention_pipelined as pipelined
-
-        if pipelined.pipelined_unsupported_reason(window, extra, q.shape[2]) is None:
-            out = pipelined.sparse_attention_pipelined(
-                *args, softmax_scale, rows_per_group=rows_per_group
-            )
-            return out.float()  # this op's contract: float32
     if dispatch.use_triton(q.device):
         return sparse_attention_triton(*args, softmax_scale, rows_per_group=rows_per_group)
     return sparse_attention_torch(*args, softmax_scale)
