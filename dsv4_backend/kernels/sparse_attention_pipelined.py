@@ -29,7 +29,10 @@ against the reference. What it takes from FlashMLA's SM90 sparse FP8 decode:
 * M = 64 lines: the 64 heads of one row, or (fewer heads a rank) the heads of ``G`` rows of one
   request over their union key list (``kernels/key_union.py``), as today's kernel.
 
-What plain Triton 3.8 does not give (read from the sm_90a compile, ``tests/ws_compile.py``):
+* The accumulator's rescale (128 multiplies a thread a block at D = 512) runs only when a
+  line's block max passes the reference max by more than 2^``RESCALE_SLACK``.
+
+What plain Triton 3.8 does not give (read from the compile, ``tests/pipelined_compile.py``):
 ``tl.range(..., warp_specialize=True)`` leaves this loop unpartitioned on Hopper (no producer
 warps: the consumers dequantise), Triton's rule for a dot feeding a dot puts all 8 warps along
 M, so at M = 64 both warpgroups compute the whole ``q k^T``, and the dequantised tile plus the
@@ -42,8 +45,6 @@ Shapes: ``T`` rows, ``H`` heads, ``D`` head dim (128, 256 or 512; 64 rope channe
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -54,6 +55,7 @@ from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.fp8_device import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
 from dsv4_backend.kernels.key_union import key_union
 from dsv4_backend.kernels.sparse_attention import (
+    LOG2E,
     MAX_SPLITS,
     _block_h,
     _check_inputs,
@@ -63,7 +65,6 @@ from dsv4_backend.kernels.sparse_attention import (
     sparse_attention_with_sink,
 )
 
-LOG2E = tl.constexpr(math.log2(math.e))
 #: Rope channels the kernel takes (the last 64 of the head, bf16 in the cache).
 ROPE_DIM = 64
 #: Warps: two warpgroups hold a ``[64, 512]`` fp32 accumulator (128 registers a thread).
@@ -260,9 +261,10 @@ def _pipelined_attention_kernel(
         ml_rows = rows * stride_mt + offs_h * stride_mh
         tl.store(ml_ptr + ml_rows + split * 2, m_i, mask=m_mask)
         tl.store(ml_ptr + ml_rows + split * 2 + 1, l_i, mask=m_mask)
-        # acq_rel: this split's stores are visible to the one that sees the last count, and
-        # that one sees every split's.
+        # The barrier orders every thread's stores before the (one-thread) atomic; acq_rel
+        # makes them visible to the split that sees the last count, which sees every split's.
         count = count_ptr + prog * tl.num_programs(1) + head_block
+        tl.debug_barrier()
         if tl.atomic_add(count, 1, sem="acq_rel") == splits - 1:
             _merge_splits(
                 part_ptr, ml_ptr, out_ptr, part_rows, ml_rows, out_rows, m_mask, sink, splits,
@@ -339,7 +341,7 @@ def _page_geometry(cache: TokenCache) -> tuple[int, int, int]:
 def _block_n(dim: int) -> int:
     """Keys a block. At D = 512 the consumers hold the fp32 accumulator (128 registers a
     thread) and the dequantised block: 16 keys compile without spills (245 registers, sm_90a),
-    32 spill (tests/ws_compile.py); smaller heads take 64-key blocks."""
+    32 spill (tests/pipelined_compile.py); smaller heads take 64-key blocks."""
     return 16 if dim > 256 else 64
 
 
