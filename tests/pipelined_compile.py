@@ -13,7 +13,11 @@ a verify request's 4 rows a program). One JSON object per configuration:
   around the most matrix instructions): its static instruction count (one iteration, one
   warp), its asynchronous global -> shared copies (``LDGSTS``) and its matrix instructions
   (``HGMMA.64xNx16`` on sm_90a, ``UTC*MMA`` on sm_100a) with their counts;
-* ``block_n``, ``num_warps``: keys an iteration and warps, for instructions per key.
+* ``setmaxnreg``: the register counts warp-specialised partitions set (empty: one partition);
+* ``num_warps``: warps (of the default partition), for instructions per key.
+
+:func:`ws_attention_configurations` lists the Gluon ``ws`` kernel's launches (sm_90a only: its
+dots are wgmma).
 """
 
 from __future__ import annotations
@@ -29,13 +33,17 @@ import sm90_compile as sc  # first: sets TRITON_INTERPRET=0 before triton is imp
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv4_backend.kernels import sparse_attention as sa
 from dsv4_backend.kernels import sparse_attention_pipelined as pa
+from dsv4_backend.kernels import sparse_attention_ws as wa
 
 TARGETS = {90: sc.SM90, 100: GPUTarget("cuda", 100, 32)}
 INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 BRANCH = re.compile(r"^\s*(0x[0-9a-f]+)")
+#: Register counts a warp-specialised kernel's partitions set (``setmaxnreg``).
+SETMAXNREG = re.compile(r"USETMAXREG[^;]*?(0x[0-9a-f]+)\s*;")
 MMA = re.compile(r"^(HGMMA\.\d+x\d+x\d+|UTC\w*MMA)")
 
 
@@ -59,14 +67,8 @@ def pipelined_attention_source(
     )  # fmt: skip
     names = pa._pipelined_attention_kernel.arg_names
     signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
-    # Page sizes and scale regions are multiples of 16 bytes, as Triton specialises them.
-    aligned = sc._aligned(signature)
-    for i, name in enumerate(signature):
-        if name.endswith(("_page_bytes", "_scale_region")):
-            aligned[(i,)] = [["tt.divisibility", 16]]
-    return ASTSource(pa._pipelined_attention_kernel, signature, constexprs, aligned), dict(
-        num_warps=pa.NUM_WARPS
-    )
+    src = ASTSource(pa._pipelined_attention_kernel, signature, constexprs, _aligned(signature))
+    return src, dict(num_warps=pa.NUM_WARPS)
 
 
 def pipelined_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
@@ -79,6 +81,42 @@ def pipelined_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
         src = pipelined_attention_source(ratio, splits, heads=16, rows_per_group=4)
         out.append((f"pipelined-r{ratio}-s{splits}-g-h16", *src))
     return out
+
+
+def ws_attention_source(ratio: int, splits: int) -> tuple[ASTSource, dict]:
+    """The Gluon ws kernel as launched for a layer of compress ``ratio`` at 64 heads."""
+    kinds = dict(
+        q_ptr="*bf16", win_ptr="*u8", win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr="*u8",
+        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
+        part_ptr="*fp32", ml_ptr="*fp32", count_ptr="*i32", qk_scale="fp32",
+    )  # fmt: skip
+    constexprs = dict(
+        D=sc.DIM, NOPE_DIM=sc.DIM - sc.ROPE, BLOCK_N=wa.BLOCK_N,
+        BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0, NUM_BUF=wa.NUM_BUF,
+        PRODUCER_WARPS=wa.PRODUCER_WARPS, PRODUCER_REGS=wa.PRODUCER_REGS,
+    )  # fmt: skip
+    names = wa._ws_attention_kernel.arg_names
+    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
+    src = GluonASTSource(wa._ws_attention_kernel, signature, constexprs, _aligned(signature))
+    return src, dict(num_warps=wa.CONSUMER_WARPS)
+
+
+def ws_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
+    """The ws kernel (sm_90a only: wgmma) at 64 heads: window-only, c4 (8 splits), c128."""
+    return [
+        (f"ws-r{ratio}-s{splits}", *ws_attention_source(ratio, splits))
+        for ratio, splits in ((0, 1), (4, 8), (128, 4))
+    ]
+
+
+def _aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:
+    """16-byte divisibility of pointers and strides, and of the page sizes and scale regions
+    (multiples of 16 bytes, as Triton specialises them)."""
+    aligned = sc._aligned(signature)
+    for i, name in enumerate(signature):
+        if name.endswith(("_page_bytes", "_scale_region")):
+            aligned[(i,)] = [["tt.divisibility", 16]]
+    return aligned
 
 
 def _tool(name: str) -> str:
@@ -129,7 +167,7 @@ def sass_report(name: str, src: ASTSource, options: dict, arch: int) -> dict:
         loop_instructions=len(loop),
         loop_ldgsts=sum(op.startswith("LDGSTS") for op in loop),
         loop_mma=dict(sorted(mma.items())),
-        block_n=pa._block_n(sc.DIM),
+        setmaxnreg=sorted({int(v, 16) for v in SETMAXNREG.findall(sass)}),
         num_warps=options["num_warps"],
     )
 
@@ -138,9 +176,9 @@ def main(argv: list[str]) -> None:
     archs = [90, 100]
     if argv[:1] == ["--target"]:
         archs, argv = [int(argv[1])], argv[2:]
-    for name, src, options in pipelined_attention_configurations():
+    for name, src, options in pipelined_attention_configurations() + ws_attention_configurations():
         if not argv or any(o in name for o in argv):
-            for arch in archs:
+            for arch in archs if name.startswith("pipelined") else [a for a in archs if a == 90]:
                 print(json.dumps(sass_report(name, src, options, arch)), flush=True)
 
 

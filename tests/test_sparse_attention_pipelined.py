@@ -16,16 +16,14 @@ from test_sparse_attention import REQUEST_ROWS, _cache, _indices, _keys, _reques
 
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.attention_choice import sparse_attention_with_kernel_choice
 from dsv4_backend.kernels.sparse_attention import (
     force_num_splits,
     sparse_attention_torch,
     sparse_attention_triton,
     sparse_attention_with_sink,
 )
-from dsv4_backend.kernels.sparse_attention_pipelined import (
-    sparse_attention_pipelined,
-    sparse_attention_with_kernel_choice,
-)
+from dsv4_backend.kernels.sparse_attention_pipelined import sparse_attention_pipelined
 
 pytestmark = pytest.mark.skipif(
     not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
@@ -104,7 +102,8 @@ def test_refuses_dense_caches():
 def test_selection(monkeypatch):
     """``sparse_attention_with_kernel_choice`` (what compute/layer.py calls) runs the pipelined
     kernel when selected (a bf16-rounded answer) and today's kernel otherwise or for dense
-    caches; an unknown name is a ConfigError; ``info``'s table says which kernel runs."""
+    caches, and the Gluon ws kernel falls back to the default on the CPU; an unknown name is a
+    ConfigError; ``info``'s table says which kernel runs."""
     args, _ = _request_inputs(4, 40, [20, 39], "fp8", seed=62)
     with dispatch.force_path("triton-interpreter"), force_num_splits(2):
         default = sparse_attention_with_kernel_choice(*args)
@@ -121,6 +120,12 @@ def test_selection(monkeypatch):
     rows = {op: (path, why) for op, path, why in dispatch.describe_paths("cpu")}
     kernel, why = rows["attention_kernel"]
     assert kernel == "pipelined" and "never run on a GPU" in why
+    with dispatch.force_attention_kernel("ws"), dispatch.force_path("triton-interpreter"):
+        # Gluon has no interpreter: the default kernel runs, and info says why.
+        with force_num_splits(2):
+            assert torch.equal(sparse_attention_with_kernel_choice(*args), default)
+        rows = {op: (path, why) for op, path, why in dispatch.describe_paths("cpu")}
+        assert rows["attention_kernel"][0] == "ws" and "CUDA only" in rows["attention_kernel"][1]
     monkeypatch.setenv(dispatch.ATTENTION_KERNEL_ENV, "fastest")
     with pytest.raises(ConfigError, match="DSV4_ATTENTION_KERNEL='fastest'"):
         dispatch.attention_kernel()

@@ -9,9 +9,10 @@
 ``force_path`` pins one path inside a ``with`` block (tests and the A/B tool use it).
 
 Sparse attention on the two Triton paths runs one of :data:`ATTENTION_KERNELS`: ``triton``
-(the default) or ``pipelined`` (``kernels/sparse_attention_pipelined.py``, fp8 caches only;
-never run on a GPU, so never the default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by
-``force_attention_kernel``.
+(the default), ``pipelined`` (``kernels/sparse_attention_pipelined.py``, fp8 caches) or ``ws``
+(``kernels/sparse_attention_ws.py``, Gluon, fp8 caches on a GPU; neither has run on a GPU, so
+neither is the default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by
+``force_attention_kernel`` (``kernels/attention_choice.py`` runs the choice).
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ TRITON_OPS = (
 _forced: list[str] = []
 
 #: Sparse-attention kernels of the Triton paths; the first is the default.
-ATTENTION_KERNELS = ("triton", "pipelined")
+ATTENTION_KERNELS = ("triton", "pipelined", "ws")
 #: Environment variable naming the sparse-attention kernel.
 ATTENTION_KERNEL_ENV = "DSV4_ATTENTION_KERNEL"
 _forced_attention: list[str] = []
@@ -140,6 +141,11 @@ def describe_paths(device: torch.device | str = "cpu") -> list[tuple[str, str, s
 def _attention_kernel_note(kernel: str, why: str) -> str:
     if kernel == "pipelined":
         return f"{why}; fp8 caches (others run triton); has never run on a GPU"
+    if kernel == "ws":
+        return (
+            f"{why}; Gluon, CUDA only, fp8 caches, <= 64 heads of dim 512 (others run "
+            "triton); has never run on a GPU"
+        )
     return why
 
 

@@ -4,9 +4,9 @@ Same op, inputs and result as ``sparse_attention.sparse_attention_with_sink`` (i
 this kernel's twin, ``testing.reference`` its reference), but bf16, for fp8 window and
 compressed caches (``cache/fp8_format.py``: 584 bytes a Flash token), every row kind (decode,
 verify, draft extend, prefill) and layer kind (window-only, c4, c128), on the same cache bytes
-and metadata. ``compute/layer.py`` calls :func:`sparse_attention_with_kernel_choice`, which runs
-it where ``DSV4_ATTENTION_KERNEL=pipelined`` or :func:`dispatch.force_attention_kernel` selects
-it; NOT the GPU default: it has never run on a GPU.
+and metadata. ``kernels/attention_choice.py`` runs it where ``DSV4_ATTENTION_KERNEL=pipelined``
+or ``dispatch.force_attention_kernel`` selects it; NOT the GPU default: it has never run on a
+GPU.
 
 Plain Triton 3.8, so it compiles ahead of time on the CPU and runs in ``TRITON_INTERPRET=1``
 against the reference. What it takes from FlashMLA's SM90 sparse FP8 decode:
@@ -51,7 +51,6 @@ import triton.language as tl
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.fp8_device import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
 from dsv4_backend.kernels.key_union import key_union
 from dsv4_backend.kernels.sparse_attention import (
@@ -62,7 +61,6 @@ from dsv4_backend.kernels.sparse_attention import (
     _extra_span,
     _forced_splits,
     group_rows,
-    sparse_attention_with_sink,
 )
 
 #: Rope channels the kernel takes (the last 64 of the head, bf16 in the cache).
@@ -442,31 +440,3 @@ def sparse_attention_pipelined(
         MERGE_D=MERGE_D, INTERPRETER=not q.is_cuda, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out
-
-
-def sparse_attention_with_kernel_choice(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    *,
-    rows_per_group: int = 1,
-) -> torch.Tensor:
-    """``sparse_attention_with_sink`` (same arguments and ``[T, H, D]`` float32 result) on the
-    kernel :func:`dispatch.attention_kernel` names: this module's where it is selected, the
-    path is a Triton one and it takes the caches (:func:`pipelined_unsupported_reason`);
-    ``sparse_attention_with_sink`` otherwise."""
-    args = (q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink)
-    if (
-        dispatch.use_triton(q.device)
-        and dispatch.attention_kernel()[0] == "pipelined"
-        and pipelined_unsupported_reason(window, extra, q.shape[2]) is None
-    ):
-        out = sparse_attention_pipelined(*args, softmax_scale, rows_per_group=rows_per_group)
-        return out.float()  # that op's contract (the caller casts to q's dtype)
-    return sparse_attention_with_sink(*args, softmax_scale, rows_per_group=rows_per_group)
