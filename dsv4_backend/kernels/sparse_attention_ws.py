@@ -152,7 +152,9 @@ def _consumer(
         alpha_acc = gl.convert_layout(alpha, gl.SliceLayout(1, ACC))
         p_op = gl.convert_layout(p.to(gl.bfloat16), P_OPERAND)
         acc = warpgroup_mma(p_op, k, acc * alpha_acc[:, None])
-        mbarrier.arrive(empty.index(buf))  # the wgmma has read the buffer (synchronous)
+        # Both warpgroups' (synchronous) wgmma have read the buffer; then one arrive frees it.
+        gl.barrier()
+        mbarrier.arrive(empty.index(buf))
         m_i = m_new
     return acc, m_i, l_i
 
@@ -232,7 +234,8 @@ def _ws_attention_kernel(
     for b in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(b), count=1)
         mbarrier.init(empty.index(b), count=1)
-    fence_async_shared()
+    fence_async_shared()  # q and the barriers, before any partition's wgmma or wait
+    gl.barrier()
 
     win_idx_row = win_idx_ptr + row * stride_win_idx_t
     ext_idx_row = ext_idx_ptr + row * stride_ext_idx_t
