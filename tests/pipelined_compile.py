@@ -44,6 +44,12 @@ INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*
 BRANCH = re.compile(r"^\s*(0x[0-9a-f]+)")
 #: Register counts a warp-specialised kernel's partitions set (``setmaxnreg``).
 SETMAXNREG = re.compile(r"USETMAXREG[^;]*?(0x[0-9a-f]+)\s*;")
+#: Argument kinds of both attention kernels (every other argument is i32 or constexpr).
+KINDS = dict(
+    q_ptr="*bf16", win_ptr="*u8", win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr="*u8",
+    ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
+    ml_ptr="*fp32", count_ptr="*i32", qk_scale="fp32",
+)  # fmt: skip
 MMA = re.compile(r"^(HGMMA\.\d+x\d+x\d+|UTC\w*MMA)")
 
 
@@ -54,11 +60,6 @@ def pipelined_attention_source(
     ``heads`` heads a rank, up to ``rows_per_group`` rows a program and ``splits`` splits."""
     group = sa.group_rows(heads, rows_per_group)
     block_h = sa._block_h(heads) if group == 1 else triton.next_power_of_2(heads)
-    kinds = dict(
-        q_ptr="*bf16", win_ptr="*u8", win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr="*u8",
-        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
-        part_ptr="*fp32", ml_ptr="*fp32", count_ptr="*i32", qk_scale="fp32",
-    )  # fmt: skip
     constexprs = dict(
         D=sc.DIM, NOPE_DIM=sc.DIM - sc.ROPE, BLOCK_H=block_h, GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=pa._block_n(sc.DIM),
@@ -66,7 +67,7 @@ def pipelined_attention_source(
         NUM_STAGES=pa.NUM_STAGES, MERGE_D=pa.MERGE_D, INTERPRETER=False,
     )  # fmt: skip
     names = pa._pipelined_attention_kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
+    signature = {n: "constexpr" if n in constexprs else KINDS.get(n, "i32") for n in names}
     src = ASTSource(pa._pipelined_attention_kernel, signature, constexprs, _aligned(signature))
     return src, dict(num_warps=pa.NUM_WARPS)
 
@@ -85,18 +86,13 @@ def pipelined_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
 
 def ws_attention_source(ratio: int, splits: int) -> tuple[ASTSource, dict]:
     """The Gluon ws kernel as launched for a layer of compress ``ratio`` at 64 heads."""
-    kinds = dict(
-        q_ptr="*bf16", win_ptr="*u8", win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr="*u8",
-        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
-        part_ptr="*fp32", ml_ptr="*fp32", count_ptr="*i32", qk_scale="fp32",
-    )  # fmt: skip
     constexprs = dict(
         D=sc.DIM, NOPE_DIM=sc.DIM - sc.ROPE, BLOCK_N=wa.BLOCK_N,
         BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0, NUM_BUF=wa.NUM_BUF,
         PRODUCER_WARPS=wa.PRODUCER_WARPS, PRODUCER_REGS=wa.PRODUCER_REGS,
     )  # fmt: skip
     names = wa._ws_attention_kernel.arg_names
-    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
+    signature = {n: "constexpr" if n in constexprs else KINDS.get(n, "i32") for n in names}
     src = GluonASTSource(wa._ws_attention_kernel, signature, constexprs, _aligned(signature))
     return src, dict(num_warps=wa.CONSUMER_WARPS)
 
