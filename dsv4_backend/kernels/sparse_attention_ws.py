@@ -60,6 +60,22 @@ def _pow2_of_biased(biased):
 
 
 @gluon.jit
+def _load_group(cache, data, scale, valid, chan, g: gl.constexpr):
+    """``(codes [BLOCK_N, 64] uint8, exponents [BLOCK_N] int32)`` of nope group ``g``."""
+    code = gl.load(cache + data[:, None] + (g * 64 + chan)[None, :], mask=valid[:, None], other=0)
+    e = gl.load(cache + scale + g, mask=valid, other=127).to(gl.int32)
+    return code, e
+
+
+@gluon.jit
+def _store_group(k_buf, code_and_e, g: gl.constexpr):
+    """Dequantise nope group ``g`` (e4m3 * 2^(e - 127), exact in bf16) into the key buffer."""
+    code, e = code_and_e
+    val = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _pow2_of_biased(e)[:, None]
+    k_buf.slice(g * 64, 64, dim=1).store(val.to(gl.bfloat16))
+
+
+@gluon.jit
 def _producer(
     win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, first, num_blocks,
     win_page_shift, win_page_bytes, win_scale_region,
@@ -93,18 +109,20 @@ def _producer(
         data = page_base + t * TOKEN_BYTES
         scale = page_base + gl.where(in_win, win_scale_region, ext_scale_region) + t * 8
         k_buf = k_ring.index(buf)
-        for g in gl.static_range(NOPE_DIM // 64):
-            code = gl.load(
-                cache + data[:, None] + (g * 64 + chan)[None, :], mask=valid[:, None], other=0
-            )
-            e = gl.load(cache + scale + g, mask=valid, other=127).to(gl.int32)
-            val = code.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-            val = val * _pow2_of_biased(e)[:, None]
-            k_buf.slice(g * 64, 64, dim=1).store(val.to(gl.bfloat16))
+        # Loads are issued ahead of the stores they feed (the rope part first, then the nope
+        # groups two at a time), so each thread keeps several 16-byte loads in flight.
         data_r = gl.convert_layout(data, gl.SliceLayout(1, ROPE))
         valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE))
         rope_base = (cache + data_r + NOPE_DIM).to(gl.pointer_type(gl.uint16))
         rope = gl.load(rope_base[:, None] + rope_chan[None, :], mask=valid_r[:, None], other=0)
+        for g in gl.static_range(0, NOPE_DIM // 64, 2):
+            code_a = _load_group(cache, data, scale, valid, chan, g)
+            if g + 1 < NOPE_DIM // 64:
+                code_b = _load_group(cache, data, scale, valid, chan, g + 1)
+                _store_group(k_buf, code_a, g)
+                _store_group(k_buf, code_b, g + 1)
+            else:
+                _store_group(k_buf, code_a, g)
         k_buf.slice(NOPE_DIM, 64, dim=1).store(rope.to(gl.bfloat16, bitcast=True))
         gl.barrier()  # every producer thread's stores, then one arrive
         fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
