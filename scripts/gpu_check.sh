@@ -21,10 +21,15 @@ export TRITON_INTERPRET=0
 tests=$?
 "$py" benchmarks/gpu_eagle_loop.py
 loop=$?
+# The opt-in attention kernels (DSV4_ATTENTION_KERNEL=pipelined / ws) against the torch path;
+# reported, not part of the exit status while neither is the default.
+"$py" -m pytest -q tests/test_attention_kernels_cuda.py
+opt_in=$?
 # Figures for the notes (they print; they do not decide the exit status).
 "$py" benchmarks/bench_ops.py
 "$py" benchmarks/bench_attention.py --verify
 "$py" benchmarks/bench_planning.py --device cuda
 echo "gpu_check summary: kernel/serving tests $([ $tests -eq 0 ] && echo PASS || echo FAIL)," \
-     "CUDA-graph loop $([ $loop -eq 0 ] && echo PASS || echo FAIL)"
+     "CUDA-graph loop $([ $loop -eq 0 ] && echo PASS || echo FAIL)," \
+     "opt-in attention kernels $([ $opt_in -eq 0 ] && echo PASS || echo FAIL)"
 [ $tests -eq 0 ] && [ $loop -eq 0 ]

@@ -119,3 +119,7 @@ def test_environment_setting_switches_the_adapter_to_fp8_keys(monkeypatch) -> No
     monkeypatch.setenv(INDEXER_SELECTION_ENV, "int8")
     with pytest.raises(ConfigError, match=f"{INDEXER_SELECTION_ENV}='int8'"):
         _backend(pool)
+    monkeypatch.setenv(INDEXER_SELECTION_ENV, "exact")
+    monkeypatch.setenv("DSV4_ATTENTION_KERNEL", "ws9")  # refused when built, too
+    with pytest.raises(ConfigError, match="DSV4_ATTENTION_KERNEL='ws9'"):
+        _backend(pool)

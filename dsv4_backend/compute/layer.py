@@ -15,11 +15,11 @@ import torch
 from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels.attention_choice import sparse_attention_with_kernel_choice
 from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.compressor import compress_forward
 from dsv4_backend.kernels.indexer import run_indexer
 from dsv4_backend.kernels.indexer_fp8 import quantised_view
-from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 
@@ -124,7 +124,7 @@ def attend(
     """
     ratio = layer_ratio(state.config, layer, "attention")
     comp = _compressed(metadata, ratio, f"attention of layer {layer}") if ratio else None
-    return sparse_attention_with_sink(
+    return sparse_attention_with_kernel_choice(
         q,
         state.pools.window(layer),
         metadata.swa_page_indices,

@@ -7,6 +7,12 @@
   each kernel).
 
 ``force_path`` pins one path inside a ``with`` block (tests and the A/B tool use it).
+
+Sparse attention on the two Triton paths runs one of :data:`ATTENTION_KERNELS`: ``triton``
+(the default), ``pipelined`` (``kernels/sparse_attention_pipelined.py``, fp8 caches) or ``ws``
+(``kernels/sparse_attention_ws.py``, Gluon, fp8 caches on a GPU; neither has run on a GPU, so
+neither is the default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by
+``force_attention_kernel`` (``kernels/attention_choice.py`` runs the choice).
 """
 
 from __future__ import annotations
@@ -35,6 +41,12 @@ TRITON_OPS = (
 )
 
 _forced: list[str] = []
+
+#: Sparse-attention kernels of the Triton paths; the first is the default.
+ATTENTION_KERNELS = ("triton", "pipelined", "ws")
+#: Environment variable naming the sparse-attention kernel.
+ATTENTION_KERNEL_ENV = "DSV4_ATTENTION_KERNEL"
+_forced_attention: list[str] = []
 
 
 def interpreter_enabled() -> bool:
@@ -88,14 +100,53 @@ def force_path(path: str) -> Iterator[None]:
         _forced.pop()
 
 
+def attention_kernel() -> tuple[str, str]:
+    """``(kernel, reason)``: the sparse-attention kernel the Triton paths run. Raises
+    ``ConfigError`` for an unknown ``DSV4_ATTENTION_KERNEL``."""
+    if _forced_attention:
+        return _forced_attention[-1], "pinned by force_attention_kernel"
+    name = os.environ.get(ATTENTION_KERNEL_ENV, "")
+    if not name:
+        return ATTENTION_KERNELS[0], f"the default ({ATTENTION_KERNEL_ENV} is not set)"
+    if name not in ATTENTION_KERNELS:
+        raise ConfigError(f"{ATTENTION_KERNEL_ENV}={name!r}; expected one of {ATTENTION_KERNELS}")
+    return name, f"{ATTENTION_KERNEL_ENV}={name}"
+
+
+@contextlib.contextmanager
+def force_attention_kernel(name: str) -> Iterator[None]:
+    """Run sparse attention with kernel ``name`` inside the block (on the Triton paths)."""
+    if name not in ATTENTION_KERNELS:
+        raise ConfigError(f"unknown attention kernel {name!r}; expected one of {ATTENTION_KERNELS}")
+    _forced_attention.append(name)
+    try:
+        yield
+    finally:
+        _forced_attention.pop()
+
+
 def describe_paths(device: torch.device | str = "cpu") -> list[tuple[str, str, str]]:
     """``(op, path, reason)`` for each op, as ``python -m dsv4_backend info`` prints them."""
     device = torch.device(device)
     path, reason = _default_path(device)
     rows = [(op, path, reason) for op in TRITON_OPS]
+    if path != TORCH:
+        kernel, why = attention_kernel()
+        rows.append(("attention_kernel", kernel, _attention_kernel_note(kernel, why)))
     rows.append(("compress_plan", *_tvm_path(device)))
     rows.append(("indexer_topk", *topk_path(device)))
     return rows
+
+
+def _attention_kernel_note(kernel: str, why: str) -> str:
+    if kernel == "pipelined":
+        return f"{why}; fp8 caches (others run triton); has never run on a GPU"
+    if kernel == "ws":
+        return (
+            f"{why}; Gluon, CUDA only, fp8 caches, <= 64 heads of dim 512 (others run "
+            "triton); has never run on a GPU"
+        )
+    return why
 
 
 def _tvm_path(device: torch.device) -> tuple[str, str]:

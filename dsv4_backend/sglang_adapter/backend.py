@@ -67,6 +67,7 @@ from dsv4_backend.config import (
     DSV4AttentionConfig,
 )
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
+from dsv4_backend.kernels.dispatch import attention_kernel
 from dsv4_backend.kernels.indexer import warm_up_topk
 from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
@@ -176,7 +177,7 @@ class RunnerSettings:
         ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``, ``tp_size``,
         ``attn_dp_size`` (or ``enable_dp_attention`` with ``dp_size``), the
         ``STATE_MOVING_OPTIONS`` and the ``UNSUPPORTED_CACHE_MODES``), and the environment
-        variable ``INDEXER_SELECTION_ENV``.
+        variables ``INDEXER_SELECTION_ENV`` and ``dispatch.ATTENTION_KERNEL_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -219,6 +220,7 @@ class RunnerSettings:
             raise ConfigError(
                 f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
             )
+        attention_kernel()  # ConfigError for an unknown DSV4_ATTENTION_KERNEL
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.

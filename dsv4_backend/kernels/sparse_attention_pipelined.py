@@ -1,0 +1,442 @@
+"""FP8 sparse attention with sink, gathers in flight: the ``pipelined`` attention kernel.
+
+Same op, inputs and result as ``sparse_attention.sparse_attention_with_sink`` (its torch path is
+this kernel's twin, ``testing.reference`` its reference), but bf16, for fp8 window and
+compressed caches (``cache/fp8_format.py``: 584 bytes a Flash token), every row kind (decode,
+verify, draft extend, prefill) and layer kind (window-only, c4, c128), on the same cache bytes
+and metadata. ``kernels/attention_choice.py`` runs it where ``DSV4_ATTENTION_KERNEL=pipelined``
+or ``dispatch.force_attention_kernel`` selects it; NOT the GPU default: it has never run on a
+GPU.
+
+Plain Triton 3.8, so it compiles ahead of time on the CPU and runs in ``TRITON_INTERPRET=1``
+against the reference. What it takes from FlashMLA's SM90 sparse FP8 decode:
+
+* The gather is asynchronous: one key loop whose loads Triton's pipeliner turns into
+  ``cp.async`` copies ``NUM_STAGES - 1`` = 2 blocks ahead, so block ``i + 1`` and ``i + 2`` are in
+  flight while block ``i`` is dequantised and multiplied. Pipelining needs every load outside
+  any branch: one gather whose cache, index row and page geometry are picked by scalars (window
+  blocks, then extra blocks; a block never straddles the spans); page sizes are powers of two
+  (128 / 64 / 2 tokens), so a slot's page is a shift.
+* Each block's bytes load as three 16-byte-vectorised tiles: the token's first ``D`` bytes as
+  e4m3 codes ``[N, D / 64, 64]`` (the last group's bytes are rope bytes, replaced), its ue8m0
+  scales ``[N, D / 64]`` and its bf16 rope part ``[N, 64]`` as 16-bit words. ``k = e4m3 *
+  2^(e - 127)`` per 64-channel group, rope as is, then bf16: exact, so the tensor cores see
+  the torch path's dequantised keys.
+* No empty splits: a row's ``nb`` blocks are dealt to ``min(S, nb)`` splits of whole blocks;
+  programs past them return at once and write nothing. The merge is folded into the last
+  split: each split writes an fp32 partial and bumps a per-(row, head block) counter, the one
+  that bumps it last combines the partials with the sink. bf16 output.
+* M = 64 lines: the 64 heads of one row, or (fewer heads a rank) the heads of ``G`` rows of one
+  request over their union key list (``kernels/key_union.py``), as today's kernel.
+
+* The accumulator's rescale (128 multiplies a thread a block at D = 512) runs only when a
+  line's block max passes the reference max by more than 2^``RESCALE_SLACK``.
+
+What plain Triton 3.8 does not give (read from the compile, ``tests/pipelined_compile.py``):
+``tl.range(..., warp_specialize=True)`` leaves this loop unpartitioned on Hopper (no producer
+warps: the consumers dequantise), Triton's rule for a dot feeding a dot puts all 8 warps along
+M, so at M = 64 both warpgroups compute the whole ``q k^T``, and the dequantised tile plus the
+``[64, 512]`` fp32 accumulator in the same registers spill above 16-key blocks at D = 512
+(``_block_n``). Those need explicit warp specialisation (Gluon or CUDA C).
+
+Shapes: ``T`` rows, ``H`` heads, ``D`` head dim (128, 256 or 512; 64 rope channels last),
+``S`` splits, ``N`` keys a block.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.cache.token_cache import TokenCache
+from dsv4_backend.errors import BatchError
+from dsv4_backend.kernels.fp8_device import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
+from dsv4_backend.kernels.key_union import key_union
+from dsv4_backend.kernels.sparse_attention import (
+    LOG2E,
+    MAX_SPLITS,
+    _block_h,
+    _check_inputs,
+    _extra_span,
+    _forced_splits,
+    group_rows,
+)
+
+#: Rope channels the kernel takes (the last 64 of the head, bf16 in the cache).
+ROPE_DIM = 64
+#: Warps: two warpgroups hold a ``[64, 512]`` fp32 accumulator (128 registers a thread).
+NUM_WARPS = 8
+#: Pipeline depth of the gather: the block being multiplied plus 2 in flight.
+NUM_STAGES = 3
+#: log2 of the largest softmax weight before the reference max moves (see the key loop).
+RESCALE_SLACK = tl.constexpr(8.0)
+#: Channels the merging split combines at a time (keeps its ``[M, MERGE_D]`` tiles small).
+MERGE_D = 64
+
+
+@triton.jit
+def _gather_dequant(
+    cache_ptr,  # uint8 [num_pages, page_bytes] fp8 token cache (flat)
+    slots,  # [BLOCK_N] int32 cache slots, -1 = none
+    page_shift,  # log2(page tokens)
+    page_bytes,  # bytes of a page (multiple of 16)
+    scale_region,  # byte offset of a page's scale region (page tokens * token bytes)
+    D: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    """Dequantised keys at ``slots``: ``[BLOCK_N, D]`` bf16 (fp32 in the interpreter), 0 where
+    the slot is -1."""
+    GROUPS: tl.constexpr = D // 64
+    TOKEN_BYTES: tl.constexpr = NOPE_DIM + 2 * (D - NOPE_DIM)
+    valid = slots >= 0
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    page_base = (s >> page_shift) * page_bytes
+    t = s & ((1 << page_shift) - 1)
+    data = page_base + t * TOKEN_BYTES  # [BLOCK_N] byte offset of the token's data
+    offs_g = tl.arange(0, GROUPS)
+    chan = offs_g[:, None] * 64 + tl.arange(0, 64)[None, :]  # [GROUPS, 64]
+    row_ok = valid[:, None, None]
+    # The first D bytes: e4m3 codes of the nope groups (the last group reads rope bytes,
+    # replaced below); unmasked along channels so each thread loads 16 bytes at once.
+    code = tl.load(cache_ptr + data[:, None, None] + chan[None, :, :], mask=row_ok, other=0)
+    e = tl.load(
+        cache_ptr + (page_base + scale_region + t * 8)[:, None] + offs_g[None, :],
+        mask=valid[:, None],
+        other=127,
+    )  # [BLOCK_N, GROUPS] biased exponents (the last one, rope's, is unused)
+    # Rope as 16-bit words from a 16-bit base pointer: contiguous, so 16-byte loads.
+    rope_base = (cache_ptr + data + NOPE_DIM).to(tl.pointer_type(tl.uint16))
+    rope = tl.load(rope_base[:, None] + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0)
+    if INTERPRETER:  # no fp8 type in the interpreter: decode the bits arithmetically
+        nope = e4m3_to_fp32(code)
+    else:
+        nope = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    nope = nope * pow2_of_biased(e.to(tl.int32))[:, :, None]
+    rope_val = bf16_bits_to_fp32(rope)
+    is_nope = (offs_g < NOPE_DIM // 64)[None, :, None]
+    k = tl.where(is_nope, nope, rope_val[:, None, :])
+    return tl.reshape(k, [slots.shape[0], D]).to(tl.float32 if INTERPRETER else tl.bfloat16)
+
+
+@triton.jit
+def _pipelined_attention_kernel(
+    q_ptr,  # [T, H, D] bf16 / fp32
+    win_ptr,  # uint8 window cache pages
+    win_idx_ptr,  # [T, Ws] int32 (GROUP > 1: [T / G, G Ws] union slots, row bits bits_offset on)
+    win_len_ptr,  # [T] int32 (GROUP > 1: [T / G])
+    ext_ptr,  # uint8 extra cache pages (the window's on a window-only layer)
+    ext_idx_ptr,  # [T, Ke] int32 (as win_idx_ptr)
+    ext_len_ptr,  # [T] int32 (as win_len_ptr)
+    sink_ptr,  # [H] fp32
+    out_ptr,  # [T, H, D] bf16
+    part_ptr,  # [T, H, S, D] fp32 partial numerators (S > 1)
+    ml_ptr,  # [T, H, S, 2] fp32 (log2-domain max, denominator) per split (S > 1)
+    count_ptr,  # [T / G, cdiv(H, BLOCK_H)] int32 finished splits, zeroed by the launcher (S > 1)
+    stride_qt,
+    stride_qh,
+    stride_win_idx_t,
+    stride_ext_idx_t,
+    stride_ot,
+    stride_oh,
+    stride_pt,
+    stride_ph,
+    stride_mt,
+    stride_mh,
+    H,
+    num_rows,
+    win_width,
+    ext_width,
+    bits_offset,
+    win_page_shift,
+    win_page_bytes,
+    win_scale_region,
+    ext_page_shift,
+    ext_page_bytes,
+    ext_scale_region,
+    qk_scale,
+    D: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+    MERGE_D: tl.constexpr,
+    INTERPRETER: tl.constexpr,
+):
+    prog = tl.program_id(0).to(tl.int64)
+    head_block = tl.program_id(1)
+    split = tl.program_id(2)
+    BLOCK_M: tl.constexpr = BLOCK_H * BLOCK_G
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_h = head_block * BLOCK_H + offs_m % BLOCK_H
+    m_row = offs_m // BLOCK_H  # the row of the group each M line belongs to
+    rows = prog * GROUP + m_row
+    m_mask = (offs_h < H) & (m_row < GROUP) & (rows < num_rows)
+
+    # This program row's blocks: cdiv(n_win, 64) window blocks, then the extra blocks.
+    n_win = tl.minimum(tl.maximum(tl.load(win_len_ptr + prog), 0), win_width)
+    win_blocks = tl.cdiv(n_win, BLOCK_N)
+    n_ext = 0
+    if HAS_EXTRA:
+        n_ext = tl.minimum(tl.maximum(tl.load(ext_len_ptr + prog), 0), ext_width)
+    all_blocks = win_blocks + tl.cdiv(n_ext, BLOCK_N)
+    # Whole blocks a split; only the splits that get one run (at least one, which finalises
+    # a row without keys).
+    per_split = tl.maximum(tl.cdiv(all_blocks, tl.num_programs(2)), 1)
+    splits = tl.maximum(tl.cdiv(all_blocks, per_split), 1)
+    if split >= splits:
+        return
+    first = split * per_split
+    num_blocks = tl.minimum(per_split, all_blocks - first)
+
+    offs_d = tl.arange(0, D)
+    q_rows = rows * stride_qt + offs_h * stride_qh
+    q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=m_mask[:, None], other=0.0)
+    q = q.to(tl.float32 if INTERPRETER else tl.bfloat16)
+    win_idx_row = win_idx_ptr + prog * stride_win_idx_t
+    ext_idx_row = ext_idx_ptr + prog * stride_ext_idx_t
+    acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # warp_specialize: Triton 3.8 leaves this loop unpartitioned on sm_90a and sm_100a (no
+    # descriptor loads), but on sm_100a it schedules it in 766 instructions, not 3377.
+    for i in tl.range(0, num_blocks, num_stages=NUM_STAGES, warp_specialize=True):
+        block = first + i
+        in_win = block < win_blocks
+        start = tl.where(in_win, block, block - win_blocks) * BLOCK_N
+        cols = start + tl.arange(0, BLOCK_N)
+        in_span = cols < tl.where(in_win, n_win, n_ext)
+        idx_row = tl.where(in_win, win_idx_row, ext_idx_row)
+        slots = tl.load(idx_row + cols, mask=in_span, other=-1)
+        k = _gather_dequant(
+            tl.where(in_win, win_ptr, ext_ptr), slots,
+            tl.where(in_win, win_page_shift, ext_page_shift),
+            tl.where(in_win, win_page_bytes, ext_page_bytes),
+            tl.where(in_win, win_scale_region, ext_scale_region),
+            D, NOPE_DIM, INTERPRETER,
+        )  # fmt: skip
+        s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
+        seen = (slots >= 0)[None, :]
+        if GROUP > 1:  # a union key counts for the rows whose bit it carries
+            bits = tl.load(idx_row + bits_offset + cols, mask=in_span, other=0)
+            seen = seen & (((bits[None, :] >> m_row[:, None]) & 1) != 0)
+        s = tl.where(seen, s, float("-inf"))
+        # The reference max m_i moves only when a line's block max passes it by more than
+        # RESCALE_SLACK: weights stay below 2^RESCALE_SLACK, and most blocks skip rescaling
+        # the accumulator (128 multiplies a thread at D = 512).
+        m_blk = tl.max(s, axis=1)
+        if tl.max((m_blk > m_i + RESCALE_SLACK).to(tl.int32), axis=0) > 0:
+            m_new = tl.maximum(m_i, m_blk)
+            # A line that has seen no key keeps m_i = -inf (and acc = 0): subtract 0, not -inf.
+            alpha = tl.exp2(m_i - tl.where(m_new == float("-inf"), 0.0, m_new))
+            acc = acc * alpha[:, None]
+            l_i = l_i * alpha
+            m_i = m_new
+        p = tl.exp2(s - tl.where(m_i == float("-inf"), 0.0, m_i)[:, None])
+        l_i += tl.sum(p, axis=1)
+        acc = tl.dot(p.to(k.dtype), k, acc)
+
+    sink = tl.load(sink_ptr + offs_h, mask=m_mask, other=0.0) * LOG2E
+    out_rows = rows * stride_ot + offs_h * stride_oh
+    md_mask = m_mask[:, None]
+    if splits == 1:
+        m_fin = tl.maximum(m_i, sink)
+        m_ref = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+        alpha = tl.exp2(m_i - m_ref)
+        denom = l_i * alpha + tl.exp2(sink - m_ref)
+        # denom is 0 only for a -inf sink and no key: output 0, not NaN.
+        scale = alpha / tl.where(denom > 0, denom, 1.0)
+        out = (acc * scale[:, None]).to(tl.bfloat16)
+        tl.store(out_ptr + out_rows[:, None] + offs_d[None, :], out, mask=md_mask)
+    else:
+        part_rows = rows * stride_pt + offs_h * stride_ph
+        tl.store(part_ptr + part_rows[:, None] + split * D + offs_d[None, :], acc, mask=md_mask)
+        ml_rows = rows * stride_mt + offs_h * stride_mh
+        tl.store(ml_ptr + ml_rows + split * 2, m_i, mask=m_mask)
+        tl.store(ml_ptr + ml_rows + split * 2 + 1, l_i, mask=m_mask)
+        # The barrier orders every thread's stores before the (one-thread) atomic; acq_rel
+        # makes them visible to the split that sees the last count, which sees every split's.
+        count = count_ptr + prog * tl.num_programs(1) + head_block
+        tl.debug_barrier()
+        if tl.atomic_add(count, 1, sem="acq_rel") == splits - 1:
+            _merge_splits(
+                part_ptr, ml_ptr, out_ptr, part_rows, ml_rows, out_rows, m_mask, sink, splits,
+                D, MERGE_D, BLOCK_S,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge_splits(
+    part_ptr,
+    ml_ptr,
+    out_ptr,
+    part_rows,  # [BLOCK_M] element offsets of each M line's partials
+    ml_rows,  # [BLOCK_M] element offsets of each M line's (max, denominator) pairs
+    out_rows,  # [BLOCK_M] element offsets of each M line's output
+    m_mask,  # [BLOCK_M] bool lines to write
+    sink,  # [BLOCK_M] fp32 log2-domain sink logits
+    splits,  # splits that ran
+    D: tl.constexpr,
+    MERGE_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Combine the ``splits`` partials of each M line with its sink into the bf16 output."""
+    offs_s = tl.arange(0, BLOCK_S)
+    s_mask = m_mask[:, None] & (offs_s < splits)[None, :]
+    ml = ml_ptr + ml_rows[:, None] + offs_s[None, :] * 2
+    m_s = tl.load(ml, mask=s_mask, other=float("-inf"), cache_modifier=".cg")  # [M, S]
+    l_s = tl.load(ml + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
+    m_fin = tl.maximum(tl.max(m_s, axis=1), sink)
+    m_ref = tl.where(m_fin == float("-inf"), 0.0, m_fin)
+    w = tl.exp2(m_s - m_ref[:, None])  # [M, S]
+    denom = tl.sum(w * l_s, axis=1) + tl.exp2(sink - m_ref)
+    w = w / tl.where(denom > 0, denom, 1.0)[:, None]
+    offs_c = tl.arange(0, MERGE_D)
+    for c0 in tl.static_range(0, D, MERGE_D):
+        out = tl.zeros([m_mask.shape[0], MERGE_D], dtype=tl.float32)
+        for j in range(0, splits):
+            w_j = tl.sum(tl.where(offs_s[None, :] == j, w, 0.0), axis=1)
+            part = tl.load(
+                part_ptr + part_rows[:, None] + j * D + c0 + offs_c[None, :],
+                mask=m_mask[:, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )
+            out += part * w_j[:, None]
+        ptrs = out_ptr + out_rows[:, None] + c0 + offs_c[None, :]
+        tl.store(ptrs, out.to(tl.bfloat16), mask=m_mask[:, None])
+
+
+# ------------------------------------------------------------------------------ launcher
+def pipelined_unsupported_reason(
+    window: TokenCache, extra: TokenCache | None, dim: int
+) -> str | None:
+    """Why the pipelined kernel cannot take these caches (None when it can): fp8 caches only, a
+    power-of-two head dim of 128 ... 512 whose last 64 channels are rope."""
+    for name, cache in (("window", window), ("extra", extra)):
+        if cache is not None and cache.fmt != "fp8":
+            return f"the {name} cache is {cache.fmt}; the pipelined kernel reads fp8 caches"
+    if dim not in (128, 256, 512) or window.rope_dim != ROPE_DIM:
+        return (
+            f"head_dim {dim} with rope_dim {window.rope_dim}; the pipelined kernel takes head_dim "
+            f"128, 256 or 512 with rope_dim {ROPE_DIM}"
+        )
+    return None
+
+
+def _page_geometry(cache: TokenCache) -> tuple[int, int, int]:
+    """``(page_shift, page_bytes, scale_region)`` of an fp8 token cache."""
+    layout = cache.layout
+    assert layout is not None and layout.page_tokens & (layout.page_tokens - 1) == 0
+    return layout.page_tokens.bit_length() - 1, layout.page_bytes, layout.scale_base
+
+
+def _block_n(dim: int) -> int:
+    """Keys a block. At D = 512 the consumers hold the fp32 accumulator (128 registers a
+    thread) and the dequantised block: 16 keys compile without spills (245 registers, sm_90a),
+    32 spill (tests/pipelined_compile.py); smaller heads take 64-key blocks."""
+    return 16 if dim > 256 else 64
+
+
+def pipelined_num_splits(
+    programs: int, heads: int, width: int, block_n: int, device: torch.device
+) -> int:
+    """Splits a program row: the forced count, else as many as fill the SMs in one wave (at
+    most a block each and ``MAX_SPLITS``) on a GPU, else 1."""
+    if _forced_splits:
+        return _forced_splits[-1]
+    if device.type != "cuda":
+        return 1
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    busy = max(1, programs * triton.cdiv(heads, _block_h(heads)))
+    return max(1, min(sms // busy, triton.cdiv(width, block_n), MAX_SPLITS))
+
+
+def sparse_attention_pipelined(
+    q: torch.Tensor,
+    window: TokenCache,
+    swa_indices: torch.Tensor,
+    swa_lengths: torch.Tensor,
+    extra: TokenCache | None,
+    extra_indices: torch.Tensor | None,
+    extra_lengths: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    *,
+    num_splits: int | None = None,
+    rows_per_group: int = 1,
+) -> torch.Tensor:
+    """The pipelined kernel's path of ``sparse_attention_with_sink``: ``[T, H, D]`` bf16.
+
+    ``num_splits`` and ``rows_per_group`` as for ``sparse_attention_triton``. Raises
+    ``BatchError`` for caches the kernel does not read (:func:`pipelined_unsupported_reason`).
+    """
+    _check_inputs(
+        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
+        softmax_scale,
+    )  # fmt: skip
+    rows, heads, dim = q.shape
+    reason = pipelined_unsupported_reason(window, extra, dim)
+    if reason is not None:
+        raise BatchError(reason)
+    if not isinstance(rows_per_group, int) or rows_per_group < 1:
+        raise BatchError(f"rows_per_group={rows_per_group!r}; expected an int >= 1")
+    if q.stride(2) != 1:  # the kernel steps channels with unit stride
+        q = q.contiguous()
+    extra_span = _extra_span(extra, extra_indices, extra_lengths)
+    has_extra = extra_span is not None
+    ext_cache, ext_indices, ext_lengths = extra_span or (window, swa_indices, swa_lengths)
+    group = group_rows(heads, rows_per_group)
+    bits_offset = 0
+    if group > 1:  # programs read their group's union lists (key_union's table)
+        union = key_union(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
+        table = union.table[0]
+        swa_indices, swa_lengths = table[:, : union.extra_column], union.lengths[0]
+        ext_indices, ext_lengths = swa_indices, swa_lengths
+        if has_extra:
+            ext_indices, ext_lengths = table[:, union.extra_column :], union.lengths[1]
+        bits_offset = union.table.stride(0)  # table[1] (row bits) beside table[0] (slots)
+        block_h = triton.next_power_of_2(heads)
+    else:
+        swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
+        ext_indices, ext_lengths = ext_indices.contiguous(), ext_lengths.contiguous()
+        block_h = _block_h(heads)
+    programs = swa_indices.shape[0]
+    width = swa_indices.shape[1] + (ext_indices.shape[1] if has_extra else 0)
+    block_n = _block_n(dim)
+    if num_splits is None:
+        splits = pipelined_num_splits(programs, heads, width, block_n, q.device)
+    else:
+        splits = num_splits
+    if not 1 <= splits <= MAX_SPLITS:
+        raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
+    out = torch.empty((rows, heads, dim), dtype=torch.bfloat16, device=q.device)
+    if rows == 0:
+        return out
+    head_blocks = triton.cdiv(heads, block_h)
+    block_s = triton.next_power_of_2(splits)
+    if splits > 1:
+        part = torch.empty((rows, heads, splits, dim), dtype=torch.float32, device=q.device)
+        ml = torch.empty((rows, heads, splits, 2), dtype=torch.float32, device=q.device)
+        count = torch.zeros((programs, head_blocks), dtype=torch.int32, device=q.device)
+    else:  # unused: the one split finalises
+        part = ml = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
+        count = torch.empty(1, dtype=torch.int32, device=q.device)
+    _pipelined_attention_kernel[(programs, head_blocks, splits)](
+        q, window.storage, swa_indices, swa_lengths, ext_cache.storage, ext_indices, ext_lengths,
+        sink.contiguous(), out, part, ml, count,
+        q.stride(0), q.stride(1), swa_indices.stride(0), ext_indices.stride(0),
+        out.stride(0), out.stride(1), part.stride(0), part.stride(1), ml.stride(0),
+        ml.stride(1), heads, rows, swa_indices.shape[1], ext_indices.shape[1], bits_offset,
+        *_page_geometry(window), *_page_geometry(ext_cache), softmax_scale * LOG2E.value,
+        D=dim, NOPE_DIM=dim - ROPE_DIM, BLOCK_H=block_h, GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, BLOCK_S=block_s,
+        HAS_EXTRA=has_extra, NUM_STAGES=NUM_STAGES,
+        MERGE_D=MERGE_D, INTERPRETER=not q.is_cuda, num_warps=NUM_WARPS,
+    )  # fmt: skip
+    return out

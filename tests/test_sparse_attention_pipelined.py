@@ -1,0 +1,137 @@
+"""The pipelined FP8 sparse-attention kernel (interpreter) == the torch path on the same bytes.
+
+Every row kind (decode rows at 64 heads, a request's verify / draft-extend rows taken together
+at fewer heads, prefill rows of one request) and layer kind (window-only, c4, c128), one split
+and several (the last split merges), rows without keys; the torch path is checked against the
+reference in ``tests/test_sparse_attention.py``. The kernel writes bf16, which the interpreter
+rounds toward zero: ``rtol`` is one bf16 ulp (2^-7). Selection: ``DSV4_ATTENTION_KERNEL`` and
+``force_attention_kernel``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_sparse_attention import REQUEST_ROWS, _cache, _indices, _keys, _request_inputs
+
+from dsv4_backend.errors import BatchError, ConfigError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.attention_choice import sparse_attention_with_kernel_choice
+from dsv4_backend.kernels.sparse_attention import (
+    force_num_splits,
+    sparse_attention_torch,
+    sparse_attention_triton,
+    sparse_attention_with_sink,
+)
+from dsv4_backend.kernels.sparse_attention_pipelined import sparse_attention_pipelined
+
+pytestmark = pytest.mark.skipif(
+    not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
+)
+
+ATOL = 2e-5
+#: One bf16 ulp: the interpreter truncates the kernel's bf16 output.
+RTOL = 2**-7
+
+
+def _assert_matches_torch(args, runs=((1, 1), (3, 1))) -> None:
+    """The kernel at each ``(num_splits, rows_per_group)`` of ``runs`` == the torch path."""
+    expected = sparse_attention_torch(*args)
+    for s, rows in runs:
+        out = sparse_attention_pipelined(*args, num_splits=s, rows_per_group=rows)
+        assert out.dtype == torch.bfloat16 and out.shape == expected.shape
+        torch.testing.assert_close(
+            out.float(), expected, atol=ATOL, rtol=RTOL, msg=f"splits {s}, rows {rows}"
+        )
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_prefill_rows_of_every_layer_kind(ratio):
+    """Rows of one request at many positions (prefill; lengths across block boundaries, c128
+    entries from the first), one row a program and a request's rows together."""
+    seq_len, rows = REQUEST_ROWS[ratio]
+    args, _ = _request_inputs(ratio, seq_len, rows, "fp8", seed=30 + ratio)
+    _assert_matches_torch(args, runs=((1, 1), (3, 4)))
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_verify_rows_together(ratio):
+    """A request's verify / draft-extend rows (consecutive positions) at 8 heads: four rows a
+    program over their union key list."""
+    args, _ = _request_inputs(ratio, 300, [200, 201, 202, 203], "fp8", seed=40 + ratio)
+    _assert_matches_torch(args, runs=((1, 4), (2, 4)))
+
+
+@pytest.mark.parametrize("ratio", [0, 4, 128])
+def test_decode_rows_at_flash_heads(ratio):
+    """Decode rows with all 64 heads in one program: random slots with holes, lengths 0 to
+    the full width, more splits than a row has blocks (those splits write nothing)."""
+    g = torch.Generator().manual_seed(50 + ratio)
+    win = _cache(_keys(300, 128, g), 128, "fp8")
+    idx, lens = _indices([128, 1, 65, 0], 128, 300, g)
+    extra = (None, None, None)
+    if ratio:
+        page = 64 if ratio == 4 else 2
+        extra = (_cache(_keys(40, 128, g), page, "fp8"), *_indices([16, 0, 9, 0], 16, 40, g))
+    q = torch.randn(4, 64, 128, generator=g)
+    args = (q, win, idx, lens, *extra, torch.randn(64, generator=g), 128**-0.5)
+    _assert_matches_torch(args, runs=((1, 1), (5, 1)))
+    assert (sparse_attention_pipelined(*args, num_splits=5)[3] == 0).all()  # no key: 0
+
+
+def test_flash_head_dim():
+    """D = 512 (448 e4m3 + 64 bf16 channels, 7 scales a token; 16-key blocks)."""
+    g = torch.Generator().manual_seed(60)
+    win, ext = _cache(_keys(100, 512, g), 128, "fp8"), _cache(_keys(30, 512, g), 64, "fp8")
+    idx, lens = _indices([40, 3], 64, 100, g)
+    eidx, elens = _indices([16, 5], 16, 30, g)
+    q = torch.randn(2, 64, 512, generator=g)
+    args = (q, win, idx, lens, ext, eidx, elens, torch.randn(64, generator=g), 512**-0.5)
+    _assert_matches_torch(args, runs=((1, 1), (2, 1)))
+
+
+def test_refuses_dense_caches():
+    g = torch.Generator().manual_seed(61)
+    win = _cache(_keys(20, 128, g), 128, "dense")
+    idx, lens = _indices([5], 8, 20, g)
+    q = torch.randn(1, 8, 128, generator=g)
+    with pytest.raises(BatchError, match="the window cache is dense"):
+        sparse_attention_pipelined(q, win, idx, lens, None, None, None, torch.zeros(8), 0.1)
+
+
+def test_selection(monkeypatch):
+    """``sparse_attention_with_kernel_choice`` (what compute/layer.py calls) runs the pipelined
+    kernel when selected (a bf16-rounded answer) and today's kernel otherwise or for dense
+    caches, and the Gluon ws kernel falls back to the default on the CPU; an unknown name is a
+    ConfigError; ``info``'s table says which kernel runs."""
+    args, _ = _request_inputs(4, 40, [20, 39], "fp8", seed=62)
+    with dispatch.force_path("triton-interpreter"), force_num_splits(2):
+        default = sparse_attention_with_kernel_choice(*args)
+        assert torch.equal(default, sparse_attention_with_sink(*args))
+        monkeypatch.setenv(dispatch.ATTENTION_KERNEL_ENV, "pipelined")
+        assert dispatch.attention_kernel()[0] == "pipelined"
+        chosen = sparse_attention_with_kernel_choice(*args)
+        dense, _ = _request_inputs(4, 40, [39], "dense", seed=62)
+        via_choice = sparse_attention_with_kernel_choice(*dense)
+        assert torch.equal(via_choice, sparse_attention_triton(*dense))
+    torch.testing.assert_close(chosen, default, atol=ATOL, rtol=RTOL)
+    assert chosen.dtype == torch.float32
+    assert torch.equal(chosen, chosen.bfloat16().float()) and not torch.equal(chosen, default)
+    rows = {op: (path, why) for op, path, why in dispatch.describe_paths("cpu")}
+    kernel, why = rows["attention_kernel"]
+    assert kernel == "pipelined" and "never run on a GPU" in why
+    with dispatch.force_attention_kernel("ws"), dispatch.force_path("triton-interpreter"):
+        # Gluon has no interpreter: the default kernel runs, and info says why.
+        with force_num_splits(2):
+            assert torch.equal(sparse_attention_with_kernel_choice(*args), default)
+        rows = {op: (path, why) for op, path, why in dispatch.describe_paths("cpu")}
+        assert rows["attention_kernel"][0] == "ws" and "CUDA only" in rows["attention_kernel"][1]
+    monkeypatch.setenv(dispatch.ATTENTION_KERNEL_ENV, "fastest")
+    with pytest.raises(ConfigError, match="DSV4_ATTENTION_KERNEL='fastest'"):
+        dispatch.attention_kernel()
+    monkeypatch.delenv(dispatch.ATTENTION_KERNEL_ENV)
+    with dispatch.force_attention_kernel("pipelined"):
+        assert dispatch.attention_kernel() == ("pipelined", "pinned by force_attention_kernel")
+    assert dispatch.attention_kernel()[0] == "triton"
+    with pytest.raises(ConfigError, match="unknown attention kernel"):
+        dispatch.force_attention_kernel("ws2").__enter__()
