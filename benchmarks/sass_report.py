@@ -95,15 +95,16 @@ def _triton_attention_claims(c: dict, target: str) -> frozenset[str]:
     """Today's Triton kernel. Dense keys reach the dots through shared memory: cp.async
     stages; the fp8 gather feeds in-register dequantisation, which Triton does not pipeline.
     No spills, except on sm_100a for fp8 keys at 64 M lines writing partials (8-28 B; the
-    same kernel holds in 243-250 registers on sm_90a). QK's N is the key block (8-32) and
-    the issue time exceeds the fp8 HBM share: figures, not claims."""
+    same kernel holds in 243-250 registers on sm_90a). The dense key loop issues within the
+    dense HBM share on sm_90a (1 KiB a key); QK's N is the key block (8-32) and the fp8 loop's
+    issue time exceeds the fp8 HBM share: figures, not claims."""
     fp8 = c["WIN_FP8"] or c["EXT_FP8"]
     wide = c["BLOCK_H"] * c["BLOCK_G"] >= 64
     claims = set()
     if target == "sm_90a" or not fp8 or c["NUM_SPLITS"] == 1 or not wide:
         claims.add("no-spills")
     if not fp8:
-        claims.add("async-gather")
+        claims |= {"async-gather", "issue-bound"} if target == "sm_90a" else {"async-gather"}
     return frozenset(claims)
 
 
