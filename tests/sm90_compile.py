@@ -23,6 +23,9 @@ kernels (``fused_configurations``). It prints one JSON object per configuration:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import io
 import json
 import os
 import re
@@ -112,27 +115,55 @@ def merge_source(splits: int) -> tuple[ASTSource, dict]:
     return src, dict(num_warps=sa.MERGE_WARPS)
 
 
-def ptxas_report(ptx: str, target: str = "sm_90a") -> dict[str, int]:
-    """Registers, spills and stack of the kernel from ``ptxas -v`` for ``target`` (with the
-    register-allocation flag Triton 3.8 passes)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        log = subprocess.run(
-            [get_ptxas(TARGETS[target].arch).path, "-v", "--regAllocOptLevel=2",
-             f"--gpu-name={target}", path, "-o", path + ".o"],
-            check=True, capture_output=True, text=True,
-        ).stderr  # fmt: skip
+def _ptxas_figures(log: str) -> dict[str, int] | None:
+    """Registers, spills and stack from a ``ptxas -v`` log (None without them)."""
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
+    if not (regs and spill and stack):
+        return None
     return dict(
         registers=int(regs.group(1)),
         spill_stores=int(spill.group(1)),
         spill_loads=int(spill.group(2)),
         stack=int(stack.group(1)),
     )
+
+
+def _figures_path(ptx: str, target: str) -> str:
+    """Where the ptxas figures of ``ptx`` are kept, beside Triton's own cache: a later run
+    that finds the kernel in Triton's cache need not run ptxas again."""
+    key = hashlib.sha256(f"{target}\n{ptx}".encode()).hexdigest()
+    return os.path.join(knobs.cache.dir, "dsv4-ptxas", f"{key}.json")
+
+
+def _keep_figures(ptx: str, target: str, figures: dict[str, int]) -> None:
+    path = _figures_path(ptx, target)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(figures, f)
+
+
+def ptxas_report(ptx: str, target: str = "sm_90a") -> dict[str, int]:
+    """Registers, spills and stack of the kernel from ``ptxas -v`` for ``target`` (with the
+    register-allocation flag Triton 3.8 passes), kept by :func:`_figures_path`."""
+    path = _figures_path(ptx, target)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [get_ptxas(TARGETS[target].arch).path, "-v", "--regAllocOptLevel=2",
+             f"--gpu-name={target}", src, "-o", src + ".o"],
+            check=True, capture_output=True, text=True,
+        ).stderr  # fmt: skip
+    figures = _ptxas_figures(log)
+    assert figures is not None, log
+    _keep_figures(ptx, target, figures)
+    return figures
 
 
 #: tcgen05 instruction-descriptor operand types (kind::f16): bits 7-9 (A), 10-12 (B).
@@ -162,8 +193,17 @@ def mma_shapes(ptx: str) -> list[str]:
 
 
 def compile_kernel(src: ASTSource, options: dict, target: str = "sm_90a"):
-    """``triton.compile`` of ``src`` for ``target`` (a key of :data:`TARGETS`)."""
-    return triton.compile(src, target=TARGETS[target], options=options)
+    """``triton.compile`` of ``src`` for ``target`` (a key of :data:`TARGETS`). When Triton
+    compiles (no cache hit) its own ``ptxas -v`` log is kept for :func:`ptxas_report`, so
+    the kernel goes through ptxas once."""
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas log after compiling
+        kernel = triton.compile(src, target=TARGETS[target], options=options)
+    figures = _ptxas_figures(log.getvalue())
+    if figures is not None:
+        _keep_figures(kernel.asm["ptx"], target, figures)
+    return kernel
 
 
 def sass_listing(cubin: bytes) -> str:
