@@ -133,7 +133,8 @@ def _ptxas_figures(log: str) -> dict[str, int] | None:
 def _figures_path(ptx: str, target: str) -> str:
     """Where the ptxas figures of ``ptx`` are kept, beside Triton's own cache: a later run
     that finds the kernel in Triton's cache need not run ptxas again."""
-    key = hashlib.sha256(f"{target}\n{ptx}".encode()).hexdigest()
+    ptxas = get_ptxas(TARGETS[target].arch).path  # bundled: its version goes with Triton's
+    key = hashlib.sha256(f"{triton.__version__}\n{ptxas}\n{target}\n{ptx}".encode()).hexdigest()
     return os.path.join(knobs.cache.dir, "dsv4-ptxas", f"{key}.json")
 
 
