@@ -13,7 +13,7 @@ the context). Formats: ``dense`` (bf16 caches) and ``fp8`` (sglang's 584-byte to
 Per case, analytically:
 
 * bytes = every row's valid keys once (fp8: 584 B per key; dense: 2 D bytes) + its index
-  columns (4 B per key) + q (bf16) + the fp32 output;
+  columns (4 B per key) + q and the output (bf16, the kernel's output for bf16 queries);
 * FLOPs = 4 * rows * H * keys * D (q k^T and p v, one multiply-add = 2 FLOPs);
 * roofline time = max(bytes / HBM bandwidth, FLOPs / dense bf16 tensor peak), peaks from
   ``PEAKS`` by device name (datasheet figures, dense, no sparsity); on the CPU the H200's.
@@ -110,7 +110,7 @@ def cost(batch: int, layer: str, fmt: str, shapes: dict) -> tuple[float, float]:
     """Analytic ``(bytes, FLOPs)`` of one call (module docstring)."""
     heads, dim = shapes["heads"], shapes["dim"]
     keys = WINDOW + extra_keys(layer, shapes)
-    moved = batch * (keys * key_bytes(fmt, dim) + heads * dim * (2 + 4))
+    moved = batch * (keys * key_bytes(fmt, dim) + heads * dim * (2 + 2))
     return moved, 4.0 * batch * heads * keys * dim
 
 
@@ -144,7 +144,7 @@ def verify_cost(
     shapes = dict(shapes, heads=heads)
     rows = requests * draft
     per_row, flops = cost(rows, layer, fmt, shapes)
-    q_out = rows * heads * shapes["dim"] * (2 + 4)
+    q_out = rows * heads * shapes["dim"] * (2 + 2)
     lists = verify_lists(requests, draft, layer, shapes, g)[:4]
     group = group_rows(heads, draft)
     union = key_union_torch(*lists, group)
