@@ -13,7 +13,7 @@ the context). Formats: ``dense`` (bf16 caches) and ``fp8`` (sglang's 584-byte to
 Per case, analytically:
 
 * bytes = every row's valid keys once (fp8: 584 B per key; dense: 2 D bytes) + its index
-  columns (4 B per key) + q (bf16) + the fp32 output;
+  columns (4 B per key) + q and the output (bf16, the kernel's output for bf16 queries);
 * FLOPs = 4 * rows * H * keys * D (q k^T and p v, one multiply-add = 2 FLOPs);
 * roofline time = max(bytes / HBM bandwidth, FLOPs / dense bf16 tensor peak), peaks from
   ``PEAKS`` by device name (datasheet figures, dense, no sparsity); on the CPU the H200's.
@@ -32,14 +32,22 @@ the ridge (bf16 peak / HBM bandwidth) a row is. ``--verify`` also times both sch
 (GPU: 16 heads at Flash shapes; CPU: the tiny config's 8 heads through the interpreter), with
 the roofline fraction on the ideal bytes.
 
+``--against flashmla``: FlashMLA's sparse fp8 decode (``flash_mla``, the sgl-flash-mla wheel
+sglang pins; ``use_legacy=True``, its SM90 kernel, as sglang calls it for the DeepSeek-V4
+layout) on the same cache bytes, indices and sink, per fp8 case on a GPU: both times, the
+ratio (ours / FlashMLA) and the largest output difference between the two. Without
+``flash_mla`` (or without a GPU) it says so and skips the comparison.
+
     python benchmarks/bench_attention.py [--batch 1 8 32 64 128] [--fmt dense fp8]
         [--layer window ratio4 ratio128] [--splits N] [--reps 3] [--threads 1] [--verify]
+        [--against flashmla]
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import importlib
 import os
 import statistics
 import time
@@ -102,7 +110,7 @@ def cost(batch: int, layer: str, fmt: str, shapes: dict) -> tuple[float, float]:
     """Analytic ``(bytes, FLOPs)`` of one call (module docstring)."""
     heads, dim = shapes["heads"], shapes["dim"]
     keys = WINDOW + extra_keys(layer, shapes)
-    moved = batch * (keys * key_bytes(fmt, dim) + heads * dim * (2 + 4))
+    moved = batch * (keys * key_bytes(fmt, dim) + heads * dim * (2 + 2))
     return moved, 4.0 * batch * heads * keys * dim
 
 
@@ -136,7 +144,7 @@ def verify_cost(
     shapes = dict(shapes, heads=heads)
     rows = requests * draft
     per_row, flops = cost(rows, layer, fmt, shapes)
-    q_out = rows * heads * shapes["dim"] * (2 + 4)
+    q_out = rows * heads * shapes["dim"] * (2 + 2)
     lists = verify_lists(requests, draft, layer, shapes, g)[:4]
     group = group_rows(heads, draft)
     union = key_union_torch(*lists, group)
@@ -251,6 +259,72 @@ def measure(
     return sec, frac, diff
 
 
+def flashmla_call(args: tuple) -> Callable[[], torch.Tensor]:
+    """FlashMLA's sparse decode over the op's ``args`` (fp8 caches, 64 heads): a closure
+    returning ``[T, H, D]`` bf16. The caches are viewed ``[pages, page_tokens, 1, 584]`` over
+    the same pages (FlashMLA reads sglang's V4 layout from that last dim, as sglang passes
+    them) and the indices ``[T, 1, width]``; the schedule is filled by the first call."""
+    import flash_mla
+
+    q, win, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = args
+
+    def paged(cache: TokenCache) -> torch.Tensor:
+        token_bytes = cache.layout.token_bytes + cache.layout.scale_bytes
+        pages = cache.storage[:, : cache.page_tokens * token_bytes]
+        return pages.view(cache.storage.shape[0], cache.page_tokens, 1, token_bytes)
+
+    sched = flash_mla.get_mla_metadata()[0]
+    extra = {}
+    if ext is not None:
+        extra = dict(extra_k_cache=paged(ext), extra_indices_in_kvcache=ext_idx[:, None],
+                     extra_topk_length=ext_len)  # fmt: skip
+
+    def call() -> torch.Tensor:
+        out = flash_mla.flash_mla_with_kvcache(
+            q=q[:, None], k_cache=paged(win), block_table=None, cache_seqlens=None,
+            head_dim_v=q.shape[-1], tile_scheduler_metadata=sched, softmax_scale=scale,
+            is_fp8_kvcache=True, indices=swa_idx[:, None], topk_length=swa_len,
+            attn_sink=sink, use_legacy=True, **extra,
+        )[0]  # fmt: skip
+        return out[:, 0]
+
+    return call
+
+
+def flashmla_missing() -> str | None:
+    """Why FlashMLA cannot run here, or None when it can."""
+    if not ON_GPU:
+        return "no GPU"
+    try:
+        importlib.import_module("flash_mla")
+    except ImportError as e:  # the wheel, or its CUDA extension against this torch
+        return f"flash_mla does not import ({e})"
+    return None
+
+
+def compare_flashmla(opts, shapes: dict, device: str, g: torch.Generator) -> None:
+    """The ``--against flashmla`` table (module docstring)."""
+    missing = flashmla_missing()
+    if missing:
+        print(f"against flashmla: skipped, {missing}")
+        return
+    print("against flashmla (sparse fp8 decode, use_legacy=True): ratio = ours / flashmla")
+    print(f"{'layer':>8} {'batch':>5} {'ours us':>9} {'flashmla us':>11} {'ratio':>6} "
+          f"{'max|ours-fm|':>12} {'max|fm-ref|':>11}")  # fmt: skip
+    for layer in opts.layer:
+        for batch in opts.batch or [8, 64, 128]:
+            args = make_inputs(batch, layer, "fp8", shapes, device, g)
+            ours = functools.partial(sparse_attention_triton, *args, num_splits=opts.splits)
+            theirs = flashmla_call(args)
+            reference = sparse_attention_torch(*args)
+            fm = theirs().float()
+            diff = (ours().float() - fm).abs().max().item()
+            ref_diff = (fm - reference).abs().max().item()
+            t_ours, t_fm = time_call(ours, opts.reps), time_call(theirs, opts.reps)
+            print(f"{layer:>8} {batch:>5} {t_ours * 1e6:9.1f} {t_fm * 1e6:11.1f} "
+                  f"{t_ours / t_fm:6.2f} {diff:12.2e} {ref_diff:11.2e}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+")
@@ -260,6 +334,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="CPU timing calls")
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--verify", action="store_true", help="also time verify rows at TP")
+    parser.add_argument("--against", choices=["flashmla"], help="also time FlashMLA's kernel")
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -311,6 +386,8 @@ def main() -> None:
                           f"{diff:.2e}")  # fmt: skip
     if opts.verify:
         time_verify(opts, shapes, device, matched, g)
+    if opts.against == "flashmla":
+        compare_flashmla(opts, shapes, device, g)
 
 
 def time_verify(opts, shapes: dict, device: str, matched, g: torch.Generator) -> None:

@@ -1,23 +1,31 @@
-"""Compile the Triton kernels ahead of time for sm_90a on the CPU and report them.
+"""Compile the Triton kernels ahead of time for sm_90a (Hopper) or sm_100a (Blackwell) on the
+CPU and report them.
 
-Run as a script (``python tests/sm90_compile.py``; ``tests/test_sparse_attention_sm90.py`` runs
-it in a subprocess because the test session's ``TRITON_INTERPRET=1`` turns every
-``@triton.jit`` function into an interpreted one). Each configuration is a launch the backend
+Run as a script (``python tests/sm90_compile.py [--target sm_100a] [NAME ...]``; the tests run
+it, and ``benchmarks/sass_report.py`` on top of it, in a subprocess because the test
+session's ``TRITON_INTERPRET=1`` turns every ``@triton.jit`` function into an interpreted
+one). Each configuration is a launch the backend
 makes at DeepSeek-V4-Flash shapes (H = 64, and 16 / 32 heads a rank under attention TP;
 D = 512 = 448 nope + 64 rope), with the block sizes
 and warps the launcher picks: sparse attention, then the indexer, compressor and planner
 kernels (``fused_configurations``). It prints one JSON object per configuration:
 
 * ``mma``: the PTX matrix instructions, e.g. ``wgmma.mma_async.sp...bf16.bf16`` opcodes with
-  their operand types (``tf32`` shows up here if a dot fell back to fp32 operands);
+  their operand types (``tf32`` shows up here if a dot fell back to fp32 operands); Blackwell's
+  ``tcgen05.mma`` carries its shape and types in an instruction descriptor, decoded into
+  ``mma_shapes`` (``m64n16k16.bf16``, for wgmma from the opcode);
 * ``registers``, ``spill_stores``, ``spill_loads``, ``stack``: from ``ptxas -v`` (Triton's
-  bundled ptxas, the same call Triton makes);
+  bundled ptxas for the target, the same call Triton makes);
 * ``cp_async``: asynchronous global -> shared copies in the PTX (a software-pipelined gather);
 * ``shared``: the shared memory Triton allocates (bytes).
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import hashlib
+import io
 import json
 import os
 import re
@@ -28,6 +36,7 @@ import tempfile
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
@@ -35,7 +44,8 @@ from triton.compiler import ASTSource
 from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
 
-SM90 = GPUTarget("cuda", 90, 32)
+#: Hopper (H100 / H200) and Blackwell datacenter parts (B200 / B300 / GB200 / GB300).
+TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_100a": GPUTarget("cuda", 100, 32)}
 HEADS, DIM, ROPE = 64, 512, 64
 #: fp8 page sizes of the window, c4 and c128 caches.
 PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
@@ -65,7 +75,7 @@ def attention_source(
     names = sa._sparse_attention_kernel.arg_names
     kinds = dict(
         q_ptr="*bf16", win_ptr=cache, win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr=cache,
-        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*fp32",
+        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
         m_ptr="*fp32", l_ptr="*fp32", qk_scale="fp32",
     )  # fmt: skip
     constexprs = dict(
@@ -93,29 +103,25 @@ def union_source(group: int) -> tuple[ASTSource, dict]:
 
 
 def merge_source(splits: int) -> tuple[ASTSource, dict]:
+    """The merge of ``splits`` partials into the output (both bf16, as on a GPU)."""
     names = sa._merge_splits_kernel.arg_names
     constexprs = dict(D=DIM, BLOCK_D=DIM, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
     signature = {
         n: "constexpr" if n in constexprs else ("*fp32" if n.endswith("_ptr") else "i32")
         for n in names
     }
+    signature.update(part_ptr="*bf16", out_ptr="*bf16")
     src = ASTSource(sa._merge_splits_kernel, signature, constexprs, _aligned(signature))
     return src, dict(num_warps=sa.MERGE_WARPS)
 
 
-def ptxas_report(ptx: str) -> dict[str, int]:
-    """Registers, spills and stack of the kernel from ``ptxas -v`` for sm_90a."""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "k.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        log = subprocess.run(
-            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
-            check=True, capture_output=True, text=True,
-        ).stderr  # fmt: skip
+def _ptxas_figures(log: str) -> dict[str, int] | None:
+    """Registers, spills and stack from a ``ptxas -v`` log (None without them)."""
     regs = re.search(r"Used (\d+) registers", log)
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
     stack = re.search(r"(\d+) bytes stack frame", log)
+    if not (regs and spill and stack):
+        return None
     return dict(
         registers=int(regs.group(1)),
         spill_stores=int(spill.group(1)),
@@ -124,17 +130,111 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     )
 
 
-def compile_report(name: str, src: ASTSource, options: dict) -> dict:
-    kernel = triton.compile(src, target=SM90, options=options)
+def _figures_path(ptx: str, target: str) -> str:
+    """Where the ptxas figures of ``ptx`` are kept, beside Triton's own cache: a later run
+    that finds the kernel in Triton's cache need not run ptxas again."""
+    ptxas = get_ptxas(TARGETS[target].arch).path  # bundled: its version goes with Triton's
+    key = hashlib.sha256(f"{triton.__version__}\n{ptxas}\n{target}\n{ptx}".encode()).hexdigest()
+    return os.path.join(knobs.cache.dir, "dsv4-ptxas", f"{key}.json")
+
+
+def _keep_figures(ptx: str, target: str, figures: dict[str, int]) -> None:
+    path = _figures_path(ptx, target)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(figures, f)
+
+
+def ptxas_report(ptx: str, target: str = "sm_90a") -> dict[str, int]:
+    """Registers, spills and stack of the kernel from ``ptxas -v`` for ``target`` (with the
+    register-allocation flag Triton 3.8 passes), kept by :func:`_figures_path`."""
+    path = _figures_path(ptx, target)
+    if os.path.exists(path):
+        with open(path) as f:
+            return json.load(f)
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "k.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        log = subprocess.run(
+            [get_ptxas(TARGETS[target].arch).path, "-v", "--regAllocOptLevel=2",
+             f"--gpu-name={target}", src, "-o", src + ".o"],
+            check=True, capture_output=True, text=True,
+        ).stderr  # fmt: skip
+    figures = _ptxas_figures(log)
+    assert figures is not None, log
+    _keep_figures(ptx, target, figures)
+    return figures
+
+
+#: tcgen05 instruction-descriptor operand types (kind::f16): bits 7-9 (A), 10-12 (B).
+_TCGEN05_TYPES = {0: "f16", 1: "bf16", 2: "tf32"}
+
+
+def mma_shapes(ptx: str) -> list[str]:
+    """The MMA instruction shapes of ``ptx`` with their A operand type, e.g.
+    ``m64n256k16.bf16``: wgmma / mma.sync from the opcode; tcgen05.mma (kind::f16, K = 16)
+    from its 32-bit instruction descriptor, N / 8 in bits 17-22 and M / 16 in bits 24-28,
+    where the descriptor is a constant (``mov.b32 %r, imm``)."""
+    shapes = {
+        f"{m.group(1)}.{m.group(2)}"
+        for m in re.finditer(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*?\.(m\d+n\d+k\d+)"
+                             r"[\w.]*?\.f32\.(\w+)\.", ptx)
+    }  # fmt: skip
+    consts = dict(re.findall(r"mov\.b32\s+(%r\d+),\s*(\d+);", ptx))
+    for m in re.finditer(r"tcgen05\.mma\.cta_group::\d\.kind::f16\s[^;]*?,\s*(%r\d+),\s*%p", ptx):
+        desc = consts.get(m.group(1))
+        if desc is None:
+            shapes.add("tcgen05.unknown")
+            continue
+        d = int(desc)
+        n, mm = ((d >> 17) & 0x3F) * 8, ((d >> 24) & 0x1F) * 16
+        shapes.add(f"m{mm}n{n}k16.{_TCGEN05_TYPES.get((d >> 7) & 7, 'other')}")
+    return sorted(shapes, key=lambda s: [int(x) for x in re.findall(r"\d+", s.split(".")[0])])
+
+
+def compile_kernel(src: ASTSource, options: dict, target: str = "sm_90a"):
+    """``triton.compile`` of ``src`` for ``target`` (a key of :data:`TARGETS`). When Triton
+    compiles (no cache hit) its own ``ptxas -v`` log is kept for :func:`ptxas_report`, so
+    the kernel goes through ptxas once."""
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+        knobs.nvidia.dump_ptxas_log = True  # Triton prints its ptxas log after compiling
+        kernel = triton.compile(src, target=TARGETS[target], options=options)
+    figures = _ptxas_figures(log.getvalue())
+    if figures is not None:
+        _keep_figures(kernel.asm["ptx"], target, figures)
+    return kernel
+
+
+def sass_listing(cubin: bytes) -> str:
+    """``cuobjdump -sass`` of a cubin (Triton's bundled cuobjdump)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", path], check=True, capture_output=True,
+            text=True,
+        ).stdout  # fmt: skip
+
+
+def compile_report(
+    name: str, src: ASTSource, options: dict, target: str = "sm_90a", kernel=None
+) -> dict:
+    """The module docstring's figures of one configuration (``kernel``: already compiled)."""
+    kernel = kernel or compile_kernel(src, options, target)
     ptx = kernel.asm["ptx"]
-    mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync)[\w.]*)", ptx)))
+    mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)[\w.:]*)", ptx)))
     return dict(
         name=name,
+        target=target,
         mma=mma,
-        cp_async=len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
+        mma_shapes=mma_shapes(ptx),
+        cp_async=len(re.findall(r"\bcp\.async\.(?:c[ag]\.shared|bulk)", ptx)),
         shared=kernel.metadata.shared,
         num_warps=options["num_warps"],
-        **ptxas_report(ptx),
+        **ptxas_report(ptx, target),
     )
 
 
@@ -237,10 +337,18 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
     return out
 
 
-def main(only: list[str]) -> None:
-    for name, src, options in configurations():
-        if not only or any(o in name for o in only):
-            print(json.dumps(compile_report(name, src, options)), flush=True)
+def selected(only: list[str]) -> list[tuple[str, ASTSource, dict]]:
+    """The configurations whose names contain one of ``only`` (all when empty)."""
+    return [c for c in configurations() if not only or any(o in c[0] for o in only)]
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=sorted(TARGETS), default="sm_90a")
+    parser.add_argument("only", nargs="*", help="configuration name substrings (default: all)")
+    opts = parser.parse_args(argv)
+    for name, src, options in selected(opts.only):
+        print(json.dumps(compile_report(name, src, options, opts.target)), flush=True)
 
 
 if __name__ == "__main__":

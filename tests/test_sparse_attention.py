@@ -253,6 +253,25 @@ def test_fp8_cache(dim):
     assert (outs["torch"] - exact).abs().max() > 1e-4  # the fp8 path really quantised
 
 
+def test_bf16_output_and_splits_without_keys():
+    """``out_dtype=bfloat16`` (the GPU's choice for bf16 queries): the output, and with key
+    splits the partials, in bf16 -- the fp32 result within bf16 roundoffs. Rows of 0, 1, 2 and
+    5 key blocks under up to 7 splits: splits share the blocks evenly, the empty ones hold no
+    numerator the merge reads, and a row without keys stays 0."""
+    g = torch.Generator().manual_seed(8)
+    win = _cache(_keys(300, 128, g), 128, "fp8")
+    idx, lens = _indices([0, 5, 33, 150], 160, 300, g)
+    q = torch.randn(4, 8, 128, generator=g)
+    sink = torch.randn(8, generator=g)
+    args = (q, win, idx, lens, None, None, None, sink, TINY.softmax_scale)
+    expected = sparse_attention_torch(*args)
+    for splits in (1, 4, 7):
+        out = sparse_attention_triton(*args, num_splits=splits, out_dtype=torch.bfloat16)
+        assert out.dtype == torch.bfloat16, splits
+        torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-7, msg=str(splits))
+        assert (out[0] == 0).all(), splits
+
+
 @pytest.mark.parametrize("heads", [16, 32])
 @pytest.mark.parametrize("fmt", ["dense", "fp8"])
 def test_verify_rows_at_attention_tp_heads(heads, fmt):

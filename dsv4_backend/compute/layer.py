@@ -117,7 +117,8 @@ def attend(
     q: torch.Tensor,
     sink: torch.Tensor,
 ) -> torch.Tensor:
-    """Sparse attention with sink of ``layer``: ``q`` ``[T, H, D]`` -> ``[T, H, D]`` float32.
+    """Sparse attention with sink of ``layer``: ``q`` ``[T, H, D]`` -> ``[T, H, D]`` (float32;
+    bf16 for bf16 ``q`` on a GPU: ``sparse_attention.output_dtype``).
 
     Keys: the window plus, on compressed layers, the c4 top-k (selected earlier in this
     forward) or every visible c128 entry.
@@ -170,7 +171,8 @@ def forward_layer(
     inputs : this forward's ``T`` rows (``LayerInputs`` fields with ``T`` in place of ``S``).
     params : the layer's parameters.
 
-    Returns ``[T, H, D]`` float32 attention output (before the inverse RoPE and ``wo``).
+    Returns ``[T, H, D]`` attention output (before the inverse RoPE and ``wo``), in
+    ``sparse_attention.output_dtype``.
     """
     ratio = layer_ratio(state.config, layer, "forward_layer")
     where = f"layer {layer}"

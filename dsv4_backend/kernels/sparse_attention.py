@@ -21,20 +21,26 @@ Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T / G, cdiv(H, BL
   BLOCK_N]``) and ``acc += p v`` (``[M, BLOCK_N] x [BLOCK_N, D]``), one loop over the split's
   key blocks, window blocks then extra blocks, with an fp32 online softmax in the log2
   domain.
-* Operands. On a GPU q, keys and p are bf16 and the dots accumulate in fp32 (Hopper wgmma);
-  the constexpr ``INTERPRETER`` keeps fp32 operands in the Triton interpreter (its bf16 dot is
-  wrong) and decodes e4m3 arithmetically there (it has no fp8 type). FP8 keys are dequantised
-  in the kernel: e4m3 -> fp32 (``cvt``), times the group's ue8m0 scale, rope bf16 as is, then
-  bf16 -- exact, so the tensor cores see the same keys the torch path dequantises.
+* Operands. On a GPU q, keys and p are bf16 and the dots accumulate in fp32 (Hopper wgmma,
+  Blackwell tcgen05); the constexpr ``INTERPRETER`` keeps fp32 operands in the Triton
+  interpreter (its bf16 dot is wrong). FP8 keys are dequantised in the kernel by exponent
+  rebias: the e4m3 bits placed under bf16's exponent field are the key times 2^-120 (exact,
+  subnormals too), the group's ue8m0 scale times 2^120 is one power of two, the rope is bf16
+  as stored -- so the tensor cores see the same keys the torch path dequantises (the
+  interpreter does the same in fp32 bits).
 * Registers (D = 512, 8 warps = two warpgroups): the ``[64, 512]`` fp32 accumulator is split
   by output channels between the warpgroups (``m64n256`` each, 128 registers a thread); q
   (bf16 ``[64, 512]``) and the key block stay in shared memory as wgmma operands. The whole
   head dimension is one tile: the key block is loaded once and feeds both dots. Dense key
   blocks stream through a 3-stage cp.async pipeline; fp8 blocks are dequantised in registers.
-  ``tests/sm90_compile.py`` reports registers, spills and shared memory per configuration.
-* Splits. With ``S = 1`` the program folds in the sink and writes the output; otherwise it
-  writes an unnormalised partial and ``_merge_splits_kernel``, grid ``(T, H)``, merges the
-  ``S`` partials with the sink. ``S`` is picked so the grid fills the SMs
+  ``benchmarks/sass_report.py`` reports registers, spills, shared memory and the key loop's
+  instructions per configuration, for sm_90a and sm_100a.
+* Splits. With ``S = 1`` the program folds in the sink and writes the output (bf16 for bf16
+  queries on a GPU: :func:`output_dtype`); otherwise it writes an unnormalised partial (in
+  the output dtype) and ``_merge_splits_kernel``, grid ``(T, H)``, merges the ``S`` partials
+  with the sink. Splits share a row's key blocks evenly (one block apart at most), so none is
+  empty unless the row has fewer blocks than splits; the merge does not read the numerator of
+  a split that saw no key. ``S`` is picked so the grid fills the SMs
   (:func:`default_num_splits`); callers and tests can set it (``num_splits``,
   :func:`force_num_splits`).
 
@@ -73,7 +79,6 @@ from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.fp8_device import (
     bf16_bits_to_fp32,
-    e4m3_to_fp32,
     fp8_token_addresses,
     pow2_of_biased,
 )
@@ -92,6 +97,33 @@ _TORCH_CHUNK_ELEMENTS = 1 << 26
 
 
 # --------------------------------------------------------------------------------- kernels
+@triton.jit
+def _e4m3_rebiased_bf16(code):
+    """uint8 e4m3fn bit patterns (any shape) -> bf16 of value * 2^-120, exact: the 7 exponent
+    and mantissa bits go under bf16's exponent field, where bias 127 reads bias 7 (e4m3
+    subnormals land on bf16 subnormals alike). The NaN codes 0x7F / 0xFF become finite (no
+    cache write stores them). Inline PTX on 4 codes a register: a byte permute, a shift, an
+    and and a 3-input logic op per 2 keys' channels. GPU only."""
+    return tl.inline_asm_elementwise(
+        asm="""{
+        .reg .b32 lo, hi, t;
+        prmt.b32 lo, $2, 0, 0x1404;
+        prmt.b32 hi, $2, 0, 0x3424;
+        shr.b32 t, lo, 4;
+        and.b32 t, t, 0x07F007F0;
+        lop3.b32 $0, lo, 0x80008000, t, 0xEA;
+        shr.b32 t, hi, 4;
+        and.b32 t, t, 0x07F007F0;
+        lop3.b32 $1, hi, 0x80008000, t, 0xEA;
+        }""",
+        constraints="=r,=r,r",
+        args=[code],
+        dtype=tl.bfloat16,
+        is_pure=True,
+        pack=4,
+    )
+
+
 @triton.jit
 def _load_key_block(
     cache_ptr,  # dense: [num_slots, D] float; fp8: [num_pages, page_bytes] uint8
@@ -122,7 +154,6 @@ def _load_key_block(
         offs_g = tl.arange(0, GROUPS)
         chan = offs_g[:, None] * 64 + tl.arange(0, 64)[None, :]  # [GROUPS, 64] head channel
         is_nope = (offs_g < NOPE_DIM // 64)[None, :, None]
-        is_rope = ((chan >= NOPE_DIM) & (chan < D))[None, :, :]
         row_ok = valid[:, None, None]
         code = tl.load(
             cache_ptr + data_base[:, None, None] + chan[None, :, :],
@@ -134,14 +165,23 @@ def _load_key_block(
             mask=valid[:, None] & (offs_g < NOPE_DIM // 64)[None, :],
             other=127,
         )
-        if INTERPRETER:  # no fp8 type in the interpreter: decode the bits arithmetically
-            nope = e4m3_to_fp32(code)
-        else:
-            nope = code.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        nope = nope * pow2_of_biased(e.to(tl.int32))[:, :, None]
-        rope_ptr = cache_ptr + data_base[:, None, None] + NOPE_DIM + 2 * (chan - NOPE_DIM)[None]
-        rope = tl.load(rope_ptr.to(tl.pointer_type(tl.uint16)), mask=row_ok & is_rope, other=0)
-        k = tl.where(is_nope, nope, bf16_bits_to_fp32(rope))
+        # The rebiased codes are the keys times 2^-120; the group's scale 2^(E - 127) times
+        # 2^120 is 2^(E - 7) (biased E + 120; 255, inf, past fp32 and bf16: E > 134 is a
+        # group amax over 448 * 2^7, which normed keys never reach).
+        scale = pow2_of_biased(tl.minimum(e.to(tl.int32) + 120, 255))[:, :, None]
+        # Rope channels step in 2-byte units from a 2-byte pointer, so they are contiguous and
+        # load 8 to a 16-byte access (token and page sizes keep the rope 64-byte aligned).
+        is_rope = ((chan >= NOPE_DIM) & (chan < D))[None, :, :]
+        rope_base = (cache_ptr + data_base + NOPE_DIM).to(tl.pointer_type(tl.uint16))
+        rope_ptr = rope_base[:, None, None] + (chan - NOPE_DIM)[None]
+        rope = tl.load(rope_ptr, mask=row_ok & is_rope, other=0)
+        if INTERPRETER:  # the same bits as fp32 (the interpreter's bf16 casts truncate)
+            c = code.to(tl.int32)
+            nope = (((c & 0x7F) << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
+            k = tl.where(is_nope, nope * scale, bf16_bits_to_fp32(rope))
+        else:  # bf16 throughout: a power-of-two scale keeps the product exact
+            nope = _e4m3_rebiased_bf16(code) * scale.to(tl.bfloat16)
+            k = tl.where(is_nope, nope, rope.to(tl.bfloat16, bitcast=True))
         k = tl.reshape(k, [mask_n.shape[0], BLOCK_D]).to(OP_DTYPE)
     else:
         offs_d = tl.arange(0, BLOCK_D)
@@ -191,7 +231,7 @@ def _sparse_attention_kernel(
     ext_idx_ptr,  # [T, Ke] int32 (as win_idx_ptr)
     ext_len_ptr,  # [T] int32 (as win_len_ptr)
     sink_ptr,  # [H] fp32
-    out_ptr,  # S == 1: [T, H, D] fp32 output; S > 1: [T, H, S, D] fp32 partial numerators
+    out_ptr,  # S == 1: [T, H, D] output; S > 1: [T, H, S, D] partial numerators (fp32 / bf16)
     m_ptr,  # [T, H, S] fp32 log2-domain max per split (S > 1 only)
     l_ptr,  # [T, H, S] fp32 denominator per split (S > 1 only)
     stride_qt,
@@ -258,10 +298,11 @@ def _sparse_attention_kernel(
     n_ext = 0
     if HAS_EXTRA:
         n_ext = tl.minimum(tl.maximum(tl.load(ext_len_ptr + prog), 0), ext_width)
-    # This split's chunk of the concatenated key list, whole blocks except at its end.
-    chunk = tl.cdiv(tl.cdiv(n_win + n_ext, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * chunk
-    hi = tl.minimum(lo + chunk, n_win + n_ext)
+    # This split's share of the concatenated key list's blocks: splits differ by one block at
+    # most, and none is empty unless the row has fewer blocks than splits.
+    row_blocks = tl.cdiv(n_win + n_ext, BLOCK_N)
+    lo = (split * row_blocks // NUM_SPLITS) * BLOCK_N
+    hi = tl.minimum(((split + 1) * row_blocks // NUM_SPLITS) * BLOCK_N, n_win + n_ext)
 
     # One loop over this split's key blocks, window blocks first, then extra blocks (a block
     # never straddles the two spans): one loop body keeps registers as low as a single span.
@@ -326,9 +367,9 @@ def _sparse_attention_kernel(
         denom = l_i * alpha + tl.exp2(sink - m_ref)
         # denom is 0 only for a -inf sink and no key: output 0, not NaN.
         scale = alpha / tl.where(denom > 0, denom, 1.0)
-        tl.store(out_ptrs, acc * scale[:, None], mask=md_mask)
+        tl.store(out_ptrs, (acc * scale[:, None]).to(out_ptr.dtype.element_ty), mask=md_mask)
     else:
-        tl.store(out_ptrs + split * stride_os, acc, mask=md_mask)
+        tl.store(out_ptrs + split * stride_os, acc.to(out_ptr.dtype.element_ty), mask=md_mask)
         ml_off = ml_rows + offs_h * stride_mh + split
         tl.store(m_ptr + ml_off, m_i, mask=m_mask)
         tl.store(l_ptr + ml_off, l_i, mask=m_mask)
@@ -336,11 +377,11 @@ def _sparse_attention_kernel(
 
 @triton.jit
 def _merge_splits_kernel(
-    part_ptr,  # [T, H, S, D] fp32 partial numerators
+    part_ptr,  # [T, H, S, D] fp32 / bf16 partial numerators
     m_ptr,  # [T, H, S] fp32 log2-domain max per split
     l_ptr,  # [T, H, S] fp32 denominator per split
     sink_ptr,  # [H] fp32
-    out_ptr,  # [T, H, D] fp32
+    out_ptr,  # [T, H, D] fp32 / bf16
     stride_pt,
     stride_ph,
     stride_ps,
@@ -374,8 +415,10 @@ def _merge_splits_kernel(
         + offs_s[:, None] * stride_ps
         + offs_d[None, :]
     )
-    part = tl.load(part_ptrs, mask=s_mask[:, None] & (offs_d < D)[None, :], other=0.0)
-    out = tl.sum(part * w[:, None], axis=0)
+    # Splits without a key (m = -inf, weight 0) hold a zero numerator: not read.
+    seen = s_mask & (m > float("-inf"))
+    part = tl.load(part_ptrs, mask=seen[:, None] & (offs_d < D)[None, :], other=0.0)
+    out = tl.sum(part.to(tl.float32) * w[:, None], axis=0).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out, mask=offs_d < D)
 
 
@@ -474,12 +517,15 @@ def _launch_config(dim: int, fp8: bool, block_m: int) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` of the attention kernel for ``block_m`` M lines a
     program (heads, times rows when a program takes several).
 
-    Chosen from ptxas reports for sm_90a (Triton 3.8, compiled ahead of time on the CPU by
-    ``tests/sm90_compile.py``; not yet timed on a GPU). At D = 512 the fp32 ``[64, 512]``
-    accumulator is 128 registers a thread over 8 warps. Dense keys: 32-key blocks in a
-    3-stage cp.async pipeline (the gather of the next blocks overlaps the dots), 245 registers,
-    no spills (64-key blocks spill once pipelined). FP8 keys are dequantised in registers, which
-    Triton does not pipeline: 16-key blocks, one stage, 255 registers (32 spill).
+    Chosen from ptxas reports for sm_90a and sm_100a (Triton 3.8, compiled ahead of time on
+    the CPU: ``benchmarks/sass_report.py``; not yet timed on a GPU). At D = 512 the fp32
+    ``[64, 512]`` accumulator is 128 registers a thread over 8 warps. Dense keys: 32-key
+    blocks in a 3-stage cp.async pipeline (the gather of the next blocks overlaps the dots),
+    240-254 registers, no spills. 64-key blocks in 2 stages cut the key loop from 199 to 150
+    instructions a key (QK m64n32), but with the bf16 output they spill 48-56 B (outside the
+    loop; 0 with an fp32 output) and 16-32 B at 64 lines of several rows. FP8 keys are
+    dequantised in registers, which Triton does not pipeline: 16-key blocks, one stage,
+    237-251 registers (32-key blocks: 285 instructions a key instead of 418, 8-24 B spilled).
     D <= 256: 4 warps. ``block_m`` < 64 (attention TP, 16 or 32 local heads, one row a
     program) compiles to ``mma.sync`` (Triton's wgmma needs M = 64 a warpgroup); fp8 at 16
     lines spills over 8 warps (36 B) and not over 4 (218 registers). 64 lines of 2 or 4 rows
@@ -556,13 +602,15 @@ def sparse_attention_triton(
     *,
     num_splits: int | None = None,
     rows_per_group: int = 1,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`sparse_attention_with_sink`.
 
     ``num_splits`` (1 ... ``MAX_SPLITS``) splits each program's key list across that many
     programs; None takes the count pinned by :func:`force_num_splits`, else
     :func:`default_num_splits` on a GPU, else 1. ``rows_per_group``: see
-    :func:`sparse_attention_with_sink`.
+    :func:`sparse_attention_with_sink`. ``out_dtype``: float32 or bfloat16, None for
+    :func:`output_dtype` (the kernel writes it directly, and key-split partials in it).
     """
     _check_inputs(
         q,
@@ -577,6 +625,9 @@ def sparse_attention_triton(
     )
     if not isinstance(rows_per_group, int) or rows_per_group < 1:
         raise BatchError(f"rows_per_group={rows_per_group!r}; expected an int >= 1")
+    out_dtype = out_dtype or output_dtype(q)
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise BatchError(f"out_dtype={out_dtype}; expected torch.float32 or torch.bfloat16")
     rows, heads, dim = q.shape
     extra_span = _extra_span(extra, extra_indices, extra_lengths)
     has_extra = extra_span is not None
@@ -619,14 +670,16 @@ def sparse_attention_triton(
     if not 1 <= splits <= MAX_SPLITS:
         raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
 
-    out = torch.empty((rows, heads, dim), dtype=torch.float32, device=q.device)
+    out = torch.empty((rows, heads, dim), dtype=out_dtype, device=q.device)
     if rows == 0:
         return out
     if splits == 1:
         part, m, l_s = out, out, out  # m / l unused when the kernel finalises
         stride_ps = stride_mt = stride_mh = 0
     else:
-        part = torch.empty((rows, heads, splits, dim), dtype=torch.float32, device=q.device)
+        # Partial numerators in the output dtype (bf16 halves their bytes; its rounding is
+        # one more bf16 roundoff, within attention_tolerance), maxima and sums in fp32.
+        part = torch.empty((rows, heads, splits, dim), dtype=out_dtype, device=q.device)
         m = torch.empty((rows, heads, splits), dtype=torch.float32, device=q.device)
         l_s = torch.empty_like(m)
         stride_ps, stride_mt, stride_mh = part.stride(2), m.stride(0), m.stride(1)
@@ -659,6 +712,13 @@ def sparse_attention_triton(
             BLOCK_S=triton.next_power_of_2(splits), num_warps=MERGE_WARPS,
         )  # fmt: skip
     return out
+
+
+def output_dtype(q: torch.Tensor) -> torch.dtype:
+    """The op's output dtype for queries ``q``: bf16 for bf16 queries on a GPU (the caller's
+    dtype, half the bytes the fp32 output cost: 23 % of an fp8 decode's roofline bytes),
+    else float32 (the interpreter and the torch path, exact to the fp32 reference)."""
+    return torch.bfloat16 if q.is_cuda and q.dtype == torch.bfloat16 else torch.float32
 
 
 def dot_operand_dtype(device: torch.device | str) -> torch.dtype:
@@ -732,7 +792,7 @@ def sparse_attention_torch(
         denom = p.sum(dim=-1) + torch.exp(sink[None, :] - m)
         denom = denom.masked_fill(denom == 0, 1.0)  # -inf sink and no key: output 0
         out[r0 : r0 + step] = torch.einsum("thn,tnd->thd", p, k) / denom[..., None]
-    return out
+    return out.to(output_dtype(q))
 
 
 # ---------------------------------------------------------------------------- public op
@@ -771,7 +831,8 @@ def sparse_attention_with_sink(
 
     Returns
     -------
-    ``[T, H, D]`` float32 (the caller casts). Rows without a valid key are 0.
+    ``[T, H, D]`` in :func:`output_dtype` (bf16 for bf16 queries on a GPU, else float32; the
+    caller casts). Rows without a valid key are 0.
     """
     args = (q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink)
     if dispatch.use_triton(q.device):

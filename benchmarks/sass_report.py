@@ -1,0 +1,225 @@
+"""The compiled code of every kernel, read for a roofline model (a script; no GPU needed).
+
+    python benchmarks/sass_report.py [--json] [--target sm_90a] [--target sm_100a] [NAME ...]
+
+Compiles each configuration of ``tests/sm90_compile.py`` (every attention launch at
+DeepSeek-V4-Flash shapes, then the indexer, compressor and planner kernels) ahead of time for
+sm_90a (H200) and sm_100a (B200) with Triton's bundled ptxas, disassembles it with cuobjdump
+and reads its main loop with :mod:`dsv4_backend.testing.sass` (the loop with the most MMAs: an
+attention kernel's key-block loop). Per kernel and target it prints:
+
+* registers, spills (bytes stored), shared memory (KiB), warps;
+* the main loop's instructions per iteration (one warp, the longest path through the body) and
+  warp-instructions per key (times the warps, over the keys an iteration takes);
+* its asynchronous global -> shared copies (``LDGSTS``: cp.async; ``UTMALDG`` / ``UBLKCP``:
+  TMA), static counts in the body;
+* the MMA instruction shapes (from the PTX; Blackwell's from the tcgen05 descriptors);
+* ``issue ns/key``: the time an SM's 4 schedulers take to issue one key's warp-instructions at
+  the boost clock (one instruction a scheduler a cycle), beside ``HBM ns/key``: one key's bytes
+  over one SM's share of the HBM bandwidth (fp8: 584 B / (4.8 TB/s / 132 SMs) = 16 ns on an
+  H200). A loop whose issue time exceeds its HBM share cannot reach the bandwidth roofline
+  however well it hides latency; ``criteria`` says which of the checks below hold.
+
+Kernels are described by :data:`SPECS` (one entry a kernel: what an iteration of its main loop
+consumes and which criteria it claims); a kernel without an entry still gets its registers,
+spills, loop and MMAs. ``tests/test_sass_report.py`` asserts the claimed criteria:
+
+* ``no-spills``: no spill stores or loads and no stack frame;
+* ``async-gather``: the main loop gathers keys with asynchronous copies;
+* ``qk-n64``: no MMA with N < 64 (attention: the q k^T dot's N is the key block; p v's is
+  256, the head dim a warpgroup);
+* ``issue-bound``: issue ns/key at or below the HBM share on sm_90a (every SM busy, as at
+  batch 64 with 2 key splits).
+
+The figures come from compiled code only; nothing here is timed on a device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import sm90_compile
+
+from dsv4_backend.testing import sass
+
+
+@dataclass(frozen=True)
+class Device:
+    """A target's reference part: SMs, HBM bytes/s, boost clock (Hz), schedulers per SM."""
+
+    name: str
+    sms: int
+    hbm_bytes_per_s: float
+    clock_hz: float
+    schedulers: int = 4
+
+
+#: Datasheet figures of the reference part of each target.
+DEVICES = {
+    "sm_90a": Device("H200", 132, 4.8e12, 1.98e9),
+    "sm_100a": Device("B200", 148, 8.0e12, 1.965e9),
+}
+
+
+def _no_claims(constexprs: dict, target: str) -> frozenset[str]:
+    return frozenset()
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """What one iteration of a kernel's main loop consumes, from the launch's constexprs:
+    ``keys`` per iteration and HBM ``bytes_per_key``; ``claims``: the criteria (module
+    docstring) the kernel meets for given constexprs and target, asserted by the tests."""
+
+    keys: Callable[[dict], int]
+    bytes_per_key: Callable[[dict], int]
+    claims: Callable[[dict, str], frozenset[str]] = field(default=_no_claims)
+
+
+def _attention_key_bytes(c: dict) -> int:
+    """One cache row: fp8 448 e4m3 + 64 bf16 rope + 8 ue8m0 scales = 584 B; dense bf16 2 D."""
+    rope = c["D"] - c["NOPE_DIM"]
+    return c["NOPE_DIM"] + 2 * rope + 8 if c["WIN_FP8"] else 2 * c["D"]
+
+
+def _triton_attention_claims(c: dict, target: str) -> frozenset[str]:
+    """Today's Triton kernel. Dense keys reach the dots through shared memory: cp.async
+    stages; the fp8 gather feeds in-register dequantisation, which Triton does not pipeline.
+    No spills, except on sm_100a for fp8 keys at 64 M lines writing partials (8-28 B; the
+    same kernel holds in 243-250 registers on sm_90a). The dense key loop issues within the
+    dense HBM share on sm_90a (1 KiB a key); QK's N is the key block (8-32) and the fp8 loop's
+    issue time exceeds the fp8 HBM share: figures, not claims."""
+    fp8 = c["WIN_FP8"] or c["EXT_FP8"]
+    wide = c["BLOCK_H"] * c["BLOCK_G"] >= 64
+    claims = set()
+    if target == "sm_90a" or not fp8 or c["NUM_SPLITS"] == 1 or not wide:
+        claims.add("no-spills")
+    if not fp8:
+        claims |= {"async-gather", "issue-bound"} if target == "sm_90a" else {"async-gather"}
+    return frozenset(claims)
+
+
+#: Kernel (Triton function name) -> how to read its main loop.
+SPECS: dict[str, KernelSpec] = {
+    "_sparse_attention_kernel": KernelSpec(
+        keys=lambda c: c["BLOCK_N"],
+        bytes_per_key=_attention_key_bytes,
+        claims=_triton_attention_claims,
+    ),
+}
+
+CRITERIA = ("no-spills", "async-gather", "qk-n64", "issue-bound")
+
+
+def _mma_n(shape: str) -> int:
+    return int(shape.split("n", 1)[1].split("k", 1)[0])
+
+
+def loop_figures(listing: str, spec: KernelSpec | None, constexprs: dict, warps: int,
+                 device: Device) -> dict:  # fmt: skip
+    """The main loop of one SASS ``listing`` (module docstring); per-key figures with a spec."""
+    loop = sass.main_loop(listing)
+    if loop is None:
+        return dict(main_loop=None)
+    out: dict = dict(
+        main_loop=dict(
+            instructions=len(loop.path),
+            body=len(loop.instructions),
+            classes=loop.classes(),
+            async_copies=loop.opcodes(sass.ASYNC_COPY_CLASSES),
+            mma_ops=loop.opcodes(sass.MMA_CLASSES),
+            global_loads=loop.opcodes(("ldg",)),
+            conversions=loop.opcodes(("cvt",)),
+        )
+    )
+    if spec is not None:
+        keys, key_bytes = spec.keys(constexprs), spec.bytes_per_key(constexprs)
+        per_key = len(loop.path) * warps / keys
+        out["main_loop"].update(
+            keys=keys,
+            warp_instructions_per_key=round(per_key, 1),
+            issue_ns_per_key=round(per_key / device.schedulers / device.clock_hz * 1e9, 2),
+            hbm_ns_per_key=round(key_bytes * device.sms / device.hbm_bytes_per_s * 1e9, 2),
+        )
+    return out
+
+
+def criteria(report: dict) -> dict[str, bool]:
+    """Which of :data:`CRITERIA` a report meets (``issue-bound`` is judged on sm_90a only)."""
+    loop = report["main_loop"] or {}
+    met = {
+        "no-spills": report["spill_stores"] == report["spill_loads"] == report["stack"] == 0,
+        "async-gather": bool(loop.get("async_copies")),
+        "qk-n64": bool(report["mma_shapes"]) and min(map(_mma_n, report["mma_shapes"])) >= 64,
+    }
+    if "issue_ns_per_key" in loop and report["target"] == "sm_90a":
+        met["issue-bound"] = loop["issue_ns_per_key"] <= loop["hbm_ns_per_key"]
+    return met
+
+
+def kernel_report(name: str, src, options: dict, target: str) -> dict:
+    """Everything the module docstring lists for one configuration on one target."""
+    kernel = sm90_compile.compile_kernel(src, options, target)
+    report = sm90_compile.compile_report(name, src, options, target, kernel)
+    constexprs = {src.fn.arg_names[k[0]]: v for k, v in src.constants.items()}
+    spec = SPECS.get(src.name)
+    listing = sm90_compile.sass_listing(kernel.asm["cubin"])
+    report.update(kernel=src.name, **loop_figures(
+        listing, spec, constexprs, options["num_warps"], DEVICES[target]
+    ))  # fmt: skip
+    report["criteria"] = criteria(report)
+    report["claims"] = sorted(spec.claims(constexprs, target)) if spec else []
+    return report
+
+
+def _row(r: dict) -> str:
+    loop = r["main_loop"] or {}
+    copies = ",".join(f"{op.split('.')[0]}x{n}" for op, n in loop.get("async_copies", {}).items())
+    met = ",".join(k for k, v in r["criteria"].items() if v and k != "no-spills") or "-"
+
+    def fig(key: str) -> str:
+        return f"{loop[key]:g}" if key in loop else "-"
+
+    return (f"{r['name']:<32} {r['target']:<7} {r['registers']:>4} {r['spill_stores']:>5} "
+            f"{r['shared'] / 1024:>6.1f} {r['num_warps']:>2} {fig('instructions'):>6} "
+            f"{fig('warp_instructions_per_key'):>7} {copies or '-':<12} "
+            f"{' '.join(r['mma_shapes']) or '-':<34} {fig('issue_ns_per_key'):>6} "
+            f"{fig('hbm_ns_per_key'):>5}  {met}")  # fmt: skip
+
+
+HEADER = (f"{'kernel':<32} {'target':<7} {'regs':>4} {'spill':>5} {'smemKB':>6} {'w':>2} "
+          f"{'insn/i':>6} {'insn/key':>7} {'async':<12} {'mma shapes':<34} {'issue':>6} "
+          f"{'HBM':>5}  criteria (issue / HBM: ns a key)")  # fmt: skip
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="one JSON object a line")
+    parser.add_argument("--target", action="append", choices=list(DEVICES),
+                        help="repeatable (default: every target)")  # fmt: skip
+    parser.add_argument("only", nargs="*", help="configuration name substrings (default: all)")
+    opts = parser.parse_args(argv)
+    opts.target = opts.target or list(DEVICES)
+    if not opts.json:
+        for target in opts.target:
+            d = DEVICES[target]
+            print(f"{target}: {d.name}, {d.sms} SMs, {d.hbm_bytes_per_s / 1e12:g} TB/s, "
+                  f"{d.clock_hz / 1e9:g} GHz, {d.schedulers} schedulers an SM")  # fmt: skip
+        print(HEADER)
+    for target in opts.target:
+        for name, src, options in sm90_compile.selected(opts.only):
+            report = kernel_report(name, src, options, target)
+            print(json.dumps(report) if opts.json else _row(report), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

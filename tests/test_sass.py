@@ -1,0 +1,78 @@
+"""The SASS loop reader (dsv4_backend/testing/sass.py) on small hand-written listings."""
+
+from __future__ import annotations
+
+import pytest
+
+from dsv4_backend.testing import sass
+
+# A key loop at 0x30 with a branch diamond (0x50-0x70 or 0x80), an MMA, and an out-of-line
+# mbarrier wait (0xf0, past the EXIT) that spins on itself and branches back into the body.
+LISTING = """
+	code for sm_90a
+		Function : kernel
+        /*0000*/                   MOV R1, c[0x0][0x28] ;            /* 0x0 */
+        /*0010*/                   ISETP.GE.AND P0, PT, R2, R3, PT ; /* 0x0 */
+        /*0020*/               @P0 BRA 0xe0 ;                        /* 0x0 */
+        /*0030*/                   LDGSTS.E.BYPASS.128 [R4], desc[UR4][R6.64] ;
+        /*0040*/               @P1 BRA 0x80 ;
+        /*0050*/                   FADD R1, R1, R2 ;
+        /*0060*/                   FADD R1, R1, R2 ;
+        /*0070*/                   BRA 0x90 ;
+        /*0080*/                   FMUL R1, R1, R2 ;
+        /*0090*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24, gsb0 ;
+        /*00a0*/              @!P2 BRA 0xf0 ;
+        /*00b0*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*00c0*/                   ISETP.LT.AND P0, PT, R2, R3, PT ;
+        /*00d0*/               @P0 BRA 0x30 ;
+        /*00e0*/                   EXIT ;
+        /*00f0*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P2, [UR4], R5 ;
+        /*0100*/              @!P2 BRA 0xf0 ;
+        /*0110*/                   BRA 0xb0 ;
+"""
+
+
+def test_natural_loops_take_out_of_line_waits_and_count_the_longest_path() -> None:
+    loops = sass.ControlFlow(sass.parse(LISTING)).loops()
+    assert [hex(loop.header) for loop in loops] == ["0x30", "0xf0"]
+    key_loop = sass.main_loop(LISTING)
+    assert key_loop is not None and key_loop.header == 0x30
+    assert key_loop.inner == (0xF0,)
+    assert len(key_loop.instructions) == 14  # every block, the wait stub included
+    # 0x30 (2) -> 0x50 (3, the longer side of the diamond) -> 0x90 (2) -> wait (2, once)
+    # -> 0x110 (1) -> 0xb0 (3)
+    assert len(key_loop.path) == 13
+    assert key_loop.opcodes(sass.ASYNC_COPY_CLASSES) == {"LDGSTS.E.BYPASS.128": 1}
+    assert key_loop.opcodes(sass.MMA_CLASSES) == {"HGMMA.64x64x16.F32.BF16": 1}
+    assert key_loop.classes()["fp32"] == 2 and key_loop.classes(path=False)["fp32"] == 3
+
+
+def test_labels_of_the_new_listing_format() -> None:
+    listing = """
+        /*0000*/                   MOV R1, RZ ;
+.L_x_0:
+        /*0010*/                   UTMALDG.2D [UR8], [UR4] ;
+        /*0020*/                   UTCHMMA gdesc[UR10], gdesc[UR12], tmem[UR14], idesc[UR15] ;
+        /*0030*/               @P0 BRA `(.L_x_0) ;
+        /*0040*/                   EXIT ;
+"""
+    loop = sass.main_loop(listing)
+    assert loop is not None and loop.header == 0x10 and len(loop.path) == 3
+    assert loop.opcodes(sass.ASYNC_COPY_CLASSES) == {"UTMALDG.2D": 1}
+    assert loop.opcodes(sass.MMA_CLASSES) == {"UTCHMMA": 1}
+
+
+def test_straight_code_has_no_loop_and_empty_input_is_refused() -> None:
+    assert sass.main_loop("        /*0000*/                   EXIT ;\n") is None
+    with pytest.raises(ValueError, match="no instructions"):
+        sass.main_loop("nothing here")
+
+
+@pytest.mark.parametrize(
+    "op, cls",
+    [("LDG.E.128", "ldg"), ("LDGSTS.E.BYPASS.128", "ldgsts"), ("UBLKCP.S.G", "tma"),
+     ("UIADD3", "uniform"), ("HGMMA.64x256x16.F32.BF16", "hgmma"), ("UTCQMMA", "tcgen05-mma"),
+     ("F2FP.BF16.F32.PACK_AB", "cvt"), ("BOGUS", "other")],
+)  # fmt: skip
+def test_classes(op: str, cls: str) -> None:
+    assert sass.classify(sass.opcode(f"@!P3 {op} R1, R2")) == cls
