@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_backend.cache import TokenCache
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import WINDOW_PAGE_TOKENS, DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.cache_store import store_rows
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(
 TINY = DSV4AttentionConfig.tiny()
 ROPE = TINY.rope_dim
 #: fp8 page sizes of the three token caches (cache-format.md).
-PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
+PAGE_TOKENS = {0: WINDOW_PAGE_TOKENS, 4: 64, 128: 2}
 ATOL = 2e-5
 
 
