@@ -21,9 +21,11 @@ cases run by default and ``DSV4_SGLANG_KIT=all`` runs every window-only case.
 
 from __future__ import annotations
 
+import importlib
 import os
 import unittest
 from collections.abc import Iterator
+from types import ModuleType
 
 import numpy as np
 import pytest
@@ -38,12 +40,21 @@ pytestmark = pytest.mark.skipif(
     not interpreter_enabled(), reason="the kit's Triton kernels need TRITON_INTERPRET=1 here"
 )
 
-registration.register()
-kit = pytest.importorskip("sglang.test.kits.attention_unittest.attention_methods.dsv4_attention")
-
-CASES = {case.name: case for case in kit.make_dsv4_cases("dsv4")}
+KIT = "sglang.test.kits.attention_unittest.attention_methods.dsv4_attention"
 QUICK = ("dsv4_swa_extend_no_prefix", "dsv4_swa_decode_within_window")
-SELECTED = list(CASES) if os.environ.get("DSV4_SGLANG_KIT") == "all" else list(QUICK)
+# The kit pins sglang's attention parallel context when imported: only import it to run it.
+SELECTED = (
+    [case.name for case in importlib.import_module(KIT).make_dsv4_cases("dsv4")]
+    if os.environ.get("DSV4_SGLANG_KIT") == "all"
+    else list(QUICK)
+)
+
+
+@pytest.fixture(scope="module")
+def kit() -> ModuleType:
+    """The kit, with ``dsv4`` served by this package (``registration.register``)."""
+    registration.register()
+    return importlib.import_module(KIT)
 
 
 @pytest.fixture
@@ -62,7 +73,7 @@ def gpu_fp8_casts(monkeypatch) -> Iterator[None]:
     yield
 
 
-def _kit_codes_are_torchs() -> bool:
+def _kit_codes_are_torchs(kit: ModuleType) -> bool:
     """Whether the kit's quantiser gives torch's e4m3 codes of the keys over their scales."""
     k = torch.randn(4, 512, generator=torch.Generator().manual_seed(1)).bfloat16()
     pack = kit.quant_to_nope_fp8_rope_bf16_pack_triton(k)
@@ -71,16 +82,17 @@ def _kit_codes_are_torchs() -> bool:
     return torch.equal(pack.k_nope_fp8.view(torch.uint8), exact.view(torch.uint8))
 
 
-def test_the_interpreter_misrounds_without_the_fix() -> None:
-    assert not _kit_codes_are_torchs()
+def test_the_interpreter_misrounds_without_the_fix(kit) -> None:
+    assert not _kit_codes_are_torchs(kit)
 
 
-def test_the_fixed_cast_rounds_as_torch(gpu_fp8_casts) -> None:
-    assert _kit_codes_are_torchs()
+def test_the_fixed_cast_rounds_as_torch(kit, gpu_fp8_casts) -> None:
+    assert _kit_codes_are_torchs(kit)
 
 
 @pytest.mark.parametrize("name", SELECTED)
-def test_window_only_case(name: str, gpu_fp8_casts) -> None:
+def test_window_only_case(name: str, kit, gpu_fp8_casts) -> None:
+    cases = {case.name: case for case in kit.make_dsv4_cases("dsv4")}
     # The backend's own ops on their torch path: the interpreter's time goes to the kit.
     with force_path(TORCH):
-        kit.run_dsv4_attention_case(unittest.TestCase(), CASES[name], device="cpu")
+        kit.run_dsv4_attention_case(unittest.TestCase(), cases[name], device="cpu")

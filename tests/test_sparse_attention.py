@@ -263,8 +263,8 @@ def test_verify_rows_at_attention_tp_heads(heads, fmt):
     keys."""
     g = torch.Generator().manual_seed(20 + heads)
     window, draft, num_slots, num_entries = 128, 4, 400, 40
-    win = _cache(_keys(num_slots, 128, g), 128, fmt)
-    ext = _cache(_keys(num_entries, 128, g), 64, fmt)
+    win = _cache(_keys(num_slots, 128, g), PAGE_TOKENS[0], fmt)
+    ext = _cache(_keys(num_entries, 128, g), PAGE_TOKENS[4], fmt)
     idx, lens, eidx, elens = [], [], [], []
     for first_pos, base in ((150, 0), (60, 200)):  # request 2 is shorter than the window
         for d in range(draft):
