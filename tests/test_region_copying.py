@@ -114,13 +114,14 @@ class Server:
     def run(self, backend: Any, step: harness.Step, layers: Sequence[int] = LAYERS) -> list[Any]:
         """Plan ``step``, run ``layers``: their outputs, each checked against the reference."""
         backend.init_forward_metadata(step.batch)
-        outs = []
-        for layer in layers:
-            out = self.sim.layer(backend, step, layer)
-            error = self.sim.max_error(step.rows, layer, out)
-            assert error < FP8_BOUND[CONFIG.compress_ratios[layer]], (layer, error)
-            outs.append(out)
-        return outs
+        return [self.checked(backend, step, layer) for layer in layers]
+
+    def checked(self, backend: Any, step: harness.Step, layer: int) -> Any:
+        """``layer``'s output on planned ``step``, checked against the reference."""
+        out = self.sim.layer(backend, step, layer)
+        error = self.sim.max_error(step.rows, layer, out)
+        assert error < FP8_BOUND[CONFIG.compress_ratios[layer]], (layer, error)
+        return out
 
     def prefill(self, request: int, length: int, prefix: int = 0) -> list[Any]:
         """EXTEND ``[prefix, length)`` (``prefix`` > 0: a radix hit of that many tokens)."""
@@ -138,7 +139,7 @@ class Server:
         outs = []
         for i in range(NUM_STEPS - 1):
             step.batch.out_cache_loc = per_step[i]
-            outs += [self.sim.layer(self.draft.attn_backends[i], step, layer) for layer in LAYERS]
+            outs += [self.checked(self.draft.attn_backends[i], step, layer) for layer in LAYERS]
             step = self.batches.advance(step)
         outs += self.run(self.target, self.batches.verify([request], [seq_len], NUM_DRAFT))
         outs += self.run(
@@ -238,6 +239,16 @@ def evict(server: Server, request: int) -> None:
             states.kv_score_buffer.kv_score[rows] = 0.0
 
 
+class LayerWaits:
+    """sglang's ``LayerDoneCounter`` as the pool sees it: records the layers waited for."""
+
+    def __init__(self) -> None:
+        self.layers: list[int] = []
+
+    def wait_until(self, layer: int) -> None:
+        self.layers.append(layer)
+
+
 @pytest.mark.parametrize("with_states", [True, False], ids=["all", "no-c4-state"])
 def test_a_radix_hit_continues_from_pages_loaded_from_the_host(with_states: bool) -> None:
     # Request 2 hits request 0's device pages; request 1 the same pages after a host round trip.
@@ -251,9 +262,13 @@ def test_a_radix_hit_continues_from_pages_loaded_from_the_host(with_states: bool
         evict(server, 0)
         tier.load(copy, page_slots(server, 1, swa=False), page_slots(server, 1, swa=True),
                   with_states=with_states)  # fmt: skip
+    waits = LayerWaits()
+    server.pool.register_layer_transfer_counter(waits)
     if with_states:
         got = server.prefill(1, HIT_PROMPT, prefix=HIT) + server.decode(1, HIT_PROMPT + 1)
         assert_same(expected, got)
+        # Every layer's caches were read only once HiCache's load of the layer was done.
+        assert set(waits.layers) == set(LAYERS)
     else:  # the check can fail: the first c4 block after the hit pools the lost state rows
         step = server.batches.extend([1], [HIT], [HIT_PROMPT - HIT])
         server.target.init_forward_metadata(step.batch)

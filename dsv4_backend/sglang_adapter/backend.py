@@ -689,10 +689,20 @@ class DSV4AttentionBackend(AttentionBackend):
         rows = None if self.draft_step is not None else forward_batch.out_cache_loc.shape[0]
         return self._metadata(forward_batch, rows, where).swa_out_loc
 
+    def _enter_layer(self, layer_id: int, where: str) -> int:
+        """``layer_id``'s compress ratio (checked), once HiCache's load of that layer is done:
+        the caches are views of the pool, so the backend waits as sglang's pool getters do
+        (``wait_layer_transfer``; no wait without HiCache)."""
+        ratio = layer_ratio(self.config, layer_id, where)
+        wait = getattr(self.token_to_kv_pool, "wait_layer_transfer", None)
+        if wait is not None:
+            wait(layer_id)
+        return ratio
+
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: ForwardBatch) -> None:
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
         where = f"store_cache (layer {layer_id})"
-        layer_ratio(self.config, layer_id, where)
+        self._enter_layer(layer_id, where)
         if _is_idle(forward_batch, swa_k, where):
             return
         metadata = self._metadata(forward_batch, swa_k.shape[0], where)
@@ -710,7 +720,7 @@ class DSV4AttentionBackend(AttentionBackend):
         sides (keys here, queries in ``forward_c4_indexer``): it leaves ``q . k`` unchanged.
         """
         where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
-        layer_ratio(self.config, layer_id, where)
+        self._enter_layer(layer_id, where)
         if _is_idle(forward_batch, x, where):
             return
         metadata = self._metadata(forward_batch, x.shape[0], where)
@@ -775,7 +785,7 @@ class DSV4AttentionBackend(AttentionBackend):
             return
         layer_id = c4_indexer.layer_id
         where = f"c4 indexer (layer {layer_id})"
-        if layer_ratio(self.config, layer_id, where) != 4:
+        if self._enter_layer(layer_id, where) != 4:
             raise ContractError(
                 f"{where}: layer {layer_id} has compress ratio "
                 f"{self.config.compress_ratios[layer_id]}; the indexer runs on ratio-4 layers"
@@ -870,7 +880,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """
         layer_id = layer.layer_id
         where = f"forward (layer {layer_id})"
-        ratio = layer_ratio(self.config, layer_id, where)
+        ratio = self._enter_layer(layer_id, where)
         if compress_ratio is not None and compress_ratio != ratio:
             raise ContractError(
                 f"{where}: compress_ratio={compress_ratio} but the model config gives layer "
