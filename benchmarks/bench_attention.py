@@ -60,6 +60,7 @@ if not ON_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
 
 from dsv4_backend.cache import TokenCache  # noqa: E402
+from dsv4_backend.config import WINDOW_PAGE_TOKENS  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
 from dsv4_backend.kernels.cache_store import store_rows  # noqa: E402
 from dsv4_backend.kernels.key_union import key_union_torch  # noqa: E402
@@ -196,7 +197,7 @@ def make_verify_inputs(
     """Arguments of the op for ``requests`` verify requests of ``draft`` rows."""
     dim = shapes["dim"]
     swa_idx, swa_len, ext_idx, ext_len, entries = verify_lists(requests, draft, layer, shapes, g)
-    win = filled_cache(requests * (WINDOW + draft), dim, 128, fmt, device)
+    win = filled_cache(requests * (WINDOW + draft), dim, WINDOW_PAGE_TOKENS, fmt, device)
     extra = [None, None, None]
     if ext_idx is not None:
         cache = filled_cache(requests * entries, dim, 64 if layer == "ratio4" else 2, fmt, device)
@@ -212,7 +213,7 @@ def make_inputs(batch: int, layer: str, fmt: str, shapes: dict, device: str, g: 
     heads, dim = shapes["heads"], shapes["dim"]
     n_extra = extra_keys(layer, shapes)
     entries = shapes["context"] // (4 if layer == "ratio4" else 128)
-    win = filled_cache(batch * WINDOW, dim, 128, fmt, device)
+    win = filled_cache(batch * WINDOW, dim, WINDOW_PAGE_TOKENS, fmt, device)
     rows = torch.arange(batch)[:, None]
     swa_idx = (rows * WINDOW + torch.arange(WINDOW - 1, -1, -1)).int()
     swa_len = torch.full((batch,), WINDOW, dtype=torch.int32)

@@ -32,7 +32,11 @@ INDEXER_SELECTIONS = ("exact", "fp8")
 #: Ratios with compressed caches, state rings and per-ratio metadata (0 is window only).
 COMPRESSED_RATIOS = (4, 128)
 REQUIRED_PAGE_SIZE = 256
+#: The sliding window W (the name is historical: it is not the window cache's page size).
 SWA_PAGE_SIZE = 128
+#: Tokens per window-cache page: sglang's SWA page (``swa_page_size``, the KV page size), so the
+#: fp8 window cache is byte for byte sglang's (all 256 tokens' data, then their scales).
+WINDOW_PAGE_TOKENS = REQUIRED_PAGE_SIZE
 #: Window page indices are padded to a multiple of this many columns.
 SWA_INDEX_ALIGN = 64
 
@@ -173,18 +177,25 @@ class DSV4AttentionConfig:
         return cls(**values)
 
     @classmethod
-    def from_hf_config(cls, hf: Any, **overrides: Any) -> DSV4AttentionConfig:
+    def from_hf_config(
+        cls, hf: Any, fallbacks: Mapping[str, Any] | None = None, **overrides: Any
+    ) -> DSV4AttentionConfig:
         """Build from a DeepSeek-V4 model config, read by ``read_hf_config`` (its rules).
 
         ``hf`` is the hub ``config.json`` mapping, a transformers ``DeepseekV4Config`` or
-        sglang's runtime config object (``model_config.hf_config``). ``overrides`` replace read
-        values. Raises ``ConfigError`` naming the field that cannot be found.
+        sglang's runtime config object (``model_config.hf_config``). ``fallbacks`` are the
+        host's readings of fields ``hf`` lacks; ``overrides`` replace read values. Raises
+        ``ConfigError`` naming the field that cannot be found.
         """
-        values = read_hf_config(hf)
+        values = read_hf_config(hf, fallbacks)
         values.update(overrides)
         return cls(**values)
 
 
+#: Fields only compressed layers, their compressors and the indexer read (see ``read_hf_config``).
+COMPRESSED_ONLY_FIELDS = frozenset(
+    {"index_n_heads", "index_head_dim", "rms_norm_eps", "rope_theta", "compress_rope_theta"}
+)
 #: transformers' ``layer_types`` label of a window-only layer (the others map through
 #: ``compress_rates``).
 SLIDING_LAYER_TYPE = "sliding_attention"
@@ -252,12 +263,14 @@ def _rope_sections(hf: Any) -> tuple[Mapping[str, Any], Mapping[str, Any], bool]
     return {}, scaling if isinstance(scaling, Mapping) else {}, False
 
 
-def read_hf_config(hf: Any) -> dict[str, Any]:
+def read_hf_config(hf: Any, fallbacks: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """``DSV4AttentionConfig`` keyword values from a DeepSeek-V4 model config.
 
     ``hf`` is a mapping (the hub ``config.json``) or a config object (transformers'
     ``DeepseekV4Config``, sglang's ``model_config.hf_config``); fields are keys of the mapping
     or attributes of the object (never ``to_dict()``, which drops what sglang computes).
+    ``fallbacks`` maps a value name to the host's own reading of it (sglang's
+    ``model_config.sliding_window_size``), used when ``hf`` has none of its sources.
 
     One rule per field (first source found wins; none found: ``ConfigError`` naming it):
 
@@ -286,36 +299,45 @@ def read_hf_config(hf: Any) -> dict[str, Any]:
                                  ``beta_slow`` (1) as sglang's model reads them. No scaling: no
                                  YaRN (``yarn_original_max_position = 0``)
     ===========================  =================================================================
+
+    A model without compressed layers (every ratio 0) has no use for ``COMPRESSED_ONLY_FIELDS``
+    (the host applies the window layers' RoPE): absent, they keep ``DSV4AttentionConfig``'s
+    defaults.
     """
+    fallbacks = fallbacks or {}
+    ratios = tuple(_layer_ratios(hf))
+    optional = not any(ratios)
     main, compress, nested = _rope_sections(hf)
     rope_theta = main.get("rope_theta")
     compress_theta = compress.get("rope_theta") if nested else None
     original = _integer(
         "original_max_position_embeddings", compress.get("original_max_position_embeddings") or 0
     )
+    values: dict[str, Any] = dict(compress_ratios=ratios, yarn_original_max_position=original)
 
-    def integer(*keys: str) -> int:
-        return _integer(keys[0], _required(hf, *keys))
+    def read(name: str, convert: Any, given: Any, *keys: str) -> None:
+        """``values[name]`` from ``given`` (an already found source), else the first of
+        ``keys`` in ``hf``, else ``fallbacks[name]``; left out when optional and absent."""
+        if given is None:
+            given = next((v for v in (_field(hf, k) for k in keys) if v is not None), None)
+        if given is None:
+            given = fallbacks.get(name)
+        if given is None:
+            if optional and name in COMPRESSED_ONLY_FIELDS:
+                return
+            given = _required(hf, *keys)  # raises, naming the keys
+        values[name] = convert(keys[0], given)
 
-    values: dict[str, Any] = dict(
-        compress_ratios=tuple(_layer_ratios(hf)),
-        num_heads=integer("num_attention_heads"),
-        head_dim=integer("head_dim"),
-        rope_dim=integer("qk_rope_head_dim"),
-        window_size=integer("sliding_window", "window_size"),
-        index_topk=integer("index_topk"),
-        index_n_heads=integer("index_n_heads"),
-        index_head_dim=integer("index_head_dim"),
-        rms_norm_eps=_real("rms_norm_eps", _required(hf, "rms_norm_eps")),
-        rope_theta=_real(
-            "rope_theta", rope_theta if rope_theta is not None else _required(hf, "rope_theta")
-        ),
-        compress_rope_theta=_real(
-            "compress_rope_theta",
-            compress_theta if compress_theta is not None else _required(hf, "compress_rope_theta"),
-        ),
-        yarn_original_max_position=original,
-    )
+    read("num_heads", _integer, None, "num_attention_heads")
+    read("head_dim", _integer, None, "head_dim")
+    read("rope_dim", _integer, None, "qk_rope_head_dim")
+    read("window_size", _integer, None, "sliding_window", "window_size")
+    read("index_topk", _integer, None, "index_topk")
+    read("index_n_heads", _integer, None, "index_n_heads")
+    read("index_head_dim", _integer, None, "index_head_dim")
+    read("rms_norm_eps", _real, None, "rms_norm_eps")
+    read("rope_theta", _real, rope_theta, "rope_theta")
+    read("compress_rope_theta", _real, compress_theta, "compress_rope_theta")
     if original > 0:
         values.update(
             yarn_factor=_real("factor", compress.get("factor", 1.0)),

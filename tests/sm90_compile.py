@@ -41,6 +41,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
+from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
 
@@ -48,7 +49,7 @@ from dsv4_backend.kernels import sparse_attention as sa
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_100a": GPUTarget("cuda", 100, 32)}
 HEADS, DIM, ROPE = 64, 512, 64
 #: fp8 page sizes of the window, c4 and c128 caches.
-PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
+PAGE_TOKENS = {0: WINDOW_PAGE_TOKENS, 4: 64, 128: 2}
 
 
 def _aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:

@@ -93,10 +93,10 @@ def _bytes(cache) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------ layouts
 def test_flash_token_layout_sizes() -> None:
-    window = Fp8TokenLayout(448, 64, 128)
+    window = Fp8TokenLayout(448, 64, 256)  # sglang's SWA page
     assert (window.token_bytes, window.bytes_per_token, window.num_scales) == (576, 584, 7)
-    assert window.page_bytes == 74880  # 128 * 584 = 74752, padded to 130 * 576
-    assert window.scale_base == 128 * 576
+    assert window.page_bytes == 149_760  # 256 * 584 = 149504, padded to 260 * 576
+    assert window.scale_base == 256 * 576
     assert Fp8TokenLayout(448, 64, 64).page_bytes == 65 * 576  # c4: 37376 -> 37440
     assert Fp8TokenLayout(448, 64, 2).page_bytes == 3 * 576  # c128: 1168 -> 1728
     tiny = Fp8TokenLayout(64, 64, 128)
@@ -415,7 +415,9 @@ def test_pools_tiny_sizes() -> None:
     assert pools.num_layers == 4
     for layer in range(4):
         window = pools.window(layer)
-        assert (window.num_slots, window.page_tokens, window.dim) == (384, 128, 128)
+        assert (window.num_slots, window.page_tokens, window.dim) == (384, 256, 128)
+    # sglang's SWA page: 256 * (192 + 8) = 51200 B -> 267 * 192; 384 slots take 2 pages
+    assert pools.window(0).storage.shape == (2, 267 * 192)
     c4, c128 = pools.compressed(1), pools.compressed(2)
     # page bytes: 64 * (192 + 8) = 12800 -> 67 * 192; 2 * 200 = 400 -> 3 * 192
     assert (c4.num_slots, c4.page_tokens, c4.storage.shape) == (256, 64, (4, 67 * 192))

@@ -137,3 +137,21 @@ def test_main_theta_missing_everywhere_is_refused() -> None:
     del values["rope_theta"]
     with pytest.raises(ConfigError, match="rope_theta"):
         read_hf_config(values)
+
+
+def test_a_window_only_model_needs_no_compressed_fields() -> None:
+    """Without compressed layers the indexer, compressor and RoPE-theta fields are unused: absent,
+    they keep the defaults; ``fallbacks`` stand in for a window the config does not name."""
+    values = {
+        "compress_ratios": [0],
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "index_topk": 512,
+    }
+    with pytest.raises(ConfigError, match="sliding_window / window_size"):
+        read_hf_config(values)
+    config = DSV4AttentionConfig.from_hf_config(values, {"window_size": 128})
+    assert config == DSV4AttentionConfig(compress_ratios=(0,), yarn_original_max_position=0)
+    with pytest.raises(ConfigError, match="index_n_heads"):
+        read_hf_config({**values, "compress_ratios": [0, 4]}, {"window_size": 128})

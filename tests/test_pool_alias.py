@@ -11,8 +11,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from sglang.kernels.ops.kvcache.dsv4_main_kv_store import NopeFp8RopeBf16Pack
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 from sglang.srt.runtime_context import get_context
+from sglang.test.kernels.deepseek_v4.k_cache_reference import dequantize_k_cache_paged_ref
 
 from dsv4_backend.cache import DSV4CachePools, IndexerKeyCache, TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
@@ -150,6 +152,32 @@ def test_store_gather_round_trip_through_the_pool(pool, state) -> None:
             cache.gather(cache_slots), fresh.gather(cache_slots), rtol=0, atol=0
         )
         torch.testing.assert_close(cache.gather(cache_slots), rows, rtol=0.07, atol=0.01)
+
+
+def test_window_bytes_are_sglangs_swa_page(pool, state) -> None:
+    """Our window writer and sglang's (``set_swa_key_buffer_radix``, a 256-token SWA page: the
+    576 data bytes of all tokens, then their scales) leave the same bytes, and sglang's paged
+    dequantisation reference reads back what our gather reads (slots around the page edges)."""
+    window, buf = state.pools.window(0), pool.get_swa_raw_buffer(0)
+    assert buf.shape[1] == window.layout.page_bytes == 149_760
+    slots = torch.tensor([0, 3, 127, 128, 255, 256, 300, 511, 512])
+    keys = torch.randn(len(slots), CONFIG.head_dim, generator=torch.Generator().manual_seed(3))
+    data, scales = window.layout.pack_tokens(keys)
+    nope = CONFIG.nope_dim
+    pack = NopeFp8RopeBf16Pack(
+        k_nope_fp8=data[:, :nope].contiguous().view(torch.float8_e4m3fn),
+        k_rope_bf16=data[:, nope:].contiguous().view(torch.bfloat16),
+        scale_k_nope_ue8m0=scales[:, : nope // 64].contiguous(),
+    )
+    buf.zero_()
+    pool.set_swa_key_buffer_radix(0, slots, pack)
+    theirs = buf.clone()
+    buf.zero_()
+    store_rows(window, keys, slots)
+    assert torch.equal(buf, theirs)
+    read = dequantize_k_cache_paged_ref(buf, slots, pool.swa_page_size).reshape(len(slots), -1)
+    torch.testing.assert_close(read.float(), window.gather(slots), rtol=0, atol=0)
+    buf.zero_()
 
 
 def test_too_small_pool_buffer_is_refused(caplog) -> None:

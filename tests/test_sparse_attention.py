@@ -22,7 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from dsv4_backend.cache import TokenCache
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import WINDOW_PAGE_TOKENS, DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.cache_store import store_rows
@@ -46,7 +46,7 @@ pytestmark = pytest.mark.skipif(
 TINY = DSV4AttentionConfig.tiny()
 ROPE = TINY.rope_dim
 #: fp8 page sizes of the three token caches (cache-format.md).
-PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
+PAGE_TOKENS = {0: WINDOW_PAGE_TOKENS, 4: 64, 128: 2}
 ATOL = 2e-5
 
 
@@ -282,8 +282,8 @@ def test_verify_rows_at_attention_tp_heads(heads, fmt):
     keys."""
     g = torch.Generator().manual_seed(20 + heads)
     window, draft, num_slots, num_entries = 128, 4, 400, 40
-    win = _cache(_keys(num_slots, 128, g), 128, fmt)
-    ext = _cache(_keys(num_entries, 128, g), 64, fmt)
+    win = _cache(_keys(num_slots, 128, g), PAGE_TOKENS[0], fmt)
+    ext = _cache(_keys(num_entries, 128, g), PAGE_TOKENS[4], fmt)
     idx, lens, eidx, elens = [], [], [], []
     for first_pos, base in ((150, 0), (60, 200)):  # request 2 is shorter than the window
         for d in range(draft):

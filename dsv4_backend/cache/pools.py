@@ -3,15 +3,17 @@
 ==========  ===============================  ============  =========================
 cache       layers                           page tokens   slots
 ==========  ===============================  ============  =========================
-window      every layer                      128           ``num_swa_slots``
+window      every layer                      256           ``num_swa_slots``
 c4          ratio-4 layers                   64            ``num_full_slots // 4``
 indexer     ratio-4 layers                   64            ``num_full_slots // 4``
 c128        ratio-128 layers                 2             ``num_full_slots // 128``
 ==========  ===============================  ============  =========================
 
 Compressed caches reuse the full page table (256 tokens per page), so ``num_full_slots`` must be
-a multiple of 256. ``build`` allocates; ``over`` builds fp8 caches over given per-layer storages
-(e.g. a host's KV pool buffers). Compressor state rings live in ``kernels/compressor.py``.
+a multiple of 256. Window pages are sglang's SWA pages (``WINDOW_PAGE_TOKENS``, 256 tokens:
+149,760 bytes in the Flash fp8 layout). ``build`` allocates; ``over`` builds fp8 caches over given
+per-layer storages (e.g. a host's KV pool buffers). Compressor state rings live in
+``kernels/compressor.py``.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import torch
 
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.cache.token_cache import CacheFormat, TokenCache
-from dsv4_backend.config import SWA_PAGE_SIZE, DSV4AttentionConfig, entries_per_page
+from dsv4_backend.config import WINDOW_PAGE_TOKENS, DSV4AttentionConfig, entries_per_page
 from dsv4_backend.errors import ConfigError, ContractError
 
 
@@ -127,7 +129,7 @@ class DSV4CachePools:
         if num_swa_slots <= 0:
             raise ConfigError(f"num_swa_slots={num_swa_slots}; expected a positive integer")
         windows = tuple(
-            token_cache("window", layer, num_swa_slots, SWA_PAGE_SIZE)
+            token_cache("window", layer, num_swa_slots, WINDOW_PAGE_TOKENS)
             for layer in range(len(config.compress_ratios))
         )
         compressed, indexers = {}, {}

@@ -121,7 +121,7 @@ class SlotCache:
 class TokenCache(SlotCache):
     """Keys (= values) of one layer: ``head_dim`` channels, the last ``rope_dim`` of them RoPE.
 
-    ``page_tokens`` is the page size of the fp8 layout (window 128, c4 64, c128 2) and
+    ``page_tokens`` is the page size of the fp8 layout (window 256, c4 64, c128 2) and
     ``dtype`` the storage dtype of a dense cache; each format ignores the other's parameter.
     """
 

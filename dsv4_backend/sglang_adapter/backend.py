@@ -94,6 +94,7 @@ from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
     unaliasable_reason,
+    unmovable_reason,
 )
 
 if TYPE_CHECKING:
@@ -106,22 +107,9 @@ if TYPE_CHECKING:
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
 _STATE_ATTR = "_dsv4_backend_attention_state"
 #: Server options that move or rebuild KV state outside this backend, refused when set:
-#: ``(ServerArgs field, value that is safe, CLI flag, why)``. sglang's PD transfer and its host
-#: caches copy the pool's page buffers and its own compressor states; this package's caches and
-#: rings are views of those only where the pool's layout fits (``pool_alias``), and no transfer
-#: of them is verified, so a request resumed from a copy could compress from stale rings.
+#: ``(ServerArgs field, value that is safe, CLI flag, why)``.
 #: sglang's default device radix cache is served (``UNSUPPORTED_CACHE_MODES``: the others).
 STATE_MOVING_OPTIONS = (
-    (
-        "disaggregation_mode", "null", "--disaggregation-mode",
-        "PD transfer carries sglang's pool pages, not verified to carry the backend's "
-        "compressor rings",
-    ),
-    (
-        "enable_hierarchical_cache", False, "--enable-hierarchical-cache",
-        "HiCache offloads and reloads pool pages, not verified to carry the backend's "
-        "compressor rings",
-    ),
     (
         "enable_hisparse", False, "--enable-hisparse",
         "HiSparse offloads the c4 cache through sglang's own sparse path, which this backend "
@@ -133,6 +121,14 @@ STATE_MOVING_OPTIONS = (
         "compressor rings",
     ),
 )  # fmt: skip
+#: Server options that copy the pool's regions (``get_contiguous_buf_infos``,
+#: ``get_state_buf_infos``, ``get_request_state_buf_infos``) between pools or to host memory:
+#: ``(ServerArgs field, value that is off, CLI flag)``. Served only where every cache and ring
+#: of the backend is a view of those regions (``pool_alias.unmovable_reason``), refused otherwise.
+REGION_COPYING_OPTIONS = (
+    ("disaggregation_mode", "null", "--disaggregation-mode"),
+    ("enable_hierarchical_cache", False, "--enable-hierarchical-cache"),
+)
 #: Prefix-cache modes refused besides: ``(server_args option, flag, what it is)``. They move a
 #: prefix's KV through external storage, replace the tree, or resume a session at an unaligned
 #: length in a fresh pool row (whose request-scoped c128 ring holds nothing).
@@ -162,6 +158,8 @@ class RunnerSettings:
     device: torch.device
     #: Attention tensor-parallel ranks: each serves ``config.num_heads // attn_tp_size`` heads.
     attn_tp_size: int = 1
+    #: The ``REGION_COPYING_OPTIONS`` set, as ``"option=value (flag)"``.
+    region_copying: tuple[str, ...] = ()
 
     @property
     def local_heads(self) -> int:
@@ -208,6 +206,11 @@ class RunnerSettings:
                     f"{option}={value!r}; the dsv4 backend cannot serve it: {why}, so a "
                     f"request resumed from the copy would be wrong (leave {flag} unset)"
                 )
+        region_copying = tuple(
+            f"{option}={getattr(args, option)!r} ({flag})"
+            for option, off, flag in REGION_COPYING_OPTIONS
+            if getattr(args, option, off) not in (off, None)
+        )
         for option, flag, why in UNSUPPORTED_CACHE_MODES:
             value = getattr(args, option, None)
             if value:
@@ -224,8 +227,10 @@ class RunnerSettings:
         hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.
+        # sglang's own reading of the window (its model config resolves the same keys).
+        window = getattr(runner.model_config, "sliding_window_size", None)
         config = DSV4AttentionConfig.from_hf_config(
-            hf, speculative=speculative, indexer_selection=selection
+            hf, {"window_size": window}, speculative=speculative, indexer_selection=selection
         )
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
@@ -251,6 +256,7 @@ class RunnerSettings:
             num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", 0) or 0),
             device=torch.device(runner.device),
             attn_tp_size=attn_tp_size,
+            region_copying=region_copying,
         )
 
 
@@ -269,7 +275,10 @@ class CudaStreams:
 
 
 def shared_state(
-    runner: ModelRunner, config: DSV4AttentionConfig, fmt: CacheFormat
+    runner: ModelRunner,
+    config: DSV4AttentionConfig,
+    fmt: CacheFormat,
+    region_copying: Sequence[str] = (),
 ) -> AttentionState:
     """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
@@ -278,7 +287,9 @@ def shared_state(
     page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is sglang's padding
     slot and stays addressable. With an fp8 format and an sglang ``DeepSeekV4TokenToKVPool``
     the caches are views of that pool's buffers (``pool_alias``; ``ConfigError`` when one is
-    too small), otherwise allocated; one INFO line says which.
+    too small), otherwise allocated; one INFO line says which. ``region_copying`` (the
+    ``REGION_COPYING_OPTIONS`` set): ``ConfigError`` unless every cache and ring is such a
+    view, naming what sglang's regions would not carry.
     """
     pool = runner.token_to_kv_pool
     state = getattr(pool, _STATE_ATTR, None)
@@ -296,6 +307,14 @@ def shared_state(
     else:
         state = AttentionState.allocate(config, **sizes, fmt=fmt, device=runner.device)
     log_state_memory(state, pool, reason)
+    unmovable = unmovable_reason(state, pool, reason)
+    if region_copying and unmovable:
+        raise ConfigError(
+            f"{', '.join(region_copying)}: sglang copies its DeepSeekV4TokenToKVPool's regions "
+            f"between pools (or to host memory), and they would not carry the dsv4 backend's "
+            f"state: {unmovable}. Serve these with fp8 caches over sglang's pool (V4 layout, "
+            "paged window, offline fp32 c128 state), or leave the options unset"
+        )
     setattr(pool, _STATE_ATTR, state)
     return state
 
@@ -396,8 +415,9 @@ class DSV4AttentionBackend(AttentionBackend):
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios,
-    context parallelism, an option of ``STATE_MOVING_OPTIONS`` (PD disaggregation, HiCache,
-    HiSparse, LMCache) or ``UNSUPPORTED_CACHE_MODES`` (other prefix-cache modes; sglang's
+    context parallelism, an option of ``STATE_MOVING_OPTIONS`` (HiSparse, LMCache), PD
+    disaggregation or HiCache (``REGION_COPYING_OPTIONS``) over caches that are not views of
+    sglang's pool, or ``UNSUPPORTED_CACHE_MODES`` (other prefix-cache modes; sglang's
     default radix cache is served) or heads that the attention TP group does not divide.
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
@@ -433,7 +453,7 @@ class DSV4AttentionBackend(AttentionBackend):
         )
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.state = shared_state(model_runner, self.config, cache_format)
+        self.state = shared_state(model_runner, self.config, cache_format, settings.region_copying)
         self.num_cache_slots = state_sizes(model_runner, self.config)["num_full_slots"]
         self.forward_metadata: AttentionMetadata | None = None
         self.planned: PlannedBatch | None = None
@@ -690,10 +710,20 @@ class DSV4AttentionBackend(AttentionBackend):
         rows = None if self.draft_step is not None else forward_batch.out_cache_loc.shape[0]
         return self._metadata(forward_batch, rows, where).swa_out_loc
 
+    def _enter_layer(self, layer_id: int, where: str) -> int:
+        """``layer_id``'s compress ratio (checked), once HiCache's load of that layer is done:
+        the caches are views of the pool, so the backend waits as sglang's pool getters do
+        (``wait_layer_transfer``; no wait without HiCache)."""
+        ratio = layer_ratio(self.config, layer_id, where)
+        wait = getattr(self.token_to_kv_pool, "wait_layer_transfer", None)
+        if wait is not None:
+            wait(layer_id)
+        return ratio
+
     def store_cache(self, layer_id: int, swa_k: torch.Tensor, forward_batch: ForwardBatch) -> None:
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
         where = f"store_cache (layer {layer_id})"
-        layer_ratio(self.config, layer_id, where)
+        self._enter_layer(layer_id, where)
         if _is_idle(forward_batch, swa_k, where):
             return
         metadata = self._metadata(forward_batch, swa_k.shape[0], where)
@@ -711,7 +741,7 @@ class DSV4AttentionBackend(AttentionBackend):
         sides (keys here, queries in ``forward_c4_indexer``): it leaves ``q . k`` unchanged.
         """
         where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
-        layer_ratio(self.config, layer_id, where)
+        self._enter_layer(layer_id, where)
         if _is_idle(forward_batch, x, where):
             return
         metadata = self._metadata(forward_batch, x.shape[0], where)
@@ -776,7 +806,7 @@ class DSV4AttentionBackend(AttentionBackend):
             return
         layer_id = c4_indexer.layer_id
         where = f"c4 indexer (layer {layer_id})"
-        if layer_ratio(self.config, layer_id, where) != 4:
+        if self._enter_layer(layer_id, where) != 4:
             raise ContractError(
                 f"{where}: layer {layer_id} has compress ratio "
                 f"{self.config.compress_ratios[layer_id]}; the indexer runs on ratio-4 layers"
@@ -871,7 +901,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """
         layer_id = layer.layer_id
         where = f"forward (layer {layer_id})"
-        ratio = layer_ratio(self.config, layer_id, where)
+        ratio = self._enter_layer(layer_id, where)
         if compress_ratio is not None and compress_ratio != ratio:
             raise ContractError(
                 f"{where}: compress_ratio={compress_ratio} but the model config gives layer "

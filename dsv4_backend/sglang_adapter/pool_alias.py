@@ -5,8 +5,10 @@ keys reach ``store_cache`` because the backend sets ``SGLANG_DSV4_USE_BF16_KV_QU
 the compressors and the indexer run through the backend), so the backend's fp8 caches use those
 buffers' bytes instead of allocating a second copy:
 
-* window cache of layer ``l``: ``get_swa_raw_buffer(l)`` (``[pages, 149760]`` uint8, 256 tokens
-  per sglang page = two of our 128-token pages, same 584 B per token);
+* window cache of layer ``l``: ``get_swa_raw_buffer(l)`` (``[pages, 149760]`` uint8: sglang's
+  256-token SWA page, the 576 data bytes of all its tokens, then their 8 scale bytes each; our
+  window pages are the same pages, so sglang's writers (``set_swa_key_buffer_radix``) and ours
+  put a token's bytes in the same place);
 * c4 / c128 cache: ``get_extra_key_buffer(l)`` (fp8 view of ``[pages, 37440]`` / ``[pages,
   1728]`` bytes), read as uint8;
 * indexer keys: ``get_index_k_with_scale_buffer(l)`` (``[pages, 64 * 132]`` uint8);
@@ -170,6 +172,29 @@ def _ring_view(
         and buf.shape[0] >= num_slots * rows
     )
     return buf[: num_slots * rows].view(num_slots, rows, width) if fits else None
+
+
+def unmovable_reason(state: AttentionState, pool: object, reason: str | None) -> str | None:
+    """What of ``state`` sglang's region lists (PD transfer, HiCache host pools) would not
+    carry, or None when they carry all of it. ``reason``: :func:`unaliasable_reason`'s answer
+    for ``pool``. The RoPE table is the same on every pool and travels with none."""
+    if reason is not None:
+        return f"its caches are allocated by the backend, not views of the pool ({reason})"
+    owned = _owned_ranges(pool)
+    rings = [
+        *(f"layer {layer} compressor" for layer in state.compressor_states),
+        *(f"layer {layer} indexer compressor" for layer in state.indexer_states),
+    ]
+    states = [*state.compressor_states.values(), *state.indexer_states.values()]
+    missing = [
+        name for name, ring in zip(rings, states, strict=True) if not _inside(ring.ring, owned)
+    ]
+    if missing:
+        return (
+            f"the {', '.join(missing)} state rings are the backend's own (sglang's state pool "
+            "has another layout: online c128, another dtype or ring length)"
+        )
+    return None
 
 
 def log_state_memory(state: AttentionState, pool: object, reason: str | None) -> None:

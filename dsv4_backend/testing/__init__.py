@@ -6,5 +6,7 @@
 * :mod:`.harness`: a simulated sglang host (model runner, ``ForwardBatch`` builders, stand-ins
   for the model's modules) driving the sglang adapter;
 * :mod:`.ab`: the A/B tool (``python -m dsv4_backend ab``);
-* :mod:`.op_counter`: counts aten ops and host syncs of a block of code.
+* :mod:`.op_counter`: counts aten ops and host syncs of a block of code;
+* :mod:`.transfer`, :mod:`.hicache`: sglang's PD transfer and HiCache host tier over a
+  ``DeepSeekV4TokenToKVPool``'s regions.
 """
