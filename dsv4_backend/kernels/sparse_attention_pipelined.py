@@ -16,7 +16,7 @@ against the reference. What it takes from FlashMLA's SM90 sparse FP8 decode:
   flight while block ``i`` is dequantised and multiplied. Pipelining needs every load outside
   any branch: one gather whose cache, index row and page geometry are picked by scalars (window
   blocks, then extra blocks; a block never straddles the spans); page sizes are powers of two
-  (128 / 64 / 2 tokens), so a slot's page is a shift.
+  (256 / 64 / 2 tokens), so a slot's page is a shift.
 * Each block's bytes load as three 16-byte-vectorised tiles: the token's first ``D`` bytes as
   e4m3 codes ``[N, D / 64, 64]`` (the last group's bytes are rope bytes, replaced), its ue8m0
   scales ``[N, D / 64]`` and its bf16 rope part ``[N, 64]`` as 16-bit words. ``k = e4m3 *
