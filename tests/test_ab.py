@@ -17,14 +17,30 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dsv4_backend.cache import fp8_format
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
 from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
 from dsv4_backend.testing.ab.cli import add_ab_parser, main, run_ab
-from dsv4_backend.testing.ab.report import build_report, render_markdown
+from dsv4_backend.testing.ab.report import (
+    ERROR_RATIO_LIMITS,
+    FAIL_COLOUR,
+    TIME_MS_LIMITS,
+    _plot_errors,
+    _plot_times,
+    build_report,
+    plot_times,
+    render_markdown,
+)
 from dsv4_backend.testing.ab.runner import run_trace
+from dsv4_backend.testing.ab.tolerance import (
+    CPU_ATOL,
+    E4M3_RMS_ROUNDOFF,
+    default_tolerance,
+    same_format_atol,
+)
 from dsv4_backend.testing.ab.trace import (
     BOUNDARY,
     MODES,
@@ -221,6 +237,45 @@ def test_tolerance_is_per_mode_and_overridable(trace) -> None:
     assert result.modes["decode/eager"].atol == 1e-3
 
 
+def test_tolerance_follows_both_sides_cache_formats() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_tolerance(cpu, "dense", "dense").atol == CPU_ATOL == same_format_atol(cpu)
+    assert default_tolerance(cuda, "fp8", "fp8").atol == pytest.approx(12 * 2**-8)
+    for device in (cpu, cuda):
+        assert default_tolerance(device, "fp8", "fp8").median_row_rtol is None
+        mixed = default_tolerance(device, "fp8", "dense")
+        assert mixed == default_tolerance(device, "dense", "fp8")
+        assert mixed.median_row_rtol == pytest.approx(2**-4 / 3**0.5)
+        assert mixed.atol == pytest.approx(16 * 2**-4)
+        assert "e4m3" in mixed.derivation and "ue8m0" in mixed.derivation
+
+
+def test_fp8_against_dense_passes_within_e4m3_rounding(trace) -> None:
+    """``--a dsv4-fp8 --b dsv4``: every mode far over the dense bound (1e-4), within FP8's."""
+    result = run_trace(trace, torch_dsv4(fmt="fp8"), torch_dsv4())
+    assert result.passed, result.failed
+    assert result.tolerance.median_row_rtol == E4M3_RMS_ROUNDOFF
+    for stats in result.modes.values():
+        assert stats.max_abs_error > 100 * CPU_ATOL  # the rounding is there ...
+        assert 0.3 * E4M3_RMS_ROUNDOFF < stats.median_row_error < 0.8 * E4M3_RMS_ROUNDOFF
+    report = build_report(result)
+    assert report["cache_formats"] == {"a": "fp8", "b": "dense"}
+    assert "u/sqrt(3)" in render_markdown(report)
+
+
+def test_fp8_quantisation_bug_fails_the_fp8_tolerance(trace, monkeypatch) -> None:
+    """An encoder whose ue8m0 scale is one exponent too small saturates the largest values of
+    every 64-channel group: the median row error goes to ~4x its bound and every mode fails."""
+    exponent = fp8_format.ue8m0_exponent
+    monkeypatch.setattr(fp8_format, "ue8m0_exponent", lambda amax: (exponent(amax) - 1).clamp(0))
+    result = run_trace(trace, torch_dsv4(fmt="fp8"), torch_dsv4())
+    assert result.failed == ALL_LABELS
+    for stats in result.modes.values():
+        assert stats.error is None and stats.max_abs_error <= stats.atol  # not a gross error
+        assert stats.median_row_error > 2 * E4M3_RMS_ROUNDOFF
+    assert "| decode/graph | **FAIL** |" in render_markdown(build_report(result))
+
+
 def test_sglang_registry_backend_runs_the_trace(trace) -> None:
     """``sglang:dsv4`` (this package's adapter, FP8 caches, built through sglang's registry and
     draft factory) equals ``dsv4-fp8``. The CLI allows it on CUDA only; the driver itself is
@@ -231,6 +286,36 @@ def test_sglang_registry_backend_runs_the_trace(trace) -> None:
         result = run_trace(trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))
     assert result.passed and list(result.modes) == ALL_LABELS
     assert all(s.max_abs_error < 1e-5 for s in result.modes.values())
+
+
+def test_plot_shows_the_verdict_zero_bars_and_fixed_scales(tmp_path: Path) -> None:
+    """A failed run is framed in red, a passed one is not; zero errors and the reference's zero
+    planning time are labelled; every axis has the same limits whatever the figures."""
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    tiny = build_trace(CONFIG, num_requests=1, max_len=40, cycles=1, decode_steps=2)
+    passed = build_report(run_trace(tiny, torch_dsv4(), torch_dsv4()))  # identical: errors 0
+    failed = build_report(run_trace(tiny, torch_dsv4(), ReferenceBackend(), atol={"decode": 0}))
+    assert passed["passed"] and failed["failed"] == ["decode/eager", "decode/graph"]
+    assert "| decode/eager | **FAIL** |" in render_markdown(failed)
+    corners = {}
+    for name, report in (("passed", passed), ("failed", failed)):
+        plot_times(report, tmp_path / f"{name}.png")
+        corners[name] = tuple(matplotlib.image.imread(tmp_path / f"{name}.png")[1, 1, :3])
+    assert corners["failed"] == pytest.approx(to_rgb(FAIL_COLOUR), abs=0.02)
+    assert corners["passed"] == pytest.approx((1.0, 1.0, 1.0))
+    fig, axes = plt.subplots(2, 2)
+    for column, report in enumerate((passed, failed)):
+        _plot_errors(axes[0, column], report["modes"])
+        _plot_times(axes[1, column], report, "plan")
+        assert axes[0, column].get_ylim() == pytest.approx(ERROR_RATIO_LIMITS)
+        assert axes[1, column].get_ylim() == pytest.approx(TIME_MS_LIMITS)
+    labels = [[t.get_text() for t in ax.texts] for ax in axes.flat]
+    assert labels[0].count("0") == len(passed["modes"])  # every error is exactly 0
+    assert labels[3].count("0") == len(failed["modes"])  # the reference's planning bars
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------- the CLI
@@ -342,6 +427,35 @@ def test_bad_input_is_one_line_and_status_2(
     assert message in err and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("dsv4-backend ab: error: ")
     assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("out", ["/proc/forbidden", "/sys/forbidden"])
+def test_unwritable_out_is_refused_before_the_trace_runs(out: str, capsys, monkeypatch) -> None:
+    """Root passes ``os.access`` there; the probe file is what fails, before any step runs."""
+    if not Path(out).parent.is_dir():
+        pytest.skip(f"{Path(out).parent} does not exist here")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the trace ran")
+
+    monkeypatch.setattr("dsv4_backend.testing.ab.runner.run_trace", no_run)
+    status = main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", out, "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert err.startswith(f"dsv4-backend ab: error: --out {out}: cannot write a report there (")
+
+
+def test_out_is_made_before_the_run_and_keeps_no_probe(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "new" / "report"
+    seen = []
+
+    def run_trace_seeing_out(*args, **kwargs):
+        seen.append(out.is_dir())
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr("dsv4_backend.testing.ab.runner.run_trace", run_trace_seeing_out)
+    assert main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", str(out), "--quiet"]) == 2
+    assert seen == [True] and list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize("args", [["--requests", "x"], ["--max-len"], ["--bogus"]])
