@@ -75,7 +75,7 @@ def _cuda_device() -> str | None:
 def _capabilities(gpu: str | None) -> list[tuple[str, str, str]]:
     """Return ``(path, "yes" or "no", reason)`` for each kernel path."""
     checks = [
-        ("torch reference", _torch_reference()),
+        ("torch kernels", _torch_path()),
         ("triton (GPU)", _triton_gpu(gpu)),
         ("triton interpreter", _triton_interpreter()),
         ("tvm (llvm, CPU)", _tvm_llvm()),
@@ -84,10 +84,10 @@ def _capabilities(gpu: str | None) -> list[tuple[str, str, str]]:
     return [(path, "yes" if ok else "no", reason) for path, (ok, reason) in checks]
 
 
-def _torch_reference() -> tuple[bool, str]:
+def _torch_path() -> tuple[bool, str]:
     if _versions.installed_version("torch") is None:
         return False, "torch not installed"
-    return True, "pure torch, any device"
+    return True, "the kernels' torch twins, any device (A/B backend dsv4-torch)"
 
 
 def _triton_gpu(gpu: str | None) -> tuple[bool, str]:

@@ -1,8 +1,9 @@
 """The A/B tool (``python -m dsv4_backend ab``): traces, backends, verdicts, reports, refusals.
 
-Runs use a small trace (2 requests crossing the 128-token window / c128 block, 2 speculative
-rounds, 2 decodes) and the torch kernel path, so the file stays fast in the interpreter
-session the suite runs in.
+Runs use the torch kernel path, so the file stays fast in the interpreter session the suite runs
+in: comparisons with the reference a small trace (2 requests crossing the 128-token window /
+c128 block, 2 speculative rounds, 2 decodes), checks of the tool's mechanics (warm-up, verdicts,
+report) a tiny one (1 request of 40 tokens, every mode on both paths).
 """
 
 from __future__ import annotations
@@ -16,15 +17,32 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stress import sized
 
+from dsv4_backend.cache import fp8_format
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
 from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
 from dsv4_backend.testing.ab.cli import add_ab_parser, main, run_ab
-from dsv4_backend.testing.ab.report import build_report, render_markdown
+from dsv4_backend.testing.ab.report import (
+    ERROR_RATIO_LIMITS,
+    FAIL_COLOUR,
+    TIME_MS_LIMITS,
+    _plot_errors,
+    _plot_times,
+    build_report,
+    plot_times,
+    render_markdown,
+)
 from dsv4_backend.testing.ab.runner import run_trace
+from dsv4_backend.testing.ab.tolerance import (
+    CPU_ATOL,
+    E4M3_RMS_ROUNDOFF,
+    default_tolerance,
+    same_format_atol,
+)
 from dsv4_backend.testing.ab.trace import (
     BOUNDARY,
     MODES,
@@ -38,6 +56,8 @@ from dsv4_backend.testing.ab.trace import (
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
 SMALL_ARGS = ["--requests", "2", "--max-len", "150", "--cycles", "2", "--decode-steps", "2"]
+TINY = dict(num_requests=1, max_len=40, cycles=2, decode_steps=2)
+TINY_ARGS = ["--requests", "1", "--max-len", "40", "--cycles", "2", "--decode-steps", "2"]
 #: Every mode of an EAGLE trace (the default; ``dspark`` steps belong to ``--spec dspark``).
 ALL_LABELS = [f"{m}/{p}" for m in MODES if m != "dspark" for p in PATHS]
 
@@ -47,12 +67,17 @@ def trace():
     return build_trace(CONFIG, **SMALL, seed=0)
 
 
+@pytest.fixture(scope="module")
+def tiny_trace():
+    return build_trace(CONFIG, **TINY, seed=0)
+
+
 def torch_dsv4(**kwargs) -> DSV4Backend:
     return DSV4Backend("dsv4-torch", path="torch", **kwargs)
 
 
 # --------------------------------------------------------------------------------- the trace
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=sized(10, 100), deadline=None)
 @given(
     seed=st.integers(0, 2**16),
     requests=st.integers(1, 4),
@@ -98,8 +123,8 @@ def test_trace_fits_its_pool_and_covers_every_mode(
 
 
 # ------------------------------------------------------------------------------ the verdict
-def test_reference_against_itself_is_exact(trace) -> None:
-    result = run_trace(trace, ReferenceBackend(), ReferenceBackend())
+def test_reference_against_itself_is_exact(tiny_trace) -> None:
+    result = run_trace(tiny_trace, ReferenceBackend(), ReferenceBackend())
     assert result.passed and list(result.modes) == ALL_LABELS
     for stats in result.modes.values():
         assert stats.steps > 0 and stats.rows > 0
@@ -122,20 +147,20 @@ class _CountingReference(ReferenceBackend):
         return super().run(step)
 
 
-def test_warm_up_runs_every_step_untimed_then_starts_afresh(trace) -> None:
+def test_warm_up_runs_every_step_untimed_then_starts_afresh(tiny_trace) -> None:
     """With warm-up (the default on CUDA) each backend runs the whole trace once untimed, is
     prepared again, and the timed run compares as without it; its seconds are reported apart."""
     a, b = _CountingReference(), _CountingReference()
-    result = run_trace(trace, a, b, warmup=True)
+    result = run_trace(tiny_trace, a, b, warmup=True)
     assert result.passed
     assert all(stats.max_abs_error == 0.0 for stats in result.modes.values())
     for side in (a, b):
-        assert side.prepared == 2 and side.ran == 2 * len(trace.steps)
+        assert side.prepared == 2 and side.ran == 2 * len(tiny_trace.steps)
     assert set(result.warmup_s) == {"a", "b"} and min(result.warmup_s.values()) > 0
     report = build_report(result)
     assert report["warmup_s"] == result.warmup_s
     assert "warm-up pass before timing" in render_markdown(report)
-    cold = run_trace(trace, ReferenceBackend(), ReferenceBackend())  # cpu: no warm-up
+    cold = run_trace(tiny_trace, ReferenceBackend(), ReferenceBackend())  # cpu: no warm-up
     assert cold.warmup_s == {} and "no warm-up pass" in render_markdown(build_report(cold))
 
 
@@ -194,14 +219,11 @@ def test_prefix_share_trace_serves_a_cache_hit(tmp_path: Path, capsys) -> None:
     pool = trace.build_model().pool
     assert torch.equal(pool.req_to_token[3, :256], pool.req_to_token[1, :256])
     assert not torch.equal(pool.req_to_token[3, 256:512], pool.req_to_token[1, 256:512])
-    result = run_trace(trace, torch_dsv4(), ReferenceBackend())
-    assert result.passed, result.failed
     args = ["--requests", "2", "--max-len", "290", "--cycles", "1", "--decode-steps", "1"]
     status = main(["--a", "dsv4-torch", *args, "--prefix-share", "--out", str(tmp_path), "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert status == 0 and report["trace"]["prefix_hits"] == [
-        {"request": 2, "owner": 0, "tokens": 256}
-    ]
+    assert status == 0, report["failed"]  # every mode matches the reference
+    assert report["trace"]["prefix_hits"] == [{"request": 2, "owner": 0, "tokens": 256}]
     assert (
         "request 2 starts from request 0's cached 256 tokens"
         in (tmp_path / "report.md").read_text()
@@ -243,28 +265,99 @@ def test_a_backend_that_raises_fails_its_mode_and_stops(trace) -> None:
     assert result.modes["decode/graph"].steps == 0  # nothing ran after the failure
 
 
-def test_tolerance_is_per_mode_and_overridable(trace) -> None:
-    result = run_trace(trace, torch_dsv4(), ReferenceBackend(), atol={"*": 1e-3, "verify": 1e-12})
+def test_tolerance_is_per_mode_and_overridable(tiny_trace) -> None:
+    result = run_trace(
+        tiny_trace, torch_dsv4(), ReferenceBackend(), atol={"*": 1e-3, "verify": 1e-12}
+    )
     assert result.failed == ["verify/eager", "verify/graph"]
     assert result.modes["decode/eager"].atol == 1e-3
 
 
-def test_sglang_registry_backend_runs_the_trace(trace) -> None:
+def test_tolerance_follows_both_sides_cache_formats() -> None:
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert default_tolerance(cpu, "dense", "dense").atol == CPU_ATOL == same_format_atol(cpu)
+    assert default_tolerance(cuda, "fp8", "fp8").atol == pytest.approx(12 * 2**-8)
+    for device in (cpu, cuda):
+        assert default_tolerance(device, "fp8", "fp8").median_row_rtol is None
+        mixed = default_tolerance(device, "fp8", "dense")
+        assert mixed == default_tolerance(device, "dense", "fp8")
+        assert mixed.median_row_rtol == pytest.approx(2**-4 / 3**0.5)
+        assert mixed.atol == pytest.approx(16 * 2**-4)
+        assert "e4m3" in mixed.derivation and "ue8m0" in mixed.derivation
+
+
+def test_fp8_against_dense_passes_within_e4m3_rounding(trace) -> None:
+    """``--a dsv4-fp8 --b dsv4``: every mode far over the dense bound (1e-4), within FP8's."""
+    result = run_trace(trace, torch_dsv4(fmt="fp8"), torch_dsv4())
+    assert result.passed, result.failed
+    assert result.tolerance.median_row_rtol == E4M3_RMS_ROUNDOFF
+    for stats in result.modes.values():
+        assert stats.max_abs_error > 100 * CPU_ATOL  # the rounding is there ...
+        assert 0.3 * E4M3_RMS_ROUNDOFF < stats.median_row_error < 0.8 * E4M3_RMS_ROUNDOFF
+    report = build_report(result)
+    assert report["cache_formats"] == {"a": "fp8", "b": "dense"}
+    assert "u/sqrt(3)" in render_markdown(report)
+
+
+def test_fp8_quantisation_bug_fails_the_fp8_tolerance(trace, monkeypatch) -> None:
+    """An encoder whose ue8m0 scale is one exponent too small saturates the largest values of
+    every 64-channel group: the median row error goes to ~4x its bound and every mode fails."""
+    exponent = fp8_format.ue8m0_exponent
+    monkeypatch.setattr(fp8_format, "ue8m0_exponent", lambda amax: (exponent(amax) - 1).clamp(0))
+    result = run_trace(trace, torch_dsv4(fmt="fp8"), torch_dsv4())
+    assert result.failed == ALL_LABELS
+    for stats in result.modes.values():
+        assert stats.error is None and stats.max_abs_error <= stats.atol  # not a gross error
+        assert stats.median_row_error > 2 * E4M3_RMS_ROUNDOFF
+    assert "| decode/graph | **FAIL** |" in render_markdown(build_report(result))
+
+
+def test_sglang_registry_backend_runs_the_trace(tiny_trace) -> None:
     """``sglang:dsv4`` (this package's adapter, FP8 caches, built through sglang's registry and
     draft factory) equals ``dsv4-fp8``. The CLI allows it on CUDA only; the driver itself is
     host-agnostic, so it is exercised here through the Python API."""
     from dsv4_backend.testing.ab.sglang_backend import SglangBackend
 
     with force_path("torch"):
-        result = run_trace(trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))
+        result = run_trace(tiny_trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))
     assert result.passed and list(result.modes) == ALL_LABELS
     assert all(s.max_abs_error < 1e-5 for s in result.modes.values())
+
+
+def test_plot_shows_the_verdict_zero_bars_and_fixed_scales(tiny_trace, tmp_path: Path) -> None:
+    """A failed run is framed in red, a passed one is not; zero errors and the reference's zero
+    planning time are labelled; every axis has the same limits whatever the figures."""
+    import matplotlib.image
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgb
+
+    passed = build_report(run_trace(tiny_trace, torch_dsv4(), torch_dsv4()))  # identical: 0
+    failed = run_trace(tiny_trace, torch_dsv4(), ReferenceBackend(), atol={"decode": 0})
+    failed = build_report(failed)
+    assert passed["passed"] and failed["failed"] == ["decode/eager", "decode/graph"]
+    assert "| decode/eager | **FAIL** |" in render_markdown(failed)
+    corners = {}
+    for name, report in (("passed", passed), ("failed", failed)):
+        plot_times(report, tmp_path / f"{name}.png")
+        corners[name] = tuple(matplotlib.image.imread(tmp_path / f"{name}.png")[1, 1, :3])
+    assert corners["failed"] == pytest.approx(to_rgb(FAIL_COLOUR), abs=0.02)
+    assert corners["passed"] == pytest.approx((1.0, 1.0, 1.0))
+    fig, axes = plt.subplots(2, 2)
+    for column, report in enumerate((passed, failed)):
+        _plot_errors(axes[0, column], report["modes"])
+        _plot_times(axes[1, column], report, "plan")
+        assert axes[0, column].get_ylim() == pytest.approx(ERROR_RATIO_LIMITS)
+        assert axes[1, column].get_ylim() == pytest.approx(TIME_MS_LIMITS)
+    labels = [[t.get_text() for t in ax.texts] for ax in axes.flat]
+    assert labels[0].count("0") == len(passed["modes"])  # every error is exactly 0
+    assert labels[3].count("0") == len(failed["modes"])  # the reference's planning bars
+    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------------- the CLI
 def test_cli_writes_markdown_png_and_json(tmp_path: Path, capsys) -> None:
     out = tmp_path / "report"
-    status = main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", str(out), "--json"])
+    status = main(["--a", "dsv4-torch", *TINY_ARGS, "--out", str(out), "--json"])
     captured = capsys.readouterr()
     assert status == 0
     assert captured.err == ""  # no progress bar when stderr is not a terminal
@@ -273,7 +366,7 @@ def test_cli_writes_markdown_png_and_json(tmp_path: Path, capsys) -> None:
     assert report["passed"] and report["failed"] == []
     assert report["a"] == {"name": "dsv4-torch", "kernels": "torch"}
     assert report["b"]["name"] == "reference" and report["device"] == "cpu"
-    assert report["trace"]["requests"] == 2 and report["trace"]["seed"] == 0
+    assert report["trace"]["requests"] == 1 and report["trace"]["seed"] == 0
     assert [m["label"] for m in report["modes"]] == ALL_LABELS
     for mode in report["modes"]:
         assert mode["max_abs_error"] < mode["atol"] == 1e-4 and mode["passed"]
@@ -370,6 +463,35 @@ def test_bad_input_is_one_line_and_status_2(
     assert message in err and "Traceback" not in err
     assert err.count("\n") == 1 and err.startswith("dsv4-backend ab: error: ")
     assert not (tmp_path / "never").exists()
+
+
+@pytest.mark.parametrize("out", ["/proc/forbidden", "/sys/forbidden"])
+def test_unwritable_out_is_refused_before_the_trace_runs(out: str, capsys, monkeypatch) -> None:
+    """Root passes ``os.access`` there; the probe file is what fails, before any step runs."""
+    if not Path(out).parent.is_dir():
+        pytest.skip(f"{Path(out).parent} does not exist here")
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the trace ran")
+
+    monkeypatch.setattr("dsv4_backend.testing.ab.runner.run_trace", no_run)
+    status = main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", out, "--quiet"])
+    err = capsys.readouterr().err
+    assert status == 2 and err.count("\n") == 1
+    assert err.startswith(f"dsv4-backend ab: error: --out {out}: cannot write a report there (")
+
+
+def test_out_is_made_before_the_run_and_keeps_no_probe(tmp_path: Path, monkeypatch) -> None:
+    out = tmp_path / "new" / "report"
+    seen = []
+
+    def run_trace_seeing_out(*args, **kwargs):
+        seen.append(out.is_dir())
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr("dsv4_backend.testing.ab.runner.run_trace", run_trace_seeing_out)
+    assert main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", str(out), "--quiet"]) == 2
+    assert seen == [True] and list(out.iterdir()) == []
 
 
 @pytest.mark.parametrize("args", [["--requests", "x"], ["--max-len"], ["--bogus"]])

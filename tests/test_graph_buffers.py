@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from planning_spec import BatchSpec, assert_same, flatten, make_batch
+from stress import sized
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
@@ -176,8 +177,9 @@ def test_refuses_plans_larger_than_the_buffers() -> None:
 @st.composite
 def graph_specs(draw: st.DrawFn) -> BatchSpec:
     kind = draw(st.sampled_from([D, V, "draft"]))
-    bs = draw(st.integers(1, 64))
-    seq = tuple(draw(st.lists(st.integers(1, 4096), min_size=bs, max_size=bs)))
+    # Quick: up to 8 requests of 4 pages; DSV4_STRESS=1: up to 64 requests of 16 pages.
+    bs = draw(st.integers(1, sized(8, 64)))
+    seq = tuple(draw(st.lists(st.integers(1, sized(1024, 4096)), min_size=bs, max_size=bs)))
     seed = draw(st.integers(0, 2**16))
     if kind is V:
         return BatchSpec("hyp", V, seq, num_draft_tokens=draw(st.integers(1, 4)), seed=seed)
@@ -189,7 +191,7 @@ def graph_specs(draw: st.DrawFn) -> BatchSpec:
     return BatchSpec("hyp", D, seq, swa_map=draw(st.booleans()), seed=seed)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=sized(10, 100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=graph_specs(), extra_rows=st.integers(0, 8))
 def test_graph_path_equals_eager_random(spec: BatchSpec, extra_rows: int) -> None:
     batch = make_batch(spec, extra_context=0)

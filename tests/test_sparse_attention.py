@@ -20,6 +20,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stress import STRESS, sized
 
 from dsv4_backend.cache import TokenCache
 from dsv4_backend.config import WINDOW_PAGE_TOKENS, DSV4AttentionConfig
@@ -305,7 +306,10 @@ def test_verify_rows_at_attention_tp_heads(heads, fmt):
         (win.gather(torch.arange(num_slots)), idx, lens),
         (ext.gather(torch.arange(num_entries)), eidx, elens),
     ]
-    outs = _all_paths(*args, splits=(1, 2, 5), groups=(1, 3, draft))
+    # One row a program (groups 1) and one split are other tests' schedules (and any split with
+    # any group: test_any_split_matches_torch): the long variant only.
+    splits, groups = ((1, 2, 5), (1, 3, draft)) if STRESS else ((5,), (3, draft))
+    outs = _all_paths(*args, splits=splits, groups=groups)
     _assert_all_close(outs, _rowwise(q, stored, sink, 128**-0.5))
 
 
@@ -400,7 +404,7 @@ def test_public_op_dispatches():
     torch.testing.assert_close(via_triton, via_torch, atol=ATOL, rtol=1e-5)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=sized(6, 60), deadline=None)
 @given(
     lengths=st.lists(st.tuples(st.integers(0, 70), st.integers(0, 12)), min_size=1, max_size=4),
     splits=st.integers(1, 6),

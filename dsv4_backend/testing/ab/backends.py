@@ -87,7 +87,7 @@ class DSV4Backend(Backend):
         self.name = name
         self.path = path
         self.planner = planner
-        self.fmt = fmt
+        self.cache_format = fmt
         self.model: RandomModel | None = None
         self.trace: Trace | None = None
         self.buffers: GraphMetadataBuffers | None = None
@@ -109,7 +109,7 @@ class DSV4Backend(Backend):
         plans, Triton kernels) is not timed.
         """
         self.device = device
-        self.model = trace.build_model(device, fmt=self.fmt)
+        self.model = trace.build_model(device, fmt=self.cache_format)
         pool = self.model.pool
         self.trace = trace
         self.draft = trace.build_draft(pool, device, self.fmt) if trace.spec == "dspark" else None
@@ -121,7 +121,8 @@ class DSV4Backend(Backend):
             device=device,
         )
         firsts = {step.label: step for step in trace.steps}
-        scratch = Trace(trace.config, (8,), (), trace.seed).build_model(device, fmt=self.fmt)
+        scratch_trace = Trace(trace.config, (8,), (), trace.seed)
+        scratch = scratch_trace.build_model(device, fmt=self.cache_format)
         with self._paths():
             for step in firsts.values():
                 # A planner that raises here raises again in its step, where the runner

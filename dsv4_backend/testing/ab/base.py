@@ -37,6 +37,9 @@ class Backend(abc.ABC):
     """What the runner drives: ``prepare`` once per trace, then ``run`` every step in order."""
 
     name: str
+    #: ``"dense"`` (float32) or ``"fp8"`` (sglang's layout) caches: with the device, both sides'
+    #: formats give the run's default tolerance (:mod:`.tolerance`).
+    cache_format: str = "dense"
 
     @property
     @abc.abstractmethod

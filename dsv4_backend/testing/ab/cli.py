@@ -102,7 +102,8 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     run.add_argument(
         "--atol", action="append", default=[], metavar="[MODE=]VALUE",
         help="absolute tolerance for every mode, a mode (verify=2e-4) or a mode/path "
-        "(verify/graph=2e-4); repeatable (default 1e-4 on cpu, 0.047 on cuda: bf16 dot operands)",
+        "(verify/graph=2e-4); repeatable (default 1e-4 on cpu, 0.047 on cuda: bf16 dot operands; "
+        "dense vs FP8 caches: 1.0, and the median row error within e4m3's u/sqrt(3))",
     )  # fmt: skip
     run.add_argument(
         "--threads", type=int, default=1,
@@ -215,8 +216,16 @@ def _atol(values: list[str]) -> dict[str, float]:
     return out
 
 
-def _check_out(out: Path) -> None:
-    """Refuse an ``--out`` that cannot become a folder before the run, not after it."""
+#: Written into ``--out`` and removed again before the run, to prove the folder is writable.
+PROBE_FILE = ".dsv4-ab-write-probe"
+
+
+def _prepare_out(out: Path) -> None:
+    """Make ``--out`` and write a probe file into it, before the run rather than after it.
+
+    Writing is the only reliable test: ``os.access`` answers yes to root even where the file
+    system refuses (``/proc``, ``/sys``, a read-only mount).
+    """
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--out {out}: exists and is not a folder")
     parent = out.absolute()
@@ -224,8 +233,17 @@ def _check_out(out: Path) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"--out {out}: {parent} is a file, not a folder")
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(f"--out {out}: cannot write into {parent}")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / PROBE_FILE
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"--out {out}: cannot write a report there ({_reason(exc)})") from None
+
+
+def _reason(exc: OSError) -> str:
+    return exc.strerror or type(exc).__name__
 
 
 def _check_max_len(max_len: int) -> None:
@@ -247,7 +265,6 @@ def run_ab(args: argparse.Namespace) -> int:
     from dsv4_backend.testing.ab.trace import build_trace
 
     try:
-        _check_out(args.out)
         _check_max_len(args.max_len)
         device = _device(args.device)
         if args.threads > 0:
@@ -267,6 +284,7 @@ def run_ab(args: argparse.Namespace) -> int:
             prefix_share=args.prefix_share,
             spec=args.spec,
         )
+        _prepare_out(args.out)  # the last check: a refused run leaves no folder behind
         # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at
         # once, against its mode.
         with strict_checks(os.environ.get(STRICT_ENV, "1") == "1"):
@@ -275,11 +293,15 @@ def run_ab(args: argparse.Namespace) -> int:
         print(f"dsv4-backend ab: error: {exc}", file=sys.stderr)
         return 2
     report = build_report(result)
-    paths = write_report(report, args.out)
+    try:
+        paths = write_report(report, args.out)
+    except OSError as exc:  # the folder was writable before the run (disk full, removed, ...)
+        print(f"dsv4-backend ab: error: --out {args.out}: {_reason(exc)}", file=sys.stderr)
+        return 2
     if "plot" not in paths:
         print(
-            "dsv4-backend ab: matplotlib is not installed (pip install 'dsv4-backend[report]'); "
-            "no plot written",
+            "dsv4-backend ab: matplotlib is not installed (in the checkout: pip install -e "
+            "'.[report]'); no plot written",
             file=sys.stderr,
         )
     if args.json:

@@ -1,4 +1,5 @@
-"""The A/B report: a JSON-ready dict, its markdown rendering and a PNG plot of the timings.
+"""The A/B report: a JSON-ready dict, its markdown rendering and a PNG plot of correctness and
+timings.
 
 Timings are per step in milliseconds, summarised per ``mode/path`` by the median and the 90th
 percentile (linear interpolation); the A/B ratio divides the medians (None when B's is 0,
@@ -53,7 +54,9 @@ def _mode_dict(stats: ModeStats) -> dict[str, Any]:
         "max_abs_error": _finite(stats.max_abs_error),
         "max_rel_error": _finite(stats.max_rel_error),
         "min_cosine": _finite(stats.min_cosine),
+        "median_row_error": _finite(stats.median_row_error),
         "atol": stats.atol,
+        "median_row_rtol": stats.median_row_rtol,
         "passed": stats.passed,
         "error": stats.error,
         "timing": timing,
@@ -69,6 +72,12 @@ def build_report(result: ABResult) -> dict[str, Any]:
         "a": {"name": result.a.name, "kernels": result.a.kernel_path},
         "b": {"name": result.b.name, "kernels": result.b.kernel_path},
         "device": str(result.device),
+        "cache_formats": {"a": result.a.cache_format, "b": result.b.cache_format},
+        "tolerance": {
+            "atol": result.tolerance.atol,
+            "median_row_rtol": result.tolerance.median_row_rtol,
+            "derivation": result.tolerance.derivation,
+        },
         "config": {
             "compress_ratios": list(config.compress_ratios),
             "num_heads": config.num_heads,
@@ -119,6 +128,21 @@ def _warmup_line(warmup_s: dict[str, float]) -> str:
     )
 
 
+def _verdict(mode: dict[str, Any]) -> str:
+    """``ok``, ``FAIL`` (over tolerance) or ``ERROR`` (a backend raised) for one mode."""
+    if mode["error"]:
+        return "ERROR"
+    return "ok" if mode["passed"] else "FAIL"
+
+
+def _tolerance_line(report: dict[str, Any]) -> str:
+    tolerance = report["tolerance"]
+    return (
+        f"- default tolerance (A {report['cache_formats']['a']}, B "
+        f"{report['cache_formats']['b']} caches on {report['device']}): {tolerance['derivation']}"
+    )
+
+
 def render_markdown(report: dict[str, Any]) -> str:
     """The report as a markdown page: verdict, setup, one table row per ``mode/path``."""
     a, b = report["a"], report["b"]
@@ -139,21 +163,25 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- trace: {trace['requests']} requests (lengths {trace['max_lens']}), "
         f"{trace['steps']} steps, seed {trace['seed']}, DP padding {trace['dp_pad']} "
         f"requests{_hits(trace['prefix_hits'])}; wall time {report['wall_s']:.1f} s",
-        "- errors over accepted rows; rel = max|A-B| / max|B|; cos = smallest row cosine",
+        "- errors over accepted rows; rel = max|A-B| / max|B|; row = median over rows of "
+        "||a-b|| / ||b|| (checked where a bound is given); cos = smallest row cosine",
+        _tolerance_line(report),
         "- times in ms per step, median / p90; A/B = ratio of the medians",
         _warmup_line(report["warmup_s"]),
         "",
-        "| mode | steps | rows | max abs err | rel err | min cos | atol | ok "
-        "| A plan | B plan | A/B | A kernel | B kernel | A/B |",
-        "|---|---:|---:|---:|---:|---:|---:|:-:|---:|---:|---:|---:|---:|---:|",
+        "| mode | ok | steps | rows | max abs err | atol | row err | row bound | rel err "
+        "| min cos | A plan | B plan | A/B | A kernel | B kernel | A/B |",
+        "|---|:-:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for m in report["modes"]:
         t = m["timing"]
-        ok = "yes" if m["passed"] else "**NO**"
+        verdict = _verdict(m)
+        ok = verdict if verdict == "ok" else f"**{verdict}**"
         lines.append(
-            f"| {m['label']} | {m['steps']} | {m['rows']} | {_num(m['max_abs_error'], 'nan')} "
-            f"| {_num(m['max_rel_error'], 'nan')} | {_num(m['min_cosine'], 'nan', '.6f')} "
-            f"| {m['atol']:.3g} | {ok} "
+            f"| {m['label']} | {ok} | {m['steps']} | {m['rows']} "
+            f"| {_num(m['max_abs_error'], 'inf')} | {m['atol']:.3g} "
+            f"| {_num(m['median_row_error'], 'inf')} | {_num(m['median_row_rtol'])} "
+            f"| {_num(m['max_rel_error'], 'inf')} | {_num(m['min_cosine'], 'nan', '.6f')} "
             f"| {_times(t, 'a', 'plan')} | {_times(t, 'b', 'plan')} "
             f"| {_num(t['ratio_a_over_b']['plan'])} "
             f"| {_times(t, 'a', 'kernel')} | {_times(t, 'b', 'kernel')} "
@@ -166,37 +194,117 @@ def render_markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+#: Fixed log-scale limits of the plot, the same every run: error / tolerance, and ms per step.
+ERROR_RATIO_LIMITS = (1e-4, 1e2)
+TIME_MS_LIMITS = (1e-3, 1e5)
+PASS_COLOUR, FAIL_COLOUR = "tab:green", "tab:red"
+
+
+def _label_bottom(ax: Any, x: float, text: str, bottom: float) -> None:
+    """Write ``text`` (``0``, ``n/a``, ...) where a bar too small for the log axis would be."""
+    ax.text(x, bottom * 1.5, text, ha="center", va="bottom", fontsize=7, rotation=90)
+
+
+def _ratio(error: float | None, bound: float) -> float:
+    """``error / bound``; inf for a non-finite error (None in the JSON) or a zero bound."""
+    if error is None:
+        return float("inf")
+    if error == 0:
+        return 0.0
+    return error / bound if bound > 0 else float("inf")
+
+
+def _plot_errors(ax: Any, modes: list[dict[str, Any]]) -> None:
+    """Per mode: max |A-B| / atol and, where bounded, median row error / its bound; green
+    within tolerance, red over it; a mode whose backend raised gets a red ERROR bar."""
+    low, high = ERROR_RATIO_LIMITS
+    bounded = any(m["median_row_rtol"] is not None for m in modes)
+    width = 0.4 if bounded else 0.8
+    for i, m in enumerate(modes):
+        ratios = [(m["max_abs_error"], m["atol"])]
+        if bounded:
+            ratios.append((m["median_row_error"], m["median_row_rtol"]))
+        for j, (error, bound) in enumerate(ratios):
+            x = i + (j - 0.5) * width if bounded else i
+            if m["error"]:
+                ax.bar(x, high, width=width, color=FAIL_COLOUR, hatch="//", alpha=0.6)
+                ax.text(x, low * 3, "ERROR", ha="center", va="bottom", rotation=90, fontsize=8)
+                continue
+            if bound is None:
+                _label_bottom(ax, x, "not checked", low)
+                continue
+            ratio = _ratio(error, bound)
+            if ratio == 0:
+                _label_bottom(ax, x, "0", low)
+                continue
+            colour = PASS_COLOUR if ratio <= 1 else FAIL_COLOUR
+            ax.bar(x, min(ratio, high), width=width, color=colour, hatch=None if j == 0 else "..")
+    ax.axhline(1.0, color="black", linewidth=1)
+    ax.text(len(modes) - 0.5, 1.1, "tolerance", ha="right", va="bottom", fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    kinds = "max|A-B| / atol" + (" (plain), median row err / bound (dotted)" if bounded else "")
+    ax.set_ylabel("error / tolerance")
+    ax.set_title(kinds, fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+
+
+def _plot_times(ax: Any, report: dict[str, Any], kind: str) -> None:
+    """Median ms per step of ``kind`` (plan / kernel), A beside B, p90 as error bars; a zero
+    median (the reference does not plan) is labelled ``0``, a mode that never ran ``n/a``."""
+    low, high = TIME_MS_LIMITS
+    modes = report["modes"]
+    for offset, side in ((-0.2, "a"), (0.2, "b")):
+        stats = [m["timing"][side][f"{kind}_ms"] for m in modes]
+        med = np.array([s["median"] or 0.0 for s in stats])
+        p90 = np.array([s["p90"] or 0.0 for s in stats])
+        x = np.arange(len(modes)) + offset
+        ax.bar(
+            x, med, width=0.4, yerr=[np.zeros_like(med), p90 - med], capsize=2,
+            color="tab:blue" if side == "a" else "tab:orange",
+            label=f"{side.upper()}: {report[side]['name']}",
+        )  # fmt: skip
+        for xi, s in zip(x, stats, strict=True):
+            if s["median"] is None:
+                _label_bottom(ax, xi, "n/a", low)
+            elif s["median"] <= low:
+                _label_bottom(ax, xi, "0", low)
+    ax.set_yscale("log")
+    ax.set_ylim(low, high)
+    ax.set_ylabel(f"{'planning' if kind == 'plan' else 'kernels'} ms / step")
+    ax.legend(fontsize=8, loc="upper right")
+    ax.grid(axis="y", alpha=0.3)
+
+
 def plot_times(report: dict[str, Any], path: Path) -> None:
-    """Bars of the median planning and kernel time per ``mode/path``, A beside B (p90 as
-    error bars), written as a PNG."""
+    """Correctness above time, per ``mode/path``, written as a PNG: the error against its
+    tolerance (pass green, fail red; the verdict in the title, a failed run framed in red),
+    then the median planning and kernel time of A beside B. Every axis is log scale with fixed
+    limits (:data:`ERROR_RATIO_LIMITS`, :data:`TIME_MS_LIMITS`), so runs compare by eye."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = report["modes"]
-    x = np.arange(len(modes))
-    fig, axes = plt.subplots(2, 1, figsize=(max(6.0, 0.9 * len(modes) + 2), 7), sharex=True)
-    for ax, kind in zip(axes, KINDS, strict=True):
-        values = []
-        for offset, side in ((-0.2, "a"), (0.2, "b")):
-            stats = [m["timing"][side][f"{kind}_ms"] for m in modes]
-            med = np.array([s["median"] or 0.0 for s in stats])
-            p90 = np.array([s["p90"] or 0.0 for s in stats])
-            ax.bar(
-                x + offset, med, width=0.4, yerr=[np.zeros_like(med), p90 - med], capsize=2,
-                label=f"{side.upper()}: {report[side]['name']}",
-            )  # fmt: skip
-            values.append(med)
-        if all((v > 0).all() for v in values):
-            ax.set_yscale("log")
-        ax.set_ylabel(f"{'planning' if kind == 'plan' else 'kernels'} ms / step")
-        ax.legend(fontsize=8)
-        ax.grid(axis="y", alpha=0.3)
-    axes[-1].set_xticks(x, [m["label"] for m in modes], rotation=45, ha="right")
-    fig.suptitle(f"{report['a']['name']} vs {report['b']['name']} on {report['device']}")
+    fig, axes = plt.subplots(3, 1, figsize=(max(6.0, 0.9 * len(modes) + 2), 10), sharex=True)
+    _plot_errors(axes[0], modes)
+    for ax, kind in zip(axes[1:], KINDS, strict=True):
+        _plot_times(ax, report, kind)
+    axes[-1].set_xticks(np.arange(len(modes)), [m["label"] for m in modes], rotation=45, ha="right")
+    axes[-1].set_xlim(-0.6, len(modes) - 0.4)
+    passed = report["passed"]
+    verdict = "PASSED" if passed else f"FAILED: {len(report['failed'])} of {len(modes)} modes"
+    fig.suptitle(
+        f"{verdict}\n{report['a']['name']} (A) vs {report['b']['name']} (B) on {report['device']}",
+        color=PASS_COLOUR if passed else FAIL_COLOUR,
+        fontweight="bold",
+    )
+    if not passed:
+        fig.patch.set_edgecolor(FAIL_COLOUR)
+        fig.patch.set_linewidth(8)
     fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig.savefig(path, dpi=100, edgecolor=fig.get_edgecolor())
     plt.close(fig)
 
 

@@ -6,6 +6,8 @@ were fed the right tokens (rows at or after a rejected draft are left out):
 * ``max_abs_error``: ``max |A - B|``;
 * ``max_rel_error``: ``max |A - B| / max |B|``;
 * ``min_cosine``: the smallest cosine similarity of one row of one layer (``H * D`` values);
+* ``median_row_error``: the median over rows and layers of ``||a - b|| / ||b||`` (one row of one
+  layer), what a dense-vs-FP8 comparison is judged by (:mod:`.tolerance`);
 * the planning and kernel seconds of every step, per backend.
 
 A step that raises in either backend (or whose rows or layers differ between them) stops the
@@ -23,14 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4_backend.kernels.sparse_attention import attention_tolerance
 from dsv4_backend.testing.ab.backends import Backend, StepOutput
+from dsv4_backend.testing.ab.tolerance import Tolerance, default_tolerance
 from dsv4_backend.testing.ab.trace import MODES, PATHS, Step, Trace
-
-#: Default absolute tolerance per device type: float32 dense caches on the CPU differ from the
-#: reference by summation order only; on CUDA the attention dots take bf16 operands, so the
-#: tolerance is derived from that dtype (``attention_tolerance``).
-DEFAULT_ATOL = {"cpu": 1e-4, "cuda": attention_tolerance(torch.device("cuda"))}
 
 
 @dataclass
@@ -39,11 +36,15 @@ class ModeStats:
 
     label: str
     atol: float
+    #: Bound of :attr:`median_row_error`; None: not checked (same cache format on both sides).
+    median_row_rtol: float | None = None
     steps: int = 0
     rows: int = 0
     max_abs_error: float = 0.0
     max_ref: float = 0.0
     min_cosine: float = 1.0
+    #: ``||a - b|| / ||b||`` of every compared row of every layer.
+    row_errors: list[float] = field(default_factory=list)
     #: ``times[side][kind]``: seconds per step, side ``"a"`` / ``"b"``, kind ``"plan"`` /
     #: ``"kernel"``.
     times: dict[str, dict[str, list[float]]] = field(
@@ -64,8 +65,14 @@ class ModeStats:
         return self.max_abs_error / self.max_ref if self.max_ref > 0 else 0.0
 
     @property
+    def median_row_error(self) -> float:
+        return float(torch.tensor(self.row_errors).median()) if self.row_errors else 0.0
+
+    @property
     def passed(self) -> bool:
-        return self.error is None and self.max_abs_error <= self.atol
+        if self.error is not None or not self.max_abs_error <= self.atol:
+            return False
+        return self.median_row_rtol is None or self.median_row_error <= self.median_row_rtol
 
 
 @dataclass
@@ -78,6 +85,8 @@ class ABResult:
     device: torch.device
     modes: dict[str, ModeStats]
     wall_s: float
+    #: The default tolerance of this pair of backends and its derivation (before ``--atol``).
+    tolerance: Tolerance
     #: Seconds of the untimed warm-up pass per side (``"a"`` / ``"b"``): kernel compilation
     #: and autotuning show up here, not in the step times. Empty when there was no warm-up.
     warmup_s: dict[str, float] = field(default_factory=dict)
@@ -93,12 +102,12 @@ class ABResult:
 
 
 def resolve_atol(
-    labels: list[str], device: torch.device, overrides: Mapping[str, float] | None = None
+    labels: list[str], default: float, overrides: Mapping[str, float] | None = None
 ) -> dict[str, float]:
-    """Tolerance per label: the device default, then ``overrides`` keyed ``"*"`` (all),
-    a mode (``"verify"``) or a label (``"verify/graph"``), the most specific winning."""
+    """Tolerance per label: ``default``, then ``overrides`` keyed ``"*"`` (all), a mode
+    (``"verify"``) or a label (``"verify/graph"``), the most specific winning."""
     overrides = dict(overrides or {})
-    base = overrides.get("*", DEFAULT_ATOL.get(device.type, DEFAULT_ATOL["cuda"]))
+    base = overrides.get("*", default)
     return {
         label: overrides.get(label, overrides.get(label.split("/")[0], base)) for label in labels
     }
@@ -122,15 +131,21 @@ def run_trace(
 ) -> ABResult:
     """Replay ``trace`` through ``a`` and ``b`` on ``device`` and compare every step.
 
-    ``atol`` overrides tolerances (see :func:`resolve_atol`); ``progress`` shows a tqdm bar on
+    The default tolerance follows from the device and both sides' cache formats
+    (:func:`~.tolerance.default_tolerance`); ``atol`` overrides its element-wise bound (see
+    :func:`resolve_atol`); ``progress`` shows a tqdm bar on
     stderr. ``warmup`` (default: on CUDA) first runs the whole trace once through each backend,
     untimed, so that every kernel of every path is compiled before the timed run; each backend
     is then prepared afresh, so the timed run starts from the same state.
     """
     device = torch.device(device)
     start = time.perf_counter()
-    tolerances = resolve_atol(trace.labels, device, atol)
-    modes = {label: ModeStats(label, tolerances[label]) for label in trace.labels}
+    tolerance = default_tolerance(device, a.cache_format, b.cache_format)
+    tolerances = resolve_atol(trace.labels, tolerance.atol, atol)
+    modes = {
+        label: ModeStats(label, tolerances[label], tolerance.median_row_rtol)
+        for label in trace.labels
+    }
     warmup_s = {}
     if device.type == "cuda" if warmup is None else warmup:
         warmup_s = {
@@ -157,6 +172,7 @@ def run_trace(
         device=device,
         modes=modes,
         wall_s=time.perf_counter() - start,
+        tolerance=tolerance,
         warmup_s=warmup_s,
     )
 
@@ -217,6 +233,14 @@ def _compare(stats: ModeStats, step: Step, out_a: StepOutput, out_b: StepOutput)
         stats.max_abs_error = max(stats.max_abs_error, diff.max().item())
         stats.max_ref = max(stats.max_ref, want.abs().max().item())
         stats.min_cosine = min(stats.min_cosine, _min_cosine(got, want))
+        stats.row_errors += _row_errors(diff, want).tolist()
+
+
+def _row_errors(diff: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """``||a - b|| / ||b||`` per row of ``[N, F]`` tensors (``diff = |a - b|``, NaN already
+    inf); 0 for two zero rows, inf for a zero ``b`` row with a nonzero ``a``."""
+    norm, ref = diff.norm(dim=1), want.norm(dim=1)
+    return torch.where(norm == 0, torch.zeros_like(norm), norm / ref)
 
 
 def _min_cosine(got: torch.Tensor, want: torch.Tensor) -> float:

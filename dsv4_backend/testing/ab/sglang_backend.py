@@ -16,7 +16,8 @@ Differences from the ``dsv4`` backends, by construction of the simulated host:
 * the graph path plans with ``init_forward_metadata_out_graph`` into the backend's own graph
   state, without padding the batch;
 * kernel time includes the stand-ins' gathering of each layer's inputs;
-* sglang backends keep FP8 caches: compare with ``dsv4-fp8`` (or loosen ``--atol``).
+* sglang backends keep FP8 caches (``cache_format``): against ``dsv4-fp8`` or another sglang
+  backend the same-format tolerance applies, against a dense side the FP8 one (:mod:`.tolerance`).
 
 The CLI refuses these backends without a CUDA device (``make_backend``); sglang's own
 DeepSeek-V4 backend also needs ``head_dim`` 512 (``--config`` with real dimensions) and
@@ -40,6 +41,8 @@ class SglangBackend(Backend):
 
     Raises ``ConfigError`` when sglang has no backend of that name.
     """
+
+    cache_format = "fp8"
 
     def __init__(self, backend_name: str) -> None:
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
