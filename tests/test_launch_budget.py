@@ -10,6 +10,8 @@ the merge of its key splits, plus the union key list where a program takes sever
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from planning_spec import BatchSpec, make_batch
@@ -18,7 +20,7 @@ from dsv4_backend.compute import AttentionState, compress_and_store, select_c4_e
 from dsv4_backend.compute.layer import attend
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.cache_store import store_rows
-from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
+from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path, force_unverified
 from dsv4_backend.kernels.sparse_attention import force_num_splits
 from dsv4_backend.planning import ForwardKind, GraphMetadataBuffers, PlanWidths, checks, plan
 from dsv4_backend.testing.op_counter import LaunchCounter
@@ -102,6 +104,54 @@ def test_indexer_within_budget(setup: tuple, mode: str):
     launches = _count(lambda: select_c4_entries(state, 0, metadata, q, w))
     assert launches.total <= INDEXER_BUDGET, launches.summary()
     assert not launches.syncs
+
+
+@functools.cache
+def _decode_batch() -> tuple:
+    """FP8 state, the eager plan of a decode batch and its indexer inputs."""
+    lengths = [300, 70, 7]  # 75, 17 and 1 candidates (top-k 16): two blocks, a short row
+    g = torch.Generator().manual_seed(1)
+    pool = PagedRequestPool(CONFIG, lengths, generator=g)
+    state = AttentionState.allocate(
+        CONFIG,
+        num_full_slots=pool.num_full_slots,
+        num_swa_slots=pool.num_full_slots,
+        num_request_slots=len(lengths) + 1,
+        fmt="fp8",
+    )
+    metadata = plan(CONFIG, pool.decode(list(range(len(lengths))), lengths))
+    q = torch.randn(len(lengths), CONFIG.index_n_heads, CONFIG.index_head_dim, generator=g)
+    w = torch.rand(len(lengths), CONFIG.index_n_heads, generator=g)
+    return state, metadata, q, w
+
+
+def _indexer_work(max_context: int, bounded: bool) -> LaunchCounter:
+    """The indexer of one decode batch planned with graph widths for ``max_context``."""
+    state, eager, q, w = _decode_batch()
+    widths = PlanWidths.for_max_len(max_context)  # page table: max_context / 256 columns
+    buffers = GraphMetadataBuffers(
+        CONFIG, max_batch_size=4, max_rows=4, widths=widths, device="cpu"
+    )
+    metadata = buffers.load(eager)  # as the graph path: columns past the plan's are -1
+    # One counted call: the interpreter needs no warm-up (flashinfer's top-k is CUDA only).
+    with force_unverified(bounded), force_path(TRITON_INTERPRETER), LaunchCounter() as launches:
+        select_c4_entries(state, 0, metadata, q, w)
+    return launches
+
+
+def test_indexer_work_follows_the_rows_not_the_maximum_context():
+    """The same decode batch planned for an 8K and a 1M maximum context: the same launches,
+    bytes read and programs that write, within 10 %. The kernels it replaces (negative
+    control) read every column of the page table's width (here 1K against 2K)."""
+    short, long = _indexer_work(8192, True), _indexer_work(1 << 20, True)
+    assert short.kernels == long.kernels and short.total == long.total <= INDEXER_BUDGET
+    for name in short.kernels:
+        assert long.bytes_loaded[name] <= 1.1 * short.bytes_loaded[name], name
+        assert long.working_programs[name] <= 1.1 * short.working_programs[name], name
+    assert sum(long.bytes_loaded.values()) <= 1.1 * sum(short.bytes_loaded.values())
+    replaced_short, replaced_long = _indexer_work(1024, False), _indexer_work(2048, False)
+    replaced = sum(replaced_long.bytes_loaded.values()) / sum(replaced_short.bytes_loaded.values())
+    assert replaced > 1.1, replaced
 
 
 @pytest.mark.parametrize("mode", ["prefill", "decode", "verify"])
