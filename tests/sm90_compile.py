@@ -36,6 +36,7 @@ from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
 
 SM90 = GPUTarget("cuda", 90, 32)
+SM100 = GPUTarget("cuda", 100, 32)
 HEADS, DIM, ROPE = 64, 512, 64
 #: fp8 page sizes of the window, c4 and c128 caches.
 PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
@@ -103,14 +104,16 @@ def merge_source(splits: int) -> tuple[ASTSource, dict]:
     return src, dict(num_warps=sa.MERGE_WARPS)
 
 
-def ptxas_report(ptx: str) -> dict[str, int]:
-    """Registers, spills and stack of the kernel from ``ptxas -v`` for sm_90a."""
+def ptxas_report(ptx: str, target: GPUTarget = SM90) -> dict[str, int]:
+    """Registers, spills and stack of the kernel from ``ptxas -v`` for ``target`` (sm_90a /
+    sm_100a)."""
+    arch = target.arch
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.ptx")
         with open(path, "w") as f:
             f.write(ptx)
         log = subprocess.run(
-            [get_ptxas(90).path, "-v", "--gpu-name=sm_90a", path, "-o", path + ".o"],
+            [get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}a", path, "-o", path + ".o"],
             check=True, capture_output=True, text=True,
         ).stderr  # fmt: skip
     regs = re.search(r"Used (\d+) registers", log)
@@ -124,17 +127,44 @@ def ptxas_report(ptx: str) -> dict[str, int]:
     )
 
 
-def compile_report(name: str, src: ASTSource, options: dict) -> dict:
-    kernel = triton.compile(src, target=SM90, options=options)
+#: SASS opcodes of the integer ALU (what an arithmetic e4m3 decode is made of).
+INTEGER_OPCODES = ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "IABS")
+
+
+def sass_report(cubin: bytes) -> dict:
+    """Instruction facts of the kernel's SASS (the bundled ``cuobjdump -sass``):
+    ``instructions`` in all, ``integer_ops`` (``INTEGER_OPCODES``) and ``e4m3_converts``
+    (``F2FP`` unpacking e4m3: the hardware fp8 conversion)."""
+    tool = os.path.join(os.path.dirname(get_ptxas(90).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        sass = subprocess.run(
+            [tool, "-sass", path], check=True, capture_output=True, text=True
+        ).stdout
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]", sass)
+    converts = re.findall(r"\bF2FP\.[\w.]*E4M3[\w.]*", sass)
+    return dict(
+        instructions=len(opcodes),
+        integer_ops=sum(op in INTEGER_OPCODES for op in opcodes),
+        e4m3_converts=len(converts),
+    )
+
+
+def compile_report(name: str, src: ASTSource, options: dict, target: GPUTarget = SM90) -> dict:
+    kernel = triton.compile(src, target=target, options=options)
     ptx = kernel.asm["ptx"]
-    mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync)[\w.]*)", ptx)))
+    mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|tcgen05\.mma|mma\.sync)[\w.]*)", ptx)))
     return dict(
         name=name,
+        target=f"sm_{target.arch}a",
         mma=mma,
         cp_async=len(re.findall(r"\bcp\.async\.c[ag]\.shared", ptx)),
         shared=kernel.metadata.shared,
         num_warps=options["num_warps"],
-        **ptxas_report(ptx),
+        **ptxas_report(ptx, target),
+        **sass_report(kernel.asm["cubin"]),
     )
 
 
@@ -179,8 +209,9 @@ def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dic
 
 def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
     """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128), its slot selection
-    (top-k 512), the compressors (c4 and c128, D = 512) and the fused planner."""
-    from dsv4_backend.kernels import compressor, indexer, plan_fields
+    (top-k 512), the length-bounded indexer, the compressors (c4 and c128, D = 512) and the
+    fused planner."""
+    from dsv4_backend.kernels import indexer
 
     scores = _source(
         indexer._indexer_scores_kernel,
@@ -195,6 +226,37 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
     out = [("indexer-scores-fp8", *scores), ("indexer-slots-k512", *slots)]
+    return out + _bounded_indexer() + _compressors() + _planner()
+
+
+def _bounded_indexer() -> list[tuple[str, ASTSource, dict]]:
+    """The length-bounded indexer: row scores (fp8 and bf16 dense keys) and its top-k."""
+    from dsv4_backend.kernels import indexer
+
+    out = []
+    for fmt, key in (("fp8", "*u8"), ("dense", "*bf16")):
+        rows = _source(
+            indexer._row_scores_kernel,
+            dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr=key, page_table_ptr="*i32",
+                 num_ptr="*i32", out_ptr="*fp32"),
+            dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
+                 BLOCK_N=indexer.BLOCK_N, FP8=fmt == "fp8", GPU=True),
+        )  # fmt: skip
+        out.append((f"indexer-rows-{fmt}", *rows))
+    topk = _source(
+        indexer._topk_slots_kernel,
+        dict(scores_ptr="*fp32", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
+        dict(E=64, BLOCK_K=512, BLOCK_C=indexer.TOPK_BLOCK_C),
+    )
+    out.append(("indexer-topk-k512", *topk))
+    return out
+
+
+def _compressors() -> list[tuple[str, ASTSource, dict]]:
+    """The compressors of c4 and c128 layers (D = 512)."""
+    from dsv4_backend.kernels import compressor
+
+    out = []
     for ratio, span, ovl in ((4, 8, 2), (128, 128, 1)):
         entry = _source(
             compressor._compress_entry_kernel,
@@ -205,6 +267,14 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
                  ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_P=DIM // 2, BLOCK_S=8),
         )  # fmt: skip
         out.append((f"compress-entry-c{ratio}", *entry))
+    return out
+
+
+def _planner() -> list[tuple[str, ASTSource, dict]]:
+    """The fused planner's fields and checks kernels."""
+    from dsv4_backend.kernels import plan_fields
+
+    out = []
     # Planner pointers: int32 unless listed as int64.
     int64 = "host_ptr req_pool_ptr out_cache_loc_ptr full_to_swa_ptr positions_ptr"
     int64 += " swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr"
@@ -237,10 +307,17 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
     return out
 
 
-def main(only: list[str]) -> None:
+TARGETS = {"sm_90a": SM90, "sm_100a": SM100}
+
+
+def main(args: list[str]) -> None:
+    """``[--target sm_90a|sm_100a] [name substrings...]``"""
+    target = SM90
+    if args[:1] == ["--target"]:
+        target, args = TARGETS[args[1]], args[2:]
     for name, src, options in configurations():
-        if not only or any(o in name for o in only):
-            print(json.dumps(compile_report(name, src, options)), flush=True)
+        if not args or any(o in name for o in args):
+            print(json.dumps(compile_report(name, src, options, target)), flush=True)
 
 
 if __name__ == "__main__":

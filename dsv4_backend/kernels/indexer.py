@@ -266,7 +266,7 @@ def _topk_slots_kernel(
         prefix = tl.zeros([], tl.uint32)  # the high bits of the K-th largest found so far
         need = K  # its rank among the candidates that share ``prefix``
         for p in tl.static_range(4):
-            shift: tl.constexpr = 24 - 8 * p
+            shift = 24 - 8 * p
             hist = tl.zeros([256], tl.int32)
             for c0 in range(0, num, BLOCK_C):
                 m = c0 + c < num
