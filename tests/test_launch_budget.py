@@ -3,9 +3,11 @@
 Launch counts do not depend on the machine: Triton kernels count one each (in the interpreter
 as compiled), torch ops that run a kernel count one each, CPU-only checks not at all. The budgets
 are those of the fused kernels: a compressor call (pool + norm + RoPE, cache store, ring update)
-in 1 (2 for extend), the lightning indexer (scores, top-k, slots) in 3, a plan (batch checks, fields, an extend
-kind's host lengths, the deferred verdict's copy to the host) in 4, sparse attention in 1 plus
-the merge of its key splits, plus the union key list where a program takes several rows.
+in 1 (2 for extend), the lightning indexer (scores, top-k, slots) in 3, a plan (batch checks,
+fields, an extend kind's host lengths, the deferred verdict's copy to the host) in 4, sparse
+attention in 1 plus the merge of its key splits, plus the union key list where a program takes
+several rows. The indexer's work (bytes read, programs that write) follows the rows' lengths,
+not the maximum context.
 """
 
 from __future__ import annotations

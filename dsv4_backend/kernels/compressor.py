@@ -43,9 +43,9 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.cache.state import CompressorState
+from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.config import check_compressed_ratio, compress_overlap, compress_span
 from dsv4_backend.errors import ContractError
-from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.cache_store import row_store_constexprs, store_row, store_rows
 from dsv4_backend.ops.compress import finish_entries, pool_slots
