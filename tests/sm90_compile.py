@@ -34,6 +34,7 @@ from triton.compiler import ASTSource
 
 from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
+from dsv4_backend.kernels.cache_store import STORE_FP8_INDEXER, STORE_FP8_TOKEN
 
 SM90 = GPUTarget("cuda", 90, 32)
 SM100 = GPUTarget("cuda", 100, 32)
@@ -267,6 +268,35 @@ def _compressors() -> list[tuple[str, ASTSource, dict]]:
                  ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_P=DIM // 2, BLOCK_S=8),
         )  # fmt: skip
         out.append((f"compress-entry-c{ratio}", *entry))
+        # The one-launch compressor: fp8 token cache store, ring write (decode / verify).
+        fused = _source(
+            compressor._compress_fused_kernel,
+            dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
+                 pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
+                 norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
+                 out_loc_ptr="*i64", cache_ptr="*u8", eps="fp32"),
+            dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, WINDOW_PAGE=256 if ratio == 4 else 0,
+                 ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_D=DIM,
+                 BLOCK_S=compressor.POOL_TILE // DIM, BLOCK_W=DIM, WRITE_RING=True,
+                 STORE=STORE_FP8_TOKEN, BF16_BITS=False, NOPE_DIM=DIM - ROPE, ROPE_DIM=ROPE,
+                 PAGE_TOKENS=PAGE_TOKENS[ratio], BLOCK_R=ROPE),
+        )  # fmt: skip
+        out.append(
+            (f"compress-fused-c{ratio}", fused[0], dict(num_warps=compressor.fused_warps(DIM)))
+        )
+    # The indexer's compressor (DI = 128) storing fp8 indexer keys.
+    fused = _source(
+        compressor._compress_fused_kernel,
+        dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
+             pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
+             norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
+             out_loc_ptr="*i64", cache_ptr="*u8", eps="fp32"),
+        dict(RATIO=4, SPAN=8, OVERLAP=2, WINDOW_PAGE=256, ROPE_PAIRS=ROPE // 2,
+             ROPE_BY_ROW=False, BLOCK_D=128, BLOCK_S=8, BLOCK_W=128, WRITE_RING=True,
+             STORE=STORE_FP8_INDEXER, BF16_BITS=False, NOPE_DIM=0, ROPE_DIM=0,
+             PAGE_TOKENS=64, BLOCK_R=1),
+    )  # fmt: skip
+    out.append(("compress-fused-indexer", *fused))
     return out
 
 
