@@ -12,6 +12,7 @@ import importlib.util
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -359,3 +360,19 @@ def test_warm_up_topk_runs_flashinfer_once_before_capture(monkeypatch):
     monkeypatch.setattr(indexer, "_use_flashinfer_topk", lambda device: True)
     indexer.warm_up_topk("cpu", 8)
     assert calls == [((1, 9), 8)]
+
+
+# ---------------------------------------------------------------------- deep_gemm bench
+def test_deep_gemm_comparison_says_why_it_cannot_run(capsys):
+    """``bench_ops.py --against deep_gemm`` without a CUDA device (or deep_gemm): one line
+    saying so, nothing compared, a clean return."""
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_ops.py"
+    spec = importlib.util.spec_from_file_location("bench_ops", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if bench.ON_GPU and importlib.util.find_spec("deep_gemm") is not None:
+        pytest.skip("a GPU with deep_gemm: the comparison really runs (benchmarks)")
+    bench.compare_deep_gemm([1], 64, 1)
+    out = capsys.readouterr().out
+    assert out.startswith("--against deep_gemm: ") and "nothing compared" in out
