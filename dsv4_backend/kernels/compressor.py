@@ -30,10 +30,19 @@ The output is **aligned to rows**: ``entries[i]`` is the entry completed by ragg
 zeros where row ``i`` completes none. Nothing reads a tensor value on the host, so a forward
 can be captured in a CUDA graph (warm up first: the first call compiles).
 
-Paths (``dispatch.use_triton``): two Triton launches, ``_compress_entry_kernel`` (pool, norm,
-RoPE and the zero rows, one program per record) then ``_ring_write_kernel``; the storing of the
-entries into the cache is the third (``compute.compress_and_store``). The torch path pools with
-the same gathers and finishes with ``ops.compress.finish_entries``.
+Paths (``dispatch.use_triton``):
+
+* **one launch** (``dispatch.use_unverified("compressor")``: the interpreter's default, CUDA
+  with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``):
+  ``_compress_fused_kernel``, one program per record, pools over contiguous
+  ``[BLOCK_S, D]`` tiles in a pipelined loop, normalises, ropes, stores the entry in the
+  cache (``store=``) and writes the ring row of the write record of the same index. Writing
+  while entries are pooled is safe when no entry reads a ring row the forward replaces
+  (``ring_write_is_safe``: decode, draft steps, verify with the speculative rings); else
+  (extend) ``_ring_write_kernel`` follows as a second launch.
+* **replaced** (the CUDA default): ``_compress_entry_kernel`` (pool, norm, RoPE and the zero
+  rows, even / odd channel tiles), ``_ring_write_kernel``, then the cache store: 3 launches.
+* **torch**: the same gathers, finished with ``ops.compress.finish_entries``.
 """
 
 from __future__ import annotations

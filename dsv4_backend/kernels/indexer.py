@@ -16,9 +16,21 @@ Shapes: ``T`` rows, ``HI`` indexer heads, ``DI`` indexer head dim, ``Pw`` page-t
 ``(T, N, K)`` and nothing reads a tensor value on the host, so the indexer can be captured in
 a CUDA graph (warm it up first: the first call compiles).
 
-Paths: scores run the Triton kernel or the torch implementation per ``dispatch.use_triton``;
-top-k runs flashinfer's radix top-k on CUDA devices with flashinfer installed, else a stable
-torch sort (same selected set: both break ties toward the smaller index).
+Paths (``dispatch.use_triton``; every path selects the same set: ties go to the smaller index):
+
+* **length-bounded** (``dispatch.use_unverified("indexer")``: the interpreter's default, CUDA
+  with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``): two launches
+  whose work follows each row's own candidate count, not the page table's width (under CUDA
+  graphs that width is the server's maximum context). ``_row_scores_kernel`` runs
+  ``score_splits`` programs a row (a fixed count: 512 programs in all on a GPU); each loads
+  the row's queries once and loops over its blocks below the count, FP8 keys converted by the
+  hardware (``fp8_device.e4m3_decode``). ``_topk_slots_kernel`` reads only those scores: a
+  radix select then an ascending pass writing the slots. Columns past a row's count are never
+  read or written (``index_scores`` fills them with ``-inf`` for its callers).
+* **replaced** (the CUDA default): ``_indexer_scores_kernel`` with one program per 64
+  columns of the width, flashinfer's radix top-k on CUDA (a stable torch sort elsewhere) over
+  the whole ``[T, N]`` matrix, then ``_selected_slots_kernel``.
+* **torch**: the plain implementation (CPU without the interpreter, meta tensors).
 """
 
 from __future__ import annotations
