@@ -106,9 +106,57 @@ def _online_softmax_step(m, l, acc, kv, score):
 
 
 @triton.jit
-def _zero_row(row_ptr, pair, zeros, pair_ok):
-    tl.store(row_ptr + 2 * pair, zeros, mask=pair_ok)
-    tl.store(row_ptr + 2 * pair + 1, zeros, mask=pair_ok)
+def _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D: tl.constexpr):
+    """Zero the output rows that complete no entry around compress record ``rec``: the gap
+    before it and (last record, or record 0 of an empty plan) the rows up to ``T``. Returns
+    the record's ragged row (``< 0``: padding)."""
+    ragged = tl.load(plan_ptr + rec * stride_plan)
+    prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
+    nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    zeros = tl.zeros([BLOCK_D], tl.float32)
+    valid = ragged >= 0
+    last = valid & (nxt < 0)
+    gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
+    for r in range(gap_from, tl.where(valid, ragged, 0).to(tl.int64)):
+        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
+    tail_to = tl.where(last | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
+    for r in range(tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to):
+        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
+    return ragged
+
+
+@triton.jit
+def _span_sources(
+    j,  # [BLOCK_S] span slots
+    pos,  # int64 the entry's last position
+    window_len,  # int64 the span's rows from this forward
+    row,  # int64 the entry's ragged row
+    request_ring,  # the request's ring (request-scoped) or the ring storage (page-scoped)
+    window_ptr,
+    ring_rows,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    SPAN: tl.constexpr,
+    RATIO: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+):
+    """Where span slots ``j`` come from: ``(from_rows, from_ring, rows, ring_base, ape_row)``,
+    the slot's ragged row (this forward) or ring row pointer, and its ``ape`` row."""
+    q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
+    from_rows = q > pos - window_len
+    from_ring = (q >= 0) & ~from_rows
+    rows = tl.where(from_rows, row - (pos - q), 0)
+    ring_base = request_ring + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
+    if WINDOW_PAGE > 0:
+        # Each slot's ring is the window page of its own position (lag pos - q).
+        window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
+        ring_base += (tl.where(from_ring, window, 0).to(tl.int64) // WINDOW_PAGE) * (
+            stride_ring_slot
+        )
+    return from_rows, from_ring, rows, ring_base, tl.where(from_rows, q, 0) % RATIO
 
 
 @triton.jit
@@ -154,22 +202,11 @@ def _compress_entry_kernel(
     row is written exactly once without a separate fill.
     """
     rec = tl.program_id(0)
-    ragged = tl.load(plan_ptr + rec * stride_plan)
-    prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
-    nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
+    ragged = _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, 2 * BLOCK_P)
     pair = tl.arange(0, BLOCK_P)
     pair_ok = pair < D // 2
     zeros = tl.zeros([BLOCK_P], tl.float32)
-    valid = ragged >= 0
-    last = valid & (nxt < 0)
-    # Gap before this record, then (last record, or record 0 of an empty plan) up to T.
-    gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
-    for r in range(gap_from, tl.where(valid, ragged, 0).to(tl.int64)):
-        _zero_row(out_ptr + r * stride_out, pair, zeros, pair_ok)
-    tail_to = tl.where(last | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
-    for r in range(tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to):
-        _zero_row(out_ptr + r * stride_out, pair, zeros, pair_ok)
-    if valid:
+    if ragged >= 0:
         row = ragged.to(tl.int64)
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
         pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
@@ -181,18 +218,10 @@ def _compress_entry_kernel(
         m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
         for j0 in range(0, SPAN, BLOCK_S):
             j = j0 + tl.arange(0, BLOCK_S)
-            q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
-            from_rows = q > pos - window_len
-            from_ring = (q >= 0) & ~from_rows
-            rows = tl.where(from_rows, row - (pos - q), 0)
-            ring_base = request_ring + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
-            if WINDOW_PAGE > 0:
-                # Each slot's ring is the window page of its own position (lag pos - q).
-                window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
-                ring_base += (tl.where(from_ring, window, 0).to(tl.int64) // WINDOW_PAGE) * (
-                    stride_ring_slot
-                )
-            ape_row = tl.where(from_rows, q, 0) % RATIO
+            from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
+                stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
+            )  # fmt: skip
             # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
             col = (j >= RATIO).to(tl.int64)[:, None] * D + 2 * pair[None, :]
             m_rows = from_rows[:, None] & pair_ok[None, :]
@@ -325,22 +354,11 @@ def _compress_fused_kernel(
     ring write shares the launch only where no entry of the forward reads a ring row a write
     replaces (the launcher's ``_ring_write_is_safe``)."""
     rec = tl.program_id(0)
-    ragged = tl.load(plan_ptr + rec * stride_plan)
-    prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
-    nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
+    ragged = _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D)
     d = tl.arange(0, BLOCK_D)
     d_ok = d < D
     zeros = tl.zeros([BLOCK_D], tl.float32)
-    valid = ragged >= 0
-    last = valid & (nxt < 0)
-    # Gap before this record, then (last record, or record 0 of an empty plan) up to T.
-    gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
-    for r in range(gap_from, tl.where(valid, ragged, 0).to(tl.int64)):
-        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
-    tail_to = tl.where(last | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
-    for r in range(tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to):
-        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
-    if valid:
+    if ragged >= 0:
         row = ragged.to(tl.int64)
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
         pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
@@ -352,18 +370,10 @@ def _compress_fused_kernel(
         l_run, acc = zeros, zeros
         for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
             j = j0 + tl.arange(0, BLOCK_S)
-            q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
-            from_rows = q > pos - window_len
-            from_ring = (q >= 0) & ~from_rows
-            rows = tl.where(from_rows, row - (pos - q), 0)
-            ring_base = request_ring + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
-            if WINDOW_PAGE > 0:
-                # Each slot's ring is the window page of its own position (lag pos - q).
-                window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
-                ring_base += (tl.where(from_ring, window, 0).to(tl.int64) // WINDOW_PAGE) * (
-                    stride_ring_slot
-                )
-            ape_row = tl.where(from_rows, q, 0) % RATIO
+            from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
+                stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
+            )  # fmt: skip
             # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
             col = (j >= RATIO).to(tl.int64)[:, None] * D + d[None, :]
             m_rows = from_rows[:, None] & d_ok[None, :]
