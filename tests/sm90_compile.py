@@ -269,35 +269,33 @@ def _compressors() -> list[tuple[str, ASTSource, dict]]:
         )  # fmt: skip
         out.append((f"compress-entry-c{ratio}", *entry))
         # The one-launch compressor: fp8 token cache store, ring write (decode / verify).
-        fused = _source(
-            compressor._compress_fused_kernel,
-            dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
-                 pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
-                 norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
-                 out_loc_ptr="*i64", cache_ptr="*u8", eps="fp32"),
-            dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, WINDOW_PAGE=256 if ratio == 4 else 0,
-                 ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_D=DIM,
-                 BLOCK_S=compressor.POOL_TILE // DIM, BLOCK_W=DIM, WRITE_RING=True,
-                 STORE=STORE_FP8_TOKEN, BF16_BITS=False, NOPE_DIM=DIM - ROPE, ROPE_DIM=ROPE,
-                 PAGE_TOKENS=PAGE_TOKENS[ratio], BLOCK_R=ROPE),
-        )  # fmt: skip
-        out.append(
-            (f"compress-fused-c{ratio}", fused[0], dict(num_warps=compressor.fused_warps(DIM)))
-        )
+        store = dict(STORE=STORE_FP8_TOKEN, NOPE_DIM=DIM - ROPE, ROPE_DIM=ROPE,
+                     PAGE_TOKENS=PAGE_TOKENS[ratio], BLOCK_R=ROPE)  # fmt: skip
+        out.append((f"compress-fused-c{ratio}", *_fused_compressor(ratio, DIM, store)))
     # The indexer's compressor (DI = 128) storing fp8 indexer keys.
-    fused = _source(
+    store = dict(STORE=STORE_FP8_INDEXER, NOPE_DIM=0, ROPE_DIM=0, PAGE_TOKENS=64, BLOCK_R=1)
+    out.append(("compress-fused-indexer", *_fused_compressor(4, 128, store)))
+    return out
+
+
+def _fused_compressor(ratio: int, dim: int, store: dict) -> tuple[ASTSource, dict]:
+    """``_compress_fused_kernel`` of ``ratio`` and head dim ``dim`` storing with ``store``
+    (``cache_store.store_row``'s constexprs), with the ring write, warps as launched."""
+    from dsv4_backend.kernels import compressor
+
+    span = 8 if ratio == 4 else 128
+    src, _ = _source(
         compressor._compress_fused_kernel,
         dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
              pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
              norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
              out_loc_ptr="*i64", cache_ptr="*u8", eps="fp32"),
-        dict(RATIO=4, SPAN=8, OVERLAP=2, WINDOW_PAGE=256, ROPE_PAIRS=ROPE // 2,
-             ROPE_BY_ROW=False, BLOCK_D=128, BLOCK_S=8, BLOCK_W=128, WRITE_RING=True,
-             STORE=STORE_FP8_INDEXER, BF16_BITS=False, NOPE_DIM=0, ROPE_DIM=0,
-             PAGE_TOKENS=64, BLOCK_R=1),
+        dict(RATIO=ratio, SPAN=span, OVERLAP=2 if ratio == 4 else 1,
+             WINDOW_PAGE=256 if ratio == 4 else 0, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
+             BLOCK_D=dim, BLOCK_S=min(span, compressor.POOL_TILE // dim), BLOCK_W=dim,
+             WRITE_RING=True, BF16_BITS=False, **store),
     )  # fmt: skip
-    out.append(("compress-fused-indexer", *fused))
-    return out
+    return src, dict(num_warps=compressor.fused_warps(dim))
 
 
 def _planner() -> list[tuple[str, ASTSource, dict]]:
