@@ -68,6 +68,31 @@ TOPK_BLOCK_C = 1024
 
 # --------------------------------------------------------------------------------- kernel
 @triton.jit
+def _row_queries(
+    q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+    HI: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Row ``row``'s queries ``[BLOCK_H, BLOCK_D]`` (as stored) and fp32 head weights
+    ``[BLOCK_H]``; padded heads load q = 0 and w = 0, so they add nothing (``tl.dot`` needs
+    >= 16 rows)."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (h < HI)[:, None] & (d < DIM)[None, :]
+    q_ptrs = q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    w = tl.load(w_ptr + row * stride_wt + h * stride_wh, mask=h < HI, other=0.0)
+    return q, w.to(tl.float32)
+
+
+@triton.jit
+def _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E: tl.constexpr):
+    """c4 slots (int64) of row ``row``'s entries ``cols``; -1 where not ``valid``."""
+    page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
+    page = tl.load(page_ptrs, mask=valid, other=0).to(tl.int64)
+    return tl.where(valid, page * E + cols % E, -1)
+
+
+@triton.jit
 def _indexer_scores_kernel(
     q_ptr,  # [T, HI, DIM] fp32 / bf16
     w_ptr,  # [T, HI] float
@@ -106,16 +131,13 @@ def _indexer_scores_kernel(
     out_ptrs = out_ptr + row * stride_out_t + cols
     if n0 < num:
         valid = cols < num
-        h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        # Padded heads load q = 0 and w = 0, so they add nothing (tl.dot needs >= 16 rows).
-        q_mask = (h < HI)[:, None] & (d < DIM)[None, :]
-        q_ptrs = q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
-        w = tl.load(w_ptr + row * stride_wt + h * stride_wh, mask=h < HI, other=0.0)
-        page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
-        page = tl.load(page_ptrs, mask=valid, other=0).to(tl.int64)
-        slots = tl.where(valid, page * E + cols % E, -1)
+        q, w = _row_queries(
+            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+            HI, DIM, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+        q = q.to(tl.float32)  # [BLOCK_H, BLOCK_D]
+        slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
         if FP8:
             keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
         else:
@@ -124,7 +146,7 @@ def _indexer_scores_kernel(
             dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
         else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
             dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
-        scores = tl.sum(tl.maximum(dots, 0.0) * w.to(tl.float32)[None, :], axis=1)
+        scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
         tl.store(out_ptrs, tl.where(valid, scores, float("-inf")), mask=in_matrix)
     else:
         tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_matrix)
@@ -200,21 +222,16 @@ def _row_scores_kernel(
     step = tl.num_programs(1) * BLOCK_N
     num = tl.minimum(tl.load(num_ptr + row), num_cols)
     if split * BLOCK_N < num:
-        h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        # Padded heads load q = 0 and w = 0, so they add nothing (tl.dot needs >= 16 rows).
-        q_mask = (h < HI)[:, None] & (d < DIM)[None, :]
-        q_ptrs = q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0)  # [BLOCK_H, BLOCK_D]
-        q_t = tl.trans(q.to(tl.bfloat16) if GPU else q.to(tl.float32))
-        w = tl.load(w_ptr + row * stride_wt + h * stride_wh, mask=h < HI, other=0.0)
-        w = w.to(tl.float32)
+        q, w = _row_queries(
+            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+            HI, DIM, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+        q_t = tl.trans(q.to(tl.bfloat16) if GPU else q.to(tl.float32))  # [BLOCK_D, BLOCK_H]
         for n0 in range(split * BLOCK_N, num, step):
             cols = n0 + tl.arange(0, BLOCK_N)
             valid = cols < num
-            page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
-            page = tl.load(page_ptrs, mask=valid, other=0).to(tl.int64)
-            slots = tl.where(valid, page * E + cols % E, -1)
+            slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
             if FP8:
                 data, scale_at, _ = fp8_indexer_addresses(slots, valid, DIM, PAGE_TOKENS)
                 m = valid[:, None] & (d < DIM)[None, :]
