@@ -45,18 +45,24 @@ def _batches(pool: PagedRequestPool) -> dict:
     }
 
 
+def _fp8_state(config: DSV4AttentionConfig, pool: PagedRequestPool) -> AttentionState:
+    """FP8 caches (the GPU format) for ``pool``'s requests."""
+    slots = pool.num_full_slots
+    return AttentionState.allocate(
+        config,
+        num_full_slots=slots,
+        num_swa_slots=slots,
+        num_request_slots=pool.num_requests + 1,
+        fmt="fp8",
+    )
+
+
 @pytest.fixture(scope="module")
 def setup() -> tuple:
     """FP8 caches (the GPU format) and the batches of each mode."""
     g = torch.Generator().manual_seed(0)
     pool = PagedRequestPool(CONFIG, [n + 4 for n in LENGTHS], generator=g)
-    state = AttentionState.allocate(
-        CONFIG,
-        num_full_slots=pool.num_full_slots,
-        num_swa_slots=pool.num_full_slots,
-        num_request_slots=len(LENGTHS) + 1,
-        fmt="fp8",
-    )
+    state = _fp8_state(CONFIG, pool)
     return state, _batches(pool)
 
 
@@ -106,13 +112,7 @@ def test_compressor_verify_with_speculative_rings_is_one_launch(ratio: int):
     one its entries read: pooling, cache store and ring write in one launch."""
     config = DSV4AttentionConfig.tiny(compress_ratios=(ratio,), speculative=True)
     pool = PagedRequestPool(config, [n + 4 for n in LENGTHS], generator=torch.Generator())
-    state = AttentionState.allocate(
-        config,
-        num_full_slots=pool.num_full_slots,
-        num_swa_slots=pool.num_full_slots,
-        num_request_slots=len(LENGTHS) + 1,
-        fmt="fp8",
-    )
+    state = _fp8_state(config, pool)
     view = pool.verify(list(range(len(LENGTHS))), LENGTHS, 3)
     metadata = plan(config, view)
     cd = (2 if ratio == 4 else 1) * config.head_dim
@@ -146,13 +146,7 @@ def _decode_batch() -> tuple:
     lengths = [300, 70, 7]  # 75, 17 and 1 candidates (top-k 16): two blocks, a short row
     g = torch.Generator().manual_seed(1)
     pool = PagedRequestPool(CONFIG, lengths, generator=g)
-    state = AttentionState.allocate(
-        CONFIG,
-        num_full_slots=pool.num_full_slots,
-        num_swa_slots=pool.num_full_slots,
-        num_request_slots=len(lengths) + 1,
-        fmt="fp8",
-    )
+    state = _fp8_state(CONFIG, pool)
     metadata = plan(CONFIG, pool.decode(list(range(len(lengths))), lengths))
     q = torch.randn(len(lengths), CONFIG.index_n_heads, CONFIG.index_head_dim, generator=g)
     w = torch.rand(len(lengths), CONFIG.index_n_heads, generator=g)
