@@ -272,6 +272,14 @@ def _compressors() -> list[tuple[str, ASTSource, dict]]:
         store = dict(STORE=STORE_FP8_TOKEN, NOPE_DIM=DIM - ROPE, ROPE_DIM=ROPE,
                      PAGE_TOKENS=PAGE_TOKENS[ratio], BLOCK_R=ROPE)  # fmt: skip
         out.append((f"compress-fused-c{ratio}", *_fused_compressor(ratio, DIM, store)))
+    for ratio in (4, 128):  # the ring write of an extend (its second launch)
+        write = _source(
+            compressor._ring_write_kernel,
+            dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
+                 pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32"),
+            dict(RATIO=ratio, WINDOW_PAGE=256 if ratio == 4 else 0, BLOCK=compressor.WRITE_BLOCK),
+        )  # fmt: skip
+        out.append((f"compress-ring-write-c{ratio}", *write))
     # The indexer's compressor (DI = 128) storing fp8 indexer keys.
     store = dict(STORE=STORE_FP8_INDEXER, NOPE_DIM=0, ROPE_DIM=0, PAGE_TOKENS=64, BLOCK_R=1)
     out.append(("compress-fused-indexer", *_fused_compressor(4, 128, store)))

@@ -20,7 +20,7 @@ import pytest
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 TARGETS = ("sm_90a", "sm_100a")
 #: Configurations of this file (name substrings of sm90_compile's configurations).
-KERNELS = ("indexer-", "compress-fused-")
+KERNELS = ("indexer-", "compress-")
 NEW_KERNELS = (
     "indexer-rows-fp8",
     "indexer-rows-dense",
@@ -28,6 +28,7 @@ NEW_KERNELS = (
     "compress-fused-c4",
     "compress-fused-c128",
     "compress-fused-indexer",
+    "compress-ring-write-c4",
 )
 
 
