@@ -31,7 +31,6 @@ import tempfile
 
 import sm90_compile as sc  # first: sets TRITON_INTERPRET=0 before triton is imported
 import triton
-from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -39,7 +38,7 @@ from dsv4_backend.kernels import sparse_attention as sa
 from dsv4_backend.kernels import sparse_attention_pipelined as pa
 from dsv4_backend.kernels import sparse_attention_ws as wa
 
-TARGETS = {90: sc.SM90, 100: GPUTarget("cuda", 100, 32)}
+TARGETS = {90: sc.TARGETS["sm_90a"], 100: sc.TARGETS["sm_100a"]}
 INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);")
 BRANCH = re.compile(r"^\s*(0x[0-9a-f]+)")
 #: Register counts a warp-specialised kernel's partitions set (``setmaxnreg``).

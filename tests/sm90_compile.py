@@ -44,6 +44,7 @@ from triton.compiler import ASTSource
 from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
+from dsv4_backend.kernels.cache_store import STORE_FP8_INDEXER, STORE_FP8_TOKEN
 
 #: Hopper (H100 / H200) and Blackwell datacenter parts (B200 / B300 / GB200 / GB300).
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_100a": GPUTarget("cuda", 100, 32)}
@@ -220,6 +221,22 @@ def sass_listing(cubin: bytes) -> str:
         ).stdout  # fmt: skip
 
 
+#: SASS opcodes of the integer ALU (what an arithmetic e4m3 decode is made of).
+INTEGER_OPCODES = ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA", "IABS")
+
+
+def sass_facts(listing: str) -> dict[str, int]:
+    """Instruction facts of a ``cuobjdump -sass`` listing: ``instructions`` in all,
+    ``integer_ops`` (``INTEGER_OPCODES``) and ``e4m3_converts`` (``F2FP`` unpacking e4m3: the
+    hardware fp8 conversion)."""
+    opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]", listing)
+    return dict(
+        instructions=len(opcodes),
+        integer_ops=sum(op in INTEGER_OPCODES for op in opcodes),
+        e4m3_converts=len(re.findall(r"\bF2FP\.[\w.]*E4M3[\w.]*", listing)),
+    )
+
+
 def compile_report(
     name: str, src: ASTSource, options: dict, target: str = "sm_90a", kernel=None
 ) -> dict:
@@ -236,6 +253,7 @@ def compile_report(
         shared=kernel.metadata.shared,
         num_warps=options["num_warps"],
         **ptxas_report(ptx, target),
+        **sass_facts(sass_listing(kernel.asm["cubin"])),
     )
 
 
@@ -280,8 +298,9 @@ def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dic
 
 def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
     """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128), its slot selection
-    (top-k 512), the compressors (c4 and c128, D = 512) and the fused planner."""
-    from dsv4_backend.kernels import compressor, indexer, plan_fields
+    (top-k 512), the length-bounded indexer, the compressors (c4 and c128, D = 512) and the
+    fused planner."""
+    from dsv4_backend.kernels import indexer
 
     scores = _source(
         indexer._indexer_scores_kernel,
@@ -296,6 +315,37 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
     out = [("indexer-scores-fp8", *scores), ("indexer-slots-k512", *slots)]
+    return out + _bounded_indexer() + _compressors() + _planner()
+
+
+def _bounded_indexer() -> list[tuple[str, ASTSource, dict]]:
+    """The length-bounded indexer: row scores (fp8 and bf16 dense keys) and its top-k."""
+    from dsv4_backend.kernels import indexer
+
+    out = []
+    for fmt, key in (("fp8", "*u8"), ("dense", "*bf16")):
+        rows = _source(
+            indexer._row_scores_kernel,
+            dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr=key, page_table_ptr="*i32",
+                 num_ptr="*i32", out_ptr="*fp32"),
+            dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
+                 BLOCK_N=indexer.BLOCK_N, FP8=fmt == "fp8", GPU=True),
+        )  # fmt: skip
+        out.append((f"indexer-rows-{fmt}", *rows))
+    topk = _source(
+        indexer._topk_slots_kernel,
+        dict(scores_ptr="*fp32", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
+        dict(E=64, BLOCK_K=512, BLOCK_C=indexer.TOPK_BLOCK_C),
+    )
+    out.append(("indexer-topk-k512", *topk))
+    return out
+
+
+def _compressors() -> list[tuple[str, ASTSource, dict]]:
+    """The compressors of c4 and c128 layers (D = 512)."""
+    from dsv4_backend.kernels import compressor
+
+    out = []
     for ratio, span, ovl in ((4, 8, 2), (128, 128, 1)):
         entry = _source(
             compressor._compress_entry_kernel,
@@ -306,6 +356,49 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
                  ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_P=DIM // 2, BLOCK_S=8),
         )  # fmt: skip
         out.append((f"compress-entry-c{ratio}", *entry))
+        # The one-launch compressor: fp8 token cache store, ring write (decode / verify).
+        store = dict(STORE=STORE_FP8_TOKEN, NOPE_DIM=DIM - ROPE, ROPE_DIM=ROPE,
+                     PAGE_TOKENS=PAGE_TOKENS[ratio], BLOCK_R=ROPE)  # fmt: skip
+        out.append((f"compress-fused-c{ratio}", *_fused_compressor(ratio, DIM, store)))
+    for ratio in (4, 128):  # the ring write of an extend (its second launch)
+        write = _source(
+            compressor._ring_write_kernel,
+            dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
+                 pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32"),
+            dict(RATIO=ratio, WINDOW_PAGE=256 if ratio == 4 else 0, BLOCK=compressor.WRITE_BLOCK),
+        )  # fmt: skip
+        out.append((f"compress-ring-write-c{ratio}", *write))
+    # The indexer's compressor (DI = 128) storing fp8 indexer keys.
+    store = dict(STORE=STORE_FP8_INDEXER, NOPE_DIM=0, ROPE_DIM=0, PAGE_TOKENS=64, BLOCK_R=1)
+    out.append(("compress-fused-indexer", *_fused_compressor(4, 128, store)))
+    return out
+
+
+def _fused_compressor(ratio: int, dim: int, store: dict) -> tuple[ASTSource, dict]:
+    """``_compress_fused_kernel`` of ``ratio`` and head dim ``dim`` storing with ``store``
+    (``cache_store.store_row``'s constexprs), with the ring write, warps as launched."""
+    from dsv4_backend.kernels import compressor
+
+    span = 8 if ratio == 4 else 128
+    src, _ = _source(
+        compressor._compress_fused_kernel,
+        dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
+             pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
+             norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
+             out_loc_ptr="*i64", cache_ptr="*u8", eps="fp32"),
+        dict(RATIO=ratio, SPAN=span, OVERLAP=2 if ratio == 4 else 1,
+             WINDOW_PAGE=256 if ratio == 4 else 0, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
+             BLOCK_D=dim, BLOCK_S=min(span, compressor.POOL_TILE // dim), BLOCK_W=dim,
+             WRITE_RING=True, BF16_BITS=False, **store),
+    )  # fmt: skip
+    return src, dict(num_warps=compressor.fused_warps(dim))
+
+
+def _planner() -> list[tuple[str, ASTSource, dict]]:
+    """The fused planner's fields and checks kernels."""
+    from dsv4_backend.kernels import plan_fields
+
+    out = []
     # Planner pointers: int32 unless listed as int64.
     int64 = "host_ptr req_pool_ptr out_cache_loc_ptr full_to_swa_ptr positions_ptr"
     int64 += " swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr"

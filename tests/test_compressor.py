@@ -13,7 +13,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
-from dsv4_backend.kernels.compressor import CompressorState, compress_forward
+from dsv4_backend.kernels.compressor import CompressorState, compress_forward, ring_write_is_safe
 from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_ratio
 
 CONFIG = DSV4AttentionConfig.tiny()
@@ -93,10 +93,15 @@ class Segment:
 
 
 def run_forward(
-    state: CompressorState, layer: Layer, segments: list[Segment], found: dict
+    state: CompressorState,
+    layer: Layer,
+    segments: list[Segment],
+    found: dict,
+    max_rows_per_request: int | None = None,
 ) -> torch.Tensor:
     """One forward over ``segments`` (one per batch entry); record entries of committed rows
-    into ``found[(pool_index, w)]``. Returns the ``[T, D]`` output."""
+    into ``found[(pool_index, w)]``. Returns the ``[T, D]`` output. ``max_rows_per_request``
+    as ``compress_forward`` takes it (a bound lets the ring write share the launch)."""
     kv, score, batch_ids, positions, first_new, lens, window = [], [], [], [], [], [], []
     g = torch.Generator().manual_seed(7)
     for b, seg in enumerate(segments):
@@ -129,6 +134,7 @@ def run_forward(
         rope_for_ratio(CONFIG, layer.ratio),
         torch.tensor([s.req.pool_index for s in segments]),
         torch.tensor(window, dtype=torch.int32).reshape(-1, 8), positions_t, *plans,
+        max_rows_per_request=max_rows_per_request,
     )  # fmt: skip
     done = (positions_t + 1) % layer.ratio == 0
     assert not out[~done].any(), "rows that complete no entry must be zero"
@@ -245,19 +251,35 @@ def test_any_chunking_equals_one_shot(ratio: int, chunks: list[int]) -> None:
     run_schedule(C4 if ratio == 4 else C128, [sum(chunks)], [chunks], TORCH)
 
 
+@pytest.mark.parametrize("bounded", [True, False], ids=["one-launch", "replaced"])
 @pytest.mark.parametrize("layer", [C4, C128], ids=["c4", "c128"])
-def test_triton_interpreter_equals_torch(layer: Layer) -> None:
+def test_triton_interpreter_equals_torch(layer: Layer, bounded: bool) -> None:
+    """The one-launch kernel and the kernels it replaces (the CUDA default until it passes on
+    a GPU): two extend chunks, then decode steps with the ring write in the same launch."""
     outs, rings = [], []
     for path in (TORCH, INTERP):
         req = make_request(layer, 200, 1, seed=5)
         state = allocate(CONFIG, layer, 3)
         found: dict = {}
-        with dispatch.force_path(path):
-            run_forward(state, layer, [Segment(req, 0, 130)], found)
-            outs.append(run_forward(state, layer, [Segment(req, 130, 70)], found))
+        with dispatch.force_path(path), dispatch.force_unverified(bounded):
+            run_forward(state, layer, [Segment(req, 0, 126)], found)
+            outs.append(run_forward(state, layer, [Segment(req, 126, 2)], found))
+            for p in range(128, 133):  # decode: one row a request
+                outs.append(run_forward(state, layer, [Segment(req, p, 1)], found, 1))
         rings.append(state.ring)
-    torch.testing.assert_close(outs[0], outs[1], atol=1e-6, rtol=1e-6)
+    half = len(outs) // 2
+    torch.testing.assert_close(outs[:half], outs[half:], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(rings[0], rings[1], atol=0, rtol=0)
+
+
+def test_ring_write_shares_the_launch_only_when_no_entry_reads_what_it_replaces() -> None:
+    """``R - span + 1`` rows a request at most: 1 without speculative rings, ``span + 1``
+    with them; extend (unknown) never."""
+    for config, ratio, most in ((CONFIG, 4, 1), (CONFIG, 128, 1), (SPEC_CONFIG, 4, 9),
+                                (SPEC_CONFIG, 128, 129)):  # fmt: skip
+        state = CompressorState.allocate(config, ratio, 64, 1)
+        assert ring_write_is_safe(state, most) and not ring_write_is_safe(state, most + 1)
+        assert not ring_write_is_safe(state, None)
 
 
 @pytest.mark.parametrize("path", [TORCH, INTERP])

@@ -12,6 +12,7 @@ import importlib.util
 import sys
 import types
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +24,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import indexer
 from dsv4_backend.kernels.cache_store import store_rows
-from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path, force_unverified
 from dsv4_backend.testing.reference import make_random_layer, reference_layer
 
 CFG = DSV4AttentionConfig.tiny()
@@ -139,17 +140,38 @@ def test_scores_clamp_candidates_to_columns_and_strided_inputs():
 
 
 # ---------------------------------------------------------------------------- selection
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "replaced"])
 @pytest.mark.parametrize("path", [TORCH, TRITON_INTERPRETER])
-def test_selection_matches_brute_force_at_boundary_lengths(path):
+def test_selection_matches_brute_force_at_boundary_lengths(path, bounded):
+    """Both Triton indexers: the length-bounded kernels and the ones they replace (still the
+    CUDA default until they pass on a GPU)."""
     b = make_batch(3)
     cache = b.cache("dense")
-    out = selected(b, cache, path)
+    with force_unverified(bounded):
+        out = selected(b, cache, path)
     expected = brute_select(brute_scores(b, b.keys, 64), b.num, b.page_table, TOPK)
     assert torch.equal(out, expected)
     for t, n in enumerate(b.num.tolist()):
         assert (out[t] >= 0).sum() == min(n, TOPK)
         if n == 0:
             assert (out[t] == -1).all()
+
+
+def test_length_bounded_topk_over_several_blocks_with_ties():
+    """The radix top-k kernel on rows longer than one column block (64 in the interpreter),
+    with exact ties at the boundary and columns past each row's count left as garbage."""
+    g = torch.Generator().manual_seed(12)
+    rows, cols, topk = 5, 300, 40
+    scores = torch.randint(-3, 4, (rows, cols), generator=g).float() * 0.5
+    scores[0] = -scores[0].abs() - 1.0  # all negative
+    scores[1, :150] = float("-inf")  # -inf candidates are still candidates
+    num = torch.tensor([300, 290, 129, 41, 40], dtype=torch.int32)
+    garbage = torch.where(torch.arange(cols)[None, :] < num[:, None].long(), scores, 1e30)
+    pages = torch.arange(rows * 5, dtype=torch.int32).flip(0).view(rows, 5)
+    out = torch.full((rows, topk), -7, dtype=torch.int32)
+    with force_path(TRITON_INTERPRETER):
+        indexer.select_topk(garbage, num, pages, topk, out)
+    assert torch.equal(out, brute_select(scores, num, pages, topk))
 
 
 def test_ties_go_to_the_smaller_entry():
@@ -322,7 +344,8 @@ def test_flashinfer_branch_passes_arguments_flashinfer_accepts(monkeypatch):
     b = make_batch(11)
     scores = torch.randn(len(SEQ_LENS), 64)
     out = torch.empty(len(SEQ_LENS), TOPK, dtype=torch.int32)
-    indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
+    with force_unverified(False):  # the length-bounded indexer has its own top-k
+        indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
     assert calls == [{"tie_break": 1, "dsa_graph_safe": True}]
     assert torch.equal(out, brute_select(scores, b.num, b.page_table, TOPK))
 
@@ -337,3 +360,19 @@ def test_warm_up_topk_runs_flashinfer_once_before_capture(monkeypatch):
     monkeypatch.setattr(indexer, "_use_flashinfer_topk", lambda device: True)
     indexer.warm_up_topk("cpu", 8)
     assert calls == [((1, 9), 8)]
+
+
+# ---------------------------------------------------------------------- deep_gemm bench
+def test_deep_gemm_comparison_says_why_it_cannot_run(capsys):
+    """``bench_ops.py --against deep_gemm`` without a CUDA device (or deep_gemm): one line
+    saying so, nothing compared, a clean return."""
+    path = Path(__file__).parents[1] / "benchmarks" / "bench_ops.py"
+    spec = importlib.util.spec_from_file_location("bench_ops", path)
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    if bench.ON_GPU and importlib.util.find_spec("deep_gemm") is not None:
+        pytest.skip("a GPU with deep_gemm: the comparison really runs (benchmarks)")
+    bench.compare_deep_gemm([1], 64, 1)
+    out = capsys.readouterr().out
+    assert out.startswith("--against deep_gemm: ") and "nothing compared" in out

@@ -22,6 +22,7 @@ from dsv4_backend.kernels.indexer import run_indexer
 from dsv4_backend.kernels.indexer_fp8 import quantised_view
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
+from dsv4_backend.planning.planner import GRAPH_KINDS
 
 
 def layer_ratio(config: DSV4AttentionConfig, layer: int, where: str) -> int:
@@ -76,16 +77,18 @@ def compress_and_store(
     ratio = 4 if indexer else ratio
     comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
     rings = (state.indexer_states if indexer else state.compressor_states)[layer]
+    cache = state.pools.indexer(layer) if indexer else state.pools.compressed(layer)
+    quantised = indexer and state.config.indexer_selection == "fp8"
     entries = compress_forward(
         rings, kv_proj, score_proj, ape, norm_weight, state.rope,
         req_pool_indices, metadata.swa_page_indices, metadata.positions_causal,
         comp.compress_plan, comp.write_plan,
         norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
+        store=None if quantised else (cache, comp.out_loc),
+        max_rows_per_request=_rows_per_request(metadata) if metadata.kind in GRAPH_KINDS else None,
     )  # fmt: skip
-    pools = state.pools
-    if indexer and state.config.indexer_selection == "fp8":
-        entries = quantised_view(entries)  # rows completing no entry stay 0
-    store_rows(pools.indexer(layer) if indexer else pools.compressed(layer), entries, comp.out_loc)
+    if quantised:  # sglang's rotated e4m3 keys (rows completing no entry stay 0)
+        store_rows(cache, quantised_view(entries), comp.out_loc)
 
 
 def select_c4_entries(

@@ -34,22 +34,20 @@ _MAX_BLOCK_D = 1024
 
 
 # ------------------------------------------------------------------------------------ kernels
+# One row each. The row helpers are shared with kernels that finish a row and store it in the
+# same launch (the compressor); the kernels below are one program a row.
 @triton.jit
-def _store_dense_kernel(
+def store_dense_row(
     storage_ptr,  # [num_slots, D] float, row stride stride_s
-    rows_ptr,  # [N, D] float, row stride stride_r
-    slots_ptr,  # [N] int64
+    row_ptr,  # the row's first element
+    slot,  # int64 slot (< 0: skip)
+    offs,  # [BLOCK_D] int32 channel ids
     stride_s,
-    stride_r,
     D: tl.constexpr,
-    BLOCK_D: tl.constexpr,
     BF16_BITS: tl.constexpr,  # storage is bf16: round in integer arithmetic (interpreter-exact)
 ):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    slot = tl.load(slots_ptr + row)
     m = (offs < D) & (slot >= 0)
-    x = tl.load(rows_ptr + row * stride_r + offs, mask=m, other=0.0)
+    x = tl.load(row_ptr + offs, mask=m, other=0.0)
     dst = storage_ptr + tl.maximum(slot, 0) * stride_s + offs
     if BF16_BITS:
         tl.store(dst.to(tl.pointer_type(tl.uint16)), fp32_to_bf16_bits(x.to(tl.float32)), mask=m)
@@ -58,22 +56,18 @@ def _store_dense_kernel(
 
 
 @triton.jit
-def _store_fp8_token_kernel(
+def store_fp8_token_row(
     storage_ptr,  # uint8 [num_pages, PAGE_BYTES]
-    rows_ptr,  # [N, NOPE_DIM + ROPE_DIM] float, row stride stride_r
-    slots_ptr,  # [N] int64
-    stride_r,
+    row_ptr,  # the row's first element ([NOPE_DIM + ROPE_DIM] float)
+    slot,  # int64 slot (< 0: skip)
     NOPE_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
     PAGE_TOKENS: tl.constexpr,
     BLOCK_R: tl.constexpr,  # next power of two >= ROPE_DIM
 ):
-    row = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slots_ptr + row)
     data_base, scale_base, valid = fp8_token_addresses(
         slot, slot >= 0, NOPE_DIM, ROPE_DIM, PAGE_TOKENS
     )
-    row_ptr = rows_ptr + row * stride_r
     # Nope as an [8 groups, 64 channels] tile: one scale byte per group (8 per token);
     # groups past NOPE_DIM load zeros, so their scale byte is written as 0 padding.
     g = tl.arange(0, 8)
@@ -93,6 +87,109 @@ def _store_fp8_token_kernel(
 
 
 @triton.jit
+def store_fp8_indexer_row(
+    storage_ptr,  # uint8 [num_pages, PAGE_TOKENS * (DIM + 4)]
+    row_ptr,  # the row's first element ([DIM] float)
+    slot,  # int64 slot (< 0: skip)
+    DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= DIM
+):
+    data_base, scale_base, valid = fp8_indexer_addresses(slot, slot >= 0, DIM, PAGE_TOKENS)
+    d = tl.arange(0, BLOCK_D)
+    m = (d < DIM) & valid
+    x = tl.load(row_ptr + d, mask=m, other=0.0).to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=0)
+    # div_rn: correctly rounded like torch's division (plain '/' is approximate on GPUs).
+    scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 448.0))
+    codes = fp32_to_e4m3(tl.math.div_rn(x, scale))
+    tl.store(storage_ptr + data_base + d, codes, mask=m)
+    tl.store((storage_ptr + scale_base).to(tl.pointer_type(tl.float32)), scale, mask=valid)
+
+
+#: ``STORE`` of ``store_row``: what a fused kernel does with a finished row.
+STORE_NONE, STORE_DENSE, STORE_FP8_TOKEN, STORE_FP8_INDEXER = range(4)
+
+
+@triton.jit
+def store_row(
+    storage_ptr,
+    row_ptr,  # the row's first element ([D] float)
+    slot,  # int64 slot (< 0: skip)
+    stride_s,  # dense only: elements between slots
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # next power of two >= D
+    STORE: tl.constexpr,  # STORE_* (constexpr ints 0-3)
+    BF16_BITS: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Store one ``D``-channel row in the cache format ``STORE`` (``row_store_constexprs``)."""
+    if STORE == 1:
+        offs = tl.arange(0, BLOCK_D)
+        store_dense_row(storage_ptr, row_ptr, slot, offs, stride_s, D, BF16_BITS)
+    elif STORE == 2:
+        store_fp8_token_row(storage_ptr, row_ptr, slot, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R)
+    elif STORE == 3:
+        store_fp8_indexer_row(storage_ptr, row_ptr, slot, D, PAGE_TOKENS, BLOCK_D)
+
+
+def row_store_constexprs(cache: SlotCache | None) -> dict[str, int | bool]:
+    """``store_row``'s constexprs for ``cache`` (``None``: ``STORE_NONE``), keyed by name."""
+    out: dict[str, int | bool] = dict(
+        STORE=STORE_NONE, BF16_BITS=False, NOPE_DIM=0, ROPE_DIM=0, PAGE_TOKENS=1, BLOCK_R=1
+    )
+    if cache is None:
+        return out
+    layout = cache.layout
+    if layout is None:
+        out.update(STORE=STORE_DENSE, BF16_BITS=cache.storage.dtype == torch.bfloat16)
+    elif isinstance(layout, Fp8TokenLayout):
+        out.update(STORE=STORE_FP8_TOKEN, BLOCK_R=triton.next_power_of_2(max(layout.rope_dim, 1)))
+        out.update(triton_constexprs(layout))
+    else:
+        out.update(STORE=STORE_FP8_INDEXER, PAGE_TOKENS=layout.page_tokens)
+    return out
+
+
+@triton.jit
+def _store_dense_kernel(
+    storage_ptr,  # [num_slots, D] float, row stride stride_s
+    rows_ptr,  # [N, D] float, row stride stride_r
+    slots_ptr,  # [N] int64
+    stride_s,
+    stride_r,
+    D: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    slot = tl.load(slots_ptr + row)
+    store_dense_row(storage_ptr, rows_ptr + row * stride_r, slot, offs, stride_s, D, BF16_BITS)
+
+
+@triton.jit
+def _store_fp8_token_kernel(
+    storage_ptr,  # uint8 [num_pages, PAGE_BYTES]
+    rows_ptr,  # [N, NOPE_DIM + ROPE_DIM] float, row stride stride_r
+    slots_ptr,  # [N] int64
+    stride_r,
+    NOPE_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    store_fp8_token_row(
+        storage_ptr, rows_ptr + row * stride_r, slot, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R
+    )
+
+
+@triton.jit
 def _store_fp8_indexer_kernel(
     storage_ptr,  # uint8 [num_pages, PAGE_TOKENS * (DIM + 4)]
     rows_ptr,  # [N, DIM] float, row stride stride_r
@@ -100,20 +197,11 @@ def _store_fp8_indexer_kernel(
     stride_r,
     DIM: tl.constexpr,
     PAGE_TOKENS: tl.constexpr,
-    BLOCK_D: tl.constexpr,  # next power of two >= DIM
+    BLOCK_D: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     slot = tl.load(slots_ptr + row)
-    data_base, scale_base, valid = fp8_indexer_addresses(slot, slot >= 0, DIM, PAGE_TOKENS)
-    d = tl.arange(0, BLOCK_D)
-    m = (d < DIM) & valid
-    x = tl.load(rows_ptr + row * stride_r + d, mask=m, other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=0)
-    # div_rn: correctly rounded like torch's division (plain '/' is approximate on GPUs).
-    scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, 448.0))
-    codes = fp32_to_e4m3(tl.math.div_rn(x, scale))
-    tl.store(storage_ptr + data_base + d, codes, mask=m)
-    tl.store((storage_ptr + scale_base).to(tl.pointer_type(tl.float32)), scale, mask=valid)
+    store_fp8_indexer_row(storage_ptr, rows_ptr + row * stride_r, slot, DIM, PAGE_TOKENS, BLOCK_D)
 
 
 # ---------------------------------------------------------------------------------- launchers

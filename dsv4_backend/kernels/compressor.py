@@ -30,10 +30,19 @@ The output is **aligned to rows**: ``entries[i]`` is the entry completed by ragg
 zeros where row ``i`` completes none. Nothing reads a tensor value on the host, so a forward
 can be captured in a CUDA graph (warm up first: the first call compiles).
 
-Paths (``dispatch.use_triton``): two Triton launches, ``_compress_entry_kernel`` (pool, norm,
-RoPE and the zero rows, one program per record) then ``_ring_write_kernel``; the storing of the
-entries into the cache is the third (``compute.compress_and_store``). The torch path pools with
-the same gathers and finishes with ``ops.compress.finish_entries``.
+Paths (``dispatch.use_triton``):
+
+* **one launch** (``dispatch.use_unverified("compressor")``: the interpreter's default, CUDA
+  with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``):
+  ``_compress_fused_kernel``, one program per record, pools over contiguous
+  ``[BLOCK_S, D]`` tiles in a pipelined loop, normalises, ropes, stores the entry in the
+  cache (``store=``) and writes the ring row of the write record of the same index. Writing
+  while entries are pooled is safe when no entry reads a ring row the forward replaces
+  (``ring_write_is_safe``: decode, draft steps, verify with the speculative rings); else
+  (extend) ``_ring_write_kernel`` follows as a second launch.
+* **replaced** (the CUDA default): ``_compress_entry_kernel`` (pool, norm, RoPE and the zero
+  rows, even / odd channel tiles), ``_ring_write_kernel``, then the cache store: 3 launches.
+* **torch**: the same gathers, finished with ``ops.compress.finish_entries``.
 """
 
 from __future__ import annotations
@@ -43,9 +52,11 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.cache.state import CompressorState
+from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.config import check_compressed_ratio, compress_overlap, compress_span
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.cache_store import row_store_constexprs, store_row, store_rows
 from dsv4_backend.ops.compress import finish_entries, pool_slots
 from dsv4_backend.ops.rope import CosSin, RopeTable
 
@@ -95,9 +106,57 @@ def _online_softmax_step(m, l, acc, kv, score):
 
 
 @triton.jit
-def _zero_row(row_ptr, pair, zeros, pair_ok):
-    tl.store(row_ptr + 2 * pair, zeros, mask=pair_ok)
-    tl.store(row_ptr + 2 * pair + 1, zeros, mask=pair_ok)
+def _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D: tl.constexpr):
+    """Zero the output rows that complete no entry around compress record ``rec``: the gap
+    before it and (last record, or record 0 of an empty plan) the rows up to ``T``. Returns
+    the record's ragged row (``< 0``: padding)."""
+    ragged = tl.load(plan_ptr + rec * stride_plan)
+    prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
+    nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    zeros = tl.zeros([BLOCK_D], tl.float32)
+    valid = ragged >= 0
+    last = valid & (nxt < 0)
+    gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
+    for r in range(gap_from, tl.where(valid, ragged, 0).to(tl.int64)):
+        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
+    tail_to = tl.where(last | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
+    for r in range(tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to):
+        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
+    return ragged
+
+
+@triton.jit
+def _span_sources(
+    j,  # [BLOCK_S] span slots
+    pos,  # int64 the entry's last position
+    window_len,  # int64 the span's rows from this forward
+    row,  # int64 the entry's ragged row
+    request_ring,  # the request's ring (request-scoped) or the ring storage (page-scoped)
+    window_ptr,
+    ring_rows,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    SPAN: tl.constexpr,
+    RATIO: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+):
+    """Where span slots ``j`` come from: ``(from_rows, from_ring, rows, ring_base, ape_row)``,
+    the slot's ragged row (this forward) or ring row pointer, and its ``ape`` row."""
+    q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
+    from_rows = q > pos - window_len
+    from_ring = (q >= 0) & ~from_rows
+    rows = tl.where(from_rows, row - (pos - q), 0)
+    ring_base = request_ring + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
+    if WINDOW_PAGE > 0:
+        # Each slot's ring is the window page of its own position (lag pos - q).
+        window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
+        ring_base += (tl.where(from_ring, window, 0).to(tl.int64) // WINDOW_PAGE) * (
+            stride_ring_slot
+        )
+    return from_rows, from_ring, rows, ring_base, tl.where(from_rows, q, 0) % RATIO
 
 
 @triton.jit
@@ -143,22 +202,11 @@ def _compress_entry_kernel(
     row is written exactly once without a separate fill.
     """
     rec = tl.program_id(0)
-    ragged = tl.load(plan_ptr + rec * stride_plan)
-    prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
-    nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
+    ragged = _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, 2 * BLOCK_P)
     pair = tl.arange(0, BLOCK_P)
     pair_ok = pair < D // 2
     zeros = tl.zeros([BLOCK_P], tl.float32)
-    valid = ragged >= 0
-    last = valid & (nxt < 0)
-    # Gap before this record, then (last record, or record 0 of an empty plan) up to T.
-    gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
-    for r in range(gap_from, tl.where(valid, ragged, 0).to(tl.int64)):
-        _zero_row(out_ptr + r * stride_out, pair, zeros, pair_ok)
-    tail_to = tl.where(last | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
-    for r in range(tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to):
-        _zero_row(out_ptr + r * stride_out, pair, zeros, pair_ok)
-    if valid:
+    if ragged >= 0:
         row = ragged.to(tl.int64)
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
         pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
@@ -170,18 +218,10 @@ def _compress_entry_kernel(
         m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
         for j0 in range(0, SPAN, BLOCK_S):
             j = j0 + tl.arange(0, BLOCK_S)
-            q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
-            from_rows = q > pos - window_len
-            from_ring = (q >= 0) & ~from_rows
-            rows = tl.where(from_rows, row - (pos - q), 0)
-            ring_base = request_ring + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
-            if WINDOW_PAGE > 0:
-                # Each slot's ring is the window page of its own position (lag pos - q).
-                window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
-                ring_base += (tl.where(from_ring, window, 0).to(tl.int64) // WINDOW_PAGE) * (
-                    stride_ring_slot
-                )
-            ape_row = tl.where(from_rows, q, 0) % RATIO
+            from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
+                stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
+            )  # fmt: skip
             # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
             col = (j >= RATIO).to(tl.int64)[:, None] * D + 2 * pair[None, :]
             m_rows = from_rows[:, None] & pair_ok[None, :]
@@ -216,6 +256,168 @@ def _compress_entry_kernel(
 
 
 @triton.jit
+def _ring_write_row(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    ring_ptr,
+    pool_ptr,
+    window_ptr,
+    plan_ptr,
+    rec,  # write-plan record
+    cols,  # [BLOCK] int column ids of the ring row's kv half
+    CD,
+    ring_rows,
+    stride_kv,
+    stride_score,
+    stride_ape,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    stride_plan,
+    RATIO: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+):
+    """``ring[slot, p % R, cols] = [kv | score + ape[p % RATIO]]`` of one write record."""
+    ragged = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
+    if ragged >= 0:  # not a padding record
+        batch = tl.load(plan_ptr + rec * stride_plan + 1)
+        pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
+        if WINDOW_PAGE > 0:
+            slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
+        else:
+            slot = tl.load(pool_ptr + batch).to(tl.int64)
+        ok = cols < CD
+        kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0).to(tl.float32)
+        score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0)
+        ape = tl.load(ape_ptr + (pos % RATIO) * stride_ape + cols, mask=ok, other=0.0)
+        dst = ring_ptr + slot * stride_ring_slot + (pos % ring_rows) * stride_ring_row + cols
+        tl.store(dst, kv, mask=ok)
+        tl.store(dst + CD, score.to(tl.float32) + ape.to(tl.float32), mask=ok)
+
+
+@triton.jit
+def _compress_fused_kernel(
+    kv_ptr,  # [T, C*D] float kv projection
+    score_ptr,  # [T, C*D] float score projection (without ape)
+    ape_ptr,  # [RATIO, C*D] float
+    ring_ptr,  # [num_slots, ring_rows, 2*C*D] fp32 [kv | score + ape]
+    pool_ptr,  # [B] int request pool index of each batch id (request-scoped rings)
+    window_ptr,  # [T, >= SPAN] int window slot of positions p, p-1, ... (page-scoped rings)
+    plan_ptr,  # [T, 4] int32 compress plan records
+    write_plan_ptr,  # [T, 4] int32 write plan records (read with WRITE_RING)
+    norm_ptr,  # [D] float RMSNorm weight
+    cos_ptr,  # [N, ROPE_PAIRS] fp32 RoPE cos: rows by position (a RopeTable) or by ragged row
+    sin_ptr,  # [N, ROPE_PAIRS] fp32 RoPE sin, same rows
+    out_ptr,  # [T, D] fp32 finished entries aligned to rows
+    out_loc_ptr,  # [T] int cache slot of each row's entry, -1: none (read unless STORE_NONE)
+    cache_ptr,  # the cache the entries are stored in (STORE)
+    num_rows,
+    D,
+    CD,
+    ring_rows,
+    eps,
+    stride_kv,
+    stride_score,
+    stride_ape,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    stride_plan,
+    stride_out,
+    stride_rope,
+    stride_cache,  # dense caches: elements between slots
+    RATIO: tl.constexpr,
+    SPAN: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,  # > 0: ring slot = window slot // WINDOW_PAGE; 0: pool index
+    ROPE_PAIRS: tl.constexpr,
+    ROPE_BY_ROW: tl.constexpr,  # cos / sin rows are ragged rows, not positions
+    BLOCK_D: tl.constexpr,  # channels per program (>= D)
+    BLOCK_S: tl.constexpr,  # span slots per pooling step
+    BLOCK_W: tl.constexpr,  # ring-row columns per write step (>= C*D / steps)
+    WRITE_RING: tl.constexpr,  # also write record ``program_id``'s ring row (no hazard)
+    STORE: tl.constexpr,  # cache_store.STORE_*: the format entries are stored in
+    BF16_BITS: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Program ``rec``: compress-plan record ``rec`` pooled (contiguous ``[BLOCK_S,
+    BLOCK_D]`` tiles of the span, a pipelined loop), RMSNorm, RoPE, written to its row of
+    ``out`` and stored in the cache at the row's ``out_loc``; then, with ``WRITE_RING``, the
+    ring row of write-plan record ``rec``.
+
+    Rows that complete no entry are zeroed by the record before them (the gap up to its own
+    row, and after the last record, up to ``T``), so every output row is written once. The
+    ring write shares the launch only where no entry of the forward reads a ring row a write
+    replaces (the launcher's ``_ring_write_is_safe``)."""
+    rec = tl.program_id(0)
+    ragged = _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D)
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    zeros = tl.zeros([BLOCK_D], tl.float32)
+    if ragged >= 0:
+        row = ragged.to(tl.int64)
+        batch = tl.load(plan_ptr + rec * stride_plan + 1)
+        pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
+        window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
+        request_ring = ring_ptr
+        if WINDOW_PAGE == 0:
+            request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
+        m_run = tl.full([BLOCK_D], float("-inf"), tl.float32)
+        l_run, acc = zeros, zeros
+        for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
+            j = j0 + tl.arange(0, BLOCK_S)
+            from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
+                stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
+            )  # fmt: skip
+            # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
+            col = (j >= RATIO).to(tl.int64)[:, None] * D + d[None, :]
+            m_rows = from_rows[:, None] & d_ok[None, :]
+            m_ring = from_ring[:, None] & d_ok[None, :]
+            kv, score = _slot_tile(
+                kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring,
+                stride_kv, stride_score, stride_ape, OVERLAP * D,
+            )  # fmt: skip
+            score = tl.where(d_ok[None, :], score, 0.0)  # padded channels: finite, unused
+            m_run, l_run, acc = _online_softmax_step(m_run, l_run, acc, kv, score)
+        entry = acc / l_run
+        # RMSNorm over the D channels (padded channels pooled to 0).
+        inv = tl.math.rsqrt(tl.sum(entry * entry, axis=0) / D + eps)
+        entry *= inv * tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+        # RoPE of the trailing ROPE_PAIRS pairs (2i, 2i + 1) at the entry's first position.
+        even, odd = tl.split(tl.reshape(entry, [BLOCK_D // 2, 2]))
+        pair = tl.arange(0, BLOCK_D // 2)
+        rope_pair = pair - (D // 2 - ROPE_PAIRS)
+        is_rope = (rope_pair >= 0) & (pair < D // 2)
+        rope_row = row if ROPE_BY_ROW else pos + 1 - RATIO
+        cos = tl.load(cos_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=1.0)
+        sin = tl.load(sin_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=0.0)
+        rot_e = tl.where(is_rope, even * cos - odd * sin, even)
+        rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
+        entry = tl.reshape(tl.join(rot_e, rot_o), [BLOCK_D])
+        tl.store(out_ptr + row * stride_out + d, entry, mask=d_ok)
+        if STORE != 0:
+            tl.debug_barrier()  # the row is re-read by other threads in the cache's layout
+            slot = tl.load(out_loc_ptr + row).to(tl.int64)
+            store_row(
+                cache_ptr, out_ptr + row * stride_out, slot, stride_cache, D, BLOCK_D,
+                STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+            )  # fmt: skip
+    if WRITE_RING:
+        for c0 in tl.static_range(0, BLOCK_D * OVERLAP, BLOCK_W):
+            _ring_write_row(
+                kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, write_plan_ptr,
+                rec, c0 + tl.arange(0, BLOCK_W), CD, ring_rows,
+                stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
+                stride_window, stride_plan, RATIO, WINDOW_PAGE,
+            )  # fmt: skip
+
+
+@triton.jit
 def _ring_write_kernel(
     kv_ptr,  # [T, C*D] float kv projection
     score_ptr,  # [T, C*D] float score projection (without ape)
@@ -238,24 +440,12 @@ def _ring_write_kernel(
     BLOCK: tl.constexpr,
 ):
     """One (record, column block): ``ring[slot, p % R] = [kv | score + ape[p % RATIO]]``."""
-    rec = tl.program_id(0)
-    ragged = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
-    if ragged < 0:  # padding record
-        return
-    batch = tl.load(plan_ptr + rec * stride_plan + 1)
-    pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
-    if WINDOW_PAGE > 0:
-        slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
-    else:
-        slot = tl.load(pool_ptr + batch).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = cols < CD
-    kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0).to(tl.float32)
-    score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0).to(tl.float32)
-    score += tl.load(ape_ptr + (pos % RATIO) * stride_ape + cols, mask=ok, other=0.0).to(tl.float32)
-    dst = ring_ptr + slot * stride_ring_slot + (pos % ring_rows) * stride_ring_row + cols
-    tl.store(dst, kv, mask=ok)
-    tl.store(dst + CD, score, mask=ok)
+    _ring_write_row(
+        kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
+        tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), CD, ring_rows,
+        stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
+        stride_window, stride_plan, RATIO, WINDOW_PAGE,
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- launchers
@@ -299,6 +489,71 @@ def _entries_triton(
         RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
         ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
         BLOCK_P=block_p, BLOCK_S=block_s,
+    )  # fmt: skip
+    return out
+
+
+def fused_warps(block_d: int) -> int:
+    """Warps of ``_compress_fused_kernel``: 8 for a layer's 512 channels (sm_90a: 188
+    registers, not 248 with 4), else 4."""
+    return 8 if block_d >= 512 else 4
+
+
+def ring_write_is_safe(state: CompressorState, max_rows_per_request: int | None) -> bool:
+    """Whether the ring rows of a forward can be written while its entries are pooled (one
+    launch): a row written at ``p' = p + k`` (``k < n``, ``n`` rows a request) replaces
+    position ``p' - R``, which an entry ending at ``p`` reads from the ring only if
+    ``p' - R > p - span``; so never while ``n <= R - span + 1`` (decode, draft steps, verify
+    with the doubled speculative rings). ``None``: not known (extend), not safe."""
+    if max_rows_per_request is None:
+        return False
+    return max_rows_per_request <= state.ring_rows - compress_span(state.ratio) + 1
+
+
+def _fused_triton(
+    state: CompressorState,
+    kv_proj: torch.Tensor,
+    score_proj: torch.Tensor,
+    ape: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    window_slots: torch.Tensor,
+    compress_plan: torch.Tensor,
+    write_plan: torch.Tensor,
+    norm_weight: torch.Tensor,
+    rope: CosSin,
+    norm_eps: float,
+    positions: torch.Tensor,
+    store: tuple[SlotCache, torch.Tensor] | None,
+    write_ring: bool,
+) -> torch.Tensor:
+    """Launch ``_compress_fused_kernel`` (``[T, D]`` fp32 entries aligned to rows), which also
+    stores them in ``store = (cache, out_loc)`` and, with ``write_ring``, writes the ring."""
+    d, ratio, ring = state.head_dim, state.ratio, state.ring
+    rows = kv_proj.shape[0]
+    out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
+    if rows == 0:
+        return out
+    if isinstance(rope, RopeTable):
+        cos, sin = rope.cos, rope.sin
+    else:
+        entry_positions = (positions.long() + 1) // ratio * ratio - ratio
+        cos, sin = (x.contiguous() for x in rope.cos_sin(entry_positions))
+    span = compress_span(ratio)
+    block_d = triton.next_power_of_2(max(d, 2))
+    block_s = min(span, max(POOL_TILE // block_d, 1))
+    cache, out_loc = store if store is not None else (None, out)  # out: an unread pointer
+    storage = out if cache is None else cache.storage
+    _compress_fused_kernel[(rows,)](
+        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
+        write_plan, norm_weight, cos, sin, out, out_loc, storage,
+        rows, d, kv_proj.shape[1], ring.shape[1], norm_eps,
+        kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
+        window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
+        storage.stride(0),
+        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
+        ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
+        BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_W=block_d, WRITE_RING=write_ring,
+        **row_store_constexprs(cache), num_warps=fused_warps(block_d),
     )  # fmt: skip
     return out
 
@@ -466,6 +721,17 @@ def _check(
         raise ContractError(f"compressor: tensors on several devices {sorted(map(str, devices))}")
 
 
+def _check_store(
+    state: CompressorState, rows: int, cache: SlotCache, out_loc: torch.Tensor
+) -> None:
+    cache.check_slots(out_loc, "out_loc")
+    if cache.dim != state.head_dim or tuple(out_loc.shape) != (rows,):
+        raise ContractError(
+            f"compressor (D={state.head_dim}): store into a cache of dim {cache.dim} at "
+            f"out_loc {tuple(out_loc.shape)}; expected dim {state.head_dim} and ({rows},)"
+        )
+
+
 def compress_forward(
     state: CompressorState,
     kv_proj: torch.Tensor,
@@ -480,6 +746,8 @@ def compress_forward(
     write_plan: torch.Tensor,
     *,
     norm_eps: float = 1e-6,
+    store: tuple[SlotCache, torch.Tensor] | None = None,
+    max_rows_per_request: int | None = None,
 ) -> torch.Tensor:
     """Entries completed by this forward's rows, then the ring updated for the next forward.
 
@@ -498,6 +766,11 @@ def compress_forward(
     positions : ``[T]`` int — absolute position of each row.
     compress_plan, write_plan : ``[T, 4]`` int32 plan records of this ratio (planning/metadata.py).
     norm_eps : the RMSNorm epsilon (sglang: the compressor's ``norm.variance_epsilon``).
+    store : ``(cache, out_loc)``: also store each row's entry in ``cache`` at ``out_loc``
+        ``[T]`` (``-1``: none), as ``store_rows`` does.
+    max_rows_per_request : the most rows a request has in this forward when known (uniform
+        kinds); where ``ring_write_is_safe`` says so, the new kernel does everything in one
+        launch, else the ring write is a second one.
 
     Returns ``[T, D]`` float32 aligned to rows: the finished (normed, roped) entry completed by
     each row, zeros for rows that complete none. Decode is the same call with one row per
@@ -510,13 +783,29 @@ def compress_forward(
     args = (state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
             ape.contiguous(), req_pool_indices.contiguous(),
             _unit_channel_stride(window_slots))  # fmt: skip
-    if dispatch.use_triton(kv_proj.device):
+    device = kv_proj.device
+    if dispatch.use_triton(device) and dispatch.use_unverified("compressor", device):
+        if store is not None:
+            _check_store(state, kv_proj.shape[0], *store)
+            store = (store[0], store[1].contiguous())
+        one_launch = ring_write_is_safe(state, max_rows_per_request)
+        entries = _fused_triton(
+            *args, compress_plan.contiguous(), write_plan.contiguous(), norm_weight.contiguous(),
+            rope, norm_eps, positions, store, one_launch,
+        )  # fmt: skip
+        if not one_launch:
+            _write_triton(*args, write_plan.contiguous())
+        return entries
+    if dispatch.use_triton(device):
         entries = _entries_triton(
             *args, compress_plan.contiguous(), norm_weight.contiguous(), rope, norm_eps, positions
         )
         _write_triton(*args, write_plan.contiguous())
-        return entries
-    pooled = _pool_torch(*args, compress_plan)
-    _write_torch(*args, write_plan)
-    entry_ids = torch.div(positions.long() + 1, state.ratio, rounding_mode="floor") - 1
-    return finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope, norm_eps)
+    else:
+        pooled = _pool_torch(*args, compress_plan)
+        _write_torch(*args, write_plan)
+        entry_ids = torch.div(positions.long() + 1, state.ratio, rounding_mode="floor") - 1
+        entries = finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope, norm_eps)
+    if store is not None:
+        store_rows(store[0], entries, store[1])
+    return entries

@@ -13,6 +13,10 @@ Sparse attention on the two Triton paths runs one of :data:`ATTENTION_KERNELS`: 
 (``kernels/sparse_attention_ws.py``, Gluon, fp8 caches on a GPU; neither has run on a GPU, so
 neither is the default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by
 ``force_attention_kernel`` (``kernels/attention_choice.py`` runs the choice).
+
+Kernels that have not yet passed ``scripts/gpu_check.sh`` (``UNVERIFIED_OPS``) replace the
+verified ones in the interpreter (where the tests run them) but on CUDA only with
+``DSV4_UNVERIFIED_KERNELS=1``; ``force_unverified`` pins the choice in a ``with`` block.
 """
 
 from __future__ import annotations
@@ -40,7 +44,15 @@ TRITON_OPS = (
     "sparse_attention",
 )
 
+#: Ops whose new kernels have not yet run on a GPU (issue 22: the length-bounded lightning
+#: indexer, the one-launch compressor); a change that shows them passing
+#: ``scripts/gpu_check.sh`` empties this and removes the kernels they replace.
+UNVERIFIED_OPS = ("indexer", "compressor")
+#: Set to ``1`` to run ``UNVERIFIED_OPS``' new kernels on CUDA devices.
+UNVERIFIED_ENV = "DSV4_UNVERIFIED_KERNELS"
+
 _forced: list[str] = []
+_forced_unverified: list[bool] = []
 
 #: Sparse-attention kernels of the Triton paths; the first is the default.
 ATTENTION_KERNELS = ("triton", "pipelined", "ws")
@@ -125,12 +137,39 @@ def force_attention_kernel(name: str) -> Iterator[None]:
         _forced_attention.pop()
 
 
+def use_unverified(op: str, device: torch.device | str) -> bool:
+    """Whether ``op`` (one of ``UNVERIFIED_OPS``) runs its new kernel for tensors on
+    ``device`` (on the Triton paths: the interpreter by default, CUDA with
+    ``DSV4_UNVERIFIED_KERNELS=1``)."""
+    if op not in UNVERIFIED_OPS:
+        raise ConfigError(f"unknown op {op!r}; expected one of {UNVERIFIED_OPS}")
+    if _forced_unverified:
+        return _forced_unverified[-1]
+    if select_path(device) == TRITON:
+        return os.environ.get(UNVERIFIED_ENV) == "1"
+    return True
+
+
+@contextlib.contextmanager
+def force_unverified(enabled: bool) -> Iterator[None]:
+    """Run ``UNVERIFIED_OPS``' new kernels (``True``) or the ones they replace inside the block."""
+    _forced_unverified.append(enabled)
+    try:
+        yield
+    finally:
+        _forced_unverified.pop()
+
+
 def describe_paths(device: torch.device | str = "cpu") -> list[tuple[str, str, str]]:
     """``(op, path, reason)`` for each op, as ``python -m dsv4_backend info`` prints them."""
     device = torch.device(device)
     path, reason = _default_path(device)
     rows = [(op, path, reason) for op in TRITON_OPS]
     if path != TORCH:
+        for i, (op, _, _) in enumerate(rows):
+            if op in UNVERIFIED_OPS:
+                kernel = "new kernel" if use_unverified(op, device) else "verified kernel"
+                rows[i] = (op, path, f"{reason}; {kernel} ({UNVERIFIED_ENV})")
         kernel, why = attention_kernel()
         rows.append(("attention_kernel", kernel, _attention_kernel_note(kernel, why)))
     rows.append(("compress_plan", *_tvm_path(device)))

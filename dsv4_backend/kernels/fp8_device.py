@@ -3,7 +3,8 @@
 The kernels that read or write the caches import these: bit-exact e4m3 / ue8m0 / bf16
 conversions, the byte addresses of a slot's data and scales, and block loaders that return
 dequantised fp32 tiles. They decode bits arithmetically, which is exact on GPUs and in the
-Triton interpreter alike (the interpreter has no fp8 and truncates bf16 conversions).
+Triton interpreter alike (the interpreter has no fp8 and truncates bf16 conversions);
+``e4m3_decode`` uses the GPU's own conversion instead where a kernel is compiled.
 """
 
 from __future__ import annotations
@@ -27,6 +28,17 @@ def e4m3_to_fp32(code):
     val = tl.where(exp == 0, sub, normal)
     nan = tl.full(c.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True)
     return tl.where((c & 0x7F) == 0x7F, nan, val)
+
+
+@triton.jit
+def e4m3_decode(code, HARDWARE: tl.constexpr):
+    """uint8 e4m3fn bit patterns -> bf16 through the GPU's fp8 conversion (``HARDWARE``: a
+    compiled kernel; exact, every e4m3 value is a bf16 value), else fp32 decoded
+    arithmetically (the interpreter, which has no fp8)."""
+    if HARDWARE:
+        return code.to(tl.float8e4nv, bitcast=True).to(tl.bfloat16)
+    else:
+        return e4m3_to_fp32(code)
 
 
 @triton.jit

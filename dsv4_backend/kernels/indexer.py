@@ -16,9 +16,21 @@ Shapes: ``T`` rows, ``HI`` indexer heads, ``DI`` indexer head dim, ``Pw`` page-t
 ``(T, N, K)`` and nothing reads a tensor value on the host, so the indexer can be captured in
 a CUDA graph (warm it up first: the first call compiles).
 
-Paths: scores run the Triton kernel or the torch implementation per ``dispatch.use_triton``;
-top-k runs flashinfer's radix top-k on CUDA devices with flashinfer installed, else a stable
-torch sort (same selected set: both break ties toward the smaller index).
+Paths (``dispatch.use_triton``; every path selects the same set: ties go to the smaller index):
+
+* **length-bounded** (``dispatch.use_unverified("indexer")``: the interpreter's default, CUDA
+  with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``): two launches
+  whose work follows each row's own candidate count, not the page table's width (under CUDA
+  graphs that width is the server's maximum context). ``_row_scores_kernel`` runs
+  ``score_splits`` programs a row (a fixed count: 512 programs in all on a GPU); each loads
+  the row's queries once and loops over its blocks below the count, FP8 keys converted by the
+  hardware (``fp8_device.e4m3_decode``). ``_topk_slots_kernel`` reads only those scores: a
+  radix select then an ascending pass writing the slots. Columns past a row's count are never
+  read or written (``index_scores`` fills them with ``-inf`` for its callers).
+* **replaced** (the CUDA default): ``_indexer_scores_kernel`` with one program per 64
+  columns of the width, flashinfer's radix top-k on CUDA (a stable torch sort elsewhere) over
+  the whole ``[T, N]`` matrix, then ``_selected_slots_kernel``.
+* **torch**: the plain implementation (CPU without the interpreter, meta tensors).
 """
 
 from __future__ import annotations
@@ -31,7 +43,12 @@ import triton.language as tl
 
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.fp8_device import load_dense_block, load_fp8_indexer_block
+from dsv4_backend.kernels.fp8_device import (
+    e4m3_decode,
+    fp8_indexer_addresses,
+    load_dense_block,
+    load_fp8_indexer_block,
+)
 from dsv4_backend.ops.launches import launch
 
 if TYPE_CHECKING:
@@ -39,11 +56,42 @@ if TYPE_CHECKING:
 
 #: c4 entries per full-cache page (page size 256 / ratio 4).
 C4_ENTRIES_PER_PAGE = 64
-#: Candidate columns per Triton program.
+#: Candidate columns per Triton program (per loop step of the length-bounded kernel).
 BLOCK_N = 64
+#: Programs the length-bounded scores aim for in all (a few per SM of an H200's 132).
+SCORE_PROGRAMS = 512
+#: Programs a row in the interpreter (two, so that a program steps over several blocks).
+INTERPRETER_SPLITS = 2
+#: Score columns per step of the length-bounded top-k on a GPU.
+TOPK_BLOCK_C = 1024
 
 
 # --------------------------------------------------------------------------------- kernel
+@triton.jit
+def _row_queries(
+    q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+    HI: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    """Row ``row``'s queries ``[BLOCK_H, BLOCK_D]`` (as stored) and fp32 head weights
+    ``[BLOCK_H]``; padded heads load q = 0 and w = 0, so they add nothing (``tl.dot`` needs
+    >= 16 rows)."""
+    h = tl.arange(0, BLOCK_H)
+    d = tl.arange(0, BLOCK_D)
+    q_mask = (h < HI)[:, None] & (d < DIM)[None, :]
+    q_ptrs = q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+    w = tl.load(w_ptr + row * stride_wt + h * stride_wh, mask=h < HI, other=0.0)
+    return q, w.to(tl.float32)
+
+
+@triton.jit
+def _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E: tl.constexpr):
+    """c4 slots (int64) of row ``row``'s entries ``cols``; -1 where not ``valid``."""
+    page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
+    page = tl.load(page_ptrs, mask=valid, other=0).to(tl.int64)
+    return tl.where(valid, page * E + cols % E, -1)
+
+
 @triton.jit
 def _indexer_scores_kernel(
     q_ptr,  # [T, HI, DIM] fp32 / bf16
@@ -83,16 +131,13 @@ def _indexer_scores_kernel(
     out_ptrs = out_ptr + row * stride_out_t + cols
     if n0 < num:
         valid = cols < num
-        h = tl.arange(0, BLOCK_H)
         d = tl.arange(0, BLOCK_D)
-        # Padded heads load q = 0 and w = 0, so they add nothing (tl.dot needs >= 16 rows).
-        q_mask = (h < HI)[:, None] & (d < DIM)[None, :]
-        q_ptrs = q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
-        q = tl.load(q_ptrs, mask=q_mask, other=0.0).to(tl.float32)  # [BLOCK_H, BLOCK_D]
-        w = tl.load(w_ptr + row * stride_wt + h * stride_wh, mask=h < HI, other=0.0)
-        page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
-        page = tl.load(page_ptrs, mask=valid, other=0).to(tl.int64)
-        slots = tl.where(valid, page * E + cols % E, -1)
+        q, w = _row_queries(
+            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+            HI, DIM, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+        q = q.to(tl.float32)  # [BLOCK_H, BLOCK_D]
+        slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
         if FP8:
             keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
         else:
@@ -101,7 +146,7 @@ def _indexer_scores_kernel(
             dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
         else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
             dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
-        scores = tl.sum(tl.maximum(dots, 0.0) * w.to(tl.float32)[None, :], axis=1)
+        scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
         tl.store(out_ptrs, tl.where(valid, scores, float("-inf")), mask=in_matrix)
     else:
         tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_matrix)
@@ -137,6 +182,147 @@ def _selected_slots_kernel(
     page = tl.load(page_table_ptr + row * stride_pt_t + (col // E) * stride_pt_p, mask=valid)
     slots = tl.where(valid, page * E + col % E, -1)
     tl.store(out_ptr + row * stride_out_t + k, slots, mask=k < K)
+
+
+@triton.jit
+def _row_scores_kernel(
+    q_ptr,  # [T, HI, DIM] fp32 / bf16
+    w_ptr,  # [T, HI] float
+    key_ptr,  # dense [num_slots, DIM] float, or fp8 [num_pages, PAGE_TOKENS * (DIM + 4)] uint8
+    page_table_ptr,  # [T, Pw] int32
+    num_ptr,  # [T] int32 candidates per row
+    out_ptr,  # [T, N] fp32; only columns < min(num, N) are written
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_wt,
+    stride_wh,
+    stride_key_slot,  # dense only: elements between slots
+    stride_pt_t,
+    stride_pt_p,
+    stride_out_t,
+    num_cols,  # N
+    HI: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,  # fp8 layout: entries per key page
+    E: tl.constexpr,  # c4 entries per full-cache page
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    GPU: tl.constexpr,  # compiled: bf16 tensor-core dots, hardware e4m3 conversion
+):
+    """Program ``(row, split)`` of ``S = num_programs(1)``: the row's queries and head weights
+    loaded once, then candidate blocks ``split, split + S, ...`` below the row's own count:
+    ``[BLOCK_N, DIM]`` gathered keys times ``[DIM, HI]`` queries, the key scale, ReLU, the head
+    weights and the head sum. A program past the row's count reads only the count, so the work
+    follows the rows' lengths, not the page table's width."""
+    row = tl.program_id(0).to(tl.int64)
+    split = tl.program_id(1)
+    step = tl.num_programs(1) * BLOCK_N
+    num = tl.minimum(tl.load(num_ptr + row), num_cols)
+    if split * BLOCK_N < num:
+        d = tl.arange(0, BLOCK_D)
+        q, w = _row_queries(
+            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+            HI, DIM, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+        q_t = tl.trans(q.to(tl.bfloat16) if GPU else q.to(tl.float32))  # [BLOCK_D, BLOCK_H]
+        for n0 in range(split * BLOCK_N, num, step):
+            cols = n0 + tl.arange(0, BLOCK_N)
+            valid = cols < num
+            slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
+            if FP8:
+                data, scale_at, _ = fp8_indexer_addresses(slots, valid, DIM, PAGE_TOKENS)
+                m = valid[:, None] & (d < DIM)[None, :]
+                code = tl.load(key_ptr + data[:, None] + d[None, :], mask=m, other=0)
+                keys = e4m3_decode(code, GPU)  # [BLOCK_N, BLOCK_D] unscaled e4m3 values
+                scale_ptrs = (key_ptr + scale_at).to(tl.pointer_type(tl.float32))
+                scale = tl.load(scale_ptrs, mask=valid, other=0.0)
+            else:
+                keys = load_dense_block(key_ptr, stride_key_slot, slots, d, valid, DIM)
+                scale = tl.full([BLOCK_N], 1.0, tl.float32)
+            if GPU:
+                dots = tl.dot(keys.to(tl.bfloat16), q_t)
+            else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
+                dots = tl.dot(keys, q_t, input_precision="ieee")  # [BLOCK_N, BLOCK_H]
+            # The key's scale is positive: it commutes with the ReLU.
+            dots = tl.maximum(dots * scale[:, None], 0.0)
+            scores = tl.sum(dots * w[None, :], axis=1)
+            tl.store(out_ptr + row * stride_out_t + cols, scores, mask=valid)
+
+
+@triton.jit
+def _ordered_bits(x):
+    """fp32 -> uint32 whose unsigned order is the float order (-inf lowest)."""
+    bits = x.to(tl.uint32, bitcast=True)
+    return tl.where((bits >> 31) == 1, bits ^ 0xFFFFFFFF, bits | 0x80000000)
+
+
+@triton.jit
+def _topk_slots_kernel(
+    scores_ptr,  # [T, N] fp32; only columns < min(num, N) are read
+    num_ptr,  # [T] int32 candidates per row
+    page_table_ptr,  # [T, Pw] int32
+    out_ptr,  # [T, K] int32 c4 slots, ascending entry order, -1 padded
+    stride_scores_t,
+    stride_pt_t,
+    stride_pt_p,
+    stride_out_t,
+    num_cols,  # N
+    K,
+    E: tl.constexpr,  # c4 entries per full-cache page
+    BLOCK_K: tl.constexpr,  # >= K
+    BLOCK_C: tl.constexpr,  # score columns per step
+):
+    """One row: its ``K`` best candidates (ties to the smaller entry) as c4 slots in ascending
+    entry order. Reads only the row's own ``num`` scores: a radix select of the ``K``-th
+    largest (4 passes of 8-bit histograms over the order-preserving bits), then one
+    ascending pass that writes every entry above it and the first ones equal to it."""
+    row = tl.program_id(0).to(tl.int64)
+    num = tl.minimum(tl.maximum(tl.load(num_ptr + row), 0), num_cols)
+    out_row = out_ptr + row * stride_out_t
+    pt_row = page_table_ptr + row * stride_pt_t
+    k = tl.arange(0, BLOCK_K)
+    if num <= K:  # every candidate
+        valid = k < num
+        page = tl.load(pt_row + (k // E) * stride_pt_p, mask=valid, other=0)
+        tl.store(out_row + k, tl.where(valid, page * E + k % E, -1), mask=k < K)
+    else:
+        scores_row = scores_ptr + row * stride_scores_t
+        c = tl.arange(0, BLOCK_C)
+        bins = tl.arange(0, 256)
+        prefix = tl.zeros([], tl.uint32)  # the high bits of the K-th largest found so far
+        need = K  # its rank among the candidates that share ``prefix``
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            hist = tl.zeros([256], tl.int32)
+            for c0 in range(0, num, BLOCK_C):
+                m = c0 + c < num
+                key = _ordered_bits(tl.load(scores_row + c0 + c, mask=m, other=0.0))
+                if p > 0:
+                    m &= (key >> (shift + 8)) == (prefix >> (shift + 8))
+                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+            above = tl.sum(hist) - tl.cumsum(hist, axis=0)  # candidates in higher bins
+            hit = (above < need) & (above + hist >= need)
+            digit = tl.max(tl.where(hit, bins, 0), axis=0)
+            need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
+            prefix |= digit.to(tl.uint32) << shift
+        written = tl.zeros([], tl.int32)
+        equal_seen = tl.zeros([], tl.int32)
+        for c0 in range(0, num, BLOCK_C):
+            col = c0 + c
+            m = col < num
+            key = _ordered_bits(tl.load(scores_row + col, mask=m, other=0.0))
+            equal = (m & (key == prefix)).to(tl.int32)
+            equal_rank = equal_seen + tl.cumsum(equal, axis=0) - equal
+            keep = (m & (key > prefix)) | ((equal == 1) & (equal_rank < need))
+            keep_i = keep.to(tl.int32)
+            at = written + tl.cumsum(keep_i, axis=0) - keep_i
+            page = tl.load(pt_row + (col // E) * stride_pt_p, mask=keep, other=0)
+            tl.store(out_row + at, page * E + col % E, mask=keep)
+            written += tl.sum(keep_i, axis=0)
+            equal_seen += tl.sum(equal, axis=0)
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -259,6 +445,75 @@ def _index_scores_triton(
     return out
 
 
+def score_splits(rows: int, max_candidates: int, device: torch.device) -> int:
+    """Programs a row's scores are split over: enough for ``SCORE_PROGRAMS`` in all on a GPU
+    (``INTERPRETER_SPLITS`` a row in the interpreter, which runs programs one by one), never
+    more than the row's column blocks. It depends on the batch's row count and (only below
+    that many blocks) on the width, so a long maximum context adds no programs."""
+    splits = triton.cdiv(SCORE_PROGRAMS, rows) if device.type == "cuda" else INTERPRETER_SPLITS
+    return max(1, min(triton.cdiv(max_candidates, BLOCK_N), splits))
+
+
+def _row_scores_triton(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    out: torch.Tensor,
+) -> None:
+    """Launch ``_row_scores_kernel``: ``out`` ``[T, N]`` receives each row's scores at
+    columns ``< min(num_candidates, N)``; nothing else is read or written."""
+    rows, heads, dim = q_idx.shape
+    cols = out.shape[1]
+    if rows == 0 or cols == 0:
+        return
+    _row_scores_kernel[(rows, score_splits(rows, cols, q_idx.device))](
+        q_idx, weights, keys.storage, page_table, num_candidates.contiguous(), out,
+        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
+        weights.stride(0), weights.stride(1),
+        keys.storage.stride(0),
+        page_table.stride(0), page_table.stride(1),
+        out.stride(0),
+        cols,
+        HI=heads,
+        DIM=dim,
+        PAGE_TOKENS=keys.page_tokens,  # fp8 layout only
+        E=C4_ENTRIES_PER_PAGE,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=BLOCK_N,
+        FP8=keys.fmt == "fp8",
+        GPU=q_idx.device.type == "cuda",
+    )  # fmt: skip
+
+
+def _topk_slots_triton(
+    scores: torch.Tensor,
+    num_candidates: torch.Tensor,
+    page_table: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+) -> None:
+    """Launch ``_topk_slots_kernel``: one program a row, reading its ``num`` scores only."""
+    rows, cols = scores.shape
+    if rows == 0 or topk == 0:
+        return
+    _topk_slots_kernel[(rows,)](
+        scores, num_candidates.contiguous(), page_table, out,
+        scores.stride(0), page_table.stride(0), page_table.stride(1), out.stride(0),
+        cols, topk,
+        E=C4_ENTRIES_PER_PAGE,
+        BLOCK_K=triton.next_power_of_2(topk),
+        BLOCK_C=TOPK_BLOCK_C if scores.device.type == "cuda" else BLOCK_N,
+    )  # fmt: skip
+
+
+def _bounded(device: torch.device) -> bool:
+    """The length-bounded kernels (``_row_scores_kernel``, ``_topk_slots_kernel``) run."""
+    return dispatch.use_triton(device) and dispatch.use_unverified("indexer", device)
+
+
 def index_scores(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
@@ -282,6 +537,11 @@ def index_scores(
     Returns ``[T, N]`` fp32 scores, ``-inf`` at columns ``>= num_candidates``.
     """
     _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    if _bounded(q_idx.device):
+        rows = q_idx.shape[0]
+        out = torch.full((rows, max_candidates), float("-inf"), device=q_idx.device)
+        _row_scores_triton(q_idx, weights, keys, page_table, num_candidates, out)
+        return out
     if dispatch.use_triton(q_idx.device):
         return _index_scores_triton(
             q_idx, weights, keys, page_table, num_candidates, max_candidates
@@ -358,6 +618,9 @@ def select_topk(
         entries in ascending entry order, then ``-1`` (rows with 0 candidates are all ``-1``).
     """
     _check_selection(scores, num_candidates, page_table, topk, out)
+    if _bounded(scores.device):
+        _topk_slots_triton(scores.float(), num_candidates, page_table, topk, out)
+        return
     if dispatch.use_triton(scores.device):
         column = torch.arange(scores.shape[1], device=scores.device)
         scores = scores.float().masked_fill(column >= num_candidates[:, None], float("-inf"))
@@ -433,6 +696,13 @@ def run_indexer(
     """
     if max_candidates is None:
         max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
+    if _bounded(q_idx.device):
+        _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+        scores = torch.empty(q_idx.shape[0], max_candidates, device=q_idx.device)
+        _row_scores_triton(q_idx, weights, keys, page_table, num_candidates, scores)
+        _check_selection(scores, num_candidates, page_table, topk, out)
+        _topk_slots_triton(scores, num_candidates, page_table, topk, out)
+        return
     scores = index_scores(q_idx, weights, keys, page_table, num_candidates, max_candidates)
     _check_selection(scores, num_candidates, page_table, topk, out)
     _select_masked(scores, num_candidates, page_table, topk, out)

@@ -17,6 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dsv4_backend.ops import launches
@@ -83,15 +84,24 @@ NO_KERNEL_OPS = frozenset(
 )
 
 
-def _counting_run(original: Callable[..., Any]) -> Callable[..., Any]:
+def _counting_run(original: Callable[..., Any], counter: LaunchCounter) -> Callable[..., Any]:
     @functools.wraps(original)
     def run(self: Any, *args: Any, warmup: bool = False, **kwargs: Any) -> Any:
         if warmup:
             return original(self, *args, warmup=warmup, **kwargs)
-        with launches.launch(f"triton:{getattr(self, '__name__', type(self).__name__)}"):
-            return original(self, *args, warmup=warmup, **kwargs)
+        name = f"triton:{getattr(self, '__name__', type(self).__name__)}"
+        with launches.launch(name):
+            counter._kernel.append(name)
+            try:
+                return original(self, *args, warmup=warmup, **kwargs)
+            finally:
+                counter._kernel.pop()
 
     return run
+
+
+def _element_bytes(dtype: Any) -> int:
+    return max(1, dtype.primitive_bitwidth // 8)
 
 
 class LaunchCounter(OpCounter):
@@ -106,29 +116,62 @@ class LaunchCounter(OpCounter):
 
     ``kernels`` maps ``"triton:<kernel>"`` / wrapper names to launches, ``torch_ops`` aten op
     names to launches; ``counts`` / ``syncs`` are ``OpCounter``'s (every op, host syncs).
+
+    The work of interpreted Triton kernels is measured too (the interpreter runs every
+    program on the host): ``bytes_loaded`` maps a kernel to the bytes its unmasked load
+    lanes read, ``working_programs`` to the programs that stored anything; torch ops add the
+    bytes of their tensor inputs to ``bytes_loaded["torch:<op>"]``.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.kernels: Counter[str] = Counter()
         self.torch_ops: Counter[str] = Counter()
-        self._patched: list[tuple[type, Callable[..., Any]]] = []
+        self.bytes_loaded: Counter[str] = Counter()
+        self.working_programs: Counter[str] = Counter()
+        self._kernel: list[str] = []
+        self._stored: set[tuple[str, int, tuple[int, ...]]] = set()
+        self._patched: list[tuple[type, str, Callable[..., Any]]] = []
+
+    def _patch(self, cls: type, name: str, replacement: Callable[..., Any]) -> None:
+        self._patched.append((cls, name, getattr(cls, name)))
+        setattr(cls, name, replacement)
 
     def __enter__(self) -> LaunchCounter:
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder
         from triton.runtime.jit import JITFunction
 
         for cls in (JITFunction, InterpretedFunction):
-            self._patched.append((cls, cls.run))
-            cls.run = _counting_run(cls.run)
+            self._patch(cls, "run", _counting_run(cls.run, self))
+        load, store = InterpreterBuilder.create_masked_load, InterpreterBuilder.create_masked_store
+        counter = self
+
+        def masked_load(builder: Any, ptrs: Any, mask: Any, *args: Any) -> Any:
+            if counter._kernel:
+                lanes = int(mask.data.sum())
+                width = _element_bytes(ptrs.get_element_ty())
+                counter.bytes_loaded[counter._kernel[-1]] += lanes * width
+            return load(builder, ptrs, mask, *args)
+
+        def masked_store(builder: Any, ptrs: Any, value: Any, mask: Any, *args: Any) -> Any:
+            if counter._kernel and mask.data.any():
+                name = counter._kernel[-1]
+                program = (name, sum(self.kernels.values()), tuple(builder.grid_idx))
+                if program not in counter._stored:
+                    counter._stored.add(program)
+                    counter.working_programs[name] += 1
+            return store(builder, ptrs, value, mask, *args)
+
+        self._patch(InterpreterBuilder, "create_masked_load", masked_load)
+        self._patch(InterpreterBuilder, "create_masked_store", masked_store)
         launches.active.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc: object) -> None:
         super().__exit__(*exc)
         launches.active.remove(self)
-        for cls, run in reversed(self._patched):
-            cls.run = run
+        for cls, name, original in reversed(self._patched):
+            setattr(cls, name, original)
         self._patched.clear()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -137,6 +180,8 @@ class LaunchCounter(OpCounter):
         name = func.overloadpacket._qualified_op_name.replace("::", ".")
         if not (func.is_view or name in NO_KERNEL_OPS or name in SYNC_OPS):
             self.torch_ops[name] += 1
+            inputs = [a for a in (*args, *(kwargs or {}).values()) if isinstance(a, torch.Tensor)]
+            self.bytes_loaded[f"torch:{name}"] += sum(a.numel() * a.element_size() for a in inputs)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     @property
