@@ -212,6 +212,23 @@ def _first_bad(bad, t, value, expected, rec):
 
 
 @triton.jit
+def _first_bad_2d(bad, order, index, value, expected, rec):
+    """``_first_bad`` over a ``[E, BLOCK_B]`` tile of entries: the first bad one by ``order``
+    (unique per entry); its request ``index`` (``[BLOCK_B]``) is reported as the index."""
+    found, found_index, found_value, found_expected = rec
+    first = tl.min(tl.min(tl.where(bad, order, 2**62), axis=1), axis=0)
+    fresh = (found == 0) & (first < 2**62)
+    at = order == first
+    at_index = tl.sum(tl.sum(tl.where(at, index[None, :] + order * 0, 0), axis=1), axis=0)
+    at_value = tl.sum(tl.sum(tl.where(at, value, 0), axis=1), axis=0)
+    at_expected = tl.sum(tl.sum(tl.where(at, expected, 0), axis=1), axis=0)
+    found_index = tl.where(fresh, at_index, found_index)
+    found_value = tl.where(fresh, at_value, found_value)
+    found_expected = tl.where(fresh, at_expected, found_expected)
+    return tl.where(fresh, 1, found), found_index, found_value, found_expected
+
+
+@triton.jit
 def _check_kernel(
     seq_ptr, host_ptr, req_pool_ptr, out_cache_loc_ptr, req_to_token_ptr, full_to_swa_ptr,
     record_ptr,  # [7, 4] int64 out: per check (failed, first bad index, its value, expected)
@@ -220,14 +237,14 @@ def _check_kernel(
     slot_limit, swa_limit,  # -1: no upper limit
     rows_per_request, pos_shift, loc_stride, loc_offset, window, page_width,
     EXTEND: tl.constexpr, HAS_SWA_MAP: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """The batch checks of ``planning/planner.py``'s ``_checked_rows`` in one program: pool
     rows, positions, write slots in range, each write slot the one ``req_to_token`` holds for
     its row (pool row 0, slot 0 exempt: sglang's padding), each write's window slot in range;
     then per request what the plan reads besides (``_checked_reads``): the window keys before
     its first new position and the page table's slots. Loops over rows in blocks, then over
-    the read entries with one lane per request."""
+    the read entries in ``[BLOCK_E, BLOCK_B]`` tiles (entries x requests)."""
     r = tl.arange(0, BLOCK_B)
     req_ok = r < batch_size
     requests = tl.load(req_pool_ptr + r, mask=req_ok, other=0).to(tl.int64)
@@ -275,25 +292,32 @@ def _check_kernel(
         first_new = tl.load(seq_ptr + r, mask=req_ok, other=1).to(tl.int64) + pos_shift
         length = first_new + rows_per_request
     rb = r.to(tl.int64)
-    for j in range(1, window):  # window keys before the first new position
-        key_pos = first_new - j
-        valid = req_ok & (key_pos >= 0) & (key_pos < context)
-        full = tl.load(req_to_token_ptr + req * stride_rt + key_pos, mask=valid, other=0)
+    e = tl.arange(0, BLOCK_E).to(tl.int64)
+    for e0 in range(0, window - 1, BLOCK_E):  # window keys before the first new position
+        j = e0 + e  # key position first_new - 1 - j
+        key_pos = first_new[None, :] - 1 - j[:, None]
+        valid = req_ok[None, :] & (j[:, None] < window - 1) & (key_pos >= 0)
+        valid = valid & (key_pos < context)
+        full = tl.load(req_to_token_ptr + req[None, :] * stride_rt + key_pos, mask=valid, other=0)
         full = full.to(tl.int64)
         bad_full = valid & _out_of(full, slot_limit)
         swa = _window_slot(full_to_swa_ptr, full, valid & ~bad_full, HAS_SWA_MAP)
         bad_swa = valid & ~bad_full & _out_of(swa, swa_limit)
-        rec5 = _first_bad(bad_full, rb, full, key_pos, rec5)
-        rec6 = _first_bad(bad_swa, rb, swa, key_pos, rec6)
-        req_failed = req_failed | bad_full | bad_swa
-    for k in range(0, page_width):  # the page table's slots
-        token = rb * 0 + k * PAGE
-        valid = req_ok & (token < length) & (token < context)
-        full = tl.load(req_to_token_ptr + req * stride_rt + token, mask=valid, other=0)
+        order = j[:, None] * BLOCK_B + rb[None, :]  # entry-major, as the torch twin's
+        rec5 = _first_bad_2d(bad_full, order, rb, full, key_pos, rec5)
+        rec6 = _first_bad_2d(bad_swa, order, rb, swa, key_pos, rec6)
+        req_failed = req_failed | (tl.max((bad_full | bad_swa).to(tl.int32), axis=0) > 0)
+    for e0 in range(0, page_width, BLOCK_E):  # the page table's slots
+        k = e0 + e
+        token = k[:, None] * PAGE + rb[None, :] * 0
+        valid = req_ok[None, :] & (k[:, None] < page_width) & (token < length[None, :])
+        valid = valid & (token < context)
+        full = tl.load(req_to_token_ptr + req[None, :] * stride_rt + token, mask=valid, other=0)
         full = full.to(tl.int64)
         bad_full = valid & _out_of(full, slot_limit)
-        rec5 = _first_bad(bad_full, rb, full, token, rec5)
-        req_failed = req_failed | bad_full
+        order = k[:, None] * BLOCK_B + rb[None, :]
+        rec5 = _first_bad_2d(bad_full, order, rb, full, token, rec5)
+        req_failed = req_failed | (tl.max(bad_full.to(tl.int32), axis=0) > 0)
     tl.store(failed_ptr + r, req_failed.to(tl.int8), mask=req_ok)
     _store_record(record_ptr, 0, rec0)
     _store_record(record_ptr, 1, rec1)
@@ -578,6 +602,7 @@ def check_rows(
         PAGE=page_size,
         BLOCK_T=max(1, min(CHECK_BLOCK_T, REQUEST_TILE // block_b)),
         BLOCK_B=block_b,
+        BLOCK_E=max(1, min(triton.next_power_of_2(max(window - 1, 1)), REQUEST_TILE // block_b)),
     )  # fmt: skip
     return record, failed
 
