@@ -145,10 +145,14 @@ def main() -> None:
             graph = median_ms(graph_path, args.repeat, args.device)
             if planner.fuses(batch):  # the one check launch (and the layout it reads)
                 layout = planner._row_layout(batch)
-                run_checks = functools.partial(planner.fused_checks, batch, layout)
+                run_checks = functools.partial(
+                    planner.fused_checks, config, batch, layout, widths.page_table
+                )
             else:
                 expanded = planner._KINDS[batch.kind].expand(batch)  # the rows the checks read
-                run_checks = functools.partial(planner._checked_rows, batch, expanded)
+                run_checks = functools.partial(
+                    planner._checked_rows, config, batch, expanded, widths.page_table
+                )
             with strict_checks():  # the checks' full cost: computed and read back
                 checks = median_ms(run_checks, args.repeat, args.device)
             with LaunchCounter() as launches:

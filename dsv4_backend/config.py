@@ -70,8 +70,8 @@ def entries_per_page(ratio: int) -> int:
 class DSV4AttentionConfig:
     """The attention-relevant part of a DeepSeek-V4 ``config.json``.
 
-    ``compress_ratios`` holds one ratio per attention layer (0 = window only; a 1 in the
-    source config is normalised to 0). Every value is checked here, so an unsupported
+    ``compress_ratios`` holds one ratio per attention layer (0 = window only; 1 and 2 are
+    DeepSeek-V4.1's low ratios, refused). Every value is checked here, so an unsupported
     configuration is refused when the backend is built, never at the first forward.
     """
 
@@ -100,7 +100,7 @@ class DSV4AttentionConfig:
     softmax_scale: float = field(init=False)
 
     def __post_init__(self) -> None:
-        ratios = tuple(0 if int(r) == 1 else int(r) for r in self.compress_ratios)
+        ratios = tuple(int(r) for r in self.compress_ratios)
         object.__setattr__(self, "compress_ratios", ratios)
         object.__setattr__(self, "softmax_scale", self.head_dim**-0.5)
         if not ratios:

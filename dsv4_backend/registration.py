@@ -12,7 +12,9 @@ naming other plugins keeps it from running). It changes four things in sglang 0.
 4. sglang's DeepSeek-V4 model override forces ``attention_backend="dsv4"``; an extra override
    keeps an explicit ``dsv4_builtin`` request instead.
 
-Nothing heavy is imported and no kernel is compiled: the factories import the backend lazily.
+On platforms this package does not serve (``unserved_platform``: HIP, NPU, ...) it changes
+nothing and one INFO line says so. Nothing heavy is imported and no kernel is compiled: the
+factories import the backend lazily.
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ def register() -> None:
         When the installed sglang is outside ``SUPPORTED_SGLANG``; sglang is left untouched.
     """
     _versions.check_sglang_version(metadata.version("sglang"))
+    platform = unserved_platform()
+    if platform is not None:
+        logger.info(
+            "dsv4 attention backend: left to sglang on %s (dsv4_backend serves CUDA; sglang's "
+            "registry picks its own backend for this platform).",
+            platform,
+        )
+        return
 
     # Importing these modules runs sglang's own registrations first.
     import sglang.srt.arg_groups.model_overrides  # noqa: F401
@@ -75,6 +85,28 @@ def register() -> None:
         _versions.installed_version("dsv4-backend"),
         BUILTIN_NAME,
     )
+
+
+def unserved_platform() -> str | None:
+    """The platform sglang runs on when it is not one this package serves, else None.
+
+    Served: CUDA (and the CPU, where the tests run the torch and interpreter paths). On HIP
+    and NPU sglang's own ``dsv4`` factory picks a per-platform backend whose model path calls
+    methods this backend lacks (``get_unified_swa_loc``); XPU, MUSA and MPS have no kernel
+    path here. Uses sglang's own platform predicates.
+    """
+    from sglang.srt.utils import common
+
+    for name, found in (
+        ("HIP (ROCm)", common.is_hip),
+        ("NPU", common.is_npu),
+        ("XPU", common.is_xpu),
+        ("MUSA", common.is_musa),
+        ("MPS", common.is_mps),
+    ):
+        if found():
+            return name
+    return None
 
 
 def _replace_draft_factories(draft_factory: type[DraftBackendFactory]) -> None:

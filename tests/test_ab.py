@@ -392,7 +392,7 @@ def test_cli_exits_1_naming_the_modes_over_tolerance(tmp_path: Path, capsys) -> 
 def test_config_file_gives_the_dimensions(tmp_path: Path, capsys) -> None:
     hf = {
         "num_hidden_layers": 5,
-        "compress_ratios": [1, 0, 4, 128, 4, 0],  # 1 = window only; the last is the MTP slot
+        "compress_ratios": [0, 0, 4, 128, 4, 0],  # the last is the MTP slot
         "num_attention_heads": 4,
         "head_dim": 192,
         "qk_rope_head_dim": 64,

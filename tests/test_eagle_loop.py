@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +51,12 @@ class Loop:
         graph: bool,
         seed: int = 0,
         cache_format: str = "dense",
+        layout: Callable[[PagedRequestPool], None] | None = None,
     ) -> None:
         generator = torch.Generator().manual_seed(seed)
         pool = PagedRequestPool(CONFIG, max_lens, generator=generator)
+        if layout is not None:  # another host's slots and sizes
+            layout(pool)
         self.model = RandomModel(CONFIG, pool, generator=generator)
         self.runner = harness.mock_runner(
             pool, harness.tiny_hf_config(CONFIG), num_steps=NUM_STEPS,
@@ -181,6 +185,48 @@ def test_one_round_through_the_triton_kernels(splits: int) -> None:
     loop.prefill()
     with force_path("triton-interpreter"), force_num_splits(splits):
         loop.round()
+
+
+def sglang_allocator_layout(pool: PagedRequestPool) -> None:
+    """Every slot of ``pool``'s requests from sglang's own ``SWATokenToKVPoolAllocator``
+    (each request's ``max_len`` tokens, as prefills allocate them), with a window pool of
+    exactly the pages they need: the last request gets the top window page, whose slots reach
+    ``swa_size + 255``. The pool then reports the allocator's sizes and map."""
+    from sglang.srt.mem_cache.allocator.swa import SWATokenToKVPoolAllocator
+    from sglang.srt.runtime_context import get_context
+    from test_pool_alias import make_pool
+
+    page = CONFIG.page_size
+    swa = sum(-(-n // page) for n in pool.max_lens) * page
+    full = swa + 2 * page  # a larger full pool, as swa_full_tokens_ratio < 1 gives
+    with get_context().override_server_args(device="cpu"):
+        kv_pool = make_pool(swa_size=swa, full_size=full)  # only its sizes and SWA pool matter
+        alloc = SWATokenToKVPoolAllocator(
+            full, swa, page, torch.float8_e4m3fn, "cpu", kv_pool, need_sort=False
+        )
+        pool.req_to_token.zero_()
+        for request, n in enumerate(pool.max_lens):
+            lens = [torch.tensor([v]) for v in (0, 0, n, n, -1)]
+            loc = alloc.alloc_extend(*lens, n)
+            pool.req_to_token[pool.pool_index(request), :n] = loc.int()
+    pool.full_to_swa = alloc.full_to_swa_index_mapping
+    pool.num_full_slots, pool.full_size, pool.swa_size = full + page, full, swa
+    assert alloc.swa_available_size() == 0
+
+
+def test_the_top_window_page_of_sglangs_allocator_through_prefill_eagle_and_decode() -> None:
+    """sglang's SWA allocator hands out window pages 1 ... swa_size / 256, so slots reach
+    ``swa_size + 255``: the caches, rings and plans are sized as sglang sizes its pool, and the
+    request on the top page is served (prefill, EAGLE rounds with rejected drafts, decode)."""
+    loop = Loop([500, 250], [530, 280], graph=False, layout=sglang_allocator_layout)
+    pool = loop.model.pool
+    top = int(pool.full_to_swa[pool.req_to_token[pool.pool_index(1)].long()].max())
+    assert top >= pool.swa_size, "the last request should hold the top window page"
+    assert loop.target.state.pools.window(0).num_slots == pool.swa_size + CONFIG.page_size
+    loop.prefill()
+    loop.round([1, 0])
+    loop.round()
+    assert loop.checked == 4 + 2 * (8 + 4 + 1 + 4)
 
 
 #: Randomized serving traces: the default suite runs one seed, DSV4_STRESS=1 ten,

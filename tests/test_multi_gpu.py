@@ -305,13 +305,19 @@ def test_parallel_layouts_serve_the_rank_s_heads(
 
 
 def test_refusals_name_a_real_server_option() -> None:
-    """Every option the backend refuses is a field of sglang 0.5.23's ``ServerArgs``."""
-    from dsv4_backend.sglang_adapter.backend import REGION_COPYING_OPTIONS, STATE_MOVING_OPTIONS
+    """Every option the backend refuses is a field of sglang 0.5.23's ``ServerArgs``, and
+    sglang's default value of each is served."""
+    from dsv4_backend.sglang_adapter.backend import REGION_COPYING_OPTIONS
+    from dsv4_backend.sglang_adapter.refusals import REFUSED
 
     args = server_args()
-    for option, safe, *_ in (*STATE_MOVING_OPTIONS, *REGION_COPYING_OPTIONS):
-        assert getattr(args, option) == safe, option  # sglang's default is the safe value
-    for option in ("attn_cp_size", "dcp_size", "tp_size", "attn_dp_size", "disable_radix_cache"):
+    for row in REFUSED:
+        if row.source == "server_args":
+            assert hasattr(args, row.option), row.option
+            assert not row.matches(getattr(args, row.option)), row.option
+    for option, off, _ in REGION_COPYING_OPTIONS:
+        assert getattr(args, option) == off, option  # sglang's default is off
+    for option in ("tp_size", "attn_dp_size", "disable_radix_cache"):
         assert hasattr(args, option), option
 
 

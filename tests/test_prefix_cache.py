@@ -316,6 +316,16 @@ def test_hits_decided_by_sglangs_radix_cache_allocator_and_req_to_token_pool() -
         host.decode(4)
 
 
+#: Prefix-cache modes other than sglang's device radix cache: ``(ServerArgs field, flag)``.
+CACHE_MODES = (
+    ("enable_flexkv", "--enable-flexkv"),
+    ("enable_unified_cache_external_linker", "--enable-unified-cache-external-linker"),
+    ("radix_cache_backend", "--radix-cache-backend"),
+    ("enable_session_radix_cache", "--enable-session-radix-cache"),
+    ("enable_streaming_session", "--enable-streaming-session"),
+)
+
+
 def test_the_plain_launch_is_accepted_and_other_cache_modes_are_refused_by_name() -> None:
     """sglang 0.5.23's own ``ServerArgs`` defaults (radix cache on) build the backend; each
     still unsupported prefix-cache mode is a real ``ServerArgs`` field, off by default, and
@@ -323,14 +333,13 @@ def test_the_plain_launch_is_accepted_and_other_cache_modes_are_refused_by_name(
     from sglang.srt.server_args import ServerArgs
 
     from dsv4_backend.errors import ConfigError
-    from dsv4_backend.sglang_adapter.backend import UNSUPPORTED_CACHE_MODES
 
     pool = PagedRequestPool(CONFIG, [40], generator=torch.Generator().manual_seed(0))
     runner = harness.mock_runner(pool, harness.tiny_hf_config(CONFIG))
     runner.server_args = ServerArgs(model_path="unused", page_size=PAGE)
     assert not runner.server_args.disable_radix_cache
     DSV4AttentionBackend(runner, cache_format="dense")
-    for option, flag, _ in UNSUPPORTED_CACHE_MODES:
+    for option, flag in CACHE_MODES:
         runner.server_args = ServerArgs(model_path="unused", page_size=PAGE)
         assert not getattr(runner.server_args, option), option
         setattr(runner.server_args, option, "mine" if option == "radix_cache_backend" else True)

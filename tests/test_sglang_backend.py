@@ -84,9 +84,9 @@ def test_draft_worker_serves_the_window_only_mtp_layer(pool: PagedRequestPool) -
         ({"page_size": 128}, {}, "page_size=128"),
         ({"topk": 2}, {}, "speculative_eagle_topk=2"),
         ({"attn_cp_size": 2}, {}, "attn_cp_size=2"),
-        ({"enable_flexkv": True}, {}, "not FlexKV (drop --enable-flexkv)"),
+        ({"enable_flexkv": True}, {}, "does not serve --enable-flexkv"),
         ({"radix_cache_backend": "mine"}, {}, "radix_cache_backend='mine'"),
-        ({"enable_streaming_session": True}, {}, "streaming sessions"),
+        ({"enable_streaming_session": True}, {}, "--enable-streaming-session"),
         ({}, {"compress_ratios": [0, 4, 2, 128, 0]}, "compress_ratios contains [2]"),
     ],
 )

@@ -212,17 +212,39 @@ def _first_bad(bad, t, value, expected, rec):
 
 
 @triton.jit
+def _first_bad_2d(bad, order, index, value, expected, rec):
+    """``_first_bad`` over a ``[E, BLOCK_B]`` tile of entries: the first bad one by ``order``
+    (unique per entry); its request ``index`` (``[BLOCK_B]``) is reported as the index."""
+    found, found_index, found_value, found_expected = rec
+    first = tl.min(tl.min(tl.where(bad, order, 2**62), axis=1), axis=0)
+    fresh = (found == 0) & (first < 2**62)
+    at = order == first
+    at_index = tl.sum(tl.sum(tl.where(at, index[None, :] + order * 0, 0), axis=1), axis=0)
+    at_value = tl.sum(tl.sum(tl.where(at, value, 0), axis=1), axis=0)
+    at_expected = tl.sum(tl.sum(tl.where(at, expected, 0), axis=1), axis=0)
+    found_index = tl.where(fresh, at_index, found_index)
+    found_value = tl.where(fresh, at_value, found_value)
+    found_expected = tl.where(fresh, at_expected, found_expected)
+    return tl.where(fresh, 1, found), found_index, found_value, found_expected
+
+
+@triton.jit
 def _check_kernel(
-    seq_ptr, host_ptr, req_pool_ptr, out_cache_loc_ptr, req_to_token_ptr,
-    record_ptr,  # [4, 4] int64 out: per check (failed, first bad index, its value, expected)
+    seq_ptr, host_ptr, req_pool_ptr, out_cache_loc_ptr, req_to_token_ptr, full_to_swa_ptr,
+    record_ptr,  # [7, 4] int64 out: per check (failed, first bad index, its value, expected)
     failed_ptr,  # [B] int8 out: the request has a failing row (or a bad pool row)
-    num_rows, batch_size, pool_rows, context, stride_rt, slot_limit,  # -1: no upper limit
-    rows_per_request, pos_shift, loc_stride, loc_offset,
-    EXTEND: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr,
+    num_rows, batch_size, pool_rows, context, stride_rt,
+    slot_limit, swa_limit,  # -1: no upper limit
+    rows_per_request, pos_shift, loc_stride, loc_offset, window, page_width,
+    EXTEND: tl.constexpr, HAS_SWA_MAP: tl.constexpr, PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
     """The batch checks of ``planning/planner.py``'s ``_checked_rows`` in one program: pool
-    rows, positions, write slots in range, and each write slot the one ``req_to_token`` holds
-    for its row (pool row 0, slot 0 exempt: sglang's padding). Loops over rows in blocks."""
+    rows, positions, write slots in range, each write slot the one ``req_to_token`` holds for
+    its row (pool row 0, slot 0 exempt: sglang's padding), each write's window slot in range;
+    then per request what the plan reads besides (``_checked_reads``): the window keys before
+    its first new position and the page table's slots. Loops over rows in blocks, then over
+    the read entries in ``[BLOCK_E, BLOCK_B]`` tiles (entries x requests)."""
     r = tl.arange(0, BLOCK_B)
     req_ok = r < batch_size
     requests = tl.load(req_pool_ptr + r, mask=req_ok, other=0).to(tl.int64)
@@ -232,6 +254,9 @@ def _check_kernel(
     rec1 = (zero, zero, zero, zero)
     rec2 = (zero, zero, zero, zero)
     rec3 = (zero, zero, zero, zero)
+    rec4 = (zero, zero, zero, zero)
+    rec5 = (zero, zero, zero, zero)
+    rec6 = (zero, zero, zero, zero)
     req_failed = bad_request
     for t0 in range(0, num_rows, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
@@ -247,19 +272,74 @@ def _check_kernel(
         held_pos = tl.minimum(tl.maximum(pos, 0), context - 1)
         held = tl.load(req_to_token_ptr + req * stride_rt + held_pos, mask=row_ok, other=0)
         held = held.to(tl.int64)
-        bad_slot = row_ok & ((loc < 0) | ((slot_limit >= 0) & (loc >= slot_limit)))
+        bad_slot = row_ok & _out_of(loc, slot_limit)
         foreign = row_ok & (loc != held) & ~((req == 0) & (loc == 0))
+        swa = _window_slot(full_to_swa_ptr, loc, row_ok & ~bad_slot, HAS_SWA_MAP)
+        bad_window = row_ok & ~bad_slot & _out_of(swa, swa_limit)
         rec1 = _first_bad(bad_position, t, pos, pos, rec1)
         rec2 = _first_bad(bad_slot, t, loc, loc, rec2)
         rec3 = _first_bad(foreign, t, loc, held, rec3)
-        row_failed = bad_position | bad_slot | foreign
+        rec4 = _first_bad(bad_window, t, swa, loc, rec4)
+        row_failed = bad_position | bad_slot | foreign | bad_window
         hit = row_failed[:, None] & (b[:, None] == r[None, :])
         req_failed = req_failed | (tl.max(hit.to(tl.int32), axis=0) > 0)
+    # Per request: its pool row (in range), first new position and length.
+    req = tl.where(bad_request, 0, requests)
+    if EXTEND:
+        first_new = tl.load(host_ptr + batch_size + r, mask=req_ok, other=0)
+        length = first_new + tl.load(host_ptr + 2 * batch_size + r, mask=req_ok, other=0)
+    else:
+        first_new = tl.load(seq_ptr + r, mask=req_ok, other=1).to(tl.int64) + pos_shift
+        length = first_new + rows_per_request
+    rb = r.to(tl.int64)
+    e = tl.arange(0, BLOCK_E).to(tl.int64)
+    for e0 in range(0, window - 1, BLOCK_E):  # window keys before the first new position
+        j = e0 + e  # key position first_new - 1 - j
+        key_pos = first_new[None, :] - 1 - j[:, None]
+        valid = req_ok[None, :] & (j[:, None] < window - 1) & (key_pos >= 0)
+        valid = valid & (key_pos < context)
+        full = tl.load(req_to_token_ptr + req[None, :] * stride_rt + key_pos, mask=valid, other=0)
+        full = full.to(tl.int64)
+        bad_full = valid & _out_of(full, slot_limit)
+        swa = _window_slot(full_to_swa_ptr, full, valid & ~bad_full, HAS_SWA_MAP)
+        bad_swa = valid & ~bad_full & _out_of(swa, swa_limit)
+        order = j[:, None] * BLOCK_B + rb[None, :]  # entry-major, as the torch twin's
+        rec5 = _first_bad_2d(bad_full, order, rb, full, key_pos, rec5)
+        rec6 = _first_bad_2d(bad_swa, order, rb, swa, key_pos, rec6)
+        req_failed = req_failed | (tl.max((bad_full | bad_swa).to(tl.int32), axis=0) > 0)
+    for e0 in range(0, page_width, BLOCK_E):  # the page table's slots
+        k = e0 + e
+        token = k[:, None] * PAGE + rb[None, :] * 0
+        valid = req_ok[None, :] & (k[:, None] < page_width) & (token < length[None, :])
+        valid = valid & (token < context)
+        full = tl.load(req_to_token_ptr + req[None, :] * stride_rt + token, mask=valid, other=0)
+        full = full.to(tl.int64)
+        bad_full = valid & _out_of(full, slot_limit)
+        order = k[:, None] * BLOCK_B + rb[None, :]
+        rec5 = _first_bad_2d(bad_full, order, rb, full, token, rec5)
+        req_failed = req_failed | (tl.max(bad_full.to(tl.int32), axis=0) > 0)
     tl.store(failed_ptr + r, req_failed.to(tl.int8), mask=req_ok)
     _store_record(record_ptr, 0, rec0)
     _store_record(record_ptr, 1, rec1)
     _store_record(record_ptr, 2, rec2)
     _store_record(record_ptr, 3, rec3)
+    _store_record(record_ptr, 4, rec4)
+    _store_record(record_ptr, 5, rec5)
+    _store_record(record_ptr, 6, rec6)
+
+
+@triton.jit
+def _out_of(values, limit):
+    """``values < 0`` or ``>= limit`` (``limit`` -1: no upper bound)."""
+    return (values < 0) | ((limit >= 0) & (values >= limit))
+
+
+@triton.jit
+def _window_slot(full_to_swa_ptr, full, mask, HAS_SWA_MAP: tl.constexpr):
+    """Window slots (int64) of full slots ``full`` where ``mask`` (in range); else ``full``."""
+    if HAS_SWA_MAP:
+        return tl.load(full_to_swa_ptr + tl.maximum(full, 0), mask=mask, other=0).to(tl.int64)
+    return full
 
 
 @triton.jit
@@ -485,31 +565,44 @@ def check_rows(
     req_pool_indices: torch.Tensor,
     out_cache_loc: torch.Tensor,
     req_to_token: torch.Tensor,
+    full_to_swa: torch.Tensor | None,
     layout: RowLayout,
     num_rows: int,
     slot_limit: int | None,
+    swa_limit: int | None,
+    window: int,
+    page_size: int,
+    page_width: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch ``_check_kernel`` once: the batch checks of ``num_rows`` rows.
+    """Launch ``_check_kernel`` once: the batch checks of ``num_rows`` rows and of what the
+    plan reads from ``req_to_token`` (``window - 1`` keys before each request's first new
+    position, ``page_width`` page-table slots of ``page_size`` tokens).
 
-    Returns the record ``[4, 4]`` int64 (per check: failed, first bad index, its value, the
+    Returns the record ``[7, 4]`` int64 (per check: failed, first bad index, its value, the
     expected value; the checks and their order are ``planning/planner.py``'s
     ``check_messages``) and ``[B]`` int8 marking the requests with a failing row, which
     ``plan_fields`` plans as writing nothing.
     """
     bs = req_pool_indices.numel()
     device = req_to_token.device
-    record = torch.empty(4, 4, dtype=torch.int64, device=device)
+    record = torch.empty(7, 4, dtype=torch.int64, device=device)
     failed = torch.empty(bs, dtype=torch.int8, device=device)
     block_b = triton.next_power_of_2(max(bs, 1))
     host = record if layout.host is None else layout.host
     _check_kernel[(1,)](
-        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token, record, failed,
+        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
+        record if full_to_swa is None else full_to_swa,
+        record, failed,
         num_rows, bs, req_to_token.shape[0], req_to_token.shape[1], req_to_token.stride(0),
-        -1 if slot_limit is None else slot_limit,
+        -1 if slot_limit is None else slot_limit, -1 if swa_limit is None else swa_limit,
         layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset,
+        window, page_width,
         EXTEND=layout.host is not None,
+        HAS_SWA_MAP=full_to_swa is not None,
+        PAGE=page_size,
         BLOCK_T=max(1, min(CHECK_BLOCK_T, REQUEST_TILE // block_b)),
         BLOCK_B=block_b,
+        BLOCK_E=max(1, min(triton.next_power_of_2(max(window - 1, 1)), REQUEST_TILE // block_b)),
     )  # fmt: skip
     return record, failed
 

@@ -119,8 +119,11 @@ class BatchView:
     draft : the step of a multi-step draft, for DECODE only.
     full_to_swa : optional Tensor ``[full_pool_slots]`` int — window-cache slot of each full
         slot; identity when omitted.
-    num_cache_slots : optional number of full-cache slots; ``out_cache_loc`` must lie in
-        ``[0, num_cache_slots)`` (and inside ``full_to_swa`` when given).
+    num_cache_slots : optional number of full-cache slots; ``out_cache_loc`` and every slot the
+        plan reads from ``req_to_token`` must lie in ``[0, num_cache_slots)`` (and inside
+        ``full_to_swa`` when given).
+    num_swa_slots : optional number of window-cache slots; the window slot of every write and
+        of every window key the plan reads must lie in ``[0, num_swa_slots)``.
 
     The tensors all live on ``req_to_token``'s device and have an integer dtype; the host
     lengths are lists. Construction checks shapes, dtypes, devices and host lengths; the values
@@ -140,6 +143,7 @@ class BatchView:
     draft: DraftStep | None = None
     full_to_swa: torch.Tensor | None = None
     num_cache_slots: int | None = None
+    num_swa_slots: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens"):

@@ -62,7 +62,8 @@ def defer_checks(device: torch.device) -> bool:
 @dataclass(frozen=True)
 class Check:
     """One named check over ``N`` entries: ``bad`` ``[N]`` bool, ``values`` ``[N]`` int and
-    optionally ``expected`` ``[N]`` int.
+    optionally ``expected`` ``[N]`` int and ``indices`` ``[N]`` int (what each entry reports
+    as its index; default its position in ``bad``). Any shape ``[...]`` is read flattened.
 
     ``message`` is formatted with ``index``, ``value`` and ``expected`` of the first bad entry.
     """
@@ -71,6 +72,7 @@ class Check:
     bad: torch.Tensor
     values: torch.Tensor
     expected: torch.Tensor | None = None
+    indices: torch.Tensor | None = None
 
 
 def _record(checks: list[Check], device: torch.device) -> torch.Tensor:
@@ -84,8 +86,9 @@ def _record(checks: list[Check], device: torch.device) -> torch.Tensor:
         values = check.values.reshape(-1).long()
         expected = values if check.expected is None else check.expected.reshape(-1).long()
         first = torch.argmax(bad.to(torch.int8)).view(1)  # index_select: no host read
+        index = first if check.indices is None else check.indices.reshape(-1)[first].long()
         picked = [values.index_select(0, first), expected.index_select(0, first)]
-        rows.append(torch.cat([bad.any().long().view(1), first, *picked]))
+        rows.append(torch.cat([bad.any().long().view(1), index, *picked]))
     return torch.stack(rows)
 
 

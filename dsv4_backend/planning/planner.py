@@ -232,7 +232,9 @@ def fuses(batch: BatchView) -> bool:
     return batch.kind in _KINDS and dispatch.use_triton(batch.req_to_token.device)
 
 
-def fused_checks(batch: BatchView, layout: RowLayout) -> tuple[torch.Tensor, PendingChecks | None]:
+def fused_checks(
+    config: DSV4AttentionConfig, batch: BatchView, layout: RowLayout, page_width: int
+) -> tuple[torch.Tensor, PendingChecks | None]:
     """The batch checks in one launch (``check_rows``), their verdict read at once (raises
     ``BatchError``) or pending (``planning/checks.py``); returns the ``[B]`` int8 mask of the
     requests that failed, for ``plan_fields``."""
@@ -241,9 +243,14 @@ def fused_checks(batch: BatchView, layout: RowLayout) -> tuple[torch.Tensor, Pen
         req_pool_indices=batch.req_pool_indices,
         out_cache_loc=batch.out_cache_loc,
         req_to_token=batch.req_to_token,
+        full_to_swa=batch.full_to_swa,
         layout=layout,
         num_rows=batch.num_rows,
         slot_limit=_slot_limit(batch),
+        swa_limit=batch.num_swa_slots,
+        window=config.window_size,
+        page_size=config.page_size,
+        page_width=page_width,
     )
     return failed, checks.settle(check_messages(batch), record, f"a {batch.kind.name} batch")
 
@@ -260,7 +267,7 @@ def plan_into(
     spec = _KINDS[batch.kind]
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
     layout = _row_layout(batch)
-    failed, pending = fused_checks(batch, layout)
+    failed, pending = fused_checks(config, batch, layout, widths.page_table)
     if out is None:
         present = config.ratios_present if spec.compressed else frozenset()
         columns = {
@@ -341,7 +348,7 @@ def _resolve_widths(
 
 
 def _slot_limit(batch: BatchView) -> int | None:
-    """Write slots must lie below this (the cache's slots and ``full_to_swa``'s length)."""
+    """Full slots must lie below this (the cache's slots and ``full_to_swa``'s length)."""
     limits = [n for n in (batch.num_cache_slots, _len(batch.full_to_swa)) if n is not None]
     return min(limits) if limits else None
 
@@ -351,6 +358,8 @@ def check_messages(batch: BatchView) -> tuple[str, ...]:
     ``kernels/plan_fields.py``'s ``check_rows``)."""
     pool_rows, context = batch.req_to_token.shape
     limit = _slot_limit(batch)
+    full = f"[0, {'num_cache_slots' if limit is None else limit})"
+    window = f"[0, {'num_swa_slots' if batch.num_swa_slots is None else batch.num_swa_slots})"
     slots = "out_cache_loc"
     if batch.draft is not None:
         slots = f"out_cache_loc (draft step {batch.draft.step_id}'s slots, [batch, topk, steps])"
@@ -359,16 +368,64 @@ def check_messages(batch: BatchView) -> tuple[str, ...]:
         f"[0, {pool_rows})",
         f"row {{index}} is at position {{value}}, outside req_to_token's {context} columns; "
         "seq_lens must fit the request pool",
-        f"{slots}[{{index}}]={{value}}; expected a full-cache slot in "
-        f"[0, {'num_cache_slots' if limit is None else limit})",
+        f"{slots}[{{index}}]={{value}}; expected a full-cache slot in {full}",
         f"{slots}[{{index}}]={{value}} but req_to_token holds slot {{expected}} for that row's "
         "request and position: the write slots are not laid out as the rows (attention would "
         "read another slot back)",
+        f"{slots}[{{index}}]={{expected}} is window slot {{value}} (full_to_swa); expected a "
+        f"window-cache slot in {window}",
+        f"request {{index}}: req_to_token holds slot {{value}} at position {{expected}}, which "
+        f"the plan reads (window keys, page table); expected a full-cache slot in {full}",
+        f"request {{index}}: the window key at position {{expected}} is window slot {{value}} "
+        f"(full_to_swa); expected a window-cache slot in {window}",
     )
 
 
+def _window_slots(batch: BatchView, full: torch.Tensor) -> torch.Tensor:
+    """Window slots (int64) of in-range full slots ``full`` (int64): ``full_to_swa`` or the
+    identity."""
+    if batch.full_to_swa is None:
+        return full
+    return batch.full_to_swa[full.clamp(0, batch.full_to_swa.numel() - 1)].long()
+
+
+def _out_of(values: torch.Tensor, limit: int | None) -> torch.Tensor:
+    """``values < 0`` or ``>= limit`` (no upper bound when ``limit`` is None)."""
+    return values < 0 if limit is None else (values < 0) | (values >= limit)
+
+
+def _checked_reads(
+    batch: BatchView, req: torch.Tensor, first_new: torch.Tensor, lens: torch.Tensor,
+    *, window: int, page_size: int, page_width: int,
+) -> tuple[Check, Check, torch.Tensor]:  # fmt: skip
+    """The checks of what the plan reads from ``req_to_token`` besides the rows' own slots.
+
+    Per request (pool row ``req`` ``[B]``, in range; first new position ``first_new`` ``[B]``;
+    length ``lens`` ``[B]``): the ``window - 1`` window keys before its first new position
+    (full slot and window slot) and the first slot of each of the ``page_width`` pages of the
+    page table inside its length (full slot). Entries are laid out ``[entry, request]``, the
+    order ``check_rows`` visits them. Returns the full-slot check, the window-slot check and
+    ``[B]`` bool, the requests with a bad entry.
+    """
+    context = batch.req_to_token.shape[1]
+    key_pos = first_new[None, :] - torch.arange(1, window, device=req.device)[:, None]
+    page_pos = torch.arange(page_width, device=req.device)[:, None] * page_size
+    positions = torch.cat([key_pos, page_pos.expand(-1, req.numel())])
+    valid = torch.cat([key_pos >= 0, page_pos < lens[None, :]]) & (positions < context)
+    full = batch.req_to_token[req[None, :], positions.clamp(0, context - 1)].long()
+    bad_full = valid & _out_of(full, _slot_limit(batch))
+    keys = window - 1
+    swa = _window_slots(batch, full[:keys])
+    bad_swa = valid[:keys] & ~bad_full[:keys] & _out_of(swa, batch.num_swa_slots)
+    requests = torch.arange(req.numel(), device=req.device).expand_as(positions)
+    messages = check_messages(batch)
+    full_check = Check(messages[5], bad_full, full, positions, indices=requests)
+    swa_check = Check(messages[6], bad_swa, swa, positions[:keys], indices=requests[:keys])
+    return full_check, swa_check, bad_full.any(0) | bad_swa.any(0)
+
+
 def _checked_rows(
-    batch: BatchView, rows: _Rows
+    config: DSV4AttentionConfig, batch: BatchView, rows: _Rows, page_width: int
 ) -> tuple[torch.Tensor, _Rows, PendingChecks | None]:
     """Check every index before anything is gathered or written (``planning/checks.py``).
 
@@ -378,7 +435,10 @@ def _checked_rows(
     * each write slot in ``[0, num_cache_slots)`` (and inside ``full_to_swa``);
     * each write slot equal to ``req_to_token[pool_row, position]``, the slot attention reads
       the row's key back from; a padding row (pool row 0, slot 0: sglang's data-parallel
-      padding) is exempt.
+      padding) is exempt;
+    * each write's window slot (``full_to_swa``) in ``[0, num_swa_slots)``;
+    * what the plan reads besides (``_checked_reads``): every window key's full and window
+      slot, every page-table slot.
 
     Returns the rows' pool rows ``[T]`` int64, the rows, and the pending checks (deferred
     mode). When deferred, the requests with a failing row write nothing (no cache slot, no
@@ -389,29 +449,39 @@ def _checked_rows(
     requests = batch.req_pool_indices.long()
     ids = rows.batch_ids.long()
     bad_request = (requests < 0) | (requests >= pool_rows)
-    req = torch.where(bad_request, 0, requests)[ids]
+    request_rows = torch.where(bad_request, 0, requests)
+    req = request_rows[ids]
     positions, out = rows.positions, rows.out_loc
     bad_position = (positions < 0) | (positions >= context)
     held = batch.req_to_token[req, positions.clamp(0, context - 1)].long()
-    limit = _slot_limit(batch)
-    bad_slot = out < 0 if limit is None else (out < 0) | (out >= limit)
+    bad_slot = _out_of(out, _slot_limit(batch))
     foreign = (out != held) & ~((req == 0) & (out == 0))
-    flags = (bad_request, bad_position, bad_slot, foreign)
-    values = (requests, positions, out, out)
+    swa = _window_slots(batch, out)
+    bad_window = ~bad_slot & _out_of(swa, batch.num_swa_slots)
+    # Every request has rows (extend lengths >= 1), so these scatters set every entry.
+    first_new = requests.new_zeros(requests.shape).scatter_(0, ids, rows.first_new)
+    lens = requests.new_zeros(requests.shape).scatter_(0, ids, rows.request_lens.long())
+    read_full, read_swa, bad_reads = _checked_reads(
+        batch, request_rows, first_new, lens,
+        window=config.window_size, page_size=config.page_size, page_width=page_width,
+    )  # fmt: skip
+    messages = check_messages(batch)
+    row_checks = [
+        Check(messages[0], bad_request, requests),
+        Check(messages[1], bad_position, positions),
+        Check(messages[2], bad_slot, out),
+        Check(messages[3], foreign, out, held),
+        Check(messages[4], bad_window, swa, out),
+    ]
     pending = run_checks(
-        [
-            Check(message, bad, value, held if bad is foreign else None)
-            for message, bad, value in zip(check_messages(batch), flags, values, strict=True)
-        ],
-        batch.req_to_token.device,
-        f"a {batch.kind.name} batch",
+        [*row_checks, read_full, read_swa], batch.req_to_token.device, f"a {batch.kind.name} batch"
     )
     if pending is not None:
         # Requests with a failing row: pool row 0 (sglang's padding row), no cache write, and
         # position 1 (no page end) with an unreachable keep length, so no compress or write
         # plan record.
-        row_failed = (bad_position | bad_slot | foreign).int()
-        failed_requests = bad_request.int().index_add(0, ids, row_failed) > 0
+        row_failed = (bad_position | bad_slot | foreign | bad_window).int()
+        failed_requests = (bad_request | bad_reads).int().index_add(0, ids, row_failed) > 0
         failed = failed_requests[ids]
         never = torch.iinfo(torch.int32).max
         req = torch.where(failed, 0, req)
@@ -505,7 +575,7 @@ def _plan_rows(
 ) -> AttentionMetadata:
     """Every metadata field from the expanded rows; shared by all kinds."""
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
-    req, rows, pending = _checked_rows(batch, rows)
+    req, rows, pending = _checked_rows(config, batch, rows, widths.page_table)
     positions = rows.positions
     page_table = _page_table(
         batch.req_to_token, req, rows.request_lens, widths.page_table, config.page_size

@@ -63,7 +63,6 @@ from dsv4_backend.compute import (
 from dsv4_backend.config import (
     INDEXER_SELECTIONS,
     REQUIRED_PAGE_SIZE,
-    SWA_PAGE_SIZE,
     DSV4AttentionConfig,
 )
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
@@ -96,6 +95,7 @@ from dsv4_backend.sglang_adapter.pool_alias import (
     unaliasable_reason,
     unmovable_reason,
 )
+from dsv4_backend.sglang_adapter.refusals import check_served
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.dsv4.compressor import Compressor
@@ -106,21 +106,6 @@ if TYPE_CHECKING:
 
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
 _STATE_ATTR = "_dsv4_backend_attention_state"
-#: Server options that move or rebuild KV state outside this backend, refused when set:
-#: ``(ServerArgs field, value that is safe, CLI flag, why)``.
-#: sglang's default device radix cache is served (``UNSUPPORTED_CACHE_MODES``: the others).
-STATE_MOVING_OPTIONS = (
-    (
-        "enable_hisparse", False, "--enable-hisparse",
-        "HiSparse offloads the c4 cache through sglang's own sparse path, which this backend "
-        "replaces (its c4 cache and top-k are its own)",
-    ),
-    (
-        "enable_lmcache", False, "--enable-lmcache",
-        "LMCache offloads and reloads pool pages, not verified to carry the backend's "
-        "compressor rings",
-    ),
-)  # fmt: skip
 #: Server options that copy the pool's regions (``get_contiguous_buf_infos``,
 #: ``get_state_buf_infos``, ``get_request_state_buf_infos``) between pools or to host memory:
 #: ``(ServerArgs field, value that is off, CLI flag)``. Served only where every cache and ring
@@ -128,20 +113,6 @@ STATE_MOVING_OPTIONS = (
 REGION_COPYING_OPTIONS = (
     ("disaggregation_mode", "null", "--disaggregation-mode"),
     ("enable_hierarchical_cache", False, "--enable-hierarchical-cache"),
-)
-#: Prefix-cache modes refused besides: ``(server_args option, flag, what it is)``. They move a
-#: prefix's KV through external storage, replace the tree, or resume a session at an unaligned
-#: length in a fresh pool row (whose request-scoped c128 ring holds nothing).
-UNSUPPORTED_CACHE_MODES = (
-    ("enable_flexkv", "--enable-flexkv", "FlexKV"),
-    (
-        "enable_unified_cache_external_linker",
-        "--enable-unified-cache-external-linker",
-        "an external KV cache linker",
-    ),
-    ("radix_cache_backend", "--radix-cache-backend", "a custom radix cache backend"),
-    ("enable_session_radix_cache", "--enable-session-radix-cache", "session radix caching"),
-    ("enable_streaming_session", "--enable-streaming-session", "streaming sessions"),
 )
 #: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
 #: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
@@ -172,9 +143,9 @@ class RunnerSettings:
 
         Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
-        ``speculative_num_draft_tokens``, ``attn_cp_size``, ``dcp_size``, ``tp_size``,
-        ``attn_dp_size`` (or ``enable_dp_attention`` with ``dp_size``), the
-        ``STATE_MOVING_OPTIONS`` and the ``UNSUPPORTED_CACHE_MODES``), and the environment
+        ``speculative_num_draft_tokens``, ``tp_size``, ``attn_dp_size`` (or
+        ``enable_dp_attention`` with ``dp_size``), every option of the refusal table
+        (``refusals.REFUSED``) and the ``REGION_COPYING_OPTIONS``), and the environment
         variables ``INDEXER_SELECTION_ENV`` and ``dispatch.ATTENTION_KERNEL_ENV``.
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
@@ -189,42 +160,19 @@ class RunnerSettings:
                 f"speculative_eagle_topk={draft_topk}; the dsv4 backend serves EAGLE with "
                 f"--speculative-eagle-topk {max(SUPPORTED_DRAFT_TOPK)} only (no draft trees)"
             )
-        for option, flag in (
-            ("attn_cp_size", "--attention-context-parallel-size"),
-            ("dcp_size", "--decode-context-parallel-size"),
-        ):
-            size = int(getattr(args, option, 1) or 1)
-            if size > 1:
-                raise ConfigError(
-                    f"{option}={size}; the dsv4 backend does not support context parallelism "
-                    f"({flag} must be 1)"
-                )
-        for option, safe, flag, why in STATE_MOVING_OPTIONS:
-            value = getattr(args, option, safe)
-            if value not in (safe, None):
-                raise ConfigError(
-                    f"{option}={value!r}; the dsv4 backend cannot serve it: {why}, so a "
-                    f"request resumed from the copy would be wrong (leave {flag} unset)"
-                )
+        hf = runner.model_config.hf_config
+        check_served(args, hf)
         region_copying = tuple(
             f"{option}={getattr(args, option)!r} ({flag})"
             for option, off, flag in REGION_COPYING_OPTIONS
             if getattr(args, option, off) not in (off, None)
         )
-        for option, flag, why in UNSUPPORTED_CACHE_MODES:
-            value = getattr(args, option, None)
-            if value:
-                raise ConfigError(
-                    f"{option}={value!r}; the dsv4 backend serves sglang's device radix cache "
-                    f"only, not {why} (drop {flag})"
-                )
         selection = os.environ.get(INDEXER_SELECTION_ENV, "exact")
         if selection not in INDEXER_SELECTIONS:
             raise ConfigError(
                 f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
             )
         attention_kernel()  # ConfigError for an unknown DSV4_ATTENTION_KERNEL
-        hf = runner.model_config.hf_config
         speculative = getattr(args, "speculative_algorithm", None) is not None
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.
         # sglang's own reading of the window (its model config resolves the same keys).
@@ -282,14 +230,13 @@ def shared_state(
 ) -> AttentionState:
     """The runner's ``AttentionState``, built on first use and kept on its KV pool.
 
-    Sizes: full slots ``full_size`` (else ``size``) plus one page, rounded to pages; window slots
-    ``swa_size`` (else ``size``) plus one, rounded to window pages; c4 rings one per window
-    page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is sglang's padding
-    slot and stays addressable. With an fp8 format and an sglang ``DeepSeekV4TokenToKVPool``
-    the caches are views of that pool's buffers (``pool_alias``; ``ConfigError`` when one is
-    too small), otherwise allocated; one INFO line says which. ``region_copying`` (the
-    ``REGION_COPYING_OPTIONS`` set): ``ConfigError`` unless every cache and ring is such a
-    view, naming what sglang's regions would not carry.
+    Sizes (``state_sizes``): full and window slots as sglang sizes its own buffers, c4 rings
+    one per window page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is
+    sglang's padding slot and stays addressable. With an fp8 format and an sglang
+    ``DeepSeekV4TokenToKVPool`` the caches are views of that pool's buffers (``pool_alias``;
+    ``ConfigError`` when one is too small), otherwise allocated; one INFO line says which.
+    ``region_copying`` (the ``REGION_COPYING_OPTIONS`` set): ``ConfigError`` unless every
+    cache and ring is such a view, naming what sglang's regions would not carry.
     """
     pool = runner.token_to_kv_pool
     state = getattr(pool, _STATE_ATTR, None)
@@ -329,14 +276,22 @@ class StateSizes(TypedDict):
 
 
 def state_sizes(runner: ModelRunner, config: DSV4AttentionConfig) -> StateSizes:
-    """``AttentionState`` sizes of ``runner`` (``shared_state``'s docstring)."""
+    """``AttentionState`` sizes of ``runner``, as sglang sizes its pool's buffers.
+
+    sglang's paged allocators hand out pages ``1 ... size / 256`` (page 0 is the padding page,
+    ``PagedTokenToKVPoolAllocator.clear``), so slots reach ``size + 255`` on both sides (full
+    ``full_size``, window ``swa_size``; ``size`` where a pool has no split) and sglang's buffers
+    hold ``size + 256`` slots (``deepseek_v4_memory_pool._num_dsv4_physical_kv_pages``). Both
+    are sized that way here, rounded up to whole pages; the c4 rings follow the window slots
+    (``ring_slots``).
+    """
     pool = runner.token_to_kv_pool
     page = config.page_size
     full = getattr(pool, "full_size", None) or pool.size
     swa = getattr(pool, "swa_size", None) or pool.size
     return StateSizes(
         num_full_slots=math.ceil((full + page) / page) * page,
-        num_swa_slots=math.ceil((swa + 1) / SWA_PAGE_SIZE) * SWA_PAGE_SIZE,
+        num_swa_slots=math.ceil((swa + page) / page) * page,
         num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
         max_positions=runner.req_to_token_pool.req_to_token.shape[1],
     )
@@ -414,11 +369,12 @@ class DSV4AttentionBackend(AttentionBackend):
         ``speculative_step_id``.
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
-    Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, DeepSeek-V4.1 compress ratios,
-    context parallelism, an option of ``STATE_MOVING_OPTIONS`` (HiSparse, LMCache), PD
-    disaggregation or HiCache (``REGION_COPYING_OPTIONS``) over caches that are not views of
-    sglang's pool, or ``UNSUPPORTED_CACHE_MODES`` (other prefix-cache modes; sglang's
-    default radix cache is served) or heads that the attention TP group does not divide.
+    Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, compress ratios other than
+    0 / 4 / 128, a configuration of the refusal table (``refusals.REFUSED``: MIXED batches,
+    other attention kernels' pool layouts, DeepSeek-V4.1, state moved outside the backend,
+    context and pipeline parallelism, ...), PD disaggregation or HiCache
+    (``REGION_COPYING_OPTIONS``) over caches that are not views of sglang's pool, or heads
+    that the attention TP group does not divide.
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
     to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
@@ -426,6 +382,10 @@ class DSV4AttentionBackend(AttentionBackend):
     process-wide: a DeepSeek-V4 model served by sglang's own backend in the same process (or
     a child inheriting the environment) takes sglang's bf16-quant-source path too.
     """
+
+    #: sglang's overlap scheduler publishes ``seq_lens_cpu`` only for backends that ask: eager
+    #: plans size their fields from the host lengths (``planning.plan``).
+    needs_cpu_seq_lens = True
 
     def __init__(
         self,
@@ -454,7 +414,9 @@ class DSV4AttentionBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.state = shared_state(model_runner, self.config, cache_format, settings.region_copying)
-        self.num_cache_slots = state_sizes(model_runner, self.config)["num_full_slots"]
+        sizes = state_sizes(model_runner, self.config)
+        self.num_cache_slots = sizes["num_full_slots"]
+        self.num_swa_slots = sizes["num_swa_slots"]
         self.forward_metadata: AttentionMetadata | None = None
         self.planned: PlannedBatch | None = None
         #: Device-side planning checks not read yet (CUDA without strict mode).
@@ -497,6 +459,7 @@ class DSV4AttentionBackend(AttentionBackend):
             num_draft_tokens=self.num_draft_tokens,
             draft=self.draft_step,
             num_cache_slots=self.num_cache_slots,
+            num_swa_slots=self.num_swa_slots,
         )
         metadata = self._plan_view(view, buffers)
         padding = padding_rows(forward_batch, view)
@@ -695,20 +658,25 @@ class DSV4AttentionBackend(AttentionBackend):
                 )
 
     def get_swa_out_cache_loc(self, forward_batch: ForwardBatch) -> torch.Tensor:
-        """``[T]`` int64 window slot each row writes (its own step's slots for a draft step).
+        """``[T]`` int32 window slot each row writes (its own step's slots for a draft step),
+        as sglang's own backend returns it.
 
-        The plan is checked against the batch like every consumer's: with ``T`` taken from
-        ``out_cache_loc``, except for a draft step (whose ``out_cache_loc`` holds every step's
-        slots: batch size, kind and identity are checked) and IDLE (no rows planned).
+        IDLE: never the plan (stale or unset there): ``out_cache_loc`` (data-parallel padding,
+        slot 0) translated through the pool's ``full_to_swa_index_mapping``, so padding slots
+        give window slot 0. Otherwise the plan's ``swa_out_loc``, the plan checked against the
+        batch like every consumer's: with ``T`` taken from ``out_cache_loc``, except for a
+        draft step (whose ``out_cache_loc`` holds every step's slots: batch size, kind and
+        identity are checked).
         """
-        where = "get_swa_out_cache_loc"
         if forward_batch.forward_mode.is_idle():
-            metadata = self.forward_metadata
-            if metadata is None:
-                raise ContractError(f"{where}: no attention metadata was planned")
-            return metadata.swa_out_loc
+            loc = forward_batch.out_cache_loc
+            if loc is None:
+                return torch.zeros(0, dtype=torch.int32, device=self.device)
+            mapping = getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None)
+            return (loc if mapping is None else mapping[loc.long()]).to(torch.int32)
         rows = None if self.draft_step is not None else forward_batch.out_cache_loc.shape[0]
-        return self._metadata(forward_batch, rows, where).swa_out_loc
+        metadata = self._metadata(forward_batch, rows, "get_swa_out_cache_loc")
+        return metadata.swa_out_loc.to(torch.int32)
 
     def _enter_layer(self, layer_id: int, where: str) -> int:
         """``layer_id``'s compress ratio (checked), once HiCache's load of that layer is done:

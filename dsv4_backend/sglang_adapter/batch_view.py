@@ -86,6 +86,7 @@ def batch_view(
     num_draft_tokens: int,
     draft: DraftStep | None = None,
     num_cache_slots: int | None = None,
+    num_swa_slots: int | None = None,
 ) -> BatchView:
     """The ``BatchView`` of ``fb`` (a ``ForwardBatch`` or the graph runners' namespace view).
 
@@ -97,7 +98,8 @@ def batch_view(
     full_to_swa : the KV pool's ``full_to_swa_index_mapping`` (None: identity).
     num_draft_tokens : ``speculative_num_draft_tokens`` (TARGET_VERIFY and DRAFT_EXTEND_V2).
     draft : the step of a multi-step draft backend; used for DECODE batches only.
-    num_cache_slots : full-cache slots the backend holds (``out_cache_loc`` range check).
+    num_cache_slots, num_swa_slots : full- and window-cache slots the backend holds (the
+        planning checks' ranges).
 
     Raises ``BatchError`` for an unsupported mode or inconsistent shapes (e.g. a draft step fed
     a write-slot buffer other than the whole ``[bs, topk, num_steps]`` one).
@@ -106,7 +108,7 @@ def batch_view(
     seq_lens_cpu = readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
     common: dict[str, Any] = dict(
         req_to_token=req_to_token, full_to_swa=full_to_swa, seq_lens_cpu=seq_lens_cpu,
-        num_cache_slots=num_cache_slots,
+        num_cache_slots=num_cache_slots, num_swa_slots=num_swa_slots,
     )  # fmt: skip
     if kind is ForwardKind.IDLE:
         empty = torch.zeros(0, dtype=torch.int64, device=req_to_token.device)

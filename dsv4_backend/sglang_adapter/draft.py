@@ -33,6 +33,9 @@ class DSV4MultiStepDraftBackend(AttentionBackend):
     cache_format : passed to the step backends.
     """
 
+    #: Its step backends plan from host lengths (``DSV4AttentionBackend.needs_cpu_seq_lens``).
+    needs_cpu_seq_lens = True
+
     def __init__(
         self,
         model_runner: ModelRunner,

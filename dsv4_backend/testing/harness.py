@@ -59,10 +59,15 @@ def tiny_hf_config(config: DSV4AttentionConfig, **overrides: Any) -> dict[str, A
 
 
 class KVPoolStandIn:
-    """What the backend reads of ``DeepSeekV4TokenToKVPool``: sizes and the full->SWA map."""
+    """What the backend reads of ``DeepSeekV4TokenToKVPool``: sizes and the full->SWA map.
 
-    def __init__(self, size: int, full_to_swa: torch.Tensor | None) -> None:
-        self.size = self.full_size = self.swa_size = size
+    ``full_size`` / ``swa_size`` as a real pool reports them: the slots its allocators hand
+    out, pages ``1 ... size / 256`` (page 0 is padding), so slots reach ``size + 255``.
+    """
+
+    def __init__(self, full_size: int, swa_size: int, full_to_swa: torch.Tensor | None) -> None:
+        self.size = self.full_size = full_size
+        self.swa_size = swa_size
         self.full_to_swa_index_mapping = full_to_swa
 
 
@@ -114,7 +119,7 @@ def mock_runner(
         model_config=SimpleNamespace(hf_config=hf_config, context_len=pool.max_context),
         server_args=server_args,
         req_to_token_pool=req_to_token_pool,
-        token_to_kv_pool=KVPoolStandIn(pool.num_full_slots, pool.full_to_swa),
+        token_to_kv_pool=KVPoolStandIn(pool.full_size, pool.swa_size, pool.full_to_swa),
         is_draft_worker=is_draft_worker,
         attn_backend=None,
     )

@@ -112,7 +112,9 @@ class DSV4Backend(Backend):
         self.model = trace.build_model(device, fmt=self.cache_format)
         pool = self.model.pool
         self.trace = trace
-        self.draft = trace.build_draft(pool, device, self.cache_format) if trace.spec == "dspark" else None
+        self.draft = (
+            trace.build_draft(pool, device, self.cache_format) if trace.spec == "dspark" else None
+        )
         self.buffers = GraphMetadataBuffers(
             trace.config,
             max_batch_size=pool.num_requests + trace.dp_pad,

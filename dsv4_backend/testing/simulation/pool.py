@@ -35,6 +35,9 @@ class PagedRequestPool:
     req_to_token : ``[num_requests + 1, max_context]`` int32 full slots.
     full_to_swa : ``[num_full_slots]`` int64 window slot of each full slot:
         ``swa_page(page) * 256 + offset`` for full slot ``page * 256 + offset``.
+    full_size, swa_size : the sizes a real KV pool reports for these pages (sglang's
+        allocators hand out pages ``1 ... size / 256`` over ``size + 256`` slots):
+        ``num_full_slots - 256`` both, so the top page is in use.
     """
 
     def __init__(
@@ -78,6 +81,7 @@ class PagedRequestPool:
         self.req_to_token = req_to_token.to(self.device)
         swa_pages = torch.randperm(self.num_pages, generator=generator)
         self.full_to_swa = (swa_pages[:, None] * page + offsets.long()).flatten().to(self.device)
+        self.full_size = self.swa_size = self.num_full_slots - page
         self.max_lens = list(max_lens)
 
     @property

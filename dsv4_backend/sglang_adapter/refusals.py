@@ -1,0 +1,166 @@
+"""Every sglang 0.5.23 configuration the dsv4 backend does not serve, as one table.
+
+Each row of ``REFUSED`` is one configuration: where its value is read (a ``ServerArgs`` field,
+an environment variable or the model config), when the value is refused, the flag (or model
+type) the error names, and why it is not served. ``check_served`` raises ``ConfigError`` for
+the first row that matches, when the backend is built, so nothing that would be served wrong
+starts. A configuration that becomes served loses its row (one line), nothing else.
+
+The rows cover what changes the calls the backend gets (forward modes, draft models, batch
+splitting, CUDA-graph kinds) or the layout of the KV pool and its state (layouts of other
+attention kernels, state kept or moved outside the backend, layers split over ranks).
+Checked elsewhere because they need more than the arguments: ``page_size`` (the runner's),
+EAGLE ``topk`` (the draft factory's too) and heads that the attention TP group must divide
+(``backend.RunnerSettings``); compress ratios (``DSV4AttentionConfig``); the platform
+(``registration``: on HIP, NPU and the other non-CUDA platforms sglang keeps ``dsv4``); PD
+disaggregation and HiCache (``backend.REGION_COPYING_OPTIONS``: served where every cache and
+ring is a view of sglang's pool, refused otherwise); the DSpark draft's own conditions
+(``sglang_adapter.dspark``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from dsv4_backend.errors import ConfigError
+
+Source = Literal["server_args", "env", "hf_config"]
+
+
+@dataclass(frozen=True)
+class Refused:
+    """One configuration that is not served.
+
+    ``option``: the ``ServerArgs`` field, environment variable or ``hf_config`` attribute
+    read (``source``); ``matches(value)``: whether its value is this configuration (an unset
+    option reads as None); ``flag``: what the error names (the CLI flag and value, the
+    variable, the model type); ``why``: what would go wrong.
+    """
+
+    option: str
+    matches: Callable[[Any], bool]
+    flag: str
+    why: str
+    source: Source = "server_args"
+
+
+def _set(value: Any) -> bool:
+    return bool(value)
+
+
+def _above_one(value: Any) -> bool:
+    return int(value or 1) > 1
+
+
+def _name(value: Any) -> str:
+    """A string option's value, or an enum member's name, in lower case."""
+    return str(getattr(value, "name", value)).lower()
+
+
+def _one_of(*values: str) -> Callable[[Any], bool]:
+    return lambda value: value is not None and _name(value) in values
+
+
+def _other_than(*values: str) -> Callable[[Any], bool]:
+    return lambda value: value is not None and _name(value) not in values
+
+
+_STATE = "not verified to carry the backend's caches and compressor rings"
+_RADIX = "; the backend serves sglang's device radix cache only"
+_SESSION = "a session resumes at an unaligned length in a fresh pool row (empty c128 ring)"
+_REPLAY = "DeepSeek-V4.1's bounded window replay calls the backend's late-layer tail"
+_SPLIT = "splits a request's keys over ranks"
+
+#: One row per refused configuration (module docstring).
+REFUSED: tuple[Refused, ...] = (
+    # Calls the backend does not serve.
+    Refused("speculative_algorithm", _other_than("eagle", "nextn", "dspark"),
+            "--speculative-algorithm (only EAGLE / NEXTN / DSPARK)",
+            "its verify batches are draft trees or come from another draft model; the backend "
+            "plans linear EAGLE drafts (topk 1)"),
+    Refused("enable_mixed_chunk", _set, "--enable-mixed-chunk",
+            "it forms MIXED batches (prefill and decode rows in one forward), which the "
+            "planner does not plan"),
+    Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap",
+            "it splits every batch into micro-batches planned by child backends, not verified"),
+    Refused("cuda_graph_backend_prefill", _one_of("full", "breakable"),
+            "--cuda-graph-backend-prefill full|breakable",
+            "prefill (EXTEND) batches run eagerly; the backend has no prefill CUDA graph"),
+    Refused("enable_encoder_swa_bounded_replay", _set, "--enable-encoder-swa-bounded-replay",
+            _REPLAY),
+    Refused("enable_decoder_swa_bounded_replay", _set, "--enable-decoder-swa-bounded-replay",
+            _REPLAY),
+    # Pool layouts of other attention kernels.
+    Refused("dsv4_attn_backend", _one_of("trtllm"), "--dsv4-attn-backend trtllm",
+            "it lays the pool out in trtllm's uniform FP8 pages, which the backend's caches "
+            "do not read (they would be allocated beside sglang's, twice the memory)"),
+    Refused("dsv4_attn_backend", _one_of("flashmla_mega"), "--dsv4-attn-backend flashmla_mega",
+            "it lays the pool out in DeepSeek-V4.1's MegaAttention layouts"),
+    Refused("enable_deepseek_v4_fp4_indexer", _set, "--enable-deepseek-v4-fp4-indexer",
+            "it lays the indexer pool out in fp4, which the backend's indexer (exact or fp8 "
+            "scores) does not read"),
+    Refused("SGLANG_DSV4_KV_LAYOUT", _one_of("v41", "v41_new"), "SGLANG_DSV4_KV_LAYOUT=v41|v41_new",
+            "DeepSeek-V4.1's packed KV layouts", source="env"),
+    Refused("model_type", lambda value: str(value or "").startswith("deepseek_v41"),
+            "model type deepseek_v41 (DeepSeek-V4.1)",
+            "its low compress ratios, compressors and layouts are not served", source="hf_config"),
+    # State kept or moved outside the backend.
+    Refused("enable_hisparse", _set, "--enable-hisparse",
+            "HiSparse offloads the c4 cache through sglang's own sparse path, which this "
+            "backend replaces (its c4 cache and top-k are its own)"),
+    Refused("enable_lmcache", _set, "--enable-lmcache",
+            f"LMCache offloads and reloads pool pages, {_STATE}"),
+    Refused("enable_flexkv", _set, "--enable-flexkv",
+            f"FlexKV moves prefixes through external storage{_RADIX}"),
+    Refused("enable_unified_cache_external_linker", _set,
+            "--enable-unified-cache-external-linker",
+            f"an external KV cache linker moves prefixes{_RADIX}"),
+    Refused("radix_cache_backend", _set, "--radix-cache-backend",
+            f"a custom radix cache backend{_RADIX}"),
+    Refused("enable_session_radix_cache", _set, "--enable-session-radix-cache", _SESSION),
+    Refused("enable_streaming_session", _set, "--enable-streaming-session", _SESSION),
+    # Layers or sequences split over ranks.
+    Refused("attn_cp_size", _above_one, "--attention-context-parallel-size",
+            f"context parallelism {_SPLIT}"),
+    Refused("dcp_size", _above_one, "--decode-context-parallel-size",
+            f"decode context parallelism {_SPLIT}"),
+    Refused("enable_prefill_cp", _set, "--enable-prefill-cp",
+            f"prefill context parallelism {_SPLIT}"),
+    Refused("pp_size", _above_one, "--pipeline-parallel-size",
+            "a pipeline stage's pool holds its own layers only; the backend keeps every "
+            "layer's caches"),
+)  # fmt: skip
+
+
+def _value(row: Refused, server_args: Any, hf_config: Any) -> Any:
+    if row.source == "env":
+        return os.environ.get(row.option)
+    source = server_args if row.source == "server_args" else hf_config
+    if isinstance(source, Mapping):  # a config.json mapping
+        return source.get(row.option)
+    return getattr(source, row.option, None)
+
+
+def refused_row(server_args: Any, hf_config: Any) -> tuple[Refused, Any] | None:
+    """The first row of ``REFUSED`` that ``server_args`` / ``hf_config`` / the environment
+    match, with the value read; None when the configuration is served."""
+    for row in REFUSED:
+        value = _value(row, server_args, hf_config)
+        if row.matches(value):
+            return row, value
+    return None
+
+
+def check_served(server_args: Any, hf_config: Any) -> None:
+    """``ConfigError`` naming the flag (or model type) of the first refused configuration."""
+    found = refused_row(server_args, hf_config)
+    if found is None:
+        return
+    row, value = found
+    raise ConfigError(
+        f"{row.option}={value!r}: the dsv4 backend does not serve {row.flag}: {row.why}. "
+        f"Leave it off, or serve this configuration with --attention-backend dsv4_builtin"
+    )
