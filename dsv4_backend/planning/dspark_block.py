@@ -72,7 +72,8 @@ def plan_dspark_block(
     host = batch.host_seq_lens
     host_lens = None if host is None else [s + block for s in host]
     widths = planner._resolve_widths(config, batch, host_lens, widths)
-    req, rows, pending = planner._checked_rows(batch, planner._verify_rows(batch))
+    rows_in = planner._verify_rows(batch)
+    req, rows, pending = planner._checked_rows(config, batch, rows_in, widths.page_table)
     committed = rows.first_new  # [T] L of the row's request
     context = committed.clamp(max=config.window_size)
     if valid_from is not None:
