@@ -17,6 +17,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
+from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
 from dsv4_backend.sglang_adapter.refusals import REFUSED
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool
@@ -48,7 +49,7 @@ COMMANDS = [
      f"{LOW_LATENCY} --reasoning-parser deepseek-v4 --tool-call-parser deepseekv4", {}, None),
     ("fp4-indexer", f"{FLASH} --tp 4 --moe-runner-backend flashinfer_mxfp4 "
      "--enable-deepseek-v4-fp4-indexer", {}, "--enable-deepseek-v4-fp4-indexer"),
-    ("dspark", LOW_LATENCY.replace("EAGLE", "DSPARK"), {}, "--speculative-algorithm DSPARK"),
+    ("dspark", LOW_LATENCY.replace("EAGLE", "DSPARK"), {}, None),
     ("ngram", f"{FLASH} --tp 4 --speculative-algorithm NGRAM --speculative-num-draft-tokens 16 "
      "--speculative-ngram-max-bfs-breadth 10", {}, "--speculative-algorithm (only EAGLE"),
     ("mixed-chunk", f"{LOW_LATENCY} --enable-mixed-chunk", {}, "--enable-mixed-chunk"),
@@ -58,7 +59,7 @@ COMMANDS = [
     ("pd-prefill", f"{HIGH_THROUGHPUT} --disaggregation-mode prefill", {},
      "--disaggregation-mode"),
     ("pd-decode-hisparse", f"{HIGH_THROUGHPUT} --disaggregation-mode decode --enable-hisparse "
-     "--disable-radix-cache", {}, "--disaggregation-mode"),
+     "--disable-radix-cache", {}, "--enable-hisparse"),
     ("hisparse", f"{HIGH_THROUGHPUT} --enable-hisparse --disable-radix-cache", {},
      "--enable-hisparse"),
     ("hicache", f"{LOW_LATENCY} --enable-hierarchical-cache", {}, "--enable-hierarchical-cache"),
@@ -84,7 +85,14 @@ def build_all(pool: PagedRequestPool, server_args, hf=HF) -> list[object]:
     target = harness.mock_runner(pool, hf)
     target.server_args = server_args
     built: list[object] = [DSV4AttentionBackend(target, cache_format="dense")]
-    if server_args.speculative_algorithm is not None:
+    if server_args.speculative_algorithm == "DSPARK":  # the draft runner's one backend
+        draft = harness.mock_runner(
+            pool, hf, topk=0, num_draft_tokens=server_args.speculative_num_draft_tokens,
+            is_draft_worker=True, speculative_algorithm="DSPARK",
+        )  # fmt: skip
+        draft.server_args = server_args
+        built.append(DSparkDraftBackend(draft, cache_format="dense"))
+    elif server_args.speculative_algorithm is not None:
         draft = harness.mock_runner(pool, hf, is_draft_worker=True)
         draft.server_args = server_args
         topk, steps = server_args.speculative_eagle_topk, server_args.speculative_num_steps
