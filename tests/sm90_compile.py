@@ -425,7 +425,14 @@ def _planner() -> list[tuple[str, ASTSource, dict]]:
         check = _source(
             plan_fields._check_kernel,
             kinds,
-            dict(EXTEND=extend, BLOCK_T=block_t, BLOCK_B=batch),
+            dict(
+                EXTEND=extend,
+                HAS_SWA_MAP=True,
+                PAGE=256,
+                BLOCK_T=block_t,
+                BLOCK_B=batch,
+                BLOCK_E=plan_fields.check_block_e(128, batch),
+            ),
         )
         out.append((f"plan-checks-{'extend' if extend else 'uniform'}-b{batch}", *check))
     return out

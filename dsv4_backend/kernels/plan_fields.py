@@ -47,6 +47,9 @@ BLOCK_C = 64
 CHECK_BLOCK_T = 128
 #: Elements of the ``[rows, requests]`` tile each program reduces for the plan offsets.
 REQUEST_TILE = 1024
+#: Elements of one read-check tile of ``_check_kernel``: 1024 spill 12-16 B at sm_90a beside
+#: the row checks' registers, 512 do not.
+CHECK_READ_TILE = 512
 
 
 @triton.jit
@@ -602,9 +605,16 @@ def check_rows(
         PAGE=page_size,
         BLOCK_T=max(1, min(CHECK_BLOCK_T, REQUEST_TILE // block_b)),
         BLOCK_B=block_b,
-        BLOCK_E=max(1, min(triton.next_power_of_2(max(window - 1, 1)), REQUEST_TILE // block_b)),
+        BLOCK_E=check_block_e(window, block_b),
     )  # fmt: skip
     return record, failed
+
+
+def check_block_e(window: int, block_b: int) -> int:
+    """Read entries per tile of ``_check_kernel`` (``[BLOCK_E, BLOCK_B]`` tiles of the window
+    keys before each request's first new position, then of its page-table slots), for a
+    ``window`` of keys and ``block_b`` requests a tile: at most ``CHECK_READ_TILE`` elements."""
+    return max(1, min(triton.next_power_of_2(max(window - 1, 1)), 256 // block_b))
 
 
 def plan_fields(
