@@ -67,6 +67,7 @@ captured in a CUDA graph once compiled.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from collections.abc import Iterator
 
@@ -423,9 +424,13 @@ def _merge_splits_kernel(
 
 
 # ------------------------------------------------------------------------------- checks
+#: A compressed layer's keys: ``(extra cache, [T, Ke] int32 slots, [T] int32 lengths)``.
+ExtraSpan = tuple[TokenCache, torch.Tensor, torch.Tensor]
+
+
 def _extra_span(
     extra: TokenCache | None, extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None
-) -> tuple[TokenCache, torch.Tensor, torch.Tensor] | None:
+) -> ExtraSpan | None:
     """The compressed keys as one triple, None on a window-only layer (``_check_inputs``
     refuses a partial triple)."""
     if extra is None or extra_indices is None or extra_lengths is None:
@@ -443,8 +448,9 @@ def _check_inputs(
     extra_lengths: torch.Tensor | None,
     sink: torch.Tensor,
     softmax_scale: float,
-) -> None:
-    """Raise ``BatchError`` / ``ContractError`` naming the first input that does not fit."""
+) -> ExtraSpan | None:
+    """Raise ``BatchError`` / ``ContractError`` naming the first input that does not fit;
+    return the compressed keys as one triple (None on a window-only layer)."""
     if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16):
         raise BatchError(
             f"q has shape {tuple(q.shape)} and dtype {q.dtype}; expected [T, H, D] float32 or "
@@ -504,6 +510,7 @@ def _check_inputs(
             raise BatchError(f"{name} is on {tensor.device}; q is on {q.device}")
     for _, cache, idx_name, idx, _, _ in spans:
         cache.check_slots(idx, idx_name)  # slot range, checked on the CPU only (no GPU sync)
+    return extra_span
 
 
 # ------------------------------------------------------------------------------ launcher
@@ -551,6 +558,13 @@ def default_num_splits(rows: int, heads: int, width: int, block_n: int, sms: int
     return max(1, min(sms // programs, triton.cdiv(width, block_n), MAX_SPLITS))
 
 
+def checked_num_splits(splits: int) -> int:
+    """``splits`` when it is a key-split count the kernels take, else ``BatchError``."""
+    if not 1 <= splits <= MAX_SPLITS:
+        raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
+    return splits
+
+
 #: Split count pinned by :func:`force_num_splits` (tests run every schedule with splits > 1).
 _forced_splits: list[int] = []
 
@@ -559,18 +573,21 @@ _forced_splits: list[int] = []
 def force_num_splits(splits: int) -> Iterator[None]:
     """Inside the block every Triton launch without an explicit ``num_splits`` uses ``splits``,
     on any device (splits past a row's keys are empty and merge as nothing)."""
-    if not 1 <= splits <= MAX_SPLITS:
-        raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
-    _forced_splits.append(splits)
+    _forced_splits.append(checked_num_splits(splits))
     try:
         yield
     finally:
         _forced_splits.pop()
 
 
-def _num_splits(rows: int, heads: int, width: int, block_n: int, device: torch.device) -> int:
-    """The forced split count, else :func:`default_num_splits` on a GPU, else 1 (the
+def launch_num_splits(
+    num_splits: int | None, rows: int, heads: int, width: int, block_n: int, device: torch.device
+) -> int:
+    """The key splits of a launch: ``num_splits`` (checked by :func:`checked_num_splits`), or
+    for None the forced count, else :func:`default_num_splits` on a GPU, else 1 (the
     interpreter runs programs one by one)."""
+    if num_splits is not None:
+        return checked_num_splits(num_splits)
     if _forced_splits:
         return _forced_splits[-1]
     if device.type != "cuda":
@@ -587,6 +604,91 @@ def group_rows(heads: int, rows_per_group: int) -> int:
     block_h = triton.next_power_of_2(heads)
     group = min(rows_per_group, MAX_BLOCK_H // block_h, MAX_GROUP)
     return group if group > 1 and block_h * triton.next_power_of_2(group) >= 16 else 1
+
+
+def program_heads(heads: int, group: int) -> int:
+    """Heads a program takes (``BLOCK_H``) when it takes ``group`` rows: all of them, rounded
+    up to a power of two, for a group (``G * BLOCK_H`` fills the M tile); else
+    :func:`_block_h`."""
+    return _block_h(heads) if group == 1 else triton.next_power_of_2(heads)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeySpans:
+    """The key lists of one attention launch, as every kernel of the op walks them (one key
+    loop over a program row's window columns, then its extra columns). ``P`` program rows:
+    the query rows (``group`` 1: the caller's lists, unit-stride along columns) or groups of
+    ``group`` rows (their union lists, ``kernels/key_union.py``)."""
+
+    #: The extra cache; the window's on a window-only layer (any valid pointer: never read).
+    ext_cache: TokenCache
+    #: ``[P, Ws]`` int32 window slots (a group: union slots, row bits ``bits_offset`` on).
+    swa_indices: torch.Tensor
+    #: ``[P]`` int32 valid leading columns of ``swa_indices``.
+    swa_lengths: torch.Tensor
+    #: ``[P, Ke]`` int32 extra slots, as ``swa_indices`` (the window's when not ``has_extra``).
+    ext_indices: torch.Tensor
+    #: ``[P]`` int32 valid leading columns of ``ext_indices``.
+    ext_lengths: torch.Tensor
+    has_extra: bool
+    #: Rows a program takes (:func:`group_rows`).
+    group: int
+    #: Elements from a union slot to its row bits (``key_union``'s table[1]); 0 for no group.
+    bits_offset: int
+    #: Heads a program takes (:func:`program_heads`).
+    block_h: int
+
+    @property
+    def programs(self) -> int:
+        """``P``: program rows."""
+        return self.swa_indices.shape[0]
+
+    @property
+    def width(self) -> int:
+        """Index columns a program row walks at most (window plus extra)."""
+        return self.swa_indices.shape[1] + (self.ext_indices.shape[1] if self.has_extra else 0)
+
+
+def key_spans(
+    window: TokenCache,
+    swa_indices: torch.Tensor,
+    swa_lengths: torch.Tensor,
+    extra_span: ExtraSpan | None,
+    heads: int,
+    rows_per_group: int = 1,
+) -> KeySpans:
+    """The :class:`KeySpans` of inputs ``_check_inputs`` accepted (``extra_span``: what it
+    returned), packing up to
+    ``rows_per_group`` rows a program (:func:`group_rows`; the union lists cost a
+    ``key_union`` launch). ``BatchError`` for a ``rows_per_group`` below 1 or a cache whose
+    storage is not contiguous (the kernels address rows and pages from its base)."""
+    if not isinstance(rows_per_group, int) or rows_per_group < 1:
+        raise BatchError(f"rows_per_group={rows_per_group!r}; expected an int >= 1")
+    ext_cache, ext_indices, ext_lengths = extra_span or (window, swa_indices, swa_lengths)
+    for name, cache in (("window", window), ("extra", ext_cache)):
+        if not cache.storage.is_contiguous():
+            raise BatchError(
+                f"the {name} cache storage has strides {cache.storage.stride()}; the kernel "
+                "needs it contiguous"
+            )
+    group = group_rows(heads, rows_per_group)
+    if group == 1:
+        # The kernels step index columns and lengths with unit stride (no-ops when so).
+        win = (swa_indices.contiguous(), swa_lengths.contiguous())
+        ext = (ext_indices.contiguous(), ext_lengths.contiguous())
+        bits_offset = 0
+    else:
+        union = key_union(
+            swa_indices, swa_lengths, extra_span and ext_indices, extra_span and ext_lengths, group
+        )
+        slots = union.table[0]
+        win = (slots[:, : union.extra_column], union.lengths[0])
+        ext = (slots[:, union.extra_column :], union.lengths[1]) if extra_span else win
+        bits_offset = union.table.stride(0)  # table[1] (row bits) beside table[0] (slots)
+    return KeySpans(
+        ext_cache, *win, *ext, extra_span is not None, group, bits_offset,
+        program_heads(heads, group),
+    )  # fmt: skip
 
 
 def sparse_attention_triton(
@@ -612,63 +714,21 @@ def sparse_attention_triton(
     :func:`sparse_attention_with_sink`. ``out_dtype``: float32 or bfloat16, None for
     :func:`output_dtype` (the kernel writes it directly, and key-split partials in it).
     """
-    _check_inputs(
-        q,
-        window,
-        swa_indices,
-        swa_lengths,
-        extra,
-        extra_indices,
-        extra_lengths,
-        sink,
+    extra_span = _check_inputs(
+        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
-    )
-    if not isinstance(rows_per_group, int) or rows_per_group < 1:
-        raise BatchError(f"rows_per_group={rows_per_group!r}; expected an int >= 1")
+    )  # fmt: skip
     out_dtype = out_dtype or output_dtype(q)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise BatchError(f"out_dtype={out_dtype}; expected torch.float32 or torch.bfloat16")
     rows, heads, dim = q.shape
-    extra_span = _extra_span(extra, extra_indices, extra_lengths)
-    has_extra = extra_span is not None
-    # A window-only layer: the kernel never reads the extra span; any valid pointers do.
-    ext_cache, ext_indices, ext_lengths = extra_span or (window, swa_indices, swa_lengths)
-    for name, cache in (("window", window), ("extra", ext_cache)):
-        if not cache.storage.is_contiguous():
-            raise BatchError(
-                f"the {name} cache storage has strides {cache.storage.stride()}; the kernel "
-                "needs it contiguous"
-            )
-    group = group_rows(heads, rows_per_group)
-    if group > 1:  # programs read their group's union lists (key_union's table)
-        union = key_union(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
-        slots = union.table[0]
-        swa_indices, swa_lengths = slots[:, : union.extra_column], union.lengths[0]
-        if has_extra:
-            ext_indices, ext_lengths = slots[:, union.extra_column :], union.lengths[1]
-        else:
-            ext_indices, ext_lengths = swa_indices, swa_lengths
-        bits_offset = union.table.stride(0)  # table[1] (row bits) beside table[0] (slots)
-        block_h = triton.next_power_of_2(heads)
-    else:
-        # The kernel steps index columns and lengths with unit stride (no-ops when so).
-        swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
-        ext_indices, ext_lengths = ext_indices.contiguous(), ext_lengths.contiguous()
-        bits_offset = 0
-        block_h = _block_h(heads)
+    spans = key_spans(window, swa_indices, swa_lengths, extra_span, heads, rows_per_group)
     sink = sink.contiguous()
-    block_g = triton.next_power_of_2(group)
+    block_g = triton.next_power_of_2(spans.group)
     block_n, num_warps, num_stages = _launch_config(
-        dim, "fp8" in (window.fmt, ext_cache.fmt), block_h * block_g
+        dim, "fp8" in (window.fmt, spans.ext_cache.fmt), spans.block_h * block_g
     )
-    programs = swa_indices.shape[0]  # rows, or groups of rows
-    width = swa_indices.shape[1] + (ext_indices.shape[1] if has_extra else 0)
-    if num_splits is None:
-        splits = _num_splits(programs, heads, width, block_n, q.device)
-    else:
-        splits = num_splits
-    if not 1 <= splits <= MAX_SPLITS:
-        raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
+    splits = launch_num_splits(num_splits, spans.programs, heads, spans.width, block_n, q.device)
 
     out = torch.empty((rows, heads, dim), dtype=out_dtype, device=q.device)
     if rows == 0:
@@ -684,19 +744,21 @@ def sparse_attention_triton(
         l_s = torch.empty_like(m)
         stride_ps, stride_mt, stride_mh = part.stride(2), m.stride(0), m.stride(1)
     block_d = max(16, triton.next_power_of_2(dim))  # tl.dot needs K >= 16 on a GPU
-    grid = (programs, triton.cdiv(heads, block_h), splits)
+    grid = (spans.programs, triton.cdiv(heads, spans.block_h), splits)
+    ext_cache = spans.ext_cache
     _sparse_attention_kernel[grid](
-        q, window.storage, swa_indices, swa_lengths,
-        ext_cache.storage, ext_indices, ext_lengths, sink,
+        q, window.storage, spans.swa_indices, spans.swa_lengths,
+        ext_cache.storage, spans.ext_indices, spans.ext_lengths, sink,
         part, m, l_s,
         q.stride(0), q.stride(1), q.stride(2),
-        window.storage.stride(0), swa_indices.stride(0),
-        ext_cache.storage.stride(0), ext_indices.stride(0),
+        window.storage.stride(0), spans.swa_indices.stride(0),
+        ext_cache.storage.stride(0), spans.ext_indices.stride(0),
         part.stride(0), part.stride(1), stride_ps, stride_mt, stride_mh,
-        heads, rows, swa_indices.shape[1], ext_indices.shape[1], bits_offset,
+        heads, rows, spans.swa_indices.shape[1], spans.ext_indices.shape[1], spans.bits_offset,
         softmax_scale * LOG2E.value,
-        D=dim, BLOCK_D=block_d, BLOCK_H=block_h, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n,
-        NUM_SPLITS=splits, HAS_EXTRA=has_extra, NOPE_DIM=dim - window.rope_dim,
+        D=dim, BLOCK_D=block_d, BLOCK_H=spans.block_h, GROUP=spans.group, BLOCK_G=block_g,
+        BLOCK_N=block_n, NUM_SPLITS=splits, HAS_EXTRA=spans.has_extra,
+        NOPE_DIM=dim - window.rope_dim,
         WIN_FP8=window.fmt == "fp8", WIN_PAGE_TOKENS=window.page_tokens,
         EXT_FP8=ext_cache.fmt == "fp8", EXT_PAGE_TOKENS=ext_cache.page_tokens,
         ONE_GATHER=window.fmt == ext_cache.fmt == "dense"
@@ -756,19 +818,11 @@ def sparse_attention_torch(
     softmax_scale: float,
 ) -> torch.Tensor:
     """Torch path of :func:`sparse_attention_with_sink`: gather, then one masked softmax."""
-    _check_inputs(
-        q,
-        window,
-        swa_indices,
-        swa_lengths,
-        extra,
-        extra_indices,
-        extra_lengths,
-        sink,
+    extra_span = _check_inputs(
+        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
-    )
+    )  # fmt: skip
     spans = [(window, swa_indices, swa_lengths)]
-    extra_span = _extra_span(extra, extra_indices, extra_lengths)
     if extra_span is not None:
         spans.append(extra_span)
     rows, heads, dim = q.shape

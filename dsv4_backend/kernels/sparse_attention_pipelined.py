@@ -52,15 +52,11 @@ import triton.language as tl
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.fp8_device import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
-from dsv4_backend.kernels.key_union import key_union
 from dsv4_backend.kernels.sparse_attention import (
     LOG2E,
-    MAX_SPLITS,
-    _block_h,
     _check_inputs,
-    _extra_span,
-    _forced_splits,
-    group_rows,
+    key_spans,
+    launch_num_splits,
 )
 
 #: Rope channels the kernel takes (the last 64 of the head, bf16 in the cache).
@@ -343,20 +339,6 @@ def _block_n(dim: int) -> int:
     return 16 if dim > 256 else 64
 
 
-def pipelined_num_splits(
-    programs: int, heads: int, width: int, block_n: int, device: torch.device
-) -> int:
-    """Splits a program row: the forced count, else as many as fill the SMs in one wave (at
-    most a block each and ``MAX_SPLITS``) on a GPU, else 1."""
-    if _forced_splits:
-        return _forced_splits[-1]
-    if device.type != "cuda":
-        return 1
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    busy = max(1, programs * triton.cdiv(heads, _block_h(heads)))
-    return max(1, min(sms // busy, triton.cdiv(width, block_n), MAX_SPLITS))
-
-
 def sparse_attention_pipelined(
     q: torch.Tensor,
     window: TokenCache,
@@ -376,7 +358,7 @@ def sparse_attention_pipelined(
     ``num_splits`` and ``rows_per_group`` as for ``sparse_attention_triton``. Raises
     ``BatchError`` for caches the kernel does not read (:func:`pipelined_unsupported_reason`).
     """
-    _check_inputs(
+    extra_span = _check_inputs(
         q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
     )  # fmt: skip
@@ -384,59 +366,34 @@ def sparse_attention_pipelined(
     reason = pipelined_unsupported_reason(window, extra, dim)
     if reason is not None:
         raise BatchError(reason)
-    if not isinstance(rows_per_group, int) or rows_per_group < 1:
-        raise BatchError(f"rows_per_group={rows_per_group!r}; expected an int >= 1")
     if q.stride(2) != 1:  # the kernel steps channels with unit stride
         q = q.contiguous()
-    extra_span = _extra_span(extra, extra_indices, extra_lengths)
-    has_extra = extra_span is not None
-    ext_cache, ext_indices, ext_lengths = extra_span or (window, swa_indices, swa_lengths)
-    group = group_rows(heads, rows_per_group)
-    bits_offset = 0
-    if group > 1:  # programs read their group's union lists (key_union's table)
-        union = key_union(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
-        table = union.table[0]
-        swa_indices, swa_lengths = table[:, : union.extra_column], union.lengths[0]
-        ext_indices, ext_lengths = swa_indices, swa_lengths
-        if has_extra:
-            ext_indices, ext_lengths = table[:, union.extra_column :], union.lengths[1]
-        bits_offset = union.table.stride(0)  # table[1] (row bits) beside table[0] (slots)
-        block_h = triton.next_power_of_2(heads)
-    else:
-        swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
-        ext_indices, ext_lengths = ext_indices.contiguous(), ext_lengths.contiguous()
-        block_h = _block_h(heads)
-    programs = swa_indices.shape[0]
-    width = swa_indices.shape[1] + (ext_indices.shape[1] if has_extra else 0)
+    spans = key_spans(window, swa_indices, swa_lengths, extra_span, heads, rows_per_group)
     block_n = _block_n(dim)
-    if num_splits is None:
-        splits = pipelined_num_splits(programs, heads, width, block_n, q.device)
-    else:
-        splits = num_splits
-    if not 1 <= splits <= MAX_SPLITS:
-        raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
+    splits = launch_num_splits(num_splits, spans.programs, heads, spans.width, block_n, q.device)
     out = torch.empty((rows, heads, dim), dtype=torch.bfloat16, device=q.device)
     if rows == 0:
         return out
-    head_blocks = triton.cdiv(heads, block_h)
+    head_blocks = triton.cdiv(heads, spans.block_h)
     block_s = triton.next_power_of_2(splits)
     if splits > 1:
         part = torch.empty((rows, heads, splits, dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((rows, heads, splits, 2), dtype=torch.float32, device=q.device)
-        count = torch.zeros((programs, head_blocks), dtype=torch.int32, device=q.device)
+        count = torch.zeros((spans.programs, head_blocks), dtype=torch.int32, device=q.device)
     else:  # unused: the one split finalises
         part = ml = torch.empty((1, 1, 1, 1), dtype=torch.float32, device=q.device)
         count = torch.empty(1, dtype=torch.int32, device=q.device)
-    _pipelined_attention_kernel[(programs, head_blocks, splits)](
-        q, window.storage, swa_indices, swa_lengths, ext_cache.storage, ext_indices, ext_lengths,
-        sink.contiguous(), out, part, ml, count,
-        q.stride(0), q.stride(1), swa_indices.stride(0), ext_indices.stride(0),
+    win_idx, ext_idx = spans.swa_indices, spans.ext_indices
+    _pipelined_attention_kernel[(spans.programs, head_blocks, splits)](
+        q, window.storage, win_idx, spans.swa_lengths, spans.ext_cache.storage, ext_idx,
+        spans.ext_lengths, sink.contiguous(), out, part, ml, count,
+        q.stride(0), q.stride(1), win_idx.stride(0), ext_idx.stride(0),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), ml.stride(0),
-        ml.stride(1), heads, rows, swa_indices.shape[1], ext_indices.shape[1], bits_offset,
-        *_page_geometry(window), *_page_geometry(ext_cache), softmax_scale * LOG2E.value,
-        D=dim, NOPE_DIM=dim - ROPE_DIM, BLOCK_H=block_h, GROUP=group,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=block_n, BLOCK_S=block_s,
-        HAS_EXTRA=has_extra, NUM_STAGES=NUM_STAGES,
+        ml.stride(1), heads, rows, win_idx.shape[1], ext_idx.shape[1], spans.bits_offset,
+        *_page_geometry(window), *_page_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
+        D=dim, NOPE_DIM=dim - ROPE_DIM, BLOCK_H=spans.block_h, GROUP=spans.group,
+        BLOCK_G=triton.next_power_of_2(spans.group), BLOCK_N=block_n, BLOCK_S=block_s,
+        HAS_EXTRA=spans.has_extra, NUM_STAGES=NUM_STAGES,
         MERGE_D=MERGE_D, INTERPRETER=not q.is_cuda, num_warps=NUM_WARPS,
     )  # fmt: skip
     return out

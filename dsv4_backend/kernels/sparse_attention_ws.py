@@ -31,10 +31,14 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.sparse_attention import LOG2E, MAX_SPLITS, _check_inputs, _extra_span
+from dsv4_backend.kernels.sparse_attention import (
+    LOG2E,
+    _check_inputs,
+    key_spans,
+    launch_num_splits,
+)
 from dsv4_backend.kernels.sparse_attention_pipelined import (
     _page_geometry,
-    pipelined_num_splits,
     pipelined_unsupported_reason,
 )
 
@@ -364,7 +368,7 @@ def sparse_attention_ws(
     """The ws kernel's path of ``sparse_attention_with_sink``: ``[T, H, D]`` bf16, one row
     a program (heads padded to 64 M lines). Raises ``BatchError`` where
     :func:`ws_unsupported_reason` names a reason."""
-    _check_inputs(
+    extra_span = _check_inputs(
         q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
     )  # fmt: skip
@@ -373,28 +377,23 @@ def sparse_attention_ws(
     if reason is not None:
         raise BatchError(reason)
     q = q.contiguous()
-    extra_span = _extra_span(extra, extra_indices, extra_lengths)
-    ext_cache, ext_indices, ext_lengths = extra_span or (window, swa_indices, swa_lengths)
-    swa_indices, swa_lengths = swa_indices.contiguous(), swa_lengths.contiguous()
-    ext_indices, ext_lengths = ext_indices.contiguous(), ext_lengths.contiguous()
-    width = swa_indices.shape[1] + (ext_indices.shape[1] if extra_span else 0)
-    splits = num_splits or pipelined_num_splits(rows, heads, width, BLOCK_N, q.device)
-    if not 1 <= splits <= MAX_SPLITS:
-        raise BatchError(f"num_splits={splits}; expected 1 ... {MAX_SPLITS}")
+    spans = key_spans(window, swa_indices, swa_lengths, extra_span, heads)
+    splits = launch_num_splits(num_splits, rows, heads, spans.width, BLOCK_N, q.device)
     out = torch.empty((rows, heads, dim), dtype=torch.bfloat16, device=q.device)
     if rows == 0:
         return out
     part = torch.empty((rows, heads, splits, dim) if splits > 1 else (1,), device=q.device)
     ml = torch.empty((rows, heads, splits, 2) if splits > 1 else (1,), device=q.device)
     count = torch.zeros(rows, dtype=torch.int32, device=q.device)
+    win_idx, ext_idx = spans.swa_indices, spans.ext_indices
     _ws_attention_kernel[(rows, splits)](
-        q, window.storage, swa_indices, swa_lengths, ext_cache.storage, ext_indices, ext_lengths,
-        sink.contiguous(), out, part, ml, count,
-        q.stride(0), swa_indices.stride(0), ext_indices.stride(0), out.stride(0),
-        part.stride(0), ml.stride(0), heads, swa_indices.shape[1], ext_indices.shape[1],
-        *_page_geometry(window), *_page_geometry(ext_cache), softmax_scale * LOG2E.value,
+        q, window.storage, win_idx, spans.swa_lengths, spans.ext_cache.storage, ext_idx,
+        spans.ext_lengths, sink.contiguous(), out, part, ml, count,
+        q.stride(0), win_idx.stride(0), ext_idx.stride(0), out.stride(0),
+        part.stride(0), ml.stride(0), heads, win_idx.shape[1], ext_idx.shape[1],
+        *_page_geometry(window), *_page_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
         D=dim, NOPE_DIM=dim - window.rope_dim, BLOCK_N=BLOCK_N,
-        BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=extra_span is not None,
+        BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=spans.has_extra,
         NUM_BUF=NUM_BUF, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS,
     )  # fmt: skip
