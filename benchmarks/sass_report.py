@@ -8,7 +8,8 @@ sm_90a (H200) and sm_100a (B200) with Triton's bundled ptxas, disassembles it wi
 and reads its main loop with :mod:`dsv4_backend.testing.sass` (the loop with the most MMAs: an
 attention kernel's key-block loop). Per kernel and target it prints:
 
-* registers, spills (bytes stored), shared memory (KiB), warps;
+* registers, spills (bytes stored), shared memory (KiB), warps, and the register counts
+  warp-specialised partitions set (``setmaxnreg``; none for one partition);
 * the main loop's instructions per iteration (one warp, the longest path through the body) and
   warp-instructions per key (times the warps, over the keys an iteration takes);
 * its asynchronous global -> shared copies (``LDGSTS``: cp.async; ``UTMALDG`` / ``UBLKCP``:
@@ -85,10 +86,14 @@ class KernelSpec:
     claims: Callable[[dict, str], frozenset[str]] = field(default=_no_claims)
 
 
+def _fp8_key_bytes(c: dict) -> int:
+    """One fp8 cache row: 448 e4m3 + 64 bf16 rope + 8 ue8m0 scales = 584 B."""
+    return c["NOPE_DIM"] + 2 * (c["D"] - c["NOPE_DIM"]) + 8
+
+
 def _attention_key_bytes(c: dict) -> int:
-    """One cache row: fp8 448 e4m3 + 64 bf16 rope + 8 ue8m0 scales = 584 B; dense bf16 2 D."""
-    rope = c["D"] - c["NOPE_DIM"]
-    return c["NOPE_DIM"] + 2 * rope + 8 if c["WIN_FP8"] else 2 * c["D"]
+    """One cache row: fp8 (:func:`_fp8_key_bytes`), dense bf16 2 D."""
+    return _fp8_key_bytes(c) if c["WIN_FP8"] else 2 * c["D"]
 
 
 def _triton_attention_claims(c: dict, target: str) -> frozenset[str]:
@@ -108,12 +113,32 @@ def _triton_attention_claims(c: dict, target: str) -> frozenset[str]:
     return frozenset(claims)
 
 
+def _pipelined_attention_claims(c: dict, target: str) -> frozenset[str]:
+    """The opt-in pipelined kernel (``tests/pipelined_compile.py``): the fp8 gather as cp.async
+    on both targets; no spills on sm_90a (sm_100a spills the dequantised block)."""
+    return frozenset({"async-gather", "no-spills"} if target == "sm_90a" else {"async-gather"})
+
+
+def _ws_attention_claims(c: dict, target: str) -> frozenset[str]:
+    """The opt-in Gluon ws kernel (sm_90a only): no spills; its producer's gather is
+    synchronous and the consumers split q k^T's 64 keys (N = 32): figures, not claims."""
+    return frozenset({"no-spills"})
+
+
 #: Kernel (Triton function name) -> how to read its main loop.
 SPECS: dict[str, KernelSpec] = {
     "_sparse_attention_kernel": KernelSpec(
         keys=lambda c: c["BLOCK_N"],
         bytes_per_key=_attention_key_bytes,
         claims=_triton_attention_claims,
+    ),
+    "_pipelined_attention_kernel": KernelSpec(
+        keys=lambda c: c["BLOCK_N"],
+        bytes_per_key=_fp8_key_bytes,
+        claims=_pipelined_attention_claims,
+    ),
+    "_ws_attention_kernel": KernelSpec(
+        keys=lambda c: c["BLOCK_N"], bytes_per_key=_fp8_key_bytes, claims=_ws_attention_claims
     ),
 }
 
@@ -173,7 +198,7 @@ def kernel_report(name: str, src, options: dict, target: str) -> dict:
     constexprs = {src.fn.arg_names[k[0]]: v for k, v in src.constants.items()}
     spec = SPECS.get(src.name)
     listing = sm90_compile.sass_listing(kernel.asm["cubin"])
-    report.update(kernel=src.name, **loop_figures(
+    report.update(kernel=src.name, setmaxnreg=sass.set_max_registers(listing), **loop_figures(
         listing, spec, constexprs, options["num_warps"], DEVICES[target]
     ))  # fmt: skip
     report["criteria"] = criteria(report)

@@ -62,6 +62,12 @@ def _aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[list]]:
     }
 
 
+def argument_kinds(fn, kinds: dict[str, str], constexprs: dict) -> dict[str, str]:
+    """``fn``'s signature: ``constexpr`` for the names in ``constexprs``, the pointer / float
+    kinds of ``kinds``, ``i32`` for every other argument."""
+    return {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in fn.arg_names}
+
+
 def attention_source(
     fmt: str, ratio: int, splits: int, heads: int = HEADS, rows_per_group: int = 1
 ) -> tuple[ASTSource, dict]:
@@ -70,11 +76,10 @@ def attention_source(
     rows a program (verify / draft extend)."""
     fp8 = fmt == "fp8"
     group = sa.group_rows(heads, rows_per_group)
-    block_h = sa._block_h(heads) if group == 1 else triton.next_power_of_2(heads)
+    block_h = sa.program_heads(heads, group)
     block_g = triton.next_power_of_2(group)
     block_n, num_warps, num_stages = sa._launch_config(DIM, fp8, block_h * block_g)
     cache = "*u8" if fp8 else "*bf16"
-    names = sa._sparse_attention_kernel.arg_names
     kinds = dict(
         q_ptr="*bf16", win_ptr=cache, win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr=cache,
         ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
@@ -87,7 +92,7 @@ def attention_source(
         EXT_FP8=fp8, EXT_PAGE_TOKENS=PAGE_TOKENS[ratio], ONE_GATHER=not fp8,
         INTERPRETER=False,
     )  # fmt: skip
-    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in names}
+    signature = argument_kinds(sa._sparse_attention_kernel, kinds, constexprs)
     src = ASTSource(sa._sparse_attention_kernel, signature, constexprs, _aligned(signature))
     return src, dict(num_warps=num_warps, num_stages=num_stages)
 
@@ -292,7 +297,7 @@ def _pointer_aligned(signature: dict[str, str]) -> dict[tuple[int, ...], list[li
 
 def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dict]:
     """``fn`` with pointer / float kinds from ``kinds``, every other argument i32."""
-    signature = {n: "constexpr" if n in constexprs else kinds.get(n, "i32") for n in fn.arg_names}
+    signature = argument_kinds(fn, kinds, constexprs)
     return ASTSource(fn, signature, constexprs, _pointer_aligned(signature)), dict(num_warps=4)
 
 

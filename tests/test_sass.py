@@ -62,6 +62,17 @@ def test_labels_of_the_new_listing_format() -> None:
     assert loop.opcodes(sass.MMA_CLASSES) == {"UTCHMMA": 1}
 
 
+def test_set_max_registers_of_warp_specialised_partitions() -> None:
+    listing = """
+        /*0000*/                   USETMAXREG.TRY_ALLOC.CTAPOOL 0xf0 ;
+        /*0010*/                   USETMAXREG.DEALLOC.CTAPOOL 0x58 ;
+        /*0020*/                   USETMAXREG.DEALLOC.CTAPOOL 0x58 ;
+        /*0030*/                   EXIT ;
+"""
+    assert sass.set_max_registers(listing) == [0x58, 0xF0]
+    assert sass.set_max_registers(LISTING) == []
+
+
 def test_straight_code_has_no_loop_and_empty_input_is_refused() -> None:
     assert sass.main_loop("        /*0000*/                   EXIT ;\n") is None
     with pytest.raises(ValueError, match="no instructions"):

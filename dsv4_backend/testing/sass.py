@@ -27,6 +27,7 @@ _INSN = re.compile(r"/\*([0-9a-f]{4,})\*/\s+([^;]*?)\s*;")
 _LABEL = re.compile(r"^\s*(\.L_x_\d+):")
 _TARGET = re.compile(r"(?:`\((\.L_x_\d+)\)|\b(0x[0-9a-f]+))\s*$")
 _GUARD = re.compile(r"^@!?U?P[T0-9]+\s+")
+_SETMAXREG = re.compile(r"USETMAXREG[^;]*?(0x[0-9a-f]+)\s*;")
 
 #: ``(class, opcode regex)``, first match wins (asynchronous copies and MMAs before the
 #: catch-all uniform-datapath class).
@@ -268,6 +269,12 @@ class ControlFlow:
 
         blocks = walk(header, set()) or (header,)
         return tuple(i for b in blocks for i in self.blocks[b])
+
+
+def set_max_registers(listing: str) -> list[int]:
+    """The register counts a warp-specialised kernel's partitions set (``setmaxnreg``:
+    ``USETMAXREG``), ascending; empty for a kernel of one partition."""
+    return sorted({int(v, 16) for v in _SETMAXREG.findall(listing)})
 
 
 def main_loop(listing: str) -> Loop | None:
