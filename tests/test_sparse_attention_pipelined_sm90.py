@@ -89,8 +89,9 @@ def test_dots_are_bf16_tensor_core_instructions(reports) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="pipelined: 16-key blocks at D = 512 (more spill) and a dot feeding a dot puts all 8 "
-    "warps along M, so both warpgroups compute q k^T at N = 8; ws: N = 32 (keys split)",
+    reason="pipelined: q k^T's N is half the key block over 8 warps at M = 64 (8 at 16 keys); "
+    "N = 64 takes 128-key blocks (280 KB shared, spills) or 4 warps (the accumulator spills); "
+    "ws: N = 32 (its warpgroups split the 64 keys)",
 )
 def test_qk_mma_n_is_at_least_64(reports) -> None:
     """Also unmet by the ws kernel: its two warpgroups split q k^T's 64 keys (N = 32)."""

@@ -37,7 +37,13 @@ What plain Triton 3.8 does not give (read from the compile, ``tests/pipelined_co
 warps: the consumers dequantise), Triton's rule for a dot feeding a dot puts all 8 warps along
 M, so at M = 64 both warpgroups compute the whole ``q k^T``, and the dequantised tile plus the
 ``[64, 512]`` fp32 accumulator in the same registers spill above 16-key blocks at D = 512
-(``_block_n``). Those need explicit warp specialisation (Gluon or CUDA C).
+(``_block_n``). ``q k^T``'s N is half the block over 8 warps at M = 64 (m64n8 at 16 keys,
+m64n32 at 64 keys with 280 B spilled); N = 64 takes 128-key blocks (280 KB of shared memory,
+1 KB spilled) or 4 warps (64 keys: 4.5 KB spilled, the accumulator does not fit). Computing
+``q k^T`` a block ahead (its result carried across the loop, so no dot follows it in the
+iteration) splits it between the warpgroups (32 MMAs a block, not 64; 828 instructions, not
+954), but then the pipeliner loads two of the three index copies synchronously. Those need
+explicit warp specialisation (Gluon or CUDA C).
 
 Shapes: ``T`` rows, ``H`` heads, ``D`` head dim (128, 256 or 512; 64 rope channels last),
 ``S`` splits, ``N`` keys a block.
