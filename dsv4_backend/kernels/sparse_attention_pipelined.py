@@ -17,9 +17,10 @@ against the reference. What it takes from FlashMLA's SM90 sparse FP8 decode:
   any branch: one gather whose cache, index row and page geometry are picked by scalars (window
   blocks, then extra blocks; a block never straddles the spans); page sizes are powers of two
   (256 / 64 / 2 tokens), so a slot's page is a shift.
-* Each block's bytes load as three 16-byte-vectorised tiles: the token's first ``D`` bytes as
-  e4m3 codes ``[N, D / 64, 64]`` (the last group's bytes are rope bytes, replaced), its ue8m0
-  scales ``[N, D / 64]`` and its bf16 rope part ``[N, 64]`` as 16-bit words. ``k = e4m3 *
+* Each block's bytes load as three tiles, all ``cp.async`` (4 to 16 bytes a copy): the
+  token's first ``D`` bytes as e4m3 codes ``[N, D / 64, 64]`` (the last group's bytes are rope
+  bytes, replaced), its 8 ue8m0 scale bytes as one 64-bit word ``[N]`` and its bf16 rope part
+  ``[N, 64]`` as 16-bit words. ``k = e4m3 *
   2^(e - 127)`` per 64-channel group, rope as is, then bf16: exact, so the tensor cores see
   the torch path's dequantised keys.
 * No empty splits: a row's ``nb`` blocks are dealt to ``min(S, nb)`` splits of whole blocks;
@@ -103,11 +104,11 @@ def _gather_dequant(
     # The first D bytes: e4m3 codes of the nope groups (the last group reads rope bytes,
     # replaced below); unmasked along channels so each thread loads 16 bytes at once.
     code = tl.load(cache_ptr + data[:, None, None] + chan[None, :, :], mask=row_ok, other=0)
-    e = tl.load(
-        cache_ptr + (page_base + scale_region + t * 8)[:, None] + offs_g[None, :],
-        mask=valid[:, None],
-        other=127,
-    )  # [BLOCK_N, GROUPS] biased exponents (the last one, rope's, is unused)
+    # A token's 8 scale bytes as one 64-bit word (cp.async copies 4, 8 or 16 bytes; 1-byte
+    # loads stayed synchronous), then its GROUPS biased exponents (rope's, the last, unused).
+    scale_word = (cache_ptr + page_base + scale_region + t * 8).to(tl.pointer_type(tl.uint64))
+    word = tl.load(scale_word, mask=valid, other=0x7F7F7F7F7F7F7F7F)  # no slot: scales 2^0
+    e = (word[:, None] >> (offs_g[None, :] * 8).to(tl.uint64)) & 0xFF  # [BLOCK_N, GROUPS]
     # Rope as 16-bit words from a 16-bit base pointer: contiguous, so 16-byte loads.
     rope_base = (cache_ptr + data + NOPE_DIM).to(tl.pointer_type(tl.uint16))
     rope = tl.load(rope_base[:, None] + tl.arange(0, 64)[None, :], mask=valid[:, None], other=0)
