@@ -240,18 +240,23 @@ def test_ties_go_to_the_smaller_entry():
     assert entries.tolist() == [list(range(TOPK))]
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 6),
-    cols=st.integers(0, 40),
-    topk=st.integers(1, 24),
-    levels=st.integers(1, 6),
-    seed=st.integers(0, 2**16),
-)
-def test_select_entries_is_the_definition(rows, cols, topk, levels, seed):
+@st.composite
+def _levelled_rows(draw, max_rows: int, max_cols: int, max_topk: int):
+    """``(scores [rows, cols], num [rows], topk)``: scores of a few integer values (exact
+    ties), candidate counts up to a few past the columns."""
+    rows, cols = draw(st.integers(1, max_rows)), draw(st.integers(0, max_cols))
+    levels, seed = draw(st.integers(1, 6)), draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, levels, (rows, cols), generator=g).float()
     num = torch.randint(0, cols + 3, (rows,), generator=g, dtype=torch.int32)
+    return scores, num, draw(st.integers(1, max_topk))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_levelled_rows(6, 40, 24))
+def test_select_entries_is_the_definition(case):
+    scores, num, topk = case
+    rows = scores.shape[0]
     identity = torch.arange(64, dtype=torch.int32).expand(rows, 64)  # slot = entry
     got = indexer.select_entries(scores, num, topk)
     assert got.shape == (rows, topk) and got.dtype == torch.int64
@@ -259,20 +264,12 @@ def test_select_entries_is_the_definition(rows, cols, topk, levels, seed):
 
 
 @settings(max_examples=6, deadline=None)
-@given(
-    rows=st.integers(1, 3),
-    cols=st.integers(1, 140),
-    topk=st.integers(1, 12),
-    levels=st.integers(1, 4),
-    parts=st.integers(1, 5),
-    seed=st.integers(0, 2**16),
-)
-def test_length_bounded_topk_is_the_definition(rows, cols, topk, levels, parts, seed):
+@given(case=_levelled_rows(3, 140, 12), parts=st.integers(1, 5))
+def test_length_bounded_topk_is_the_definition(case, parts):
     """The interpreted chunks-and-merge top-k on random rows (few score levels: ties across
     chunks), any programs a row."""
-    g = torch.Generator().manual_seed(seed)
-    scores = torch.randint(0, levels, (rows, cols), generator=g).float()
-    num = torch.randint(0, cols + 3, (rows,), generator=g, dtype=torch.int32)
+    scores, num, topk = case
+    rows = scores.shape[0]
     identity = torch.arange(3, dtype=torch.int32).expand(rows, 3)  # slot = entry
     out = torch.full((rows, topk), -7, dtype=torch.int32)
     with force_path(TRITON_INTERPRETER), pytest.MonkeyPatch.context() as patch:

@@ -598,10 +598,7 @@ def _topk_slots_triton(
     read each row's own ``num`` scores, and its chunks' candidates, only.
 
     The candidate buffers are ``[T, min(N, parts * topk)]``: a row's candidates are at most
-    its count and ``topk`` a chunk. The ``[T, N]`` score matrix stays full width: under CUDA
-    graphs every shape is fixed at capture and any row may have ``N`` candidates, and
-    packing the rows would need each row's offset and a bound on the batch's total, which the
-    plan does not carry; it is never cleared and nothing reads past a row's count."""
+    its count and ``topk`` a chunk."""
     rows, cols = scores.shape
     if rows == 0 or topk == 0:
         return
@@ -819,6 +816,10 @@ def run_indexer(
         max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
     if _bounded(q_idx.device):
         _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+        # Full width but never cleared: a row's scores are written and read below its own
+        # count only. Under CUDA graphs every shape is fixed at capture and any row may have
+        # N candidates; packing the rows tighter would need each row's offset and a bound on
+        # the batch's total, which the plan does not carry.
         scores = torch.empty(q_idx.shape[0], max_candidates, device=q_idx.device)
         _row_scores_triton(q_idx, weights, keys, page_table, num_candidates, scores)
         _check_selection(scores, num_candidates, page_table, topk, out)
