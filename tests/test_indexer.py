@@ -201,6 +201,7 @@ def test_length_bounded_topk_splits_long_rows_over_programs(parts, monkeypatch):
     past = torch.arange(scores.shape[1])[None, :] >= num[:, None].long()
     garbage = scores.masked_fill(past, float("nan"))
     garbage[::2] = garbage[::2].nan_to_num(nan=1e30)
+    garbage = garbage.t().contiguous().t()  # column-major: the kernels read a contiguous copy
     pages = torch.arange(4, dtype=torch.int32).expand(len(num), 4)  # slot = entry
     out = torch.full((len(num), topk), -7, dtype=torch.int32)
     with force_path(TRITON_INTERPRETER):

@@ -737,7 +737,7 @@ def select_topk(
     """
     _check_selection(scores, num_candidates, page_table, topk, out)
     if _bounded(scores.device):
-        _topk_slots_triton(scores.float(), num_candidates, page_table, topk, out)
+        _topk_slots_triton(scores.float().contiguous(), num_candidates, page_table, topk, out)
         return
     if dispatch.use_triton(scores.device):
         column = torch.arange(scores.shape[1], device=scores.device)
