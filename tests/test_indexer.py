@@ -177,7 +177,7 @@ def test_length_bounded_topk_over_several_blocks_with_ties():
 
 def _long_rows() -> tuple[torch.Tensor, torch.Tensor, int]:
     """``(scores [R, 200], num [R], topk)``: rows of the length-bounded top-k's every case at
-    top-k 8 (interpreter chunks: a multiple of 64 entries, at least ``sqrt(num * 8)``; 4
+    top-k 8 (interpreter chunks: a multiple of 64 entries, at least ``sqrt(num * 8)``; at 4
     programs a row): split over 4 chunks (the last as long as top-k), 3 and 2 chunks (the
     last longer), one chunk of top-k + 1, exactly top-k, fewer, none; three score levels
     (ties everywhere), all equal, and a tie straddling the first chunk boundary (column 64)
@@ -210,10 +210,11 @@ def test_length_bounded_topk_splits_long_rows_over_programs(parts, monkeypatch):
     assert out[2].tolist() == [0, 1, *range(61, 67)] and (out[-1] == -1).all()
 
 
-def test_length_bounded_topk_work_of_a_long_row():
+def test_length_bounded_topk_work_of_a_long_row(monkeypatch):
     """One row of 150 entries at top-k 8: 3 chunk programs do work (64 + 64 + 22 entries)
     and the merge reads their 24 candidates, not the row; a 9-entry row is one chunk; rows
     of at most top-k leave the chunks' kernel nothing to do."""
+    monkeypatch.setattr(indexer, "INTERPRETER_TOPK_PARTS", 4)
     scores, num, topk = _long_rows()
     programs = {}
     for row in (3, 5, 6):

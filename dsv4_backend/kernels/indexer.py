@@ -69,8 +69,8 @@ INTERPRETER_SPLITS = 2
 TOPK_BLOCK_C = 1024
 #: Programs the length-bounded top-k's chunks aim for in all on a GPU (two per SM of an H200).
 TOPK_PROGRAMS = 264
-#: Top-k programs a row in the interpreter (so that the tests' long rows split into chunks).
-INTERPRETER_TOPK_PARTS = 4
+#: Top-k programs a row in the interpreter (the tests' long rows still split into chunks).
+INTERPRETER_TOPK_PARTS = 2
 
 
 # --------------------------------------------------------------------------------- kernel
@@ -273,8 +273,8 @@ def _chunk_length(num, K, parts, BLOCK_C: tl.constexpr):
     chunks' ``K`` best costs), at least ``num / parts``, a multiple of ``BLOCK_C``. Every
     chunk but the last is longer than ``K``."""
     balanced = tl.sqrt(num.to(tl.float32) * K).to(tl.int32) + 1
-    length = tl.maximum(tl.cdiv(num, parts), balanced)
-    return tl.cdiv(length, BLOCK_C) * BLOCK_C
+    length = tl.maximum((num + parts - 1) // parts, balanced)
+    return (length + BLOCK_C - 1) // BLOCK_C * BLOCK_C
 
 
 @triton.jit
@@ -282,21 +282,21 @@ def _select_threshold(scores_ptr, n, K, BLOCK_C: tl.constexpr):
     """``(key, need)`` for the ``n`` scores at ``scores_ptr``: the ordered bits of the
     ``K``-th largest and how many scores equal to it are kept (the first ones), found by a
     radix select (4 passes of 8-bit histograms); ``(0, K)`` keeps all when ``n <= K``."""
-    prefix = tl.zeros([], tl.uint32)  # the high bits of the K-th largest found so far
+    prefix = tl.full([], 0, tl.uint32)  # the high bits of the K-th largest found so far
     need = K  # its rank among the scores that share ``prefix``
     if n > K:
         c = tl.arange(0, BLOCK_C)
         bins = tl.arange(0, 256)
         for p in tl.static_range(4):
             shift = 24 - 8 * p
-            hist = tl.zeros([256], tl.int32)
+            hist = tl.full([256], 0, tl.int32)
             for c0 in range(0, n, BLOCK_C):
                 m = c0 + c < n
                 key = _ordered_bits(tl.load(scores_ptr + c0 + c, mask=m, other=0.0))
                 if p > 0:
                     m &= (key >> (shift + 8)) == (prefix >> (shift + 8))
                 hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
-            above = tl.sum(hist) - tl.cumsum(hist, axis=0)  # scores in higher bins
+            above = tl.cumsum(hist, axis=0, reverse=True) - hist  # scores in higher bins
             hit = (above < need) & (above + hist >= need)
             digit = tl.max(tl.where(hit, bins, 0), axis=0)
             need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
@@ -315,8 +315,8 @@ def _write_selected(
     is ``col0 + i``, written with its score (``dst_scores_ptr``) as a merge candidate."""
     prefix, need = _select_threshold(scores_ptr, n, K, BLOCK_C)
     c = tl.arange(0, BLOCK_C)
-    written = tl.zeros([], tl.int32)
-    equal_seen = tl.zeros([], tl.int32)
+    written = tl.full([], 0, tl.int32)
+    equal_seen = tl.full([], 0, tl.int32)
     for c0 in range(0, n, BLOCK_C):
         i = c0 + c
         m = i < n
