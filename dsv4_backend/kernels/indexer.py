@@ -363,12 +363,13 @@ def _topk_chunks_kernel(
         length = _chunk_length(num, K, tl.num_programs(1), BLOCK_C)
         lo = part * length
         if lo < num:
+            # Candidates with their entries, not slots (cols_ptr and the page table unused).
             _write_selected(
                 scores_ptr + row * stride_scores_t + lo, tl.minimum(length, num - lo), K,
-                cand_cols_ptr, lo,  # (cols_ptr unused)
+                cand_cols_ptr, lo,
                 cand_scores_ptr + row * stride_cand_t + part * K,
                 cand_cols_ptr + row * stride_cand_t + part * K,
-                num_ptr, 0, 1, False, BLOCK_C,  # no page table: candidates, not slots
+                num_ptr, 0, 1, False, BLOCK_C,
             )  # fmt: skip
 
 
@@ -406,10 +407,11 @@ def _merge_topk_slots_kernel(
         length = _chunk_length(num, K, parts, BLOCK_C)
         full = (num - 1) // length  # chunks before the last, K candidates each
         total = full * K + tl.minimum(num - full * length, K)
+        # Slots through the page table (col0 = 0 and dst_scores_ptr unused).
         _write_selected(
             cand_scores_ptr + row * stride_cand_t, total, K,
-            cand_cols_ptr + row * stride_cand_t, 0, cand_scores_ptr, out_row,  # (col0 and
-            pt_row, stride_pt_p, E, True, BLOCK_C,  # dst_scores_ptr unused)
+            cand_cols_ptr + row * stride_cand_t, 0, cand_scores_ptr, out_row,
+            pt_row, stride_pt_p, E, True, BLOCK_C,
         )  # fmt: skip
 
 
