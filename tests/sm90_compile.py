@@ -324,7 +324,8 @@ def fused_configurations() -> list[tuple[str, ASTSource, dict]]:
 
 
 def _bounded_indexer() -> list[tuple[str, ASTSource, dict]]:
-    """The length-bounded indexer: row scores (fp8 and bf16 dense keys) and its top-k."""
+    """The length-bounded indexer: row scores (fp8 and bf16 dense keys) and its top-k (the
+    chunks' and the merge's kernels, top-k 512)."""
     from dsv4_backend.kernels import indexer
 
     out = []
@@ -337,12 +338,19 @@ def _bounded_indexer() -> list[tuple[str, ASTSource, dict]]:
                  BLOCK_N=indexer.BLOCK_N, FP8=fmt == "fp8", GPU=True),
         )  # fmt: skip
         out.append((f"indexer-rows-{fmt}", *rows))
-    topk = _source(
-        indexer._topk_slots_kernel,
-        dict(scores_ptr="*fp32", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
-        dict(E=64, BLOCK_K=512, BLOCK_C=indexer.TOPK_BLOCK_C),
+    chunks = _source(
+        indexer._topk_chunks_kernel,
+        dict(scores_ptr="*fp32", num_ptr="*i32", cand_scores_ptr="*fp32", cand_cols_ptr="*i32"),
+        dict(BLOCK_C=indexer.TOPK_BLOCK_C),
     )
-    out.append(("indexer-topk-k512", *topk))
+    out.append(("indexer-topk-chunks", *chunks))
+    merge = _source(
+        indexer._merge_topk_slots_kernel,
+        dict(cand_scores_ptr="*fp32", cand_cols_ptr="*i32", num_ptr="*i32",
+             page_table_ptr="*i32", out_ptr="*i32"),
+        dict(E=64, BLOCK_K=512, BLOCK_C=indexer.TOPK_BLOCK_C),
+    )  # fmt: skip
+    out.append(("indexer-topk-merge-k512", *merge))
     return out
 
 

@@ -25,6 +25,7 @@ from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import indexer
 from dsv4_backend.kernels.cache_store import store_rows
 from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path, force_unverified
+from dsv4_backend.testing.op_counter import LaunchCounter
 from dsv4_backend.testing.reference import make_random_layer, reference_layer
 
 CFG = DSV4AttentionConfig.tiny()
@@ -174,6 +175,62 @@ def test_length_bounded_topk_over_several_blocks_with_ties():
     assert torch.equal(out, brute_select(scores, num, pages, topk))
 
 
+def _long_rows() -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``(scores [R, 200], num [R], topk)``: rows of the length-bounded top-k's every case at
+    top-k 8 (interpreter chunks: a multiple of 64 entries, at least ``sqrt(num * 8)``; at 4
+    programs a row): split over 4 chunks (the last as long as top-k), 3 and 2 chunks (the
+    last longer), one chunk of top-k + 1, exactly top-k, fewer, none; three score levels
+    (ties everywhere), all equal, and a tie straddling the first chunk boundary (column 64)
+    at the top-k's edge."""
+    g = torch.Generator().manual_seed(13)
+    num = torch.tensor([200, 200, 200, 150, 100, 9, 8, 3, 0], dtype=torch.int32)
+    scores = torch.randint(0, 3, (len(num), 200), generator=g).float()
+    scores[1] = 0.0  # all equal: the first 8 entries
+    scores[2] = 0.0
+    scores[2, 61:67] = 1.0  # 3 in chunk 0, 3 in chunk 1; then the first 2 zeros
+    return scores, num, 8
+
+
+@pytest.mark.parametrize("parts", [1, 4])
+def test_length_bounded_topk_splits_long_rows_over_programs(parts, monkeypatch):
+    """Chunks' best then their merge select what the definition selects, however many
+    programs a row takes (200 entries: 1 or 4 chunks; programs past a row's chunks exit at
+    once); columns past each row's count hold garbage (NaN, huge)."""
+    monkeypatch.setattr(indexer, "INTERPRETER_TOPK_PARTS", parts)
+    scores, num, topk = _long_rows()
+    past = torch.arange(scores.shape[1])[None, :] >= num[:, None].long()
+    garbage = scores.masked_fill(past, float("nan"))
+    garbage[::2] = garbage[::2].nan_to_num(nan=1e30)
+    garbage = garbage.t().contiguous().t()  # column-major: the kernels read a contiguous copy
+    pages = torch.arange(4, dtype=torch.int32).expand(len(num), 4)  # slot = entry
+    out = torch.full((len(num), topk), -7, dtype=torch.int32)
+    with force_path(TRITON_INTERPRETER):
+        indexer.select_topk(garbage, num, pages, topk, out)
+    assert torch.equal(out, brute_select(scores, num, pages, topk))
+    assert out[2].tolist() == [0, 1, *range(61, 67)] and (out[-1] == -1).all()
+
+
+def test_length_bounded_topk_work_of_a_long_row(monkeypatch):
+    """One row of 150 entries at top-k 8: 3 chunk programs do work (64 + 64 + 22 entries)
+    and the merge reads their 24 candidates, not the row; a 9-entry row is one chunk; rows
+    of at most top-k leave the chunks' kernel nothing to do."""
+    monkeypatch.setattr(indexer, "INTERPRETER_TOPK_PARTS", 4)
+    scores, num, topk = _long_rows()
+    programs = {}
+    for row in (3, 5, 6):
+        args = (scores[row : row + 1], num[row : row + 1], torch.zeros(1, 4, dtype=torch.int32))
+        out = torch.empty(1, topk, dtype=torch.int32)
+        with force_path(TRITON_INTERPRETER), LaunchCounter() as launches:
+            indexer.select_topk(*args, topk, out)
+        assert launches.total == 2, launches.summary()
+        programs[int(num[row])] = launches.working_programs["triton:_topk_chunks_kernel"]
+        if row == 3:
+            chunks = launches.bytes_loaded["triton:_topk_chunks_kernel"]
+            merge = launches.bytes_loaded["triton:_merge_topk_slots_kernel"]
+            assert merge < chunks / 4, (merge, chunks)
+    assert programs == {150: 3, 9: 1, 8: 0}
+
+
 def test_ties_go_to_the_smaller_entry():
     b = make_batch(4)
     scores = torch.randint(-2, 3, (len(SEQ_LENS), 64)).float()  # many exact ties
@@ -185,22 +242,42 @@ def test_ties_go_to_the_smaller_entry():
     assert entries.tolist() == [list(range(TOPK))]
 
 
-@settings(max_examples=40, deadline=None)
-@given(
-    rows=st.integers(1, 6),
-    cols=st.integers(0, 40),
-    topk=st.integers(1, 24),
-    levels=st.integers(1, 6),
-    seed=st.integers(0, 2**16),
-)
-def test_select_entries_is_the_definition(rows, cols, topk, levels, seed):
+@st.composite
+def _levelled_rows(draw, max_rows: int, max_cols: int, max_topk: int):
+    """``(scores [rows, cols], num [rows], topk)``: scores of a few integer values (exact
+    ties), candidate counts up to a few past the columns."""
+    rows, cols = draw(st.integers(1, max_rows)), draw(st.integers(0, max_cols))
+    levels, seed = draw(st.integers(1, 6)), draw(st.integers(0, 2**16))
     g = torch.Generator().manual_seed(seed)
     scores = torch.randint(0, levels, (rows, cols), generator=g).float()
     num = torch.randint(0, cols + 3, (rows,), generator=g, dtype=torch.int32)
+    return scores, num, draw(st.integers(1, max_topk))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=_levelled_rows(6, 40, 24))
+def test_select_entries_is_the_definition(case):
+    scores, num, topk = case
+    rows = scores.shape[0]
     identity = torch.arange(64, dtype=torch.int32).expand(rows, 64)  # slot = entry
     got = indexer.select_entries(scores, num, topk)
     assert got.shape == (rows, topk) and got.dtype == torch.int64
     assert torch.equal(got.int(), brute_select(scores, num, identity, topk))
+
+
+@settings(max_examples=6, deadline=None)
+@given(case=_levelled_rows(3, 140, 12), parts=st.integers(1, 5))
+def test_length_bounded_topk_is_the_definition(case, parts):
+    """The interpreted chunks-and-merge top-k on random rows (few score levels: ties across
+    chunks), any programs a row."""
+    scores, num, topk = case
+    rows = scores.shape[0]
+    identity = torch.arange(3, dtype=torch.int32).expand(rows, 3)  # slot = entry
+    out = torch.full((rows, topk), -7, dtype=torch.int32)
+    with force_path(TRITON_INTERPRETER), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(indexer, "INTERPRETER_TOPK_PARTS", parts)
+        indexer.select_topk(scores, num, identity, topk, out)
+    assert torch.equal(out, brute_select(scores, num, identity, topk))
 
 
 def test_padding_columns_do_not_change_the_selection():

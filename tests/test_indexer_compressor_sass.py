@@ -24,7 +24,8 @@ KERNELS = ("indexer-", "compress-")
 NEW_KERNELS = (
     "indexer-rows-fp8",
     "indexer-rows-dense",
-    "indexer-topk-k512",
+    "indexer-topk-chunks",
+    "indexer-topk-merge-k512",
     "compress-fused-c4",
     "compress-fused-c128",
     "compress-fused-indexer",

@@ -19,14 +19,16 @@ a CUDA graph (warm it up first: the first call compiles).
 Paths (``dispatch.use_triton``; every path selects the same set: ties go to the smaller index):
 
 * **length-bounded** (``dispatch.use_unverified("indexer")``: the interpreter's default, CUDA
-  with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``): two launches
+  with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``): three launches
   whose work follows each row's own candidate count, not the page table's width (under CUDA
   graphs that width is the server's maximum context). ``_row_scores_kernel`` runs
   ``score_splits`` programs a row (a fixed count: 512 programs in all on a GPU); each loads
   the row's queries once and loops over its blocks below the count, FP8 keys converted by the
-  hardware (``fp8_device.e4m3_decode``). ``_topk_slots_kernel`` reads only those scores: a
-  radix select then an ascending pass writing the slots. Columns past a row's count are never
-  read or written (``index_scores`` fills them with ``-inf`` for its callers).
+  hardware (``fp8_device.e4m3_decode``). The top-k reads only those scores, a long row split
+  over several programs (``topk_parts``): ``_topk_chunks_kernel`` keeps each chunk's ``K``
+  best (a radix select, then an ascending pass), ``_merge_topk_slots_kernel`` selects the
+  row's ``K`` best among them the same way and writes the slots. Columns past a row's count
+  are never read or written (``index_scores`` fills them with ``-inf`` for its callers).
 * **replaced** (the CUDA default): ``_indexer_scores_kernel`` with one program per 64
   columns of the width, flashinfer's radix top-k on CUDA (a stable torch sort elsewhere) over
   the whole ``[T, N]`` matrix, then ``_selected_slots_kernel``.
@@ -35,6 +37,7 @@ Paths (``dispatch.use_triton``; every path selects the same set: ties go to the 
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +67,10 @@ SCORE_PROGRAMS = 512
 INTERPRETER_SPLITS = 2
 #: Score columns per step of the length-bounded top-k on a GPU.
 TOPK_BLOCK_C = 1024
+#: Programs the length-bounded top-k's chunks aim for in all on a GPU (two per SM of an H200).
+TOPK_PROGRAMS = 264
+#: Top-k programs a row in the interpreter (the tests' long rows still split into chunks).
+INTERPRETER_TOPK_PARTS = 2
 
 
 # --------------------------------------------------------------------------------- kernel
@@ -260,69 +267,152 @@ def _ordered_bits(x):
 
 
 @triton.jit
-def _topk_slots_kernel(
+def _chunk_length(num, K, parts, BLOCK_C: tl.constexpr):
+    """Entries of each top-k chunk of a row of ``num > K`` candidates split over ``parts``
+    programs: about ``sqrt(num * K)`` (a chunk's scan then costs about what the merge of the
+    chunks' ``K`` best costs), at least ``num / parts``, a multiple of ``BLOCK_C``. Every
+    chunk but the last is longer than ``K``."""
+    balanced = tl.sqrt(num.to(tl.float32) * K).to(tl.int32) + 1
+    length = tl.maximum((num + parts - 1) // parts, balanced)
+    return (length + BLOCK_C - 1) // BLOCK_C * BLOCK_C
+
+
+@triton.jit
+def _select_threshold(scores_ptr, n, K, BLOCK_C: tl.constexpr):
+    """``(key, need)`` for the ``n`` scores at ``scores_ptr``: the ordered bits of the
+    ``K``-th largest and how many scores equal to it are kept (the first ones), found by a
+    radix select (4 passes of 8-bit histograms); ``(0, K)`` keeps all when ``n <= K``."""
+    prefix = tl.full([], 0, tl.uint32)  # the high bits of the K-th largest found so far
+    need = K  # its rank among the scores that share ``prefix``
+    if n > K:
+        c = tl.arange(0, BLOCK_C)
+        bins = tl.arange(0, 256)
+        for p in tl.static_range(4):
+            shift = 24 - 8 * p
+            hist = tl.full([256], 0, tl.int32)
+            for c0 in range(0, n, BLOCK_C):
+                m = c0 + c < n
+                key = _ordered_bits(tl.load(scores_ptr + c0 + c, mask=m, other=0.0))
+                if p > 0:
+                    m &= (key >> (shift + 8)) == (prefix >> (shift + 8))
+                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
+            above = tl.cumsum(hist, axis=0, reverse=True) - hist  # scores in higher bins
+            hit = (above < need) & (above + hist >= need)
+            digit = tl.max(tl.where(hit, bins, 0), axis=0)
+            need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
+            prefix |= digit.to(tl.uint32) << shift
+    return prefix, need
+
+
+@triton.jit
+def _write_selected(
+    scores_ptr, n, K, cols_ptr, col0, dst_scores_ptr, dst_ptr, pt_row, stride_pt_p,
+    E: tl.constexpr, SLOTS: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """Write the ``min(n, K)`` best of the ``n`` scores at ``scores_ptr`` (ties to the first)
+    in their order, at ``dst_ptr[0:]``. ``SLOTS``: the scores' entries are ``cols_ptr[i]``,
+    written as c4 slots through the page table row ``pt_row``; else the entry of score ``i``
+    is ``col0 + i``, written with its score (``dst_scores_ptr``) as a merge candidate."""
+    prefix, need = _select_threshold(scores_ptr, n, K, BLOCK_C)
+    c = tl.arange(0, BLOCK_C)
+    written = tl.full([], 0, tl.int32)
+    equal_seen = tl.full([], 0, tl.int32)
+    for c0 in range(0, n, BLOCK_C):
+        i = c0 + c
+        m = i < n
+        score = tl.load(scores_ptr + i, mask=m, other=0.0)
+        key = _ordered_bits(score)
+        equal = (m & (key == prefix)).to(tl.int32)
+        equal_rank = equal_seen + tl.cumsum(equal, axis=0) - equal
+        keep = (m & (key > prefix)) | ((equal == 1) & (equal_rank < need))
+        keep_i = keep.to(tl.int32)
+        at = written + tl.cumsum(keep_i, axis=0) - keep_i
+        if SLOTS:
+            col = tl.load(cols_ptr + i, mask=keep, other=0)
+            page = tl.load(pt_row + (col // E) * stride_pt_p, mask=keep, other=0)
+            tl.store(dst_ptr + at, page * E + col % E, mask=keep)
+        else:
+            tl.store(dst_scores_ptr + at, score, mask=keep)
+            tl.store(dst_ptr + at, col0 + i, mask=keep)
+        written += tl.sum(keep_i, axis=0)
+        equal_seen += tl.sum(equal, axis=0)
+
+
+@triton.jit
+def _topk_chunks_kernel(
     scores_ptr,  # [T, N] fp32; only columns < min(num, N) are read
+    num_ptr,  # [T] int32 candidates per row
+    cand_scores_ptr,  # [T, W] fp32 merge candidates, W >= min(N, parts * K)
+    cand_cols_ptr,  # [T, W] int32 their entries
+    stride_scores_t,
+    stride_cand_t,
+    num_cols,  # N
+    K,
+    BLOCK_C: tl.constexpr,
+):
+    """Program ``(row, part)``: chunk ``part`` of a row with more than ``K`` candidates
+    (``_chunk_length`` entries each): its ``K`` best (ties to the smaller entry), or all of
+    a shorter last chunk, with their entries in ascending order at candidate ``part * K``.
+    The global ``K`` best of a row are among its chunks' ``K`` best, and the candidates lie
+    in ascending entry order without gaps (every chunk but the last keeps exactly ``K``).
+    Programs past the row's chunks, and rows of at most ``K``, read only the count."""
+    row = tl.program_id(0).to(tl.int64)
+    part = tl.program_id(1)
+    num = tl.minimum(tl.maximum(tl.load(num_ptr + row), 0), num_cols)
+    if num > K:
+        length = _chunk_length(num, K, tl.num_programs(1), BLOCK_C)
+        lo = part * length
+        if lo < num:
+            # Candidates with their entries, not slots (cols_ptr and the page table unused).
+            _write_selected(
+                scores_ptr + row * stride_scores_t + lo, tl.minimum(length, num - lo), K,
+                cand_cols_ptr, lo,
+                cand_scores_ptr + row * stride_cand_t + part * K,
+                cand_cols_ptr + row * stride_cand_t + part * K,
+                num_ptr, 0, 1, False, BLOCK_C,
+            )  # fmt: skip
+
+
+@triton.jit
+def _merge_topk_slots_kernel(
+    cand_scores_ptr,  # [T, W] fp32 (``_topk_chunks_kernel``)
+    cand_cols_ptr,  # [T, W] int32
     num_ptr,  # [T] int32 candidates per row
     page_table_ptr,  # [T, Pw] int32
     out_ptr,  # [T, K] int32 c4 slots, ascending entry order, -1 padded
-    stride_scores_t,
+    stride_cand_t,
     stride_pt_t,
     stride_pt_p,
     stride_out_t,
     num_cols,  # N
     K,
+    parts,  # programs a row of ``_topk_chunks_kernel``
     E: tl.constexpr,  # c4 entries per full-cache page
     BLOCK_K: tl.constexpr,  # >= K
-    BLOCK_C: tl.constexpr,  # score columns per step
+    BLOCK_C: tl.constexpr,  # as ``_topk_chunks_kernel``'s
 ):
-    """One row: its ``K`` best candidates (ties to the smaller entry) as c4 slots in ascending
-    entry order. Reads only the row's own ``num`` scores: a radix select of the ``K``-th
-    largest (4 passes of 8-bit histograms over the order-preserving bits), then one
-    ascending pass that writes every entry above it and the first ones equal to it."""
+    """One row: every candidate's slot when it has at most ``K``, else the ``K`` best of its
+    chunks' candidates (ties to the smaller entry: candidates are in entry order) as slots
+    in ascending entry order. Reads only the row's candidates."""
     row = tl.program_id(0).to(tl.int64)
     num = tl.minimum(tl.maximum(tl.load(num_ptr + row), 0), num_cols)
     out_row = out_ptr + row * stride_out_t
     pt_row = page_table_ptr + row * stride_pt_t
-    k = tl.arange(0, BLOCK_K)
     if num <= K:  # every candidate
+        k = tl.arange(0, BLOCK_K)
         valid = k < num
         page = tl.load(pt_row + (k // E) * stride_pt_p, mask=valid, other=0)
         tl.store(out_row + k, tl.where(valid, page * E + k % E, -1), mask=k < K)
     else:
-        scores_row = scores_ptr + row * stride_scores_t
-        c = tl.arange(0, BLOCK_C)
-        bins = tl.arange(0, 256)
-        prefix = tl.zeros([], tl.uint32)  # the high bits of the K-th largest found so far
-        need = K  # its rank among the candidates that share ``prefix``
-        for p in tl.static_range(4):
-            shift = 24 - 8 * p
-            hist = tl.zeros([256], tl.int32)
-            for c0 in range(0, num, BLOCK_C):
-                m = c0 + c < num
-                key = _ordered_bits(tl.load(scores_row + c0 + c, mask=m, other=0.0))
-                if p > 0:
-                    m &= (key >> (shift + 8)) == (prefix >> (shift + 8))
-                hist += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=m)
-            above = tl.sum(hist) - tl.cumsum(hist, axis=0)  # candidates in higher bins
-            hit = (above < need) & (above + hist >= need)
-            digit = tl.max(tl.where(hit, bins, 0), axis=0)
-            need -= tl.sum(tl.where(bins == digit, above, 0), axis=0)
-            prefix |= digit.to(tl.uint32) << shift
-        written = tl.zeros([], tl.int32)
-        equal_seen = tl.zeros([], tl.int32)
-        for c0 in range(0, num, BLOCK_C):
-            col = c0 + c
-            m = col < num
-            key = _ordered_bits(tl.load(scores_row + col, mask=m, other=0.0))
-            equal = (m & (key == prefix)).to(tl.int32)
-            equal_rank = equal_seen + tl.cumsum(equal, axis=0) - equal
-            keep = (m & (key > prefix)) | ((equal == 1) & (equal_rank < need))
-            keep_i = keep.to(tl.int32)
-            at = written + tl.cumsum(keep_i, axis=0) - keep_i
-            page = tl.load(pt_row + (col // E) * stride_pt_p, mask=keep, other=0)
-            tl.store(out_row + at, page * E + col % E, mask=keep)
-            written += tl.sum(keep_i, axis=0)
-            equal_seen += tl.sum(equal, axis=0)
+        length = _chunk_length(num, K, parts, BLOCK_C)
+        full = (num - 1) // length  # chunks before the last, K candidates each
+        total = full * K + tl.minimum(num - full * length, K)
+        # Slots through the page table (col0 = 0 and dst_scores_ptr unused).
+        _write_selected(
+            cand_scores_ptr + row * stride_cand_t, total, K,
+            cand_cols_ptr + row * stride_cand_t, 0, cand_scores_ptr, out_row,
+            pt_row, stride_pt_p, E, True, BLOCK_C,
+        )  # fmt: skip
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -488,6 +578,16 @@ def _row_scores_triton(
     )  # fmt: skip
 
 
+def topk_parts(rows: int, cols: int, topk: int, device: torch.device) -> int:
+    """Programs a row's top-k is split over (the grid's second axis, fixed under CUDA graphs):
+    enough for ``TOPK_PROGRAMS`` in all on a GPU (``INTERPRETER_TOPK_PARTS`` in the
+    interpreter), never more than a row of ``cols`` entries can fill (its chunks are at least
+    ``sqrt(cols * topk)`` long: ``_chunk_length``). Past the chunks of a row's own count a
+    program reads only the count, so a long maximum context adds no work."""
+    parts = triton.cdiv(TOPK_PROGRAMS, rows) if device.type == "cuda" else INTERPRETER_TOPK_PARTS
+    return max(1, min(parts, math.isqrt(cols // max(topk, 1)) + 1))
+
+
 def _topk_slots_triton(
     scores: torch.Tensor,
     num_candidates: torch.Tensor,
@@ -495,22 +595,42 @@ def _topk_slots_triton(
     topk: int,
     out: torch.Tensor,
 ) -> None:
-    """Launch ``_topk_slots_kernel``: one program a row, reading its ``num`` scores only."""
+    """Launch ``_topk_chunks_kernel`` (``topk_parts`` programs a row; skipped when no row can
+    have more than ``topk`` candidates) and ``_merge_topk_slots_kernel`` (one a row). They
+    read each row's own ``num`` scores, and its chunks' candidates, only.
+
+    The candidate buffers are ``[T, min(N, parts * topk)]``: a row's candidates are at most
+    its count and ``topk`` a chunk."""
     rows, cols = scores.shape
     if rows == 0 or topk == 0:
         return
-    _topk_slots_kernel[(rows,)](
-        scores, num_candidates.contiguous(), page_table, out,
-        scores.stride(0), page_table.stride(0), page_table.stride(1), out.stride(0),
-        cols, topk,
+    device = scores.device
+    block_c = TOPK_BLOCK_C if device.type == "cuda" else BLOCK_N
+    num_candidates = num_candidates.contiguous()  # read with unit stride
+    parts = topk_parts(rows, cols, topk, device)
+    width = min(cols, parts * topk)
+    cand_scores = torch.empty(rows, width, dtype=torch.float32, device=device)
+    cand_cols = torch.empty(rows, width, dtype=torch.int32, device=device)
+    if cols > topk:
+        _topk_chunks_kernel[(rows, parts)](
+            scores, num_candidates, cand_scores, cand_cols,
+            scores.stride(0), cand_scores.stride(0),
+            cols, topk,
+            BLOCK_C=block_c,
+        )  # fmt: skip
+    _merge_topk_slots_kernel[(rows,)](
+        cand_scores, cand_cols, num_candidates, page_table, out,
+        cand_scores.stride(0), page_table.stride(0), page_table.stride(1), out.stride(0),
+        cols, topk, parts,
         E=C4_ENTRIES_PER_PAGE,
         BLOCK_K=triton.next_power_of_2(topk),
-        BLOCK_C=TOPK_BLOCK_C if scores.device.type == "cuda" else BLOCK_N,
+        BLOCK_C=block_c,
     )  # fmt: skip
 
 
 def _bounded(device: torch.device) -> bool:
-    """The length-bounded kernels (``_row_scores_kernel``, ``_topk_slots_kernel``) run."""
+    """The length-bounded kernels (``_row_scores_kernel``, ``_topk_chunks_kernel``,
+    ``_merge_topk_slots_kernel``) run."""
     return dispatch.use_triton(device) and dispatch.use_unverified("indexer", device)
 
 
@@ -619,7 +739,7 @@ def select_topk(
     """
     _check_selection(scores, num_candidates, page_table, topk, out)
     if _bounded(scores.device):
-        _topk_slots_triton(scores.float(), num_candidates, page_table, topk, out)
+        _topk_slots_triton(scores.float().contiguous(), num_candidates, page_table, topk, out)
         return
     if dispatch.use_triton(scores.device):
         column = torch.arange(scores.shape[1], device=scores.device)
@@ -698,6 +818,10 @@ def run_indexer(
         max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
     if _bounded(q_idx.device):
         _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+        # Full width but never cleared: a row's scores are written and read below its own
+        # count only. Under CUDA graphs every shape is fixed at capture and any row may have
+        # N candidates; packing the rows tighter would need each row's offset and a bound on
+        # the batch's total, which the plan does not carry.
         scores = torch.empty(q_idx.shape[0], max_candidates, device=q_idx.device)
         _row_scores_triton(q_idx, weights, keys, page_table, num_candidates, scores)
         _check_selection(scores, num_candidates, page_table, topk, out)
