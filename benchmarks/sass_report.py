@@ -194,10 +194,10 @@ def criteria(report: dict) -> dict[str, bool]:
 def kernel_report(name: str, src, options: dict, target: str) -> dict:
     """Everything the module docstring lists for one configuration on one target."""
     kernel = sm90_compile.compile_kernel(src, options, target)
-    report = sm90_compile.compile_report(name, src, options, target, kernel)
+    listing = sm90_compile.sass_listing(kernel.asm["cubin"])
+    report = sm90_compile.compile_report(name, src, options, target, kernel, listing)
     constexprs = {src.fn.arg_names[k[0]]: v for k, v in src.constants.items()}
     spec = SPECS.get(src.name)
-    listing = sm90_compile.sass_listing(kernel.asm["cubin"])
     report.update(kernel=src.name, setmaxnreg=sass.set_max_registers(listing), **loop_figures(
         listing, spec, constexprs, options["num_warps"], DEVICES[target]
     ))  # fmt: skip

@@ -18,6 +18,11 @@ os.environ.setdefault("DSV4_STRICT_CHECKS", "1")
 
 from hypothesis import settings
 
+from dsv4_backend.testing.interpreter import patch_language_once
+
+if os.environ["TRITON_INTERPRET"] == "1":
+    patch_language_once()
+
 # CI runs the same examples every time (a red run is reproducible); locally hypothesis explores.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gzip
 import hashlib
 import io
 import json
@@ -145,11 +146,16 @@ def _figures_path(ptx: str, target: str) -> str:
     return os.path.join(knobs.cache.dir, "dsv4-ptxas", f"{key}.json")
 
 
-def _keep_figures(ptx: str, target: str, figures: dict[str, int]) -> None:
-    path = _figures_path(ptx, target)
+def _keep(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` whole or not at all (test workers may write it at once)."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(figures, f)
+    with tempfile.NamedTemporaryFile(dir=os.path.dirname(path), delete=False) as f:
+        f.write(data)
+    os.replace(f.name, path)
+
+
+def _keep_figures(ptx: str, target: str, figures: dict[str, int]) -> None:
+    _keep(_figures_path(ptx, target), json.dumps(figures).encode())
 
 
 def ptxas_report(ptx: str, target: str = "sm_90a") -> dict[str, int]:
@@ -215,15 +221,23 @@ def compile_kernel(src: ASTSource, options: dict, target: str = "sm_90a"):
 
 
 def sass_listing(cubin: bytes) -> str:
-    """``cuobjdump -sass`` of a cubin (Triton's bundled cuobjdump)."""
+    """``cuobjdump -sass`` of a cubin (Triton's bundled cuobjdump; about a second of CPU a
+    kernel), kept compressed beside Triton's cache as the ptxas figures are."""
+    cuobjdump = knobs.nvidia.cuobjdump.path
+    key = hashlib.sha256(cuobjdump.encode() + b"\n" + cubin).hexdigest()
+    kept = os.path.join(knobs.cache.dir, "dsv4-sass", f"{key}.sass.gz")
+    if os.path.exists(kept):
+        with open(kept, "rb") as f:
+            return gzip.decompress(f.read()).decode()
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(cubin)
-        return subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "-sass", path], check=True, capture_output=True,
-            text=True,
-        ).stdout  # fmt: skip
+        listing = subprocess.run(
+            [cuobjdump, "-sass", path], check=True, capture_output=True, text=True
+        ).stdout
+    _keep(kept, gzip.compress(listing.encode()))
+    return listing
 
 
 #: SASS opcodes of the integer ALU (what an arithmetic e4m3 decode is made of).
@@ -243,10 +257,13 @@ def sass_facts(listing: str) -> dict[str, int]:
 
 
 def compile_report(
-    name: str, src: ASTSource, options: dict, target: str = "sm_90a", kernel=None
-) -> dict:
-    """The module docstring's figures of one configuration (``kernel``: already compiled)."""
+    name: str, src: ASTSource, options: dict, target: str = "sm_90a", kernel=None,
+    listing: str | None = None,
+) -> dict:  # fmt: skip
+    """The module docstring's figures of one configuration (``kernel``: already compiled;
+    ``listing``: its :func:`sass_listing`)."""
     kernel = kernel or compile_kernel(src, options, target)
+    listing = listing or sass_listing(kernel.asm["cubin"])
     ptx = kernel.asm["ptx"]
     mma = sorted(set(re.findall(r"\b((?:wgmma\.mma_async|mma\.sync|tcgen05\.mma)[\w.:]*)", ptx)))
     return dict(
@@ -258,7 +275,7 @@ def compile_report(
         shared=kernel.metadata.shared,
         num_warps=options["num_warps"],
         **ptxas_report(ptx, target),
-        **sass_facts(sass_listing(kernel.asm["cubin"])),
+        **sass_facts(listing),
     )
 
 

@@ -38,8 +38,8 @@ PLAN_BUDGET = 4
 def _batches(pool: PagedRequestPool) -> dict:
     requests = list(range(len(LENGTHS)))
     return {
-        # A chunk of 10 tokens crossing a c128 block (and c4 blocks), a fresh 7-token prefill.
-        "prefill": pool.extend(requests, [120, 0], [10, 7]),
+        # A chunk of 6 tokens crossing a c128 block (and a c4 block), a fresh 3-token prefill.
+        "prefill": pool.extend(requests, [124, 0], [6, 3]),
         "decode": pool.decode(requests, LENGTHS),
         "verify": pool.verify(requests, LENGTHS, 3),
     }

@@ -147,10 +147,11 @@ def test_fused_planner_keeps_the_page_ends_too() -> None:
 
     config = DSV4AttentionConfig.tiny(speculative=True)
     generator = torch.Generator().manual_seed(0)
-    pool = PagedRequestPool(config, [900, 700, 1300, 40], generator=generator)
+    pool = PagedRequestPool(config, [400, 600, 1300, 40], generator=generator)
+    # Each extend crosses one or two 256-token pages before its tail (the last at 1024).
     batches = [
-        pool.extend([0, 1, 2, 3], [0, 250, 509, 3], [900, 420, 700, 30]),
-        pool.extend([2, 0], [1000, 100], [255, 700]),
+        pool.extend([0, 1, 2, 3], [0, 250, 509, 3], [300, 280, 270, 30]),
+        pool.extend([2, 0], [1000, 100], [255, 200]),
         pool.verify([0, 1, 2], [251, 509, 254], 4),
     ]
     for batch in batches:

@@ -258,12 +258,16 @@ def run_ab(args: argparse.Namespace) -> int:
     """Run the ``ab`` command from parsed arguments; return the exit status."""
     import torch
 
+    from dsv4_backend.kernels.dispatch import interpreter_enabled
     from dsv4_backend.planning.checks import STRICT_ENV, strict_checks
     from dsv4_backend.testing.ab.backends import make_backend
     from dsv4_backend.testing.ab.report import build_report, render_markdown, write_report
     from dsv4_backend.testing.ab.runner import run_trace
     from dsv4_backend.testing.ab.trace import build_trace
+    from dsv4_backend.testing.interpreter import patch_language_once
 
+    if interpreter_enabled():
+        patch_language_once()
     try:
         _check_max_len(args.max_len)
         device = _device(args.device)
