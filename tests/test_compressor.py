@@ -101,7 +101,7 @@ def run_forward(
 ) -> torch.Tensor:
     """One forward over ``segments`` (one per batch entry); record entries of committed rows
     into ``found[(pool_index, w)]``. Returns the ``[T, D]`` output. ``max_rows_per_request``
-    as ``compress_forward`` takes it (a bound lets the ring write share the launch)."""
+    as ``compress_forward`` takes it (a bound spares the kernel the deferred writes)."""
     kv, score, batch_ids, positions, first_new, lens, window = [], [], [], [], [], [], []
     g = torch.Generator().manual_seed(7)
     for b, seg in enumerate(segments):
@@ -429,3 +429,26 @@ def test_request_starting_from_a_cached_prefix_equals_one_shot(
     first = prefix // layer.ratio
     got = torch.stack([found[(2, w)] for w in range(first, want.shape[0])])
     torch.testing.assert_close(got, want[first:], atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize(
+    ("layer", "first", "rest"),
+    [
+        (C128, 8, 124),  # the tail's writes 128-131 replace ring rows 0-3 the first entry reads
+        (C128, 4, 256),  # the same for 256-259: the writes find the owner by a search
+        (C4, 5, 8),  # both ring-reading entries read the row position 12 replaces
+        (C4, 8, 8),  # the first entry reads positions 4-7, which 12-15 replace
+    ],
+    ids=["c128-near", "c128-far", "c4-two-readers", "c4-one-reader"],
+)
+def test_extend_writes_wait_for_the_entries_that_read_the_ring(
+    layer: Layer, first: int, rest: int
+) -> None:
+    """One launch for an extend whose writes replace ring rows its first entries read.
+
+    Request B resumes at ``first`` behind a fresh request A that completes more entries than
+    it writes rows, so B's write records have lower program ids than its ring-reading
+    entries (the interpreter runs programs in order: a write not deferred to the reader is
+    seen by it)."""
+    ahead = 128 if layer.ratio == 128 else 32
+    run_schedule(layer, [ahead, first + rest], [[0, ahead], [first, rest]], INTERP)
