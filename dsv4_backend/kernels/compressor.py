@@ -265,7 +265,7 @@ def _ring_write_row(
     window_ptr,
     plan_ptr,
     rec,  # write-plan record
-    cols,  # [BLOCK] int column ids of the ring row's kv half
+    col0,  # the first column of the ring row's kv half written
     CD,
     ring_rows,
     stride_kv,
@@ -277,8 +277,11 @@ def _ring_write_row(
     stride_plan,
     RATIO: tl.constexpr,
     WINDOW_PAGE: tl.constexpr,
+    COLUMNS: tl.constexpr,  # columns written from col0 (a multiple of BLOCK_W)
+    BLOCK_W: tl.constexpr,
 ):
-    """``ring[slot, p % R, cols] = [kv | score + ape[p % RATIO]]`` of one write record."""
+    """``ring[slot, p % R, cols] = [kv | score + ape[p % RATIO]]`` of one write record,
+    ``cols`` ``col0 ... col0 + COLUMNS - 1`` (those ``< CD``), ``BLOCK_W`` a step."""
     ragged = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
     if ragged >= 0:  # not a padding record
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
@@ -287,13 +290,15 @@ def _ring_write_row(
             slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
         else:
             slot = tl.load(pool_ptr + batch).to(tl.int64)
-        ok = cols < CD
-        kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0).to(tl.float32)
-        score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0)
-        ape = tl.load(ape_ptr + (pos % RATIO) * stride_ape + cols, mask=ok, other=0.0)
-        dst = ring_ptr + slot * stride_ring_slot + (pos % ring_rows) * stride_ring_row + cols
-        tl.store(dst, kv, mask=ok)
-        tl.store(dst + CD, score.to(tl.float32) + ape.to(tl.float32), mask=ok)
+        for c0 in tl.static_range(0, COLUMNS, BLOCK_W):
+            cols = col0 + c0 + tl.arange(0, BLOCK_W)
+            ok = cols < CD
+            kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0)
+            score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0)
+            ape = tl.load(ape_ptr + (pos % RATIO) * stride_ape + cols, mask=ok, other=0.0)
+            row = ring_ptr + slot * stride_ring_slot + (pos % ring_rows) * stride_ring_row
+            tl.store(row + cols, kv.to(tl.float32), mask=ok)
+            tl.store(row + CD + cols, score.to(tl.float32) + ape.to(tl.float32), mask=ok)
 
 
 @triton.jit
@@ -475,40 +480,6 @@ def _write_waits(
 
 
 @triton.jit
-def _write_record(
-    kv_ptr,
-    score_ptr,
-    ape_ptr,
-    ring_ptr,
-    pool_ptr,
-    window_ptr,
-    plan_ptr,
-    rec,  # write-plan record
-    CD,
-    ring_rows,
-    stride_kv,
-    stride_score,
-    stride_ape,
-    stride_ring_slot,
-    stride_ring_row,
-    stride_window,
-    stride_plan,
-    RATIO: tl.constexpr,
-    WINDOW_PAGE: tl.constexpr,
-    COLUMNS: tl.constexpr,  # >= CD, a multiple of BLOCK_W
-    BLOCK_W: tl.constexpr,
-):
-    """The ring row of write record ``rec``, ``BLOCK_W`` columns a step."""
-    for c0 in tl.static_range(0, COLUMNS, BLOCK_W):
-        _ring_write_row(
-            kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
-            rec, c0 + tl.arange(0, BLOCK_W), CD, ring_rows,
-            stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
-            stride_window, stride_plan, RATIO, WINDOW_PAGE,
-        )  # fmt: skip
-
-
-@triton.jit
 def _compress_fused_kernel(
     kv_ptr,  # [T, C*D] float kv projection
     score_ptr,  # [T, C*D] float score projection (without ape)
@@ -628,8 +599,8 @@ def _compress_fused_kernel(
                             stride_window, SPAN, WINDOW_PAGE,
                         )  # fmt: skip
                         if deferred:
-                            _write_record(*writes, j, *write_strides, RATIO, WINDOW_PAGE,
-                                          BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
+                            _ring_write_row(*writes, j, 0, *write_strides, RATIO, WINDOW_PAGE,
+                                            BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
                     j += 1
                     go = go & (j < num_rows)
     waits = rec < 0
@@ -646,8 +617,8 @@ def _compress_fused_kernel(
             waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos, ring_rows,
                                  stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
     if not waits:
-        _write_record(*writes, rec, *write_strides, RATIO, WINDOW_PAGE, BLOCK_D * OVERLAP,
-                      BLOCK_W)  # fmt: skip
+        _ring_write_row(*writes, rec, 0, *write_strides, RATIO, WINDOW_PAGE, BLOCK_D * OVERLAP,
+                        BLOCK_W)  # fmt: skip
 
 
 @triton.jit
@@ -675,9 +646,9 @@ def _ring_write_kernel(
     """One (record, column block): ``ring[slot, p % R] = [kv | score + ape[p % RATIO]]``."""
     _ring_write_row(
         kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
-        tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), CD, ring_rows,
+        tl.program_id(0), tl.program_id(1) * BLOCK, CD, ring_rows,
         stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
-        stride_window, stride_plan, RATIO, WINDOW_PAGE,
+        stride_window, stride_plan, RATIO, WINDOW_PAGE, BLOCK, BLOCK,
     )  # fmt: skip
 
 
