@@ -290,7 +290,7 @@ def _ring_write_row(
             slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
         else:
             slot = tl.load(pool_ptr + batch).to(tl.int64)
-        for c0 in tl.static_range(0, COLUMNS, BLOCK_W):
+        for c0 in range(0, COLUMNS, BLOCK_W):
             cols = col0 + c0 + tl.arange(0, BLOCK_W)
             ok = cols < CD
             kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0)
