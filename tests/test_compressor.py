@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from stress import STRESS
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
@@ -452,3 +453,19 @@ def test_extend_writes_wait_for_the_entries_that_read_the_ring(
     seen by it)."""
     ahead = 128 if layer.ratio == 128 else 32
     run_schedule(layer, [ahead, first + rest], [[0, ahead], [first, rest]], INTERP)
+
+
+@pytest.mark.skipif(not STRESS, reason="long randomized run: DSV4_STRESS=1")
+@settings(max_examples=30, deadline=None)
+@given(data=st.data(), layer=st.sampled_from([C4, C128, INDEXER_C4]))
+def test_any_multi_request_schedule_on_the_one_launch_kernel(data, layer: Layer) -> None:
+    """2-3 requests resuming and idling in random chunks, on the interpreter's one-launch
+    kernel (extend: the deferred writes), equal the reference."""
+    limit = 140 if layer.ratio == 128 else 40
+    steps = data.draw(st.integers(1, 3))
+    # Request 0 takes tokens in every forward; the others idle at times (0), never throughout.
+    busy = st.lists(st.integers(1, limit), min_size=steps, max_size=steps)
+    chunk = st.one_of(st.just(0), st.integers(1, limit))
+    some = st.lists(chunk, min_size=1, max_size=steps).filter(any)
+    chunks = [data.draw(busy), *data.draw(st.lists(some, min_size=1, max_size=2))]
+    run_schedule(layer, [sum(c) for c in chunks], chunks, INTERP)
