@@ -256,7 +256,7 @@ def test_any_chunking_equals_one_shot(ratio: int, chunks: list[int]) -> None:
 @pytest.mark.parametrize("layer", [C4, C128], ids=["c4", "c128"])
 def test_triton_interpreter_equals_torch(layer: Layer, bounded: bool) -> None:
     """The one-launch kernel and the kernels it replaces (the CUDA default until it passes on
-    a GPU): two extend chunks, then decode steps with the ring write in the same launch."""
+    a GPU): two extend chunks (the one-launch kernel's deferred writes), then decode steps."""
     outs, rings = [], []
     for path in (TORCH, INTERP):
         req = make_request(layer, 200, 1, seed=5)
@@ -273,9 +273,9 @@ def test_triton_interpreter_equals_torch(layer: Layer, bounded: bool) -> None:
     torch.testing.assert_close(rings[0], rings[1], atol=0, rtol=0)
 
 
-def test_ring_write_shares_the_launch_only_when_no_entry_reads_what_it_replaces() -> None:
+def test_ring_write_is_safe_only_when_no_entry_reads_what_it_replaces() -> None:
     """``R - span + 1`` rows a request at most: 1 without speculative rings, ``span + 1``
-    with them; extend (unknown) never."""
+    with them; extend (unknown) never (the one-launch kernel then defers writes)."""
     for config, ratio, most in ((CONFIG, 4, 1), (CONFIG, 128, 1), (SPEC_CONFIG, 4, 9),
                                 (SPEC_CONFIG, 128, 129)):  # fmt: skip
         state = CompressorState.allocate(config, ratio, 64, 1)
