@@ -386,11 +386,14 @@ def _compressors() -> list[tuple[str, ASTSource, dict]]:
                  ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_P=DIM // 2, BLOCK_S=8),
         )  # fmt: skip
         out.append((f"compress-entry-c{ratio}", *entry))
-        # The one-launch compressor: fp8 token cache store, ring write (decode / verify).
+        # The one-launch compressor: fp8 token cache store, ring write (decode / verify), and
+        # with the writes that wait for the ring reads (extend).
         store = dict(STORE=STORE_FP8_TOKEN, NOPE_DIM=DIM - ROPE, ROPE_DIM=ROPE,
                      PAGE_TOKENS=PAGE_TOKENS[ratio], BLOCK_R=ROPE)  # fmt: skip
-        out.append((f"compress-fused-c{ratio}", *_fused_compressor(ratio, DIM, store)))
-    for ratio in (4, 128):  # the ring write of an extend (its second launch)
+        out.append((f"compress-fused-c{ratio}", *_fused_compressor(ratio, DIM, store, False)))
+        extend = _fused_compressor(ratio, DIM, store, True)
+        out.append((f"compress-fused-c{ratio}-extend", *extend))
+    for ratio in (4, 128):  # the ring write of the replaced kernels
         write = _source(
             compressor._ring_write_kernel,
             dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
@@ -400,13 +403,16 @@ def _compressors() -> list[tuple[str, ASTSource, dict]]:
         out.append((f"compress-ring-write-c{ratio}", *write))
     # The indexer's compressor (DI = 128) storing fp8 indexer keys.
     store = dict(STORE=STORE_FP8_INDEXER, NOPE_DIM=0, ROPE_DIM=0, PAGE_TOKENS=64, BLOCK_R=1)
-    out.append(("compress-fused-indexer", *_fused_compressor(4, 128, store)))
+    out.append(("compress-fused-indexer", *_fused_compressor(4, 128, store, False)))
+    out.append(("compress-fused-indexer-extend", *_fused_compressor(4, 128, store, True)))
     return out
 
 
-def _fused_compressor(ratio: int, dim: int, store: dict) -> tuple[ASTSource, dict]:
+def _fused_compressor(
+    ratio: int, dim: int, store: dict, defer_writes: bool
+) -> tuple[ASTSource, dict]:
     """``_compress_fused_kernel`` of ``ratio`` and head dim ``dim`` storing with ``store``
-    (``cache_store.store_row``'s constexprs), with the ring write, warps as launched."""
+    (``cache_store.store_row``'s constexprs), ``DEFER_WRITES`` (extend), warps as launched."""
     from dsv4_backend.kernels import compressor
 
     span = 8 if ratio == 4 else 128
@@ -419,7 +425,7 @@ def _fused_compressor(ratio: int, dim: int, store: dict) -> tuple[ASTSource, dic
         dict(RATIO=ratio, SPAN=span, OVERLAP=2 if ratio == 4 else 1,
              WINDOW_PAGE=256 if ratio == 4 else 0, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
              BLOCK_D=dim, BLOCK_S=min(span, compressor.POOL_TILE // dim), BLOCK_W=dim,
-             WRITE_RING=True, BF16_BITS=False, **store),
+             DEFER_WRITES=defer_writes, BF16_BITS=False, **store),
     )  # fmt: skip
     return src, dict(num_warps=compressor.fused_warps(dim))
 

@@ -29,6 +29,9 @@ NEW_KERNELS = (
     "compress-fused-c4",
     "compress-fused-c128",
     "compress-fused-indexer",
+    "compress-fused-c4-extend",
+    "compress-fused-c128-extend",
+    "compress-fused-indexer-extend",
     "compress-ring-write-c4",
 )
 

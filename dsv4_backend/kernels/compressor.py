@@ -21,8 +21,8 @@ One forward:
    slots (kv 0, score -inf). Ratio 4 slots 0-3 use projection dims ``[:D]``, slots 4-7
    ``[D:]``.
 2. **write**: each write-plan record stores its row ``[kv | score + ape]`` at ring row
-   ``p % R``. Writing after every entry is pooled means no row of this forward can overwrite
-   ring state an entry of the same forward still needs.
+   ``p % R``. A write that replaces ring state an entry of the same forward still needs (only
+   a request's first entries read the ring) happens after that entry is pooled.
 3. **finish**: RMSNorm and RoPE at the entry's position ``p + 1 - r``; rows that complete no
    entry are exactly 0.
 
@@ -36,10 +36,10 @@ Paths (``dispatch.use_triton``):
   with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``):
   ``_compress_fused_kernel``, one program per record, pools over contiguous
   ``[BLOCK_S, D]`` tiles in a pipelined loop, normalises, ropes, stores the entry in the
-  cache (``store=``) and writes the ring row of the write record of the same index. Writing
-  while entries are pooled is safe when no entry reads a ring row the forward replaces
-  (``ring_write_is_safe``: decode, draft steps, verify with the speculative rings); else
-  (extend) ``_ring_write_kernel`` follows as a second launch.
+  cache (``store=``) and writes the ring row of the write record of the same index, in every
+  mode. Where a write can replace a ring row an entry of the forward reads (extend, verify
+  without the speculative rings: ``ring_write_is_safe``), the program of the request's first
+  entry pools its ring-reading entries and then does those writes (``DEFER_WRITES``).
 * **replaced** (the CUDA default): ``_compress_entry_kernel`` (pool, norm, RoPE and the zero
   rows, even / odd channel tiles), ``_ring_write_kernel``, then the cache store: 3 launches.
 * **torch**: the same gathers, finished with ``ops.compress.finish_entries``.
@@ -265,7 +265,7 @@ def _ring_write_row(
     window_ptr,
     plan_ptr,
     rec,  # write-plan record
-    cols,  # [BLOCK] int column ids of the ring row's kv half
+    col0,  # the first column of the ring row's kv half written
     CD,
     ring_rows,
     stride_kv,
@@ -277,8 +277,11 @@ def _ring_write_row(
     stride_plan,
     RATIO: tl.constexpr,
     WINDOW_PAGE: tl.constexpr,
+    COLUMNS: tl.constexpr,  # columns written from col0 (a multiple of BLOCK_W)
+    BLOCK_W: tl.constexpr,
 ):
-    """``ring[slot, p % R, cols] = [kv | score + ape[p % RATIO]]`` of one write record."""
+    """``ring[slot, p % R, cols] = [kv | score + ape[p % RATIO]]`` of one write record,
+    ``cols`` ``col0 ... col0 + COLUMNS - 1`` (those ``< CD``), ``BLOCK_W`` a step."""
     ragged = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
     if ragged >= 0:  # not a padding record
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
@@ -287,13 +290,193 @@ def _ring_write_row(
             slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
         else:
             slot = tl.load(pool_ptr + batch).to(tl.int64)
-        ok = cols < CD
-        kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0).to(tl.float32)
-        score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0)
-        ape = tl.load(ape_ptr + (pos % RATIO) * stride_ape + cols, mask=ok, other=0.0)
-        dst = ring_ptr + slot * stride_ring_slot + (pos % ring_rows) * stride_ring_row + cols
-        tl.store(dst, kv, mask=ok)
-        tl.store(dst + CD, score.to(tl.float32) + ape.to(tl.float32), mask=ok)
+        for c0 in range(0, COLUMNS, BLOCK_W):
+            cols = col0 + c0 + tl.arange(0, BLOCK_W)
+            ok = cols < CD
+            kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0)
+            score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0)
+            ape = tl.load(ape_ptr + (pos % RATIO) * stride_ape + cols, mask=ok, other=0.0)
+            row = ring_ptr + slot * stride_ring_slot + (pos % ring_rows) * stride_ring_row
+            tl.store(row + cols, kv.to(tl.float32), mask=ok)
+            tl.store(row + CD + cols, score.to(tl.float32) + ape.to(tl.float32), mask=ok)
+
+
+@triton.jit
+def _pool_and_finish(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    ring_ptr,
+    pool_ptr,
+    window_ptr,
+    norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    out_loc_ptr,
+    cache_ptr,
+    row,  # int64 the record's ragged row
+    batch,  # its batch id
+    pos,  # int64 its position (the entry's last)
+    window_len,  # int64 the span's rows from this forward
+    D,
+    ring_rows,
+    eps,
+    stride_kv,
+    stride_score,
+    stride_ape,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    stride_out,
+    stride_rope,
+    stride_cache,
+    RATIO: tl.constexpr,
+    SPAN: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    ROPE_BY_ROW: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    STORE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """One compress record's entry: pooled over contiguous ``[BLOCK_S, BLOCK_D]`` tiles of
+    the span (a pipelined loop), RMSNorm, RoPE, written to its row of ``out`` and stored in
+    the cache at the row's ``out_loc``."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    zeros = tl.zeros([BLOCK_D], tl.float32)
+    request_ring = ring_ptr
+    if WINDOW_PAGE == 0:
+        request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
+    m_run = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    l_run, acc = zeros, zeros
+    for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
+        j = j0 + tl.arange(0, BLOCK_S)
+        from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+            j, pos, window_len, row, request_ring, window_ptr, ring_rows,
+            stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
+        )  # fmt: skip
+        # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
+        col = (j >= RATIO).to(tl.int64)[:, None] * D + d[None, :]
+        m_rows = from_rows[:, None] & d_ok[None, :]
+        m_ring = from_ring[:, None] & d_ok[None, :]
+        kv, score = _slot_tile(
+            kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring,
+            stride_kv, stride_score, stride_ape, OVERLAP * D,
+        )  # fmt: skip
+        score = tl.where(d_ok[None, :], score, 0.0)  # padded channels: finite, unused
+        m_run, l_run, acc = _online_softmax_step(m_run, l_run, acc, kv, score)
+    entry = acc / l_run
+    # RMSNorm over the D channels (padded channels pooled to 0).
+    inv = tl.math.rsqrt(tl.sum(entry * entry, axis=0) / D + eps)
+    entry *= inv * tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    # RoPE of the trailing ROPE_PAIRS pairs (2i, 2i + 1) at the entry's first position.
+    even, odd = tl.split(tl.reshape(entry, [BLOCK_D // 2, 2]))
+    pair = tl.arange(0, BLOCK_D // 2)
+    rope_pair = pair - (D // 2 - ROPE_PAIRS)
+    is_rope = (rope_pair >= 0) & (pair < D // 2)
+    rope_row = row if ROPE_BY_ROW else pos + 1 - RATIO
+    cos = tl.load(cos_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=1.0)
+    sin = tl.load(sin_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=0.0)
+    rot_e = tl.where(is_rope, even * cos - odd * sin, even)
+    rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
+    entry = tl.reshape(tl.join(rot_e, rot_o), [BLOCK_D])
+    tl.store(out_ptr + row * stride_out + d, entry, mask=d_ok)
+    if STORE != 0:
+        tl.debug_barrier()  # the row is re-read by other threads in the cache's layout
+        slot = tl.load(out_loc_ptr + row).to(tl.int64)
+        store_row(
+            cache_ptr, out_ptr + row * stride_out, slot, stride_cache, D, BLOCK_D,
+            STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+        )  # fmt: skip
+
+
+@triton.jit
+def _lower_bound(
+    plan_ptr, num_rows, search_steps, stride_plan, limit_row, batch, OTHER_BATCH: tl.constexpr
+):
+    """First plan record that is not a valid record of a row before ``limit_row`` (with
+    ``OTHER_BATCH``: of a batch id other than ``batch``); binary search of ``search_steps``
+    (``>= log2(num_rows + 1)``) steps over records that are in row order."""
+    lo = tl.zeros([], tl.int64)
+    hi = lo + num_rows
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        live = mid < hi
+        ragged = tl.load(plan_ptr + mid * stride_plan, mask=live, other=-1)
+        before = live & (ragged >= 0) & (ragged < limit_row)
+        if OTHER_BATCH:
+            before = before & (tl.load(plan_ptr + mid * stride_plan + 1, mask=live) != batch)
+        lo = tl.where(before, mid + 1, lo)
+        hi = tl.where(live & ~before, mid, hi)
+    return lo
+
+
+@triton.jit
+def _first_entry(
+    plan_ptr,  # [T, 4] compress plan
+    w_row,  # int64 a write record's row, position, batch id and window length
+    w_pos,
+    w_batch,
+    w_len,
+    num_rows,
+    search_steps,
+    stride_plan,
+    RATIO: tl.constexpr,
+    SPAN: tl.constexpr,
+):
+    """``(first, e_row, e_pos)`` of the write record's request: its first position in this
+    forward and the row / position of its first entry here (the only one, with the next for
+    ratio 4, that reads the ring); ``e_pos >= w_pos`` where that entry does not come first."""
+    if w_len < SPAN:  # the request's first row is within the span
+        first = w_pos - w_len + 1
+        e_pos = first + RATIO - 1 - first % RATIO
+        e_row = w_row - (w_pos - e_pos)
+    else:  # the request's first compress record, among the records before the row
+        i = _lower_bound(plan_ptr, num_rows, search_steps, stride_plan, w_row, w_batch, True)
+        hit = i < num_rows
+        e_row = tl.load(plan_ptr + i * stride_plan, mask=hit, other=-1).to(tl.int64)
+        e_batch = tl.load(plan_ptr + i * stride_plan + 1, mask=hit, other=-1)
+        found = (e_row >= 0) & (e_row < w_row) & (e_batch == w_batch)
+        e_pos = tl.load(plan_ptr + i * stride_plan + 2, mask=found, other=0).to(tl.int64)
+        e_len = tl.load(plan_ptr + i * stride_plan + 3, mask=found, other=0).to(tl.int64)
+        first = e_pos - e_len + 1
+        e_pos = tl.where(found, e_pos, w_pos)
+    return first, e_row, e_pos
+
+
+@triton.jit
+def _write_waits(
+    window_ptr,
+    w_row,  # int64 the write's row and position
+    w_pos,
+    first,  # int64 the request's first position in this forward
+    e_row,  # int64 the row and position of its first entry in this forward
+    e_pos,
+    ring_rows,
+    stride_window,
+    SPAN: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+):
+    """Whether the write of ``w_pos`` replaces a ring row the request's first entries still
+    read: the ring row holds ``q``, the last position before ``first`` of the same residue,
+    which they read if ``q`` is in the first entry's span and (page-scoped rings) in the
+    write's window page."""
+    q = w_pos - ring_rows * ((w_pos - first) // ring_rows + 1)
+    lag = e_pos - q
+    waits = (e_pos < w_pos) & (q >= 0) & (lag < SPAN)
+    if WINDOW_PAGE > 0:
+        q_slot = tl.load(window_ptr + e_row * stride_window + lag, mask=waits, other=0)
+        w_slot = tl.load(window_ptr + w_row * stride_window)
+        waits = waits & (q_slot // WINDOW_PAGE == w_slot // WINDOW_PAGE)
+    return waits
 
 
 @triton.jit
@@ -305,7 +488,7 @@ def _compress_fused_kernel(
     pool_ptr,  # [B] int request pool index of each batch id (request-scoped rings)
     window_ptr,  # [T, >= SPAN] int window slot of positions p, p-1, ... (page-scoped rings)
     plan_ptr,  # [T, 4] int32 compress plan records
-    write_plan_ptr,  # [T, 4] int32 write plan records (read with WRITE_RING)
+    write_plan_ptr,  # [T, 4] int32 write plan records
     norm_ptr,  # [D] float RMSNorm weight
     cos_ptr,  # [N, ROPE_PAIRS] fp32 RoPE cos: rows by position (a RopeTable) or by ragged row
     sin_ptr,  # [N, ROPE_PAIRS] fp32 RoPE sin, same rows
@@ -317,6 +500,7 @@ def _compress_fused_kernel(
     CD,
     ring_rows,
     eps,
+    search_steps,  # >= log2(num_rows + 1): binary searches of the plans (DEFER_WRITES)
     stride_kv,
     stride_score,
     stride_ape,
@@ -336,7 +520,7 @@ def _compress_fused_kernel(
     BLOCK_D: tl.constexpr,  # channels per program (>= D)
     BLOCK_S: tl.constexpr,  # span slots per pooling step
     BLOCK_W: tl.constexpr,  # ring-row columns per write step (>= C*D / steps)
-    WRITE_RING: tl.constexpr,  # also write record ``program_id``'s ring row (no hazard)
+    DEFER_WRITES: tl.constexpr,  # a write may replace a ring row an entry reads (extend)
     STORE: tl.constexpr,  # cache_store.STORE_*: the format entries are stored in
     BF16_BITS: tl.constexpr,
     NOPE_DIM: tl.constexpr,
@@ -344,77 +528,97 @@ def _compress_fused_kernel(
     PAGE_TOKENS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Program ``rec``: compress-plan record ``rec`` pooled (contiguous ``[BLOCK_S,
-    BLOCK_D]`` tiles of the span, a pipelined loop), RMSNorm, RoPE, written to its row of
-    ``out`` and stored in the cache at the row's ``out_loc``; then, with ``WRITE_RING``, the
+    """Program ``rec``: compress-plan record ``rec``'s entry (``_pool_and_finish``), then the
     ring row of write-plan record ``rec``.
 
     Rows that complete no entry are zeroed by the record before them (the gap up to its own
-    row, and after the last record, up to ``T``), so every output row is written once. The
-    ring write shares the launch only where no entry of the forward reads a ring row a write
-    replaces (the launcher's ``_ring_write_is_safe``)."""
+    row, and after the last record, up to ``T``), so every output row is written once.
+
+    Only a request's first entry in the forward (ratio 4: and the next) reads the ring, and a
+    write may replace a row it reads (``_write_waits``) where rows a request exceed
+    ``R - span + 1`` (``ring_write_is_safe``). With ``DEFER_WRITES`` the program of that
+    first entry (the request's *owner*) pools both ring-reading entries and then, after a
+    barrier, does the writes that wait for it; every other write record's program does its
+    own. A ring row is then read and replaced by one program, in that order.
+    """
     rec = tl.program_id(0)
     ragged = _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    zeros = tl.zeros([BLOCK_D], tl.float32)
+    record = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, norm_ptr, cos_ptr,
+              sin_ptr, out_ptr, out_loc_ptr, cache_ptr)  # fmt: skip
+    strides = (D, ring_rows, eps, stride_kv, stride_score, stride_ape, stride_ring_slot,
+               stride_ring_row, stride_window, stride_out, stride_rope, stride_cache)  # fmt: skip
+    writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, write_plan_ptr)
+    write_strides = (CD, ring_rows, stride_kv, stride_score, stride_ape, stride_ring_slot,
+                     stride_ring_row, stride_window, stride_plan)  # fmt: skip
     if ragged >= 0:
         row = ragged.to(tl.int64)
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
         pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
         window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
-        request_ring = ring_ptr
-        if WINDOW_PAGE == 0:
-            request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
-        m_run = tl.full([BLOCK_D], float("-inf"), tl.float32)
-        l_run, acc = zeros, zeros
-        for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
-            j = j0 + tl.arange(0, BLOCK_S)
-            from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
-                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
-                stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
+        delegated = window_len < 0
+        if DEFER_WRITES and RATIO < SPAN:
+            # Ratio 4's second entry reading the ring: pooled by the owner (record rec - 1).
+            delegated = (window_len > RATIO) & (window_len < SPAN)
+        if not delegated:
+            _pool_and_finish(
+                *record, row, batch, pos, window_len, *strides, RATIO, SPAN, OVERLAP,
+                WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, STORE, BF16_BITS,
+                NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
             )  # fmt: skip
-            # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
-            col = (j >= RATIO).to(tl.int64)[:, None] * D + d[None, :]
-            m_rows = from_rows[:, None] & d_ok[None, :]
-            m_ring = from_ring[:, None] & d_ok[None, :]
-            kv, score = _slot_tile(
-                kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring,
-                stride_kv, stride_score, stride_ape, OVERLAP * D,
+        if DEFER_WRITES:
+            first = pos - window_len + 1
+            if (window_len <= RATIO) & (window_len < SPAN):  # the request's owner
+                if RATIO < SPAN:
+                    nxt = rec + 1
+                    live = nxt < num_rows
+                    n_row = tl.load(plan_ptr + nxt * stride_plan, mask=live, other=-1)
+                    n_batch = tl.load(plan_ptr + nxt * stride_plan + 1, mask=live, other=-1)
+                    n_pos = tl.load(plan_ptr + nxt * stride_plan + 2, mask=live, other=0)
+                    n_len = tl.load(plan_ptr + nxt * stride_plan + 3, mask=live, other=SPAN)
+                    if (n_row >= 0) & (n_batch == batch) & (n_len > RATIO) & (n_len < SPAN):
+                        _pool_and_finish(
+                            *record, n_row.to(tl.int64), n_batch, n_pos.to(tl.int64),
+                            n_len.to(tl.int64), *strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
+                            ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, STORE, BF16_BITS,
+                            NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+                        )  # fmt: skip
+                tl.debug_barrier()  # every ring read of the request is done
+                j = _lower_bound(write_plan_ptr, num_rows, search_steps, stride_plan, row + 1,
+                                 batch, False)  # fmt: skip
+                go = j < num_rows
+                while go:
+                    w_row = tl.load(write_plan_ptr + j * stride_plan).to(tl.int64)
+                    w_batch = tl.load(write_plan_ptr + j * stride_plan + 1)
+                    w_pos = tl.load(write_plan_ptr + j * stride_plan + 2).to(tl.int64)
+                    go = (w_row >= 0) & (w_batch == batch)
+                    if WINDOW_PAGE > 0:  # a c4 write waits only in the same window page
+                        go = go & (w_pos < first + WINDOW_PAGE)
+                    if go:
+                        deferred = _write_waits(
+                            window_ptr, w_row, w_pos, first, row, pos, ring_rows,
+                            stride_window, SPAN, WINDOW_PAGE,
+                        )  # fmt: skip
+                        if deferred:
+                            _ring_write_row(*writes, j, 0, *write_strides, RATIO, WINDOW_PAGE,
+                                            BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
+                    j += 1
+                    go = go & (j < num_rows)
+    waits = rec < 0
+    if DEFER_WRITES:
+        w_row = tl.load(write_plan_ptr + rec * stride_plan).to(tl.int64)
+        if w_row >= 0:
+            w_batch = tl.load(write_plan_ptr + rec * stride_plan + 1)
+            w_pos = tl.load(write_plan_ptr + rec * stride_plan + 2).to(tl.int64)
+            w_len = tl.load(write_plan_ptr + rec * stride_plan + 3).to(tl.int64)
+            first, e_row, e_pos = _first_entry(
+                plan_ptr, w_row, w_pos, w_batch, w_len, num_rows, search_steps, stride_plan,
+                RATIO, SPAN,
             )  # fmt: skip
-            score = tl.where(d_ok[None, :], score, 0.0)  # padded channels: finite, unused
-            m_run, l_run, acc = _online_softmax_step(m_run, l_run, acc, kv, score)
-        entry = acc / l_run
-        # RMSNorm over the D channels (padded channels pooled to 0).
-        inv = tl.math.rsqrt(tl.sum(entry * entry, axis=0) / D + eps)
-        entry *= inv * tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-        # RoPE of the trailing ROPE_PAIRS pairs (2i, 2i + 1) at the entry's first position.
-        even, odd = tl.split(tl.reshape(entry, [BLOCK_D // 2, 2]))
-        pair = tl.arange(0, BLOCK_D // 2)
-        rope_pair = pair - (D // 2 - ROPE_PAIRS)
-        is_rope = (rope_pair >= 0) & (pair < D // 2)
-        rope_row = row if ROPE_BY_ROW else pos + 1 - RATIO
-        cos = tl.load(cos_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=1.0)
-        sin = tl.load(sin_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=0.0)
-        rot_e = tl.where(is_rope, even * cos - odd * sin, even)
-        rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
-        entry = tl.reshape(tl.join(rot_e, rot_o), [BLOCK_D])
-        tl.store(out_ptr + row * stride_out + d, entry, mask=d_ok)
-        if STORE != 0:
-            tl.debug_barrier()  # the row is re-read by other threads in the cache's layout
-            slot = tl.load(out_loc_ptr + row).to(tl.int64)
-            store_row(
-                cache_ptr, out_ptr + row * stride_out, slot, stride_cache, D, BLOCK_D,
-                STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
-            )  # fmt: skip
-    if WRITE_RING:
-        for c0 in tl.static_range(0, BLOCK_D * OVERLAP, BLOCK_W):
-            _ring_write_row(
-                kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, write_plan_ptr,
-                rec, c0 + tl.arange(0, BLOCK_W), CD, ring_rows,
-                stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
-                stride_window, stride_plan, RATIO, WINDOW_PAGE,
-            )  # fmt: skip
+            waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos, ring_rows,
+                                 stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
+    if not waits:
+        _ring_write_row(*writes, rec, 0, *write_strides, RATIO, WINDOW_PAGE, BLOCK_D * OVERLAP,
+                        BLOCK_W)  # fmt: skip
 
 
 @triton.jit
@@ -442,9 +646,9 @@ def _ring_write_kernel(
     """One (record, column block): ``ring[slot, p % R] = [kv | score + ape[p % RATIO]]``."""
     _ring_write_row(
         kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
-        tl.program_id(0), tl.program_id(1) * BLOCK + tl.arange(0, BLOCK), CD, ring_rows,
+        tl.program_id(0), tl.program_id(1) * BLOCK, CD, ring_rows,
         stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
-        stride_window, stride_plan, RATIO, WINDOW_PAGE,
+        stride_window, stride_plan, RATIO, WINDOW_PAGE, BLOCK, BLOCK,
     )  # fmt: skip
 
 
@@ -500,11 +704,12 @@ def fused_warps(block_d: int) -> int:
 
 
 def ring_write_is_safe(state: CompressorState, max_rows_per_request: int | None) -> bool:
-    """Whether the ring rows of a forward can be written while its entries are pooled (one
-    launch): a row written at ``p' = p + k`` (``k < n``, ``n`` rows a request) replaces
-    position ``p' - R``, which an entry ending at ``p`` reads from the ring only if
-    ``p' - R > p - span``; so never while ``n <= R - span + 1`` (decode, draft steps, verify
-    with the doubled speculative rings). ``None``: not known (extend), not safe."""
+    """Whether no ring row a forward writes can replace one its entries read: a row written
+    at ``p' = p + k`` (``k < n``, ``n`` rows a request) replaces position ``p' - R``, which an
+    entry ending at ``p`` reads from the ring only if ``p' - R > p - span``; so never while
+    ``n <= R - span + 1`` (decode, draft steps, verify with the doubled speculative rings).
+    ``None``: not known (extend), not safe. Where it is not safe, ``_compress_fused_kernel``
+    defers the writes that wait for a read (``DEFER_WRITES``)."""
     if max_rows_per_request is None:
         return False
     return max_rows_per_request <= state.ring_rows - compress_span(state.ratio) + 1
@@ -524,10 +729,11 @@ def _fused_triton(
     norm_eps: float,
     positions: torch.Tensor,
     store: tuple[SlotCache, torch.Tensor] | None,
-    write_ring: bool,
+    defer_writes: bool,
 ) -> torch.Tensor:
     """Launch ``_compress_fused_kernel`` (``[T, D]`` fp32 entries aligned to rows), which also
-    stores them in ``store = (cache, out_loc)`` and, with ``write_ring``, writes the ring."""
+    stores them in ``store = (cache, out_loc)`` and writes the ring; ``defer_writes``: unless
+    ``ring_write_is_safe``."""
     d, ratio, ring = state.head_dim, state.ratio, state.ring
     rows = kv_proj.shape[0]
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
@@ -546,13 +752,13 @@ def _fused_triton(
     _compress_fused_kernel[(rows,)](
         kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
         write_plan, norm_weight, cos, sin, out, out_loc, storage,
-        rows, d, kv_proj.shape[1], ring.shape[1], norm_eps,
+        rows, d, kv_proj.shape[1], ring.shape[1], norm_eps, rows.bit_length(),
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
         window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
         storage.stride(0),
         RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
         ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
-        BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_W=block_d, WRITE_RING=write_ring,
+        BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_W=block_d, DEFER_WRITES=defer_writes,
         **row_store_constexprs(cache), num_warps=fused_warps(block_d),
     )  # fmt: skip
     return out
@@ -769,8 +975,8 @@ def compress_forward(
     store : ``(cache, out_loc)``: also store each row's entry in ``cache`` at ``out_loc``
         ``[T]`` (``-1``: none), as ``store_rows`` does.
     max_rows_per_request : the most rows a request has in this forward when known (uniform
-        kinds); where ``ring_write_is_safe`` says so, the new kernel does everything in one
-        launch, else the ring write is a second one.
+        kinds); where ``ring_write_is_safe`` says so, the one-launch kernel skips the check
+        for writes that must wait for an entry's ring reads (``DEFER_WRITES``).
 
     Returns ``[T, D]`` float32 aligned to rows: the finished (normed, roped) entry completed by
     each row, zeros for rows that complete none. Decode is the same call with one row per
@@ -788,14 +994,10 @@ def compress_forward(
         if store is not None:
             _check_store(state, kv_proj.shape[0], *store)
             store = (store[0], store[1].contiguous())
-        one_launch = ring_write_is_safe(state, max_rows_per_request)
-        entries = _fused_triton(
+        return _fused_triton(
             *args, compress_plan.contiguous(), write_plan.contiguous(), norm_weight.contiguous(),
-            rope, norm_eps, positions, store, one_launch,
+            rope, norm_eps, positions, store, not ring_write_is_safe(state, max_rows_per_request),
         )  # fmt: skip
-        if not one_launch:
-            _write_triton(*args, write_plan.contiguous())
-        return entries
     if dispatch.use_triton(device):
         entries = _entries_triton(
             *args, compress_plan.contiguous(), norm_weight.contiguous(), rope, norm_eps, positions
