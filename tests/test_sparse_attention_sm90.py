@@ -1,14 +1,14 @@
 """The Triton kernels compiled ahead of time on the CPU for sm_90a (H200): sparse attention,
-then the indexer, compressor and planner kernels (``test_nothing_spills`` covers all); and the
-attention kernels for sm_100a (B200: tcgen05 dots).
+its merge and key-union kernels and the planner's kernels (``test_nothing_spills`` covers
+all); and the attention kernels for sm_100a (B200: tcgen05 dots).
 
-``benchmarks/sass_report.py`` (on ``tests/sm90_compile.py``) compiles every launch
-configuration the backend makes at DeepSeek-V4-Flash shapes (H = 64, D = 512; window-only, c4
+``benchmarks/sass_report.py`` (on ``tests/sm90_compile.py``) compiles the launch
+configurations the backend makes at DeepSeek-V4-Flash shapes (H = 64, D = 512; window-only, c4
 and c128 layers; dense bf16 and fp8 caches; one split and several; the merge kernel; the c4
-layer at 16 and 32 heads a rank) with Triton's backend for the target and its bundled ptxas,
-and reads the main loop from the SASS. No GPU is needed; a GPU machine runs the same check.
-The compiles run in subprocesses: the test session's ``TRITON_INTERPRET=1`` would turn the
-kernels into interpreted ones.
+layer at 16 and 32 heads a rank; :data:`QUICK`, every one under ``DSV4_STRESS=1``) with
+Triton's backend for the target and its bundled ptxas, and reads the main loop from the SASS.
+No GPU is needed; a GPU machine runs the same check. The compiles run in subprocesses: the test
+session's ``TRITON_INTERPRET=1`` would turn the kernels into interpreted ones.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from stress import STRESS
 
 from dsv4_backend.kernels import sparse_attention as sa
 
@@ -38,23 +39,38 @@ def _report(*args: str) -> dict[str, dict]:
     return {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
 
 
+#: The attention launches compiled for sm_90a, dense and fp8 (64 heads: window-only finalising,
+#: c4 with key splits; 16 and 32 heads one row a program; a verify request's rows at 32 heads
+#: on a c128 layer), and of the planner's kernels a small uniform batch and a large extend:
+#: each kind once, as a cold compile costs about 2 s of CPU a kernel. ``DSV4_STRESS=1``
+#: compiles every configuration (20 attention launches, 8 planner kernels), as
+#: ``benchmarks/sass_report.py`` does. The indexer and compressor kernels are
+#: ``tests/test_indexer_compressor_sass.py``'s.
+QUICK = ("-r0-s1", "-r4-s8", "-r4-s4-h16", "-r4-s4-h32", "-r128-s4-g-h32")
+QUICK_PLAN = ("uniform-b8", "extend-b256")
+#: Of those, the launches compiled for sm_100a (64 M lines a program: the tcgen05 dots);
+#: ``DSV4_STRESS=1`` adds window-only, one row at 16 heads and a verify request at 16 heads.
+BLACKWELL = ("-r0-s1", "-r4-s8", "-r4-s4-h16", "-r4-s1-g-h16", "-r128-s4-g-h32") if STRESS \
+    else ("-r4-s8", "-r128-s4-g-h32")  # fmt: skip
+
+
+def _attention_names(kinds: tuple[str, ...]) -> list[str]:
+    return [f"attention-{fmt}{kind}" for fmt in ("dense", "fp8") for kind in kinds]
+
+
 @pytest.fixture(scope="module")
 def reports() -> dict[str, dict]:
-    """Every configuration on sm_90a."""
-    return _report("--target", "sm_90a")
-
-
-#: The attention launches compiled for sm_100a here, one of each kind (64 heads: window-only
-#: finalising, c4 with key splits; 16 heads one row a program; a verify request's rows at 16
-#: and 32 heads), dense and fp8: half of them, to keep the test short (the report covers all).
-BLACKWELL = ("-r0-s1", "-r4-s8", "-r4-s4-h16", "-r4-s1-g-h16", "-r128-s4-g-h32")
+    """The attention, merge, key-union and planner configurations on sm_90a."""
+    if STRESS:
+        return _report("--target", "sm_90a", "attention-", "merge-", "key-union-", "plan-")
+    plan = [f"plan-{k}-{b}" for k in ("fields", "checks") for b in QUICK_PLAN]
+    return _report("--target", "sm_90a", *_attention_names(QUICK), "merge-", "key-union-", *plan)
 
 
 @pytest.fixture(scope="module")
 def blackwell() -> dict[str, dict]:
     """The :data:`BLACKWELL` attention configurations on sm_100a."""
-    return _report("--target", "sm_100a", *(f"attention-{f}{k}" for f in ("dense", "fp8")
-                                            for k in BLACKWELL))  # fmt: skip
+    return _report("--target", "sm_100a", *_attention_names(BLACKWELL))
 
 
 def test_every_configuration_compiled(reports: dict[str, dict]) -> None:
@@ -120,21 +136,11 @@ def test_dense_key_gather_is_pipelined(reports: dict[str, dict]) -> None:
             assert report["cp_async"] > 0, (name, report)
 
 
-# ------------------------------------------------------------- indexer, compressor, planner
-def test_fused_kernels_compiled(reports: dict[str, dict]) -> None:
-    names = set(reports)
-    assert {"indexer-scores-fp8", "indexer-slots-k512", "compress-entry-c4"} <= names
-    assert {"compress-entry-c128"} <= names
-    assert sum(n.startswith("plan-fields-") for n in names) == 4
-
-
-def test_indexer_scores_are_bf16_wgmma(reports: dict[str, dict]) -> None:
-    """The lightning indexer's [BLOCK_N, 128] x [128, 64 heads] dot on Hopper tensor cores with
-    bf16 operands (FP8 keys dequantised in registers): wgmma ``.f32.bf16.bf16``, no tf32."""
-    mma = reports["indexer-scores-fp8"]["mma"]
-    assert mma, "no tensor-core instruction in the indexer's scores"
-    for op in mma:
-        assert op.startswith("wgmma.mma_async") and op.endswith(".f32.bf16.bf16"), op
+# ------------------------------------------------------------------------------ planner
+def test_plan_kernels_compiled(reports: dict[str, dict]) -> None:
+    names = {n for n in reports if n.startswith("plan-")}
+    assert {n.rsplit("-", 2)[0] for n in names} == {"plan-fields", "plan-checks"}, names
+    assert {n.split("-", 2)[2] for n in names} >= {"uniform-b8", "extend-b256"}, names
 
 
 # -------------------------------------------------------- the SASS report, Hopper and Blackwell
