@@ -138,9 +138,12 @@ def test_c4_write_plan_keeps_the_last_block_of_every_page() -> None:
     assert kept(write) == list(range(512, 601))
 
 
-def test_fused_planner_keeps_the_page_ends_too() -> None:
+@pytest.mark.parametrize("tile", ["interpreter", "gpu"])
+def test_fused_planner_keeps_the_page_ends_too(tile: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The fused kernel's closed-form record indices agree with the torch plans when the c4
-    write plan holds page ends before each request's tail (long extends, verify, decode)."""
+    write plan holds page ends before each request's tail (long extends, verify, decode); with
+    the interpreter's row tile and with the GPU's (its last two batches)."""
+    from dsv4_backend.kernels import plan_fields
     from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
     from dsv4_backend.planning.planner import fuses
     from dsv4_backend.testing.simulation import PagedRequestPool
@@ -154,6 +157,9 @@ def test_fused_planner_keeps_the_page_ends_too() -> None:
         pool.extend([2, 0], [1000, 100], [255, 200]),
         pool.verify([0, 1, 2], [251, 509, 254], 4),
     ]
+    if tile == "gpu":
+        monkeypatch.setattr(plan_fields, "INTERPRETER_BLOCK_T", plan_fields.BLOCK_T)
+        batches = batches[1:]
     for batch in batches:
         with force_path(TRITON_INTERPRETER):
             assert fuses(batch)

@@ -41,6 +41,10 @@ from dsv4_backend.kernels.row_fields import _floor_div, _floor_mod
 
 #: Rows per program (an upper bound: fewer when the batch has many requests).
 BLOCK_T = 8
+#: Rows per program in Triton's interpreter, which pays per program and per operation rather
+#: than per element: an extend of 900 rows is 15 programs, not 113 (the tile is any power of
+#: two; ``tests/test_planner.py`` also runs the GPU's).
+INTERPRETER_BLOCK_T = 64
 #: Columns of the wide fields per program.
 BLOCK_C = 64
 #: Rows per step of the checks' single program.
@@ -648,7 +652,8 @@ def plan_fields(
     c128_width = 0 if c128 is None else c128.page_indices.shape[1]
     index_widths = [f.page_indices.shape[1] for f in out.ratios.values()]
     block_b = triton.next_power_of_2(max(bs, 1))
-    block_t = max(1, min(BLOCK_T, REQUEST_TILE // block_b))
+    rows = INTERPRETER_BLOCK_T if out.page_table.device.type == "cpu" else BLOCK_T
+    block_t = max(1, min(rows, REQUEST_TILE // block_b))
     grid = (
         triton.cdiv(padded_rows, block_t),
         triton.cdiv(max(page_width, swa_width, *index_widths), BLOCK_C),
