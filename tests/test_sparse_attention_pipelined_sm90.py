@@ -3,8 +3,7 @@
 ``tests/pipelined_compile.py`` compiles, at DeepSeek-V4-Flash shapes, the pipelined kernel for
 sm_90a (a window-only decode layer with one split, a c4 decode layer with 8 splits, whose last
 one merges, and a c128 verify layer at 16 heads a rank, 4 rows a program) and sm_100a
-(:data:`SM100`), the
-Gluon ws kernel for sm_90a (the c4 layer, 8 splits), and reads each as
+(:data:`SM100`), the Gluon ws kernel for sm_90a (the c4 layer, 8 splits), and reads each as
 ``benchmarks/sass_report.py`` does (its ``SPECS`` claims). No GPU is needed.
 """
 
@@ -18,6 +17,9 @@ from pathlib import Path
 
 import pytest
 from stress import STRESS
+
+#: The module fixtures run once: scripts/test.sh keeps this file on one worker.
+pytestmark = pytest.mark.xdist_group("sparse_attention_pipelined_sm90")
 
 SCRIPT = Path(__file__).with_name("pipelined_compile.py")
 PIPELINED = ("pipelined-r0-s1", "pipelined-r4-s8", "pipelined-r128-s4-g-h16")
