@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # The test suite: create or reuse the pinned virtualenv (scripts/bootstrap.sh), lint with ruff
 # (check and format --check), type-check with mypy, run pytest on tests/ with a worker a core
-# (pytest-xdist; DSV4_TEST_WORKERS sets the count, 0 runs in one process; tests go to whichever
-# worker is free, except that a file marked with an xdist_group, whose module fixtures are
-# costly, stays on one worker). Extra arguments are passed to pytest:
+# (pytest-xdist; DSV4_TEST_WORKERS sets the count, 0 runs in one process; a test file stays on
+# one worker, so its module fixtures run once). Extra arguments are passed to pytest:
 # scripts/test.sh -k registration. Tests run even when a check fails; the exit
 # status is pytest's if it failed, else that of the first failing check.
 set -euo pipefail
@@ -18,5 +17,5 @@ check() {  # run a check; remember the status of the first one that fails
 check "$py" -m ruff check .
 check "$py" -m ruff format --check .
 check "$py" -m mypy
-"$py" -m pytest -q -n "${DSV4_TEST_WORKERS:-auto}" --dist loadgroup tests "$@"
+"$py" -m pytest -q -n "${DSV4_TEST_WORKERS:-auto}" --dist loadfile --no-loadscope-reorder tests "$@"
 exit "$status"

@@ -27,3 +27,24 @@ if os.environ["TRITON_INTERPRET"] == "1":
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+#: The costliest files (ahead-of-time compiles, sglang subprocesses, long interpreter runs),
+#: costliest first. They run first, and scripts/test.sh hands files to its workers in this order
+#: (``--no-loadscope-reorder``), so the short files fill in around them and the workers finish
+#: together.
+COSTLIEST_FIRST = (
+    "test_sparse_attention_sm90.py",
+    "test_indexer_compressor_sass.py",
+    "test_prefix_cache.py",
+    "test_launch_budget.py",
+    "test_sparse_attention_pipelined_sm90.py",
+    "test_ab.py",
+    "test_compressor.py",
+    "test_sparse_attention.py",
+    "test_registration.py",
+)
+
+
+def pytest_collection_modifyitems(items: list) -> None:
+    rank = {name: i for i, name in enumerate(COSTLIEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: file order kept

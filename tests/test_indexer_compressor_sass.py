@@ -18,9 +18,6 @@ from pathlib import Path
 import pytest
 from stress import STRESS
 
-#: The module fixtures run once: scripts/test.sh keeps this file on one worker.
-pytestmark = pytest.mark.xdist_group("indexer_compressor_sass")
-
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 TARGETS = ("sm_90a", "sm_100a")
 #: Configurations of this file (name substrings of sm90_compile's configurations).

@@ -30,9 +30,6 @@ from dsv4_backend.errors import ConfigError, MissingBackendError
 from dsv4_backend.registration import register
 from dsv4_backend.sglang_adapter.factory import BACKEND_MODULE, DRAFT_MODULE, adapter_class
 
-#: The module fixtures run once: scripts/test.sh keeps this file on one worker.
-pytestmark = pytest.mark.xdist_group("registration")
-
 PROBE = Path(__file__).with_name("sglang_probe.py")
 OUR_FACTORY = "dsv4_backend.sglang_adapter.factory.create_dsv4_backend"
 SGLANG_FACTORY = "sglang.srt.layers.attention.attention_registry.create_dsv4_backend"

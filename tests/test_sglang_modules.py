@@ -34,9 +34,6 @@ from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool
 
-#: The module fixtures run once: scripts/test.sh keeps this file on one worker.
-pytestmark = pytest.mark.xdist_group("sglang_modules")
-
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 HIDDEN, Q_LORA = 64, 32
 C4_LAYER, C128_LAYER = 1, 2

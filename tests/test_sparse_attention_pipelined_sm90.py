@@ -18,9 +18,6 @@ from pathlib import Path
 import pytest
 from stress import STRESS
 
-#: The module fixtures run once: scripts/test.sh keeps this file on one worker.
-pytestmark = pytest.mark.xdist_group("sparse_attention_pipelined_sm90")
-
 SCRIPT = Path(__file__).with_name("pipelined_compile.py")
 PIPELINED = ("pipelined-r0-s1", "pipelined-r4-s8", "pipelined-r128-s4-g-h16")
 WS = ("ws-r4-s8",)

@@ -24,9 +24,6 @@ from stress import STRESS
 
 from dsv4_backend.kernels import sparse_attention as sa
 
-#: The module fixtures run once: scripts/test.sh keeps this file on one worker.
-pytestmark = pytest.mark.xdist_group("sparse_attention_sm90")
-
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "sass_report.py"
 
