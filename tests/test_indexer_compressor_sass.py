@@ -40,9 +40,13 @@ NEW_KERNELS = (
 BLACKWELL = ("indexer-rows-", "indexer-scores-fp8", "indexer-topk-chunks",
              "indexer-topk-merge-", "compress-fused-c4-extend", "compress-fused-c128-extend",
              "compress-fused-indexer-extend")  # fmt: skip
-#: What each target compiles: every kernel on sm_90a, :data:`BLACKWELL` on sm_100a (every
-#: kernel under ``DSV4_STRESS=1``: a cold compile costs about 2 s of CPU a kernel).
-COMPILED = {"sm_90a": KERNELS, "sm_100a": KERNELS if STRESS else BLACKWELL}
+#: sm_90a in the default suite: every kernel but the one-launch compressors' decode / verify
+#: variants (their extend variants hold the same code and more).
+HOPPER = ("indexer-", "compress-entry-", "compress-ring-write-", "compress-fused-c4-extend",
+          "compress-fused-c128-extend", "compress-fused-indexer-extend")  # fmt: skip
+#: What each target compiles: :data:`HOPPER` on sm_90a, :data:`BLACKWELL` on sm_100a (every
+#: kernel under ``DSV4_STRESS=1``: a cold compile costs 2-3 s of CPU a kernel).
+COMPILED = {"sm_90a": KERNELS if STRESS else HOPPER, "sm_100a": KERNELS if STRESS else BLACKWELL}
 
 
 @pytest.fixture(scope="module")
@@ -71,9 +75,10 @@ def reports() -> dict[str, dict[str, dict]]:
 def test_every_kernel_compiles_without_spills(reports: dict, target: str) -> None:
     got = reports[target]
     assert all(any(n.startswith(k) for n in got) for k in COMPILED[target]), sorted(got)
-    if COMPILED[target] == KERNELS:  # the new kernels and the CUDA default's
+    if target == "sm_90a":  # the CUDA default's kernels and the new ones
         defaults = {"indexer-scores-fp8", "indexer-slots-k512", "compress-entry-c4"}
-        assert set(NEW_KERNELS) | defaults | {"compress-entry-c128"} <= set(got), sorted(got)
+        new = {n for n in NEW_KERNELS if STRESS or not n.startswith("compress-fused-")}
+        assert new | defaults | {"compress-entry-c128"} <= set(got), sorted(got)
     for report in got.values():
         assert report["target"] == target
         assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0, report
