@@ -653,6 +653,19 @@ def _ring_write_kernel(
 
 
 # ------------------------------------------------------------------------------- launchers
+def _entry_cos_sin(
+    rope: CosSin, positions: torch.Tensor, ratio: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE tables the entry kernels read: a ``RopeTable``'s own (row = entry position),
+    or any other ``CosSin`` evaluated at the entry position of each row (``positions``
+    ``[T]``; torch ops, tests only)."""
+    if isinstance(rope, RopeTable):
+        return rope.cos, rope.sin
+    entry_positions = (positions.long() + 1) // ratio * ratio - ratio
+    cos, sin = (x.contiguous() for x in rope.cos_sin(entry_positions))
+    return cos, sin
+
+
 def _entries_triton(
     state: CompressorState,
     kv_proj: torch.Tensor,
@@ -676,11 +689,7 @@ def _entries_triton(
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
     if rows == 0:
         return out
-    if isinstance(rope, RopeTable):
-        cos, sin = rope.cos, rope.sin
-    else:
-        entry_positions = (positions.long() + 1) // ratio * ratio - ratio
-        cos, sin = (x.contiguous() for x in rope.cos_sin(entry_positions))
+    cos, sin = _entry_cos_sin(rope, positions, ratio)
     span = compress_span(ratio)
     block_p = triton.next_power_of_2(max(d // 2, 1))
     block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
@@ -739,11 +748,7 @@ def _fused_triton(
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
     if rows == 0:
         return out
-    if isinstance(rope, RopeTable):
-        cos, sin = rope.cos, rope.sin
-    else:
-        entry_positions = (positions.long() + 1) // ratio * ratio - ratio
-        cos, sin = (x.contiguous() for x in rope.cos_sin(entry_positions))
+    cos, sin = _entry_cos_sin(rope, positions, ratio)
     span = compress_span(ratio)
     block_d = triton.next_power_of_2(max(d, 2))
     block_s = min(span, max(POOL_TILE // block_d, 1))
