@@ -36,6 +36,7 @@ import tempfile
 
 os.environ["TRITON_INTERPRET"] = "0"  # before triton is imported
 
+import torch
 import triton
 from triton import knobs
 from triton.backends.compiler import GPUTarget
@@ -113,7 +114,13 @@ def union_source(group: int) -> tuple[ASTSource, dict]:
 def merge_source(splits: int) -> tuple[ASTSource, dict]:
     """The merge of ``splits`` partials into the output (both bf16, as on a GPU)."""
     names = sa._merge_splits_kernel.arg_names
-    constexprs = dict(D=DIM, BLOCK_D=DIM, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits))
+    constexprs = dict(
+        D=DIM,
+        BLOCK_D=DIM,
+        NUM_SPLITS=splits,
+        BLOCK_S=triton.next_power_of_2(splits),
+        HEADS_PER_PROGRAM=sa.merge_heads_per_program(64, torch.device("cuda")),
+    )
     signature = {
         n: "constexpr" if n in constexprs else ("*fp32" if n.endswith("_ptr") else "i32")
         for n in names
@@ -424,8 +431,8 @@ def _fused_compressor(
              out_loc_ptr="*i64", cache_ptr="*u8", eps="fp32"),
         dict(RATIO=ratio, SPAN=span, OVERLAP=2 if ratio == 4 else 1,
              WINDOW_PAGE=256 if ratio == 4 else 0, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
-             BLOCK_D=dim, BLOCK_S=min(span, compressor.POOL_TILE // dim), BLOCK_W=dim,
-             DEFER_WRITES=defer_writes, BF16_BITS=False, **store),
+             BLOCK_D=dim, **compressor.fused_tiles(dim, span), DEFER_WRITES=defer_writes,
+             BF16_BITS=False, **store),
     )  # fmt: skip
     return src, dict(num_warps=compressor.fused_warps(dim))
 
@@ -448,16 +455,17 @@ def _planner() -> list[tuple[str, ASTSource, dict]]:
     kinds["failed_ptr"] = "*i8"
     # Row blocks as the launcher sizes them: a small batch (8) and a large one (256).
     for extend, batch in ((False, 8), (False, 256), (True, 8), (True, 256)):
-        block_t = max(1, min(plan_fields.BLOCK_T, plan_fields.REQUEST_TILE // batch))
+        tiles = plan_fields.GPU_TILES
+        block_t = plan_fields.row_block(tiles, tiles.rows, batch)
         plan = _source(
             plan_fields._plan_kernel,
             kinds,
             dict(EXTEND=extend, HAS_SWA_MAP=True, HAS_C4=True, HAS_C128=True, PAGE=256,
                  SPAN4=8, SPAN128=128, BLOCK_T=block_t, BLOCK_B=batch,
-                 BLOCK_C=plan_fields.BLOCK_C),
+                 BLOCK_C=tiles.columns),
         )  # fmt: skip
         out.append((f"plan-fields-{'extend' if extend else 'uniform'}-b{batch}", *plan))
-        block_t = max(1, min(plan_fields.CHECK_BLOCK_T, plan_fields.REQUEST_TILE // batch))
+        block_t = plan_fields.row_block(tiles, tiles.check_rows, batch)
         check = _source(
             plan_fields._check_kernel,
             kinds,
@@ -467,7 +475,7 @@ def _planner() -> list[tuple[str, ASTSource, dict]]:
                 PAGE=256,
                 BLOCK_T=block_t,
                 BLOCK_B=batch,
-                BLOCK_E=plan_fields.check_block_e(128, batch),
+                BLOCK_E=plan_fields.check_block_e(tiles, 128, batch),
             ),
         )
         out.append((f"plan-checks-{'extend' if extend else 'uniform'}-b{batch}", *check))

@@ -51,3 +51,25 @@ def test_one_patch_a_launch_and_the_same_result(monkeypatch: pytest.MonkeyPatch)
     plain = torch.empty(8)
     _loop_kernel[(3,)](x, plain, STEPS=5, BLOCK=8)
     assert torch.equal(plain, out)
+
+
+SCALARS = [
+    tl.int1, tl.int8, tl.uint8, tl.int16, tl.uint16, tl.int32, tl.uint32, tl.int64, tl.uint64,
+    tl.float16, tl.bfloat16, tl.float32, tl.float64,
+    tl.float8e5, tl.float8e5b16, tl.float8e4nv, tl.float8e4b8, tl.float8e4b15,
+]  # fmt: skip
+
+
+def test_numpy_dtypes_are_the_originals() -> None:
+    """The table answers as Triton's own function for scalar, pointer and block types (asked
+    twice: filled, then read), and it is the one the suite's interpreter asks."""
+    kinds = [
+        *SCALARS,
+        *(tl.pointer_type(t) for t in SCALARS),
+        *(tl.block_type(t, [4, 2]) for t in SCALARS),
+        tl.block_type(tl.pointer_type(tl.bfloat16), [8]),
+    ]
+    for _ in range(2):
+        for kind in kinds:
+            assert fast._get_np_dtype(kind) == fast._original_np_dtype(kind), kind
+    assert interpreter._get_np_dtype is fast._get_np_dtype  # installed by tests/conftest.py

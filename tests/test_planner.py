@@ -158,7 +158,7 @@ def test_fused_planner_keeps_the_page_ends_too(tile: str, monkeypatch: pytest.Mo
         pool.verify([0, 1, 2], [251, 509, 254], 4),
     ]
     if tile == "gpu":
-        monkeypatch.setattr(plan_fields, "INTERPRETER_BLOCK_T", plan_fields.BLOCK_T)
+        monkeypatch.setattr(plan_fields, "INTERPRETER_TILES", plan_fields.GPU_TILES)
         batches = batches[1:]
     for batch in batches:
         with force_path(TRITON_INTERPRETER):

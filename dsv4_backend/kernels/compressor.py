@@ -106,24 +106,43 @@ def _online_softmax_step(m, l, acc, kv, score):
 
 
 @triton.jit
-def _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D: tl.constexpr):
+def _zero_rows(out_ptr, start, stop, D, stride_out, BLOCK_D: tl.constexpr, ZERO_ROWS: tl.constexpr):
+    """Zero output rows ``start ... stop - 1``, ``[ZERO_ROWS, BLOCK_D]`` a step."""
+    r = tl.arange(0, ZERO_ROWS).to(tl.int64)
+    d = tl.arange(0, BLOCK_D)
+    zeros = tl.zeros([ZERO_ROWS, BLOCK_D], tl.float32)
+    for r0 in range(start, stop, ZERO_ROWS):
+        rows = r0 + r
+        mask = (rows < stop)[:, None] & (d < D)[None, :]
+        tl.store(out_ptr + rows[:, None] * stride_out + d[None, :], zeros, mask=mask)
+
+
+@triton.jit
+def _zero_gaps(
+    plan_ptr,
+    out_ptr,
+    rec,
+    num_rows,
+    D,
+    stride_plan,
+    stride_out,
+    BLOCK_D: tl.constexpr,
+    ZERO_ROWS: tl.constexpr,
+):
     """Zero the output rows that complete no entry around compress record ``rec``: the gap
     before it and (last record, or record 0 of an empty plan) the rows up to ``T``. Returns
     the record's ragged row (``< 0``: padding)."""
     ragged = tl.load(plan_ptr + rec * stride_plan)
-    prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
-    nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    zeros = tl.zeros([BLOCK_D], tl.float32)
     valid = ragged >= 0
-    last = valid & (nxt < 0)
-    gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
-    for r in range(gap_from, tl.where(valid, ragged, 0).to(tl.int64)):
-        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
-    tail_to = tl.where(last | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
-    for r in range(tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to):
-        tl.store(out_ptr + r * stride_out + d, zeros, mask=d_ok)
+    if valid | (rec == 0):  # padding records past the first have nothing to zero
+        prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
+        nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
+        gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
+        _zero_rows(out_ptr, gap_from, tl.where(valid, ragged, 0).to(tl.int64), D, stride_out,
+                   BLOCK_D, ZERO_ROWS)  # fmt: skip
+        tail_to = tl.where((valid & (nxt < 0)) | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
+        _zero_rows(out_ptr, tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to, D, stride_out,
+                   BLOCK_D, ZERO_ROWS)  # fmt: skip
     return ragged
 
 
@@ -202,7 +221,9 @@ def _compress_entry_kernel(
     row is written exactly once without a separate fill.
     """
     rec = tl.program_id(0)
-    ragged = _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, 2 * BLOCK_P)
+    ragged = _zero_gaps(
+        plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, 2 * BLOCK_P, 1
+    )
     pair = tl.arange(0, BLOCK_P)
     pair_ok = pair < D // 2
     zeros = tl.zeros([BLOCK_P], tl.float32)
@@ -520,6 +541,7 @@ def _compress_fused_kernel(
     BLOCK_D: tl.constexpr,  # channels per program (>= D)
     BLOCK_S: tl.constexpr,  # span slots per pooling step
     BLOCK_W: tl.constexpr,  # ring-row columns per write step (>= C*D / steps)
+    ZERO_ROWS: tl.constexpr,  # output rows zeroed per step (rows that complete no entry)
     DEFER_WRITES: tl.constexpr,  # a write may replace a ring row an entry reads (extend)
     STORE: tl.constexpr,  # cache_store.STORE_*: the format entries are stored in
     BF16_BITS: tl.constexpr,
@@ -542,7 +564,9 @@ def _compress_fused_kernel(
     own. A ring row is then read and replaced by one program, in that order.
     """
     rec = tl.program_id(0)
-    ragged = _zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D)
+    ragged = _zero_gaps(
+        plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
+    )
     record = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, norm_ptr, cos_ptr,
               sin_ptr, out_ptr, out_loc_ptr, cache_ptr)  # fmt: skip
     strides = (D, ring_rows, eps, stride_kv, stride_score, stride_ape, stride_ring_slot,
@@ -706,6 +730,17 @@ def _entries_triton(
     return out
 
 
+def fused_tiles(block_d: int, span: int) -> dict[str, int]:
+    """The tile constexprs of ``_compress_fused_kernel`` for ``block_d`` channels and entries
+    of ``span`` tokens: span slots a pooling step, ring-row columns a write step, output rows
+    zeroed a step (``POOL_TILE`` elements at most a tile)."""
+    return dict(
+        BLOCK_S=min(span, max(POOL_TILE // block_d, 1)),
+        BLOCK_W=block_d,
+        ZERO_ROWS=max(POOL_TILE // block_d, 1),
+    )
+
+
 def fused_warps(block_d: int) -> int:
     """Warps of ``_compress_fused_kernel``: 8 for a layer's 512 channels (sm_90a: 188
     registers, not 248 with 4), else 4."""
@@ -751,7 +786,6 @@ def _fused_triton(
     cos, sin = _entry_cos_sin(rope, positions, ratio)
     span = compress_span(ratio)
     block_d = triton.next_power_of_2(max(d, 2))
-    block_s = min(span, max(POOL_TILE // block_d, 1))
     cache, out_loc = store if store is not None else (None, out)  # out: an unread pointer
     storage = out if cache is None else cache.storage
     _compress_fused_kernel[(rows,)](
@@ -763,7 +797,7 @@ def _fused_triton(
         storage.stride(0),
         RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
         ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
-        BLOCK_D=block_d, BLOCK_S=block_s, BLOCK_W=block_d, DEFER_WRITES=defer_writes,
+        BLOCK_D=block_d, **fused_tiles(block_d, span), DEFER_WRITES=defer_writes,
         **row_store_constexprs(cache), num_warps=fused_warps(block_d),
     )  # fmt: skip
     return out

@@ -39,21 +39,44 @@ import triton.language as tl
 from dsv4_backend.config import compress_span
 from dsv4_backend.kernels.row_fields import _floor_div, _floor_mod
 
-#: Rows per program (an upper bound: fewer when the batch has many requests).
-BLOCK_T = 8
-#: Rows per program in Triton's interpreter, which pays per program and per operation rather
-#: than per element: an extend of 900 rows is 15 programs, not 113 (the tile is any power of
-#: two; ``tests/test_planner.py`` also runs the GPU's).
-INTERPRETER_BLOCK_T = 64
-#: Columns of the wide fields per program.
-BLOCK_C = 64
-#: Rows per step of the checks' single program.
-CHECK_BLOCK_T = 128
-#: Elements of the ``[rows, requests]`` tile each program reduces for the plan offsets.
-REQUEST_TILE = 1024
-#: Elements of one read-check tile of ``_check_kernel``: 1024 spill 12-16 B at sm_90a beside
-#: the row checks' registers, 512 do not.
-CHECK_READ_TILE = 512
+
+@dataclass(frozen=True)
+class PlannerTiles:
+    """Tile sizes of the planner's two kernels (upper bounds: tiles shrink to a batch's many
+    requests or to narrow fields)."""
+
+    rows: int  # rows a ``_plan_kernel`` program
+    columns: int  # wide-field columns a ``_plan_kernel`` program
+    request_tile: int  # elements of the ``[rows, requests]`` tile reduced for the plan offsets
+    check_rows: int  # rows a step of ``_check_kernel``'s single program
+    check_read_tile: int  # elements of its two ``[entries, requests]`` read-check tiles
+
+
+#: On a GPU: 8 rows and 64 columns a program fill the SMs; read-check tiles of 1024 elements
+#: spill 12-16 B at sm_90a beside the row checks' registers, 512 do not.
+GPU_TILES = PlannerTiles(rows=8, columns=64, request_tile=1024, check_rows=128, check_read_tile=512)
+#: In Triton's interpreter, which pays per program and per operation rather than per element:
+#: an extend of 900 rows is 15 programs of every column, not 113 x the column blocks (the
+#: tiles are any power of two; ``tests/test_planner.py`` also runs the GPU's).
+INTERPRETER_TILES = PlannerTiles(
+    rows=64, columns=1024, request_tile=16384, check_rows=1024, check_read_tile=8192
+)
+
+
+def planner_tiles(device: torch.device) -> PlannerTiles:
+    """The tiles of the planner kernels for tensors on ``device``."""
+    return GPU_TILES if device.type == "cuda" else INTERPRETER_TILES
+
+
+def plan_block_c(tiles: PlannerTiles, widest: int) -> int:
+    """Wide-field columns a ``_plan_kernel`` program for fields at most ``widest`` columns:
+    ``tiles.columns``, or fewer (not below the GPU's) when every field is narrower."""
+    return min(tiles.columns, max(GPU_TILES.columns, triton.next_power_of_2(max(widest, 1))))
+
+
+def row_block(tiles: PlannerTiles, rows: int, block_b: int) -> int:
+    """Rows a tile of ``rows`` at most, beside ``block_b`` requests in a request tile."""
+    return max(1, min(rows, tiles.request_tile // block_b))
 
 
 @triton.jit
@@ -595,6 +618,7 @@ def check_rows(
     record = torch.empty(7, 4, dtype=torch.int64, device=device)
     failed = torch.empty(bs, dtype=torch.int8, device=device)
     block_b = triton.next_power_of_2(max(bs, 1))
+    tiles = planner_tiles(device)
     host = record if layout.host is None else layout.host
     _check_kernel[(1,)](
         seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
@@ -607,18 +631,20 @@ def check_rows(
         EXTEND=layout.host is not None,
         HAS_SWA_MAP=full_to_swa is not None,
         PAGE=page_size,
-        BLOCK_T=max(1, min(CHECK_BLOCK_T, REQUEST_TILE // block_b)),
+        BLOCK_T=row_block(tiles, tiles.check_rows, block_b),
         BLOCK_B=block_b,
-        BLOCK_E=check_block_e(window, block_b),
+        BLOCK_E=check_block_e(tiles, window, block_b),
     )  # fmt: skip
     return record, failed
 
 
-def check_block_e(window: int, block_b: int) -> int:
+def check_block_e(tiles: PlannerTiles, window: int, block_b: int) -> int:
     """Read entries per tile of ``_check_kernel`` (``[BLOCK_E, BLOCK_B]`` tiles of the window
     keys before each request's first new position, then of its page-table slots), for a
-    ``window`` of keys and ``block_b`` requests a tile: at most ``CHECK_READ_TILE`` elements."""
-    return max(1, min(triton.next_power_of_2(max(window - 1, 1)), 256 // block_b))
+    ``window`` of keys and ``block_b`` requests a tile: the two tiles at most
+    ``tiles.check_read_tile`` elements."""
+    per_tile = tiles.check_read_tile // 2
+    return max(1, min(triton.next_power_of_2(max(window - 1, 1)), per_tile // block_b))
 
 
 def plan_fields(
@@ -652,12 +678,11 @@ def plan_fields(
     c128_width = 0 if c128 is None else c128.page_indices.shape[1]
     index_widths = [f.page_indices.shape[1] for f in out.ratios.values()]
     block_b = triton.next_power_of_2(max(bs, 1))
-    rows = INTERPRETER_BLOCK_T if out.page_table.device.type == "cpu" else BLOCK_T
-    block_t = max(1, min(rows, REQUEST_TILE // block_b))
-    grid = (
-        triton.cdiv(padded_rows, block_t),
-        triton.cdiv(max(page_width, swa_width, *index_widths), BLOCK_C),
-    )
+    tiles = planner_tiles(out.page_table.device)
+    block_t = row_block(tiles, tiles.rows, block_b)
+    widest = max(page_width, swa_width, *index_widths)
+    block_c = plan_block_c(tiles, widest)
+    grid = (triton.cdiv(padded_rows, block_t), triton.cdiv(widest, block_c))
     stand_in = (out.swa_out_loc,) * 6  # pointers of an absent ratio, never written
 
     def ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
@@ -688,5 +713,5 @@ def plan_fields(
         SPAN128=compress_span(128),
         BLOCK_T=block_t,
         BLOCK_B=block_b,
-        BLOCK_C=BLOCK_C,
+        BLOCK_C=block_c,
     )  # fmt: skip

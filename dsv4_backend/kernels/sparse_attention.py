@@ -37,7 +37,8 @@ Triton kernel, designed like FlashMLA's sparse decode. Grid ``(T / G, cdiv(H, BL
   instructions per configuration, for sm_90a and sm_100a.
 * Splits. With ``S = 1`` the program folds in the sink and writes the output (bf16 for bf16
   queries on a GPU: :func:`output_dtype`); otherwise it writes an unnormalised partial (in
-  the output dtype) and ``_merge_splits_kernel``, grid ``(T, H)``, merges the ``S`` partials
+  the output dtype) and ``_merge_splits_kernel``, grid ``(T, H)`` on a GPU (all heads a
+  program in the interpreter: :func:`merge_heads_per_program`), merges the ``S`` partials
   with the sink. Splits share a row's key blocks evenly (one block apart at most), so none is
   empty unless the row has fewer blocks than splits; the merge does not read the numerator of
   a split that saw no key. ``S`` is picked so the grid fills the SMs
@@ -390,37 +391,48 @@ def _merge_splits_kernel(
     stride_mh,
     stride_ot,
     stride_oh,
+    heads,
     D: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    HEADS_PER_PROGRAM: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    offs_h = tl.program_id(1) * HEADS_PER_PROGRAM + tl.arange(0, HEADS_PER_PROGRAM)
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < NUM_SPLITS
-    ml_ptrs = row * stride_mt + head * stride_mh + offs_s
-    m = tl.load(m_ptr + ml_ptrs, mask=s_mask, other=float("-inf"))
-    l_s = tl.load(l_ptr + ml_ptrs, mask=s_mask, other=0.0)
-    sink = tl.load(sink_ptr + head) * LOG2E
-    m_fin = tl.maximum(tl.max(m, axis=0), sink)
+    h_mask = offs_h < heads
+    hs_mask = h_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]  # [HP, BLOCK_S]
+    ml_ptrs = row * stride_mt + offs_h[:, None] * stride_mh + offs_s[None, :]
+    m = tl.load(m_ptr + ml_ptrs, mask=hs_mask, other=float("-inf"))
+    l_s = tl.load(l_ptr + ml_ptrs, mask=hs_mask, other=0.0)
+    sink = tl.load(sink_ptr + offs_h, mask=h_mask, other=0.0) * LOG2E  # [HP]
+    m_fin = tl.maximum(tl.max(m, axis=1), sink)
     m_ref = tl.where(m_fin == float("-inf"), 0.0, m_fin)
-    w = tl.exp2(m - m_ref)  # [BLOCK_S]
-    denom = tl.sum(w * l_s, axis=0) + tl.exp2(sink - m_ref)
-    w = w / tl.where(denom > 0, denom, 1.0)
+    w = tl.exp2(m - m_ref[:, None])  # [HP, BLOCK_S]
+    denom = tl.sum(w * l_s, axis=1) + tl.exp2(sink - m_ref)
+    w = w / tl.where(denom > 0, denom, 1.0)[:, None]
     part_ptrs = (
         part_ptr
         + row * stride_pt
-        + head * stride_ph
-        + offs_s[:, None] * stride_ps
-        + offs_d[None, :]
+        + offs_h[:, None, None] * stride_ph
+        + offs_s[None, :, None] * stride_ps
+        + offs_d[None, None, :]
     )
     # Splits without a key (m = -inf, weight 0) hold a zero numerator: not read.
-    seen = s_mask & (m > float("-inf"))
-    part = tl.load(part_ptrs, mask=seen[:, None] & (offs_d < D)[None, :], other=0.0)
-    out = tl.sum(part.to(tl.float32) * w[:, None], axis=0).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + row * stride_ot + head * stride_oh + offs_d, out, mask=offs_d < D)
+    seen = hs_mask & (m > float("-inf"))
+    d_mask = (offs_d < D)[None, None, :]
+    part = tl.load(part_ptrs, mask=seen[:, :, None] & d_mask, other=0.0)
+    out = tl.sum(part.to(tl.float32) * w[:, :, None], axis=1).to(out_ptr.dtype.element_ty)
+    out_ptrs = out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
+    tl.store(out_ptrs, out, mask=h_mask[:, None] & (offs_d < D)[None, :])
+
+
+def merge_heads_per_program(heads: int, device: torch.device) -> int:
+    """Heads a merge program takes: one on a GPU (rows x heads programs fill the SMs), all of
+    them in the interpreter, whose cost is per program and per op, not per element."""
+    return 1 if device.type == "cuda" else triton.next_power_of_2(heads)
 
 
 # ------------------------------------------------------------------------------- checks
@@ -766,12 +778,14 @@ def sparse_attention_triton(
         INTERPRETER=not q.is_cuda, num_warps=num_warps, num_stages=num_stages,
     )  # fmt: skip
     if splits > 1:
-        _merge_splits_kernel[(rows, heads)](
+        merge_heads = merge_heads_per_program(heads, q.device)
+        _merge_splits_kernel[(rows, triton.cdiv(heads, merge_heads))](
             part, m, l_s, sink, out,
             part.stride(0), part.stride(1), part.stride(2), m.stride(0), m.stride(1),
-            out.stride(0), out.stride(1),
+            out.stride(0), out.stride(1), heads,
             D=dim, BLOCK_D=block_d, NUM_SPLITS=splits,
-            BLOCK_S=triton.next_power_of_2(splits), num_warps=MERGE_WARPS,
+            BLOCK_S=triton.next_power_of_2(splits), HEADS_PER_PROGRAM=merge_heads,
+            num_warps=MERGE_WARPS,
         )  # fmt: skip
     return out
 
