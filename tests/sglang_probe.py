@@ -6,12 +6,15 @@ Loads plugins the way sglang does (``sglang.srt.plugins.load_plugins()``, honour
 ``SGLANG_PLUGINS``), then writes what sglang's attention registry, server-args parser and draft
 factory hold to ``OUT.json``. ``--full`` adds what needs this package loaded: calls of the draft
 factory entries, the DeepSeek-V4 model override, a second ``register()``, the log records and a
-``spawn``-started child's registry.
+``spawn``-started child's registry. Both end with what ``python -m dsv4_backend info`` prints in
+that process (its ``main``, as the command runs it).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import logging
 import multiprocessing
@@ -124,6 +127,17 @@ def registration_state() -> list[object]:
     ]
 
 
+def info_report() -> str:
+    """What ``python -m dsv4_backend info`` prints, and its exit status 0."""
+    from dsv4_backend import __main__ as cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli.main(["info"])
+    assert status == 0, f"info exited {status}"
+    return out.getvalue()
+
+
 def probe(full: bool) -> dict[str, Any]:
     """Collect the facts; ``full`` adds those that need this package loaded."""
     records = _Records("sglang.srt.plugins.dsv4_backend")
@@ -140,6 +154,7 @@ def probe(full: bool) -> dict[str, Any]:
         for kind, method in DRAFT_METHODS.items()
     }
     if not full:
+        facts["info"] = info_report()
         return facts
 
     from dsv4_backend.registration import builtin_draft_entry, register
@@ -170,6 +185,7 @@ def probe(full: bool) -> dict[str, Any]:
     facts["log"] = records.messages
     with multiprocessing.get_context("spawn").Pool(1) as pool:
         facts["spawned_registry"] = pool.apply(registry)
+    facts["info"] = info_report()
     return facts
 
 
