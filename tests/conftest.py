@@ -35,13 +35,19 @@ if os.environ.get("CI"):
 COSTLIEST_FIRST = (
     "test_sparse_attention_sm90.py",
     "test_indexer_compressor_sass.py",
-    "test_prefix_cache.py",
-    "test_launch_budget.py",
-    "test_sparse_attention_pipelined_sm90.py",
     "test_ab.py",
-    "test_compressor.py",
-    "test_sparse_attention.py",
     "test_registration.py",
+    "test_prefix_cache.py",
+    "test_compressor.py",
+    "test_sparse_attention_pipelined_sm90.py",
+    "test_compress_plan_cuda.py",
+    "test_multi_gpu.py",
+    "test_region_copying.py",
+    "test_serving_modes.py",
+    "test_eagle_loop.py",
+    "test_sparse_attention.py",
+    "test_launch_budget.py",
+    "test_planner.py",
 )
 
 
