@@ -48,10 +48,16 @@ def _report(*args: str) -> dict[str, dict]:
 #: ``tests/test_indexer_compressor_sass.py``'s.
 QUICK = ("-r0-s1", "-r4-s8", "-r4-s4-h16", "-r128-s4-g-h32")
 QUICK_PLAN = ("checks-uniform-b8", "fields-extend-b256")
-#: Of those, the launches compiled for sm_100a (64 M lines a program: the tcgen05 dots);
-#: ``DSV4_STRESS=1`` adds window-only, one row at 16 heads and a verify request at 16 heads.
-BLACKWELL = ("-r0-s1", "-r4-s8", "-r4-s4-h16", "-r4-s1-g-h16", "-r128-s4-g-h32") if STRESS \
-    else ("-r4-s8", "-r128-s4-g-h32")  # fmt: skip
+#: Of those, the launches compiled for sm_100a (64 M lines a program: the tcgen05 dots): each
+#: key format once, fp8 on a c4 layer with key splits, dense for a verify request's rows on a
+#: c128 layer at 32 heads; ``DSV4_STRESS=1`` compiles both formats of window-only, c4 with
+#: splits, one row at 16 heads and verify requests at 16 and 32 heads.
+BLACKWELL_KINDS = ("-r0-s1", "-r4-s8", "-r4-s4-h16", "-r4-s1-g-h16", "-r128-s4-g-h32")
+BLACKWELL = (
+    tuple(f"attention-{fmt}{kind}" for fmt in ("dense", "fp8") for kind in BLACKWELL_KINDS)
+    if STRESS
+    else ("attention-fp8-r4-s8", "attention-dense-r128-s4-g-h32")
+)
 
 
 def _attention_names(kinds: tuple[str, ...]) -> list[str]:
@@ -70,7 +76,7 @@ def reports() -> dict[str, dict]:
 @pytest.fixture(scope="module")
 def blackwell() -> dict[str, dict]:
     """The :data:`BLACKWELL` attention configurations on sm_100a."""
-    return _report("--target", "sm_100a", *_attention_names(BLACKWELL))
+    return _report("--target", "sm_100a", *BLACKWELL)
 
 
 def test_every_configuration_compiled(reports: dict[str, dict]) -> None:
@@ -147,10 +153,7 @@ def test_plan_kernels_compiled(reports: dict[str, dict]) -> None:
 def test_attention_compiles_for_blackwell(reports, blackwell) -> None:
     """The attention launches of :data:`BLACKWELL` for sm_100a; registers and shared memory
     within a B200 SM (spills: see ``test_claimed_criteria_hold``)."""
-    assert set(blackwell) == {
-        n for n in reports if n.startswith("attention-") and any(n.endswith(k) for k in BLACKWELL)
-    }
-    assert len(blackwell) == 2 * len(BLACKWELL)
+    assert set(blackwell) == set(BLACKWELL) <= set(reports)
     for name, report in blackwell.items():
         assert report["registers"] <= 255 and report["shared"] <= 227 * 1024, (name, report)
 

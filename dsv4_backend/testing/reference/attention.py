@@ -1,6 +1,8 @@
-"""Attention reference: one query token at a time over its window plus its compressed set."""
+"""Attention reference: each query token over its window plus its compressed set."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -8,26 +10,41 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 
 
-def visible_entries(ratio: int, position: int) -> int:
-    """Entries ``w < (position + 1) // ratio`` a query at ``position`` may see (0 for ratio 0)."""
-    return (position + 1) // ratio if ratio else 0
+def visible_entries(ratio: int, position: Any) -> Any:
+    """Entries ``w < (position + 1) // ratio`` a query at ``position`` (an int or an int tensor
+    of positions) may see; 0 for ratio 0."""
+    return (position + 1) // ratio if ratio else position * 0
+
+
+#: Query rows a step of :func:`reference_attention` (its logits are ``[rows, H, rows + W - 1 +
+#: entries]``).
+QUERY_CHUNK = 256
 
 
 def sink_attention(
-    q: torch.Tensor, keys: torch.Tensor, sink: torch.Tensor, scale: float
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    sink: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """One query row: ``q [H, D]``, keys = values ``[n, D]``, ``sink [H]`` -> ``[H, D]`` fp32.
+    """Query rows ``q [..., H, D]`` over keys = values ``[n, D]`` with ``sink [H]``: ``[..., H,
+    D]`` fp32. ``visible [..., n]`` bool: the keys each row sees (None: all).
 
-    ``o_h = sum exp(l) k / (sum exp(l) + exp(sink_h))`` with ``l = scale * q_h . k``;
-    ``n = 0`` gives zeros.
+    ``o_h = sum exp(l) k / (sum exp(l) + exp(sink_h))`` over the visible keys, with ``l = scale *
+    q_h . k``; a row that sees no key gives zeros.
     """
     if keys.shape[0] == 0:
         return torch.zeros_like(q, dtype=torch.float32)
-    logits = scale * (q.float() @ keys.float().T)  # [H, n]
-    m = torch.maximum(logits.max(dim=-1).values, sink.float())  # [H], stabilises exp
-    p = torch.exp(logits - m[:, None])
+    logits = scale * torch.einsum("...hd,nd->...hn", q.float(), keys.float())
+    if visible is not None:
+        logits = logits.masked_fill(~visible[..., None, :], float("-inf"))
+    m = torch.maximum(logits.amax(dim=-1), sink.float())  # [..., H], stabilises exp
+    m = m.masked_fill(m == float("-inf"), 0.0)  # no visible key and a -inf sink
+    p = torch.exp(logits - m[..., None])
     denom = p.sum(dim=-1) + torch.exp(sink.float() - m)
-    return (p @ keys.float()) / denom[:, None]
+    out = torch.einsum("...hn,nd->...hd", p, keys.float())
+    return out / denom.masked_fill(denom == 0, 1.0)[..., None]
 
 
 def reference_attention(
@@ -52,7 +69,8 @@ def reference_attention(
 
     Query ``t`` sees window keys ``max(0, t-W+1) ... t`` plus ``E_t``: for ratio 4 the
     selected entries among ``w < (t+1)//4``, for ratio 128 all ``w < (t+1)//128``. Returns
-    ``[S, H, D]`` float32.
+    ``[S, H, D]`` float32. Rows go :data:`QUERY_CHUNK` at a time over the window keys any of
+    them sees and every entry, each row masked to its own.
     """
     s = q.shape[0]
     if kv.shape[0] != s or (ratio and compressed is None):
@@ -62,14 +80,23 @@ def reference_attention(
             "expected S rows in both and entries for a compressed layer"
         )
     out = torch.empty(q.shape, dtype=torch.float32)
-    for t in range(s):
-        keys = [kv[max(0, t - config.window_size + 1) : t + 1].float()]
-        n_vis = visible_entries(ratio, t)
-        if n_vis:
-            ids = torch.arange(n_vis)
-            if selected is not None:
-                row = selected[t].long()
-                ids = row[(row >= 0) & (row < n_vis)]
-            keys.append(compressed[ids].float())
-        out[t] = sink_attention(q[t], torch.cat(keys), sink, config.softmax_scale)
+    entries = compressed if ratio and compressed is not None else kv[:0]
+    width = config.window_size
+    for t0 in range(0, s, QUERY_CHUNK):
+        t = torch.arange(t0, min(s, t0 + QUERY_CHUNK))
+        k0 = max(0, t0 - width + 1)
+        key_pos = torch.arange(k0, int(t[-1]) + 1)
+        in_window = (key_pos[None, :] <= t[:, None]) & (key_pos[None, :] > t[:, None] - width)
+        w = torch.arange(entries.shape[0])
+        seen = w[None, :] < visible_entries(ratio, t)[:, None]
+        if selected is not None:  # the selected entries (-1: none), one extra column for none
+            rows = selected[t0 : t0 + len(t)].long()
+            picked = torch.where((rows >= 0) & (rows < len(w)), rows, len(w))
+            chosen = torch.zeros(len(t), len(w) + 1, dtype=torch.bool).scatter_(1, picked, True)
+            seen &= chosen[:, :-1]
+        keys = torch.cat([kv[k0 : int(t[-1]) + 1], entries])
+        visible = torch.cat([in_window, seen], dim=1)
+        out[t0 : t0 + len(t)] = sink_attention(
+            q[t0 : t0 + len(t)], keys, sink, config.softmax_scale, visible
+        )
     return out
