@@ -231,7 +231,8 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--json", action="store_true", help="one JSON object a line")
     parser.add_argument("--target", action="append", choices=list(DEVICES),
                         help="repeatable (default: every target)")  # fmt: skip
-    parser.add_argument("only", nargs="*", help="configuration name substrings (default: all)")
+    parser.add_argument("only", nargs="*", help="configuration name substrings, TARGET:NAME "
+                        "for one target only (default: all)")  # fmt: skip
     opts = parser.parse_args(argv)
     opts.target = opts.target or list(DEVICES)
     if not opts.json:
@@ -241,7 +242,7 @@ def main(argv: list[str]) -> None:
                   f"{d.clock_hz / 1e9:g} GHz, {d.schedulers} schedulers an SM")  # fmt: skip
         print(HEADER)
     for target in opts.target:
-        for name, src, options in sm90_compile.selected(opts.only):
+        for name, src, options in sm90_compile.selected(opts.only, target):
             report = kernel_report(name, src, options, target)
             print(json.dumps(report) if opts.json else _row(report), flush=True)
 

@@ -482,18 +482,25 @@ def _planner() -> list[tuple[str, ASTSource, dict]]:
     return out
 
 
-def selected(only: list[str]) -> list[tuple[str, ASTSource, dict]]:
-    """The configurations whose names contain one of ``only`` (all when empty)."""
-    return [c for c in configurations() if not only or any(o in c[0] for o in only)]
+def selected(only: list[str], target: str) -> list[tuple[str, ASTSource, dict]]:
+    """The configurations for ``target`` whose names contain one of ``only`` (all when empty);
+    an entry ``TARGET:NAME`` selects for that target only."""
+    if not only:
+        return configurations()
+    names = [o.split(":", 1)[-1] for o in only if ":" not in o or o.startswith(f"{target}:")]
+    return [c for c in configurations() if any(n in c[0] for n in names)]
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target", choices=sorted(TARGETS), default="sm_90a")
-    parser.add_argument("only", nargs="*", help="configuration name substrings (default: all)")
+    parser.add_argument("--target", action="append", choices=sorted(TARGETS),
+                        help="repeatable (default: sm_90a)")  # fmt: skip
+    parser.add_argument("only", nargs="*", help="configuration name substrings, TARGET:NAME "
+                        "for one target only (default: all)")  # fmt: skip
     opts = parser.parse_args(argv)
-    for name, src, options in selected(opts.only):
-        print(json.dumps(compile_report(name, src, options, opts.target)), flush=True)
+    for target in opts.target or ["sm_90a"]:
+        for name, src, options in selected(opts.only, target):
+            print(json.dumps(compile_report(name, src, options, target)), flush=True)
 
 
 if __name__ == "__main__":

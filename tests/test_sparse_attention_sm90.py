@@ -7,7 +7,7 @@ configurations the backend makes at DeepSeek-V4-Flash shapes (H = 64, D = 512; w
 and c128 layers; dense bf16 and fp8 caches; one split and several; the merge kernel; the c4
 layer at 16 and 32 heads a rank; :data:`QUICK`, every one under ``DSV4_STRESS=1``) with
 Triton's backend for the target and its bundled ptxas, and reads the main loop from the SASS.
-No GPU is needed; a GPU machine runs the same check. The compiles run in subprocesses: the test
+No GPU is needed; a GPU machine runs the same check. The compiles run in one subprocess: the test
 session's ``TRITON_INTERPRET=1`` would turn the kernels into interpreted ones.
 """
 
@@ -28,15 +28,18 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "sass_report.py"
 
 
-def _report(*args: str) -> dict[str, dict]:
-    """``sass_report.py --json ARGS`` by configuration name."""
+def _report(*args: str) -> dict[str, dict[str, dict]]:
+    """``sass_report.py --json ARGS`` by target, then by configuration name."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, str(SCRIPT), "--json", *args],
         env=env, capture_output=True, text=True, timeout=1200,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]
-    return {r["name"]: r for r in map(json.loads, done.stdout.splitlines())}
+    out: dict[str, dict[str, dict]] = {}
+    for r in map(json.loads, done.stdout.splitlines()):
+        out.setdefault(r["target"], {})[r["name"]] = r
+    return out
 
 
 #: The attention launches compiled for sm_90a, dense and fp8 (64 heads: window-only finalising,
@@ -65,18 +68,29 @@ def _attention_names(kinds: tuple[str, ...]) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reports() -> dict[str, dict]:
-    """The attention, merge, key-union and planner configurations on sm_90a."""
+def compiled() -> dict[str, dict[str, dict]]:
+    """Both targets' configurations, compiled in one process (one import of torch and Triton)."""
     if STRESS:
-        return _report("--target", "sm_90a", "attention-", "merge-", "key-union-", "plan-")
-    plan = [f"plan-{k}" for k in QUICK_PLAN]
-    return _report("--target", "sm_90a", *_attention_names(QUICK), "merge-", "key-union-", *plan)
+        hopper = ["attention-", "merge-", "key-union-", "plan-"]
+    else:
+        plan = [f"plan-{k}" for k in QUICK_PLAN]
+        hopper = [*_attention_names(QUICK), "merge-", "key-union-", *plan]
+    return _report(
+        "--target", "sm_90a", "--target", "sm_100a",
+        *(f"sm_90a:{n}" for n in hopper), *(f"sm_100a:{n}" for n in BLACKWELL),
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="module")
-def blackwell() -> dict[str, dict]:
+def reports(compiled: dict[str, dict[str, dict]]) -> dict[str, dict]:
+    """The attention, merge, key-union and planner configurations on sm_90a."""
+    return compiled["sm_90a"]
+
+
+@pytest.fixture(scope="module")
+def blackwell(compiled: dict[str, dict[str, dict]]) -> dict[str, dict]:
     """The :data:`BLACKWELL` attention configurations on sm_100a."""
-    return _report("--target", "sm_100a", *BLACKWELL)
+    return compiled["sm_100a"]
 
 
 def test_every_configuration_compiled(reports: dict[str, dict]) -> None:
