@@ -430,6 +430,26 @@ def test_any_split_matches_torch(lengths, splits, rows_per_group, holes, sink, s
     )
 
 
+@pytest.mark.parametrize("heads_per_program", [1, 2, 8], ids=["gpu", "2", "interpreter"])
+def test_merge_takes_any_heads_a_program(heads_per_program: int, monkeypatch) -> None:
+    """The merge of key splits gives the same output whether a program takes one head (the
+    GPU's), all of them (the interpreter's) or a block that does not divide them; empty rows
+    and splits without a key included."""
+    from dsv4_backend.kernels import sparse_attention as sa
+
+    g = torch.Generator().manual_seed(3)
+    win, ext = _cache(_keys(90, 128, g), 128, "dense"), _cache(_keys(20, 128, g), 64, "dense")
+    idx, lens = _indices([60, 0, 3, 40, 64], 64, 90, g, 0.3)
+    eidx, elens = _indices([8, 0, 0, 5, 2], 8, 20, g, 0.3)
+    q = torch.randn(5, 6, 128, generator=g)  # 6 heads: a block of 8 or 4 leaves some masked
+    args = (q, win, idx, lens, ext, eidx, elens, torch.linspace(-2, 2, 6), TINY.softmax_scale)
+    monkeypatch.setattr(sa, "merge_heads_per_program", lambda heads, device: heads_per_program)
+    torch.testing.assert_close(
+        sparse_attention_triton(*args, num_splits=4), sparse_attention_torch(*args),
+        atol=ATOL, rtol=1e-5,
+    )  # fmt: skip
+
+
 def test_cuda_tolerance_covers_bf16_operand_rounding():
     """The GPU kernel rounds q, keys and softmax weights to bf16 once each (fp32 sums): that
     rounding, emulated in fp32 on random rows (flat and peaked softmaxes), stays within
