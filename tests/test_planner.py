@@ -154,7 +154,7 @@ def test_fused_planner_keeps_the_page_ends_too(tile: str, monkeypatch: pytest.Mo
     # Each extend crosses one or two 256-token pages before its tail (the last at 1024).
     batches = [
         pool.extend([0, 1, 2, 3], [0, 250, 509, 3], [300, 280, 270, 30]),
-        pool.extend([2, 0], [1000, 100], [255, 200]),
+        pool.extend([2, 0], [1000, 240], [40, 30]),
         pool.verify([0, 1, 2], [251, 509, 254], 4),
     ]
     if tile == "gpu":
