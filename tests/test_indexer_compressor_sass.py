@@ -36,10 +36,9 @@ NEW_KERNELS = (
     "compress-ring-write-c4",
 )
 #: sm_100a in the default suite: the indexer's score kernels (compared below), the new top-k
-#: and the extend compressors nearest to spilling there (c4 and the indexer's: 126-128
-#: registers; c128's holds the same code at 202).
+#: and the extend compressors (the most registers of the new kernels there).
 BLACKWELL = ("indexer-rows-", "indexer-scores-fp8", "indexer-topk-chunks",
-             "indexer-topk-merge-", "compress-fused-c4-extend",
+             "indexer-topk-merge-", "compress-fused-c4-extend", "compress-fused-c128-extend",
              "compress-fused-indexer-extend")  # fmt: skip
 #: sm_90a in the default suite: every kernel but the one-launch compressors' decode / verify
 #: variants (their extend variants hold the same code and more).
