@@ -140,7 +140,7 @@ def _zero_gaps(
         gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
         _zero_rows(out_ptr, gap_from, tl.where(valid, ragged, 0).to(tl.int64), D, stride_out,
                    BLOCK_D, ZERO_ROWS)  # fmt: skip
-        tail_to = tl.where((valid & (nxt < 0)) | (~valid & (rec == 0)), num_rows, 0).to(tl.int64)
+        tail_to = tl.where(~valid | (nxt < 0), num_rows, 0).to(tl.int64)  # ~valid: record 0
         _zero_rows(out_ptr, tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to, D, stride_out,
                    BLOCK_D, ZERO_ROWS)  # fmt: skip
     return ragged
@@ -734,11 +734,8 @@ def fused_tiles(block_d: int, span: int) -> dict[str, int]:
     """The tile constexprs of ``_compress_fused_kernel`` for ``block_d`` channels and entries
     of ``span`` tokens: span slots a pooling step, ring-row columns a write step, output rows
     zeroed a step (``POOL_TILE`` elements at most a tile)."""
-    return dict(
-        BLOCK_S=min(span, max(POOL_TILE // block_d, 1)),
-        BLOCK_W=block_d,
-        ZERO_ROWS=max(POOL_TILE // block_d, 1),
-    )
+    rows = max(POOL_TILE // block_d, 1)  # [rows, block_d] tiles
+    return dict(BLOCK_S=min(span, rows), BLOCK_W=block_d, ZERO_ROWS=rows)
 
 
 def fused_warps(block_d: int) -> int:

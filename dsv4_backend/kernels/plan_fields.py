@@ -70,8 +70,8 @@ def planner_tiles(device: torch.device) -> PlannerTiles:
 
 def plan_block_c(tiles: PlannerTiles, widest: int) -> int:
     """Wide-field columns a ``_plan_kernel`` program for fields at most ``widest`` columns:
-    ``tiles.columns``, or fewer (not below the GPU's) when every field is narrower."""
-    return min(tiles.columns, max(GPU_TILES.columns, triton.next_power_of_2(max(widest, 1))))
+    ``tiles.columns``, or the widest field's power of two when narrower."""
+    return min(tiles.columns, triton.next_power_of_2(max(widest, 1)))
 
 
 def row_block(tiles: PlannerTiles, rows: int, block_b: int) -> int:

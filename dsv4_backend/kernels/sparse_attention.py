@@ -403,6 +403,7 @@ def _merge_splits_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
     h_mask = offs_h < heads
+    d_ok = offs_d < D
     hs_mask = h_mask[:, None] & (offs_s < NUM_SPLITS)[None, :]  # [HP, BLOCK_S]
     ml_ptrs = row * stride_mt + offs_h[:, None] * stride_mh + offs_s[None, :]
     m = tl.load(m_ptr + ml_ptrs, mask=hs_mask, other=float("-inf"))
@@ -422,11 +423,10 @@ def _merge_splits_kernel(
     )
     # Splits without a key (m = -inf, weight 0) hold a zero numerator: not read.
     seen = hs_mask & (m > float("-inf"))
-    d_mask = (offs_d < D)[None, None, :]
-    part = tl.load(part_ptrs, mask=seen[:, :, None] & d_mask, other=0.0)
+    part = tl.load(part_ptrs, mask=seen[:, :, None] & d_ok[None, None, :], other=0.0)
     out = tl.sum(part.to(tl.float32) * w[:, :, None], axis=1).to(out_ptr.dtype.element_ty)
     out_ptrs = out_ptr + row * stride_ot + offs_h[:, None] * stride_oh + offs_d[None, :]
-    tl.store(out_ptrs, out, mask=h_mask[:, None] & (offs_d < D)[None, :])
+    tl.store(out_ptrs, out, mask=h_mask[:, None] & d_ok[None, :])
 
 
 def merge_heads_per_program(heads: int, device: torch.device) -> int:

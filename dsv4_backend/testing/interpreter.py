@@ -6,14 +6,14 @@ Two of Triton 3.8's interpreter costs are skipped by :func:`patch_language_once`
   builds its table of 19 types on every call: about a tenth of the interpreter's time in a
   sampled profile of ``tests/test_compressor.py``. The patch answers from a table filled once
   per type by the original function.
-* It re-patches ``triton.language`` on every call of a ``@triton.jit``
-device function made from a running kernel (``InterpretedFunction.__call__`` calls
-``_patch_lang``: an ``inspect.getmembers`` walk over the language modules, about half a
-millisecond), although the kernel's launch (``GridExecutor.__call__``) patched the same modules
-already. The kernels call helpers inside their key loops, so the walk ran some 100,000 times a
-suite and took about a quarter of the interpreter's time. The patch skips a device call's
-walk while the launch's patch is in effect over the same modules; the launch still patches
-and restores as before, so results are unchanged.
+* It re-patches ``triton.language`` on every call of a ``@triton.jit`` device function made
+  from a running kernel (``InterpretedFunction.__call__`` calls ``_patch_lang``: an
+  ``inspect.getmembers`` walk over the language modules, about half a millisecond), although
+  the kernel's launch (``GridExecutor.__call__``) patched the same modules already. The
+  kernels call helpers inside their key loops, so the walk ran some 100,000 times a suite and
+  took about a quarter of the interpreter's time. The patch skips a device call's walk while
+  the launch's patch is in effect over the same modules; the launch still patches and
+  restores as before, so results are unchanged.
 """
 
 from __future__ import annotations

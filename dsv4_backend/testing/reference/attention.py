@@ -82,21 +82,20 @@ def reference_attention(
     out = torch.empty(q.shape, dtype=torch.float32)
     entries = compressed if ratio and compressed is not None else kv[:0]
     width = config.window_size
+    w = torch.arange(entries.shape[0])
     for t0 in range(0, s, QUERY_CHUNK):
-        t = torch.arange(t0, min(s, t0 + QUERY_CHUNK))
-        k0 = max(0, t0 - width + 1)
-        key_pos = torch.arange(k0, int(t[-1]) + 1)
+        t1 = min(s, t0 + QUERY_CHUNK)
+        t = torch.arange(t0, t1)
+        k0 = max(0, t0 - width + 1)  # the chunk's window keys: positions k0 ... t1 - 1
+        key_pos = torch.arange(k0, t1)
         in_window = (key_pos[None, :] <= t[:, None]) & (key_pos[None, :] > t[:, None] - width)
-        w = torch.arange(entries.shape[0])
         seen = w[None, :] < visible_entries(ratio, t)[:, None]
         if selected is not None:  # the selected entries (-1: none), one extra column for none
-            rows = selected[t0 : t0 + len(t)].long()
+            rows = selected[t0:t1].long()
             picked = torch.where((rows >= 0) & (rows < len(w)), rows, len(w))
-            chosen = torch.zeros(len(t), len(w) + 1, dtype=torch.bool).scatter_(1, picked, True)
+            chosen = torch.zeros(t1 - t0, len(w) + 1, dtype=torch.bool).scatter_(1, picked, True)
             seen &= chosen[:, :-1]
-        keys = torch.cat([kv[k0 : int(t[-1]) + 1], entries])
         visible = torch.cat([in_window, seen], dim=1)
-        out[t0 : t0 + len(t)] = sink_attention(
-            q[t0 : t0 + len(t)], keys, sink, config.softmax_scale, visible
-        )
+        keys = torch.cat([kv[k0:t1], entries])
+        out[t0:t1] = sink_attention(q[t0:t1], keys, sink, config.softmax_scale, visible)
     return out
