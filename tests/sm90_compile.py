@@ -47,6 +47,7 @@ from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
 from dsv4_backend.kernels.cache_store import STORE_FP8_INDEXER, STORE_FP8_TOKEN
+from dsv4_backend.testing import sass
 
 #: Hopper (H100 / H200) and Blackwell datacenter parts (B200 / B300 / GB200 / GB300).
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_100a": GPUTarget("cuda", 100, 32)}
@@ -253,13 +254,17 @@ INTEGER_OPCODES = ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA"
 
 def sass_facts(listing: str) -> dict[str, int]:
     """Instruction facts of a ``cuobjdump -sass`` listing: ``instructions`` in all,
-    ``integer_ops`` (``INTEGER_OPCODES``) and ``e4m3_converts`` (``F2FP`` unpacking e4m3: the
-    hardware fp8 conversion)."""
+    ``integer_ops`` (``INTEGER_OPCODES``), ``e4m3_converts`` (``F2FP`` unpacking e4m3: the
+    hardware fp8 conversion) and ``main_loop_calls`` (subroutine calls in the body of the
+    main loop, ``testing.sass.main_loop``: a 64-bit division or modulo is one)."""
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]", listing)
+    loop = sass.main_loop(listing)
+    calls = sum(i.op.startswith("CALL") for i in loop.instructions) if loop else 0
     return dict(
         instructions=len(opcodes),
         integer_ops=sum(op in INTEGER_OPCODES for op in opcodes),
         e4m3_converts=len(re.findall(r"\bF2FP\.[\w.]*E4M3[\w.]*", listing)),
+        main_loop_calls=calls,
     )
 
 
@@ -423,15 +428,16 @@ def _fused_compressor(
     from dsv4_backend.kernels import compressor
 
     span = 8 if ratio == 4 else 128
+    splits = compressor.channel_splits(dim, span, torch.device("cuda"))  # as a GPU launches
     src, _ = _source(
         compressor._compress_fused_kernel,
         dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
              pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
              norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
-             out_loc_ptr="*i64", cache_ptr="*u8", eps="fp32"),
+             out_loc_ptr="*i64", cache_ptr="*u8", arrivals_ptr="*i32", eps="fp32"),
         dict(RATIO=ratio, SPAN=span, OVERLAP=2 if ratio == 4 else 1,
              WINDOW_PAGE=256 if ratio == 4 else 0, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
-             BLOCK_D=dim, **compressor.fused_tiles(dim, span), DEFER_WRITES=defer_writes,
+             BLOCK_D=dim, **compressor.fused_tiles(dim, span, splits), DEFER_WRITES=defer_writes,
              BF16_BITS=False, **store),
     )  # fmt: skip
     return src, dict(num_warps=compressor.fused_warps(dim))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from dataclasses import dataclass
 
 import pytest
@@ -10,11 +12,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stress import STRESS
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.cache.state import ArrivalCounters
+from dsv4_backend.config import DSV4AttentionConfig, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
-from dsv4_backend.kernels.compressor import CompressorState, compress_forward, ring_write_is_safe
+from dsv4_backend.kernels.compressor import (
+    CompressorState,
+    channel_splits,
+    compress_forward,
+    force_channel_splits,
+    fused_tiles,
+    ring_write_is_safe,
+)
 from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_ratio
 
 CONFIG = DSV4AttentionConfig.tiny()
@@ -323,6 +333,70 @@ def test_state_reset_scope_and_allocation_sizes() -> None:
         CompressorState(ratio=128, head_dim=128, ring=state.ring, window_page=PAGE)
 
 
+def test_ratio_128_entries_are_split_across_programs() -> None:
+    """On a GPU the one-launch kernel pools a c128 entry in 32-channel programs (a Flash
+    layer's 512 channels: 16 programs, two steps of [64, 32] tiles each); c4 entries (8
+    tokens) in one program. The interpreter takes one program an entry unless forced."""
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing runs
+    assert channel_splits(512, 128, cuda) == 16
+    tiles = dict(BLOCK_S=64, CHANNEL_SPLITS=16, BLOCK_W=32, ZERO_ROWS=8)
+    assert fused_tiles(512, 128, 16) == tiles
+    assert channel_splits(512, 8, cuda) == 1
+    assert fused_tiles(512, 8, 1) == dict(BLOCK_S=8, CHANNEL_SPLITS=1, BLOCK_W=512, ZERO_ROWS=8)
+    assert channel_splits(128, 8, cuda) == 1  # the indexer's compressor
+    assert channel_splits(512, 128, cpu) == 1
+    with force_channel_splits(4):
+        assert channel_splits(512, 128, cpu) == 4 and channel_splits(512, 8, cpu) == 1
+        with pytest.raises(ConfigError, match="of a 2-channel entry"):
+            channel_splits(2, 128, cpu)
+    with pytest.raises(ConfigError, match="expected a power of two"):
+        force_channel_splits(3).__enter__()
+
+
+def test_split_entries_equal_torch_and_leave_the_counters_zero() -> None:
+    """c128 entries in 32-channel programs, as a GPU splits them, after a prefill on the torch
+    path: a decode row completing an entry from 127 ring rows beside an extend whose entry
+    reads the ring rows its writes replace (the owner's last split defers them), then decode
+    rows whose ring writes share programs with another request's entry (split by columns),
+    equal the torch path; each launch leaves its arrival counters at zero."""
+    splits = channel_splits(C128.head_dim, 128, torch.device("cuda"))
+    assert splits == 4
+    outs, rings = [], []
+    for path in (TORCH, INTERP):
+        requests = [make_request(C128, n, i, seed=6 + i) for i, n in enumerate((130, 140, 128))]
+        state = allocate(CONFIG, C128, 3)
+        found: dict = {}
+        with dispatch.force_path(TORCH):
+            prefill = [Segment(r, 0, n) for r, n in zip(requests, (127, 120, 127), strict=True)]
+            run_forward(state, C128, prefill, found)
+        with dispatch.force_path(path), force_channel_splits(splits):
+            for forward in ([(0, 127, 1), (1, 120, 10)], [(0, 128, 1), (1, 130, 1), (2, 127, 1)]):
+                segments = [Segment(requests[i], start, n) for i, start, n in forward]
+                outs.append(run_forward(state, C128, segments, found))
+                counters = state.arrivals.at_least(0)
+                assert not counters.any(), counters.nonzero()
+        assert (counters.numel() >= 11) == (path == INTERP)  # counters only where split
+        rings.append(state.ring)
+        check_entries(C128, [requests[0], requests[2]], found)
+    assert outs[0][[0, 8]].all(dim=1).tolist() == [True, True]  # both complete an entry
+    assert outs[1][2].all() and not outs[1][:2].any()
+    torch.testing.assert_close(outs[:2], outs[2:], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(rings[0], rings[1], atol=0, rtol=0)
+
+
+def test_arrival_counters_grow_and_keep_what_a_graph_captured() -> None:
+    counters = ArrivalCounters(torch.device("cpu"))
+    first = counters.at_least(5)
+    assert first.numel() == 8 and first.dtype == torch.int32 and not first.any()
+    assert counters.at_least(8) is first
+    grown = counters.at_least(9)
+    assert grown.numel() == 16 and not grown.any()
+    alive = weakref.ref(first)
+    del first
+    gc.collect()
+    assert alive() is not None  # a CUDA graph that captured it may still write it
+
+
 @pytest.mark.parametrize(
     ("layer", "seq", "path"),
     [(C4, 126, INTERP), (C4, 253, TORCH), (C128, 126, TORCH), (C128, 253, INTERP)],
@@ -452,7 +526,10 @@ def test_extend_writes_wait_for_the_entries_that_read_the_ring(
     entries (the interpreter runs programs in order: a write not deferred to the reader is
     seen by it)."""
     ahead = 128 if layer.ratio == 128 else 32
-    run_schedule(layer, [ahead, first + rest], [[0, ahead], [first, rest]], INTERP)
+    # c128 entries split as a GPU splits them (the owner's last split defers the writes).
+    splits = channel_splits(layer.head_dim, compress_span(layer.ratio), torch.device("cuda"))
+    with force_channel_splits(splits):
+        run_schedule(layer, [ahead, first + rest], [[0, ahead], [first, rest]], INTERP)
 
 
 @pytest.mark.skipif(not STRESS, reason="long randomized run: DSV4_STRESS=1")

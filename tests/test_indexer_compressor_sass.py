@@ -106,3 +106,17 @@ def test_indexer_scores_are_bf16_wgmma(reports: dict) -> None:
     assert mma, "no tensor-core instruction in the indexer's scores"
     for op in mma:
         assert op.startswith("wgmma.mma_async") and op.endswith(".f32.bf16.bf16"), op
+
+
+@pytest.mark.parametrize("target", TARGETS)
+def test_compressor_pooling_loops_are_pipelined_without_calls(reports: dict, target: str) -> None:
+    """A 64-bit modulo is a subroutine call on the GPU: the ring row of each span slot
+    (``q % R``) was 8 calls an iteration of a c128 entry's pooling loop; it is one scalar
+    modulo before the loop now. The one-launch kernel's c128 pooling loads through cp.async
+    (the loop is pipelined)."""
+    pooling = {n: r for n, r in reports[target].items()
+               if n.startswith(("compress-entry-", "compress-fused-c128"))}  # fmt: skip
+    assert pooling, sorted(reports[target])
+    for report in pooling.values():
+        assert report["main_loop_calls"] == 0, report
+    assert reports[target]["compress-fused-c128-extend"]["cp_async"] > 0

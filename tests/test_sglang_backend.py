@@ -243,6 +243,9 @@ def test_graph_planning_needs_the_graph_state(pool: PagedRequestPool) -> None:
     backend.init_cuda_graph_state(max_bs=4, max_num_tokens=16)
     backend.init_forward_metadata_out_graph(step.batch)
     assert backend.forward_metadata.page_table.shape == (2, backend.graph_buffers.widths.page_table)
+    # The compressors' arrival counters exist before any capture (a capture cannot allocate).
+    c128 = backend.state.compressor_states[CONFIG.compress_ratios.index(128)]
+    assert c128.arrivals.at_least(0).numel() >= 16
 
 
 # ---------------------------------------------------------------------------- seed failures

@@ -5,15 +5,44 @@ allocation and resets."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from dsv4_backend.cache.pools import DSV4CachePools
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import DSV4AttentionConfig, compress_overlap
-from dsv4_backend.errors import ConfigError
+from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.ops.rope import RopeTable, rope_for_ratio
+
+
+class ArrivalCounters:
+    """Zeroed int32 counters, one per plan record, for kernels whose programs meet at a record
+    in one launch (the compressor's channel splits, ``kernels/compressor.py``): each program
+    adds 1 to its record's counter and the last to arrive sets it back to 0, so the counters
+    are all zero between launches, graph replays included.
+
+    Buffers grow to the next power of two and are never freed: a CUDA graph keeps the buffer
+    it captured, and a later, larger forward must not free it under the graph.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self._buffers = [torch.zeros(0, dtype=torch.int32, device=device)]
+
+    def at_least(self, records: int) -> torch.Tensor:
+        """``[>= records]`` int32 zero counters (allocated here, outside a CUDA-graph capture)."""
+        counters = self._buffers[-1]
+        if counters.numel() >= records:
+            return counters
+        if counters.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise ContractError(
+                f"compressor arrival counters: {records} records in a CUDA-graph capture, but "
+                f"only {counters.numel()} counters were allocated; run the same batch once "
+                "before capturing it (warm-up)"
+            )
+        size = 1 << max(records - 1, 0).bit_length()
+        self._buffers.append(torch.zeros(size, dtype=torch.int32, device=counters.device))
+        return self._buffers[-1]
 
 
 @dataclass(frozen=True, eq=False)
@@ -29,12 +58,14 @@ class CompressorState:
         pool index (``req_pool_indices``); c4, a window page (``window_slot // window_page``).
     window_page : window slots per ring slot of a page-scoped (c4) state (the KV page size,
         256); 0 for a request-scoped (c128) state.
+    arrivals : the kernels' per-record arrival counters (:class:`ArrivalCounters`).
     """
 
     ratio: int
     head_dim: int
     ring: torch.Tensor
     window_page: int = 0
+    arrivals: ArrivalCounters = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         if (self.ratio == 4) != (self.window_page > 0):
@@ -42,6 +73,7 @@ class CompressorState:
                 f"compressor state of ratio {self.ratio} with window_page={self.window_page}; "
                 "c4 state is page-scoped (window_page > 0), c128 state request-scoped (0)"
             )
+        object.__setattr__(self, "arrivals", ArrivalCounters(self.ring.device))
 
     @classmethod
     def allocate(
@@ -144,6 +176,12 @@ class AttentionState:
             indexer_states=index,
             rope=compressed_rope(config, max_positions or num_full_slots, device),
         )
+
+    def reserve_rows(self, max_rows: int) -> None:
+        """Allocate what a forward of up to ``max_rows`` rows needs beyond the caches (the
+        compressors' arrival counters), so that no CUDA-graph capture allocates it."""
+        for state in (*self.compressor_states.values(), *self.indexer_states.values()):
+            state.arrivals.at_least(max_rows)
 
 
 def ring_slots(

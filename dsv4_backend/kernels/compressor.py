@@ -26,6 +26,9 @@ One forward:
 3. **finish**: RMSNorm and RoPE at the entry's position ``p + 1 - r``; rows that complete no
    entry are exactly 0.
 
+Positions are int32 (the plans'): every modulo by the runtime ``R`` is taken in int32, which
+the GPU computes inline; an int64 one is a subroutine call.
+
 The output is **aligned to rows**: ``entries[i]`` is the entry completed by ragged row ``i``,
 zeros where row ``i`` completes none. Nothing reads a tensor value on the host, so a forward
 can be captured in a CUDA graph (warm up first: the first call compiles).
@@ -34,18 +37,23 @@ Paths (``dispatch.use_triton``):
 
 * **one launch** (``dispatch.use_unverified("compressor")``: the interpreter's default, CUDA
   with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``):
-  ``_compress_fused_kernel``, one program per record, pools over contiguous
-  ``[BLOCK_S, D]`` tiles in a pipelined loop, normalises, ropes, stores the entry in the
-  cache (``store=``) and writes the ring row of the write record of the same index, in every
-  mode. Where a write can replace a ring row an entry of the forward reads (extend, verify
-  without the speculative rings: ``ring_write_is_safe``), the program of the request's first
-  entry pools its ring-reading entries and then does those writes (``DEFER_WRITES``).
+  ``_compress_fused_kernel``, one program per record (ratio 128 on a GPU: one per 32
+  channels of a record, ``channel_splits``; the last of them to arrive normalises for all),
+  pools over contiguous ``[BLOCK_S, channels]`` tiles in a pipelined loop, normalises, ropes,
+  stores the entry in the cache (``store=``) and writes the ring row of the write record of
+  the same index, in every mode. Where a write can replace a ring row an entry of the forward
+  reads (extend, verify without the speculative rings: ``ring_write_is_safe``), the program
+  of the request's first entry pools its ring-reading entries and then does those writes
+  (``DEFER_WRITES``).
 * **replaced** (the CUDA default): ``_compress_entry_kernel`` (pool, norm, RoPE and the zero
   rows, even / odd channel tiles), ``_ring_write_kernel``, then the cache store: 3 launches.
 * **torch**: the same gathers, finished with ``ops.compress.finish_entries``.
 """
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -54,7 +62,7 @@ import triton.language as tl
 from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.config import check_compressed_ratio, compress_overlap, compress_span
-from dsv4_backend.errors import ContractError
+from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.cache_store import row_store_constexprs, store_row, store_rows
 from dsv4_backend.ops.compress import finish_entries, pool_slots
@@ -62,8 +70,15 @@ from dsv4_backend.ops.rope import CosSin, RopeTable
 
 #: Upper bound on the ``[BLOCK_S, 2 * BLOCK_P]`` elements of one pooling step.
 POOL_TILE = 4096
+#: On a GPU the one-launch kernel pools an entry of at least ``SPLIT_SPAN`` tokens (ratio
+#: 128) in programs of ``SPLIT_CHANNELS`` channels each, so its span's loads spread over SMs.
+SPLIT_SPAN = 128
+SPLIT_CHANNELS = 32
 #: Columns per ring-write program.
 WRITE_BLOCK = 256
+
+#: Channel splits pinned by :func:`force_channel_splits`.
+_forced_channel_splits: list[int] = []
 
 
 # --------------------------------------------------------------------------------- kernels
@@ -150,6 +165,7 @@ def _zero_gaps(
 def _span_sources(
     j,  # [BLOCK_S] span slots
     pos,  # int64 the entry's last position
+    pos_ring_row,  # int64 pos % ring_rows (computed once, in int32, before the caller's loop)
     window_len,  # int64 the span's rows from this forward
     row,  # int64 the entry's ragged row
     request_ring,  # the request's ring (request-scoped) or the ring storage (page-scoped)
@@ -163,12 +179,17 @@ def _span_sources(
     WINDOW_PAGE: tl.constexpr,
 ):
     """Where span slots ``j`` come from: ``(from_rows, from_ring, rows, ring_base, ape_row)``,
-    the slot's ragged row (this forward) or ring row pointer, and its ``ape`` row."""
+    the slot's ragged row (this forward) or ring row pointer, and its ``ape`` row.
+    ``ring_rows >= SPAN``."""
     q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
     from_rows = q > pos - window_len
     from_ring = (q >= 0) & ~from_rows
     rows = tl.where(from_rows, row - (pos - q), 0)
-    ring_base = request_ring + (tl.where(from_ring, q, 0) % ring_rows) * stride_ring_row
+    # Ring row q % R from the entry's last row: a lag below SPAN <= R wraps at most once
+    # (no modulo a slot).
+    ring_row = pos_ring_row - (pos - q)
+    ring_row = tl.where(ring_row < 0, ring_row + ring_rows, ring_row)
+    ring_base = request_ring + tl.where(from_ring, ring_row, 0) * stride_ring_row
     if WINDOW_PAGE > 0:
         # Each slot's ring is the window page of its own position (lag pos - q).
         window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
@@ -235,12 +256,13 @@ def _compress_entry_kernel(
         request_ring = ring_ptr
         if WINDOW_PAGE == 0:
             request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
+        pos_ring_row = (pos.to(tl.int32) % ring_rows).to(tl.int64)
         m_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
         m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
         for j0 in range(0, SPAN, BLOCK_S):
             j = j0 + tl.arange(0, BLOCK_S)
             from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
-                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
+                j, pos, pos_ring_row, window_len, row, request_ring, window_ptr, ring_rows,
                 stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
             )  # fmt: skip
             # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
@@ -306,24 +328,141 @@ def _ring_write_row(
     ragged = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
     if ragged >= 0:  # not a padding record
         batch = tl.load(plan_ptr + rec * stride_plan + 1)
-        pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
+        pos = tl.load(plan_ptr + rec * stride_plan + 2)  # int32: an inline modulo (module doc)
         if WINDOW_PAGE > 0:
             slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
         else:
             slot = tl.load(pool_ptr + batch).to(tl.int64)
+        row = ring_ptr + slot * stride_ring_slot + (pos % ring_rows).to(tl.int64) * stride_ring_row
+        ape_row = ape_ptr + (pos % RATIO).to(tl.int64) * stride_ape
         for c0 in range(0, COLUMNS, BLOCK_W):
             cols = col0 + c0 + tl.arange(0, BLOCK_W)
             ok = cols < CD
             kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0)
             score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0)
-            ape = tl.load(ape_ptr + (pos % RATIO) * stride_ape + cols, mask=ok, other=0.0)
-            row = ring_ptr + slot * stride_ring_slot + (pos % ring_rows) * stride_ring_row
+            ape = tl.load(ape_row + cols, mask=ok, other=0.0)
             tl.store(row + cols, kv.to(tl.float32), mask=ok)
             tl.store(row + CD + cols, score.to(tl.float32) + ape.to(tl.float32), mask=ok)
 
 
 @triton.jit
-def _pool_and_finish(
+def _pool_channels(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    ring_ptr,
+    pool_ptr,
+    window_ptr,
+    row,  # int64 the record's ragged row
+    batch,  # its batch id
+    pos,  # int64 its position (the entry's last)
+    window_len,  # int64 the span's rows from this forward
+    c0,  # the first channel pooled
+    D,
+    ring_rows,
+    stride_kv,
+    stride_score,
+    stride_ape,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    RATIO: tl.constexpr,
+    SPAN: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    """Channels ``c0 ... c0 + BLOCK_C - 1`` of one compress record's pooled entry
+    (``[BLOCK_C]`` fp32, 0 past ``D``), over contiguous ``[BLOCK_S, BLOCK_C]`` tiles of the
+    span (a pipelined loop)."""
+    d = c0 + tl.arange(0, BLOCK_C)
+    d_ok = d < D
+    zeros = tl.zeros([BLOCK_C], tl.float32)
+    request_ring = ring_ptr
+    if WINDOW_PAGE == 0:
+        request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
+    pos_ring_row = (pos.to(tl.int32) % ring_rows).to(tl.int64)
+    m_run = tl.full([BLOCK_C], float("-inf"), tl.float32)
+    l_run, acc = zeros, zeros
+    for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
+        j = j0 + tl.arange(0, BLOCK_S)
+        from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+            j, pos, pos_ring_row, window_len, row, request_ring, window_ptr, ring_rows,
+            stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
+        )  # fmt: skip
+        if OVERLAP == 2:  # ratio 4: slots RATIO.. (the current block) read the second half
+            col = (j >= RATIO).to(tl.int64)[:, None] * D + d[None, :]
+        else:
+            col = d.to(tl.int64)[None, :]
+        m_rows = from_rows[:, None] & d_ok[None, :]
+        m_ring = from_ring[:, None] & d_ok[None, :]
+        kv, score = _slot_tile(
+            kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring,
+            stride_kv, stride_score, stride_ape, OVERLAP * D,
+        )  # fmt: skip
+        score = tl.where(d_ok[None, :], score, 0.0)  # padded channels: finite, unused
+        m_run, l_run, acc = _online_softmax_step(m_run, l_run, acc, kv, score)
+    return acc / l_run
+
+
+@triton.jit
+def _finish_entry(
+    entry,  # [BLOCK_D] fp32 the pooled entry (0 past D)
+    norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    out_loc_ptr,
+    cache_ptr,
+    row,  # int64 the record's ragged row
+    pos,  # int64 its position (the entry's last)
+    D,
+    eps,
+    stride_out,
+    stride_rope,
+    stride_cache,
+    RATIO: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    ROPE_BY_ROW: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    STORE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """RMSNorm and RoPE of a pooled entry, written to its row of ``out`` and stored in the
+    cache at the row's ``out_loc``."""
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < D
+    # RMSNorm over the D channels (padded channels pooled to 0).
+    inv = tl.math.rsqrt(tl.sum(entry * entry, axis=0) / D + eps)
+    entry *= inv * tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
+    # RoPE of the trailing ROPE_PAIRS pairs (2i, 2i + 1) at the entry's first position.
+    even, odd = tl.split(tl.reshape(entry, [BLOCK_D // 2, 2]))
+    pair = tl.arange(0, BLOCK_D // 2)
+    rope_pair = pair - (D // 2 - ROPE_PAIRS)
+    is_rope = (rope_pair >= 0) & (pair < D // 2)
+    rope_row = row if ROPE_BY_ROW else pos + 1 - RATIO
+    cos = tl.load(cos_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=1.0)
+    sin = tl.load(sin_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=0.0)
+    rot_e = tl.where(is_rope, even * cos - odd * sin, even)
+    rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
+    entry = tl.reshape(tl.join(rot_e, rot_o), [BLOCK_D])
+    tl.store(out_ptr + row * stride_out + d, entry, mask=d_ok)
+    if STORE != 0:
+        tl.debug_barrier()  # the row is re-read by other threads in the cache's layout
+        slot = tl.load(out_loc_ptr + row).to(tl.int64)
+        store_row(
+            cache_ptr, out_ptr + row * stride_out, slot, stride_cache, D, BLOCK_D,
+            STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+        )  # fmt: skip
+
+
+@triton.jit
+def _entry(
     kv_ptr,
     score_ptr,
     ape_ptr,
@@ -336,6 +475,9 @@ def _pool_and_finish(
     out_ptr,
     out_loc_ptr,
     cache_ptr,
+    arrivals_ptr,
+    rec,  # the compress record
+    split,  # the program's channel split
     row,  # int64 the record's ragged row
     batch,  # its batch id
     pos,  # int64 its position (the entry's last)
@@ -360,6 +502,7 @@ def _pool_and_finish(
     ROPE_BY_ROW: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    CHANNEL_SPLITS: tl.constexpr,
     STORE: tl.constexpr,
     BF16_BITS: tl.constexpr,
     NOPE_DIM: tl.constexpr,
@@ -367,56 +510,42 @@ def _pool_and_finish(
     PAGE_TOKENS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """One compress record's entry: pooled over contiguous ``[BLOCK_S, BLOCK_D]`` tiles of
-    the span (a pipelined loop), RMSNorm, RoPE, written to its row of ``out`` and stored in
-    the cache at the row's ``out_loc``."""
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    zeros = tl.zeros([BLOCK_D], tl.float32)
-    request_ring = ring_ptr
-    if WINDOW_PAGE == 0:
-        request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
-    m_run = tl.full([BLOCK_D], float("-inf"), tl.float32)
-    l_run, acc = zeros, zeros
-    for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
-        j = j0 + tl.arange(0, BLOCK_S)
-        from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
-            j, pos, window_len, row, request_ring, window_ptr, ring_rows,
-            stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
-        )  # fmt: skip
-        # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
-        col = (j >= RATIO).to(tl.int64)[:, None] * D + d[None, :]
-        m_rows = from_rows[:, None] & d_ok[None, :]
-        m_ring = from_ring[:, None] & d_ok[None, :]
-        kv, score = _slot_tile(
-            kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring,
-            stride_kv, stride_score, stride_ape, OVERLAP * D,
-        )  # fmt: skip
-        score = tl.where(d_ok[None, :], score, 0.0)  # padded channels: finite, unused
-        m_run, l_run, acc = _online_softmax_step(m_run, l_run, acc, kv, score)
-    entry = acc / l_run
-    # RMSNorm over the D channels (padded channels pooled to 0).
-    inv = tl.math.rsqrt(tl.sum(entry * entry, axis=0) / D + eps)
-    entry *= inv * tl.load(norm_ptr + d, mask=d_ok, other=0.0).to(tl.float32)
-    # RoPE of the trailing ROPE_PAIRS pairs (2i, 2i + 1) at the entry's first position.
-    even, odd = tl.split(tl.reshape(entry, [BLOCK_D // 2, 2]))
-    pair = tl.arange(0, BLOCK_D // 2)
-    rope_pair = pair - (D // 2 - ROPE_PAIRS)
-    is_rope = (rope_pair >= 0) & (pair < D // 2)
-    rope_row = row if ROPE_BY_ROW else pos + 1 - RATIO
-    cos = tl.load(cos_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=1.0)
-    sin = tl.load(sin_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=0.0)
-    rot_e = tl.where(is_rope, even * cos - odd * sin, even)
-    rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
-    entry = tl.reshape(tl.join(rot_e, rot_o), [BLOCK_D])
-    tl.store(out_ptr + row * stride_out + d, entry, mask=d_ok)
-    if STORE != 0:
-        tl.debug_barrier()  # the row is re-read by other threads in the cache's layout
-        slot = tl.load(out_loc_ptr + row).to(tl.int64)
-        store_row(
-            cache_ptr, out_ptr + row * stride_out, slot, stride_cache, D, BLOCK_D,
-            STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
-        )  # fmt: skip
+    """One compress record's entry, pooled (``_pool_channels``) and finished
+    (``_finish_entry``). Returns whether this program finished it.
+
+    With ``CHANNEL_SPLITS`` > 1 the record's programs each pool ``BLOCK_D / CHANNEL_SPLITS``
+    channels into its row of ``out`` and count their arrival on ``arrivals[rec]``
+    (acquire-release); the last to arrive reads the row back, finishes it and resets the
+    counter, so the span's loads spread over the programs and RMSNorm still sees every
+    channel."""
+    sources = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, row, batch, pos,
+               window_len)  # fmt: skip
+    ring_strides = (D, ring_rows, stride_kv, stride_score, stride_ape, stride_ring_slot,
+                    stride_ring_row, stride_window)  # fmt: skip
+    finish = (norm_ptr, cos_ptr, sin_ptr, out_ptr, out_loc_ptr, cache_ptr, row, pos, D, eps,
+              stride_out, stride_rope, stride_cache)  # fmt: skip
+    if CHANNEL_SPLITS == 1:
+        entry = _pool_channels(*sources, 0, *ring_strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
+                               BLOCK_D, BLOCK_S)  # fmt: skip
+        _finish_entry(entry, *finish, RATIO, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, STORE, BF16_BITS,
+                      NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R)  # fmt: skip
+        done = row >= 0  # always: a tensor, as the split branch's
+    else:
+        c0 = split * (BLOCK_D // CHANNEL_SPLITS)
+        part = _pool_channels(*sources, c0, *ring_strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
+                              BLOCK_D // CHANNEL_SPLITS, BLOCK_S)  # fmt: skip
+        c = c0 + tl.arange(0, BLOCK_D // CHANNEL_SPLITS)
+        tl.store(out_ptr + row * stride_out + c, part, mask=c < D)
+        tl.debug_barrier()  # every thread's channels are stored before the arrival counts
+        done = tl.atomic_add(arrivals_ptr + rec, 1, sem="acq_rel") == CHANNEL_SPLITS - 1
+        if done:  # the last split: every channel is in out (read past L1, written elsewhere)
+            tl.store(arrivals_ptr + rec, 0)
+            d = tl.arange(0, BLOCK_D)
+            entry = tl.load(out_ptr + row * stride_out + d, mask=d < D, other=0.0,
+                            cache_modifier=".cg")  # fmt: skip
+            _finish_entry(entry, *finish, RATIO, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, STORE,
+                          BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R)  # fmt: skip
+    return done
 
 
 @triton.jit
@@ -490,7 +619,7 @@ def _write_waits(
     read: the ring row holds ``q``, the last position before ``first`` of the same residue,
     which they read if ``q`` is in the first entry's span and (page-scoped rings) in the
     write's window page."""
-    q = w_pos - ring_rows * ((w_pos - first) // ring_rows + 1)
+    q = w_pos - ring_rows * (((w_pos - first).to(tl.int32) // ring_rows).to(tl.int64) + 1)
     lag = e_pos - q
     waits = (e_pos < w_pos) & (q >= 0) & (lag < SPAN)
     if WINDOW_PAGE > 0:
@@ -516,6 +645,7 @@ def _compress_fused_kernel(
     out_ptr,  # [T, D] fp32 finished entries aligned to rows
     out_loc_ptr,  # [T] int cache slot of each row's entry, -1: none (read unless STORE_NONE)
     cache_ptr,  # the cache the entries are stored in (STORE)
+    arrivals_ptr,  # [>= T] int32 zeros, left zero: arrivals at each record (CHANNEL_SPLITS > 1)
     num_rows,
     D,
     CD,
@@ -538,9 +668,10 @@ def _compress_fused_kernel(
     WINDOW_PAGE: tl.constexpr,  # > 0: ring slot = window slot // WINDOW_PAGE; 0: pool index
     ROPE_PAIRS: tl.constexpr,
     ROPE_BY_ROW: tl.constexpr,  # cos / sin rows are ragged rows, not positions
-    BLOCK_D: tl.constexpr,  # channels per program (>= D)
+    BLOCK_D: tl.constexpr,  # channels of an entry (>= D)
     BLOCK_S: tl.constexpr,  # span slots per pooling step
-    BLOCK_W: tl.constexpr,  # ring-row columns per write step (>= C*D / steps)
+    CHANNEL_SPLITS: tl.constexpr,  # programs pooling one entry (BLOCK_D / CHANNEL_SPLITS each)
+    BLOCK_W: tl.constexpr,  # ring-row columns per write step (divides C*D / CHANNEL_SPLITS)
     ZERO_ROWS: tl.constexpr,  # output rows zeroed per step (rows that complete no entry)
     DEFER_WRITES: tl.constexpr,  # a write may replace a ring row an entry reads (extend)
     STORE: tl.constexpr,  # cache_store.STORE_*: the format entries are stored in
@@ -550,25 +681,32 @@ def _compress_fused_kernel(
     PAGE_TOKENS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Program ``rec``: compress-plan record ``rec``'s entry (``_pool_and_finish``), then the
-    ring row of write-plan record ``rec``.
+    """Program ``(rec, split)``: compress-plan record ``rec``'s entry (``_entry``: channel
+    split ``split`` of ``CHANNEL_SPLITS``, the last to arrive finishing it), then its share of
+    the ring row of write-plan record ``rec`` (the whole row from split 0 where compress
+    record ``rec`` is padding).
 
-    Rows that complete no entry are zeroed by the record before them (the gap up to its own
-    row, and after the last record, up to ``T``), so every output row is written once.
+    Rows that complete no entry are zeroed by split 0 of the record before them (the gap up to
+    its own row, and after the last record, up to ``T``), so no output row needs a fill.
 
     Only a request's first entry in the forward (ratio 4: and the next) reads the ring, and a
     write may replace a row it reads (``_write_waits``) where rows a request exceed
     ``R - span + 1`` (``ring_write_is_safe``). With ``DEFER_WRITES`` the program of that
     first entry (the request's *owner*) pools both ring-reading entries and then, after a
     barrier, does the writes that wait for it; every other write record's program does its
-    own. A ring row is then read and replaced by one program, in that order.
+    own. A ring row is then read and replaced by one program, in that order. With channel
+    splits, the owner's last split does them, once every split's reads are done.
     """
     rec = tl.program_id(0)
-    ragged = _zero_gaps(
-        plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
-    )
+    split = tl.program_id(1)
+    if split == 0:
+        ragged = _zero_gaps(
+            plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
+        )
+    else:
+        ragged = tl.load(plan_ptr + rec * stride_plan)
     record = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, norm_ptr, cos_ptr,
-              sin_ptr, out_ptr, out_loc_ptr, cache_ptr)  # fmt: skip
+              sin_ptr, out_ptr, out_loc_ptr, cache_ptr, arrivals_ptr)  # fmt: skip
     strides = (D, ring_rows, eps, stride_kv, stride_score, stride_ape, stride_ring_slot,
                stride_ring_row, stride_window, stride_out, stride_rope, stride_cache)  # fmt: skip
     writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, write_plan_ptr)
@@ -583,15 +721,16 @@ def _compress_fused_kernel(
         if DEFER_WRITES and RATIO < SPAN:
             # Ratio 4's second entry reading the ring: pooled by the owner (record rec - 1).
             delegated = (window_len > RATIO) & (window_len < SPAN)
+        done = ~delegated  # this program finished the record's entry
         if not delegated:
-            _pool_and_finish(
-                *record, row, batch, pos, window_len, *strides, RATIO, SPAN, OVERLAP,
-                WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, STORE, BF16_BITS,
-                NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+            done = _entry(
+                *record, rec, split, row, batch, pos, window_len, *strides, RATIO, SPAN,
+                OVERLAP, WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S,
+                CHANNEL_SPLITS, STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
             )  # fmt: skip
         if DEFER_WRITES:
             first = pos - window_len + 1
-            if (window_len <= RATIO) & (window_len < SPAN):  # the request's owner
+            if (window_len <= RATIO) & (window_len < SPAN) & done:  # the request's owner
                 if RATIO < SPAN:
                     nxt = rec + 1
                     live = nxt < num_rows
@@ -600,11 +739,12 @@ def _compress_fused_kernel(
                     n_pos = tl.load(plan_ptr + nxt * stride_plan + 2, mask=live, other=0)
                     n_len = tl.load(plan_ptr + nxt * stride_plan + 3, mask=live, other=SPAN)
                     if (n_row >= 0) & (n_batch == batch) & (n_len > RATIO) & (n_len < SPAN):
-                        _pool_and_finish(
-                            *record, n_row.to(tl.int64), n_batch, n_pos.to(tl.int64),
-                            n_len.to(tl.int64), *strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
-                            ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, STORE, BF16_BITS,
-                            NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+                        _entry(
+                            *record, nxt, split, n_row.to(tl.int64), n_batch,
+                            n_pos.to(tl.int64), n_len.to(tl.int64), *strides, RATIO, SPAN,
+                            OVERLAP, WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S,
+                            CHANNEL_SPLITS, STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS,
+                            BLOCK_R,
                         )  # fmt: skip
                 tl.debug_barrier()  # every ring read of the request is done
                 j = _lower_bound(write_plan_ptr, num_rows, search_steps, stride_plan, row + 1,
@@ -627,22 +767,29 @@ def _compress_fused_kernel(
                                             BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
                     j += 1
                     go = go & (j < num_rows)
-    waits = rec < 0
-    if DEFER_WRITES:
-        w_row = tl.load(write_plan_ptr + rec * stride_plan).to(tl.int64)
-        if w_row >= 0:
-            w_batch = tl.load(write_plan_ptr + rec * stride_plan + 1)
-            w_pos = tl.load(write_plan_ptr + rec * stride_plan + 2).to(tl.int64)
-            w_len = tl.load(write_plan_ptr + rec * stride_plan + 3).to(tl.int64)
-            first, e_row, e_pos = _first_entry(
-                plan_ptr, w_row, w_pos, w_batch, w_len, num_rows, search_steps, stride_plan,
-                RATIO, SPAN,
-            )  # fmt: skip
-            waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos, ring_rows,
-                                 stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
-    if not waits:
-        _ring_write_row(*writes, rec, 0, *write_strides, RATIO, WINDOW_PAGE, BLOCK_D * OVERLAP,
-                        BLOCK_W)  # fmt: skip
+    # The splits of a record with an entry share its ring write; at a record without one,
+    # split 0 writes the whole row and the other splits have nothing to do.
+    has_entry = ragged >= 0
+    if (split == 0) | has_entry:
+        waits = rec < 0
+        if DEFER_WRITES:
+            w_row = tl.load(write_plan_ptr + rec * stride_plan).to(tl.int64)
+            if w_row >= 0:
+                w_batch = tl.load(write_plan_ptr + rec * stride_plan + 1)
+                w_pos = tl.load(write_plan_ptr + rec * stride_plan + 2).to(tl.int64)
+                w_len = tl.load(write_plan_ptr + rec * stride_plan + 3).to(tl.int64)
+                first, e_row, e_pos = _first_entry(
+                    plan_ptr, w_row, w_pos, w_batch, w_len, num_rows, search_steps,
+                    stride_plan, RATIO, SPAN,
+                )  # fmt: skip
+                waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos,
+                                     ring_rows, stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
+        if not waits:
+            columns = BLOCK_D * OVERLAP // CHANNEL_SPLITS
+            first_slice = tl.where(has_entry, split, 0)
+            for k in range(tl.where(has_entry, 1, CHANNEL_SPLITS)):
+                _ring_write_row(*writes, rec, (first_slice + k) * columns, *write_strides,
+                                RATIO, WINDOW_PAGE, columns, BLOCK_W)  # fmt: skip
 
 
 @triton.jit
@@ -730,12 +877,46 @@ def _entries_triton(
     return out
 
 
-def fused_tiles(block_d: int, span: int) -> dict[str, int]:
-    """The tile constexprs of ``_compress_fused_kernel`` for ``block_d`` channels and entries
-    of ``span`` tokens: span slots a pooling step, ring-row columns a write step, output rows
-    zeroed a step (``POOL_TILE`` elements at most a tile)."""
+@contextlib.contextmanager
+def force_channel_splits(splits: int) -> Iterator[None]:
+    """Inside the block the one-launch kernel pools each entry of at least ``SPLIT_SPAN``
+    tokens in ``splits`` programs (a power of two), on any device (tests: the interpreter
+    takes 1)."""
+    if splits < 1 or splits & (splits - 1):
+        raise ConfigError(f"channel splits {splits}; expected a power of two")
+    _forced_channel_splits.append(splits)
+    try:
+        yield
+    finally:
+        _forced_channel_splits.pop()
+
+
+def channel_splits(block_d: int, span: int, device: torch.device) -> int:
+    """Programs the one-launch kernel pools one entry in: for entries of at least
+    ``SPLIT_SPAN`` tokens, ``block_d / SPLIT_CHANNELS`` on a GPU, the forced count
+    (:func:`force_channel_splits`) where one is; else 1 (the interpreter runs its programs one
+    by one: splitting an entry only adds programs)."""
+    if span < SPLIT_SPAN:
+        return 1
+    if _forced_channel_splits:
+        splits = _forced_channel_splits[-1]
+        if splits > block_d:
+            raise ConfigError(f"channel splits {splits} of a {block_d}-channel entry")
+        return splits
+    return max(block_d // SPLIT_CHANNELS, 1) if device.type == "cuda" else 1
+
+
+def fused_tiles(block_d: int, span: int, splits: int) -> dict[str, int]:
+    """The tile constexprs of ``_compress_fused_kernel`` for ``block_d`` channels, entries of
+    ``span`` tokens pooled by ``splits`` programs (:func:`channel_splits`): span slots a
+    pooling step, ring-row columns a write step, output rows zeroed a step (``POOL_TILE``
+    elements at most a tile)."""
+    width = block_d // splits  # channels a program pools, columns it writes a step
     rows = max(POOL_TILE // block_d, 1)  # [rows, block_d] tiles
-    return dict(BLOCK_S=min(span, rows), BLOCK_W=block_d, ZERO_ROWS=rows)
+    # A split program's [BLOCK_S, width] tiles are half POOL_TILE: at D = 512, 4 pipelined
+    # steps in 113 registers (sm_90a), where 2 steps of twice the slots take 254.
+    block_s = min(span, rows if splits == 1 else max(POOL_TILE // (2 * width), 1))
+    return dict(BLOCK_S=block_s, CHANNEL_SPLITS=splits, BLOCK_W=width, ZERO_ROWS=rows)
 
 
 def fused_warps(block_d: int) -> int:
@@ -785,16 +966,20 @@ def _fused_triton(
     block_d = triton.next_power_of_2(max(d, 2))
     cache, out_loc = store if store is not None else (None, out)  # out: an unread pointer
     storage = out if cache is None else cache.storage
-    _compress_fused_kernel[(rows,)](
+    splits = channel_splits(block_d, span, kv_proj.device)
+    tiles = fused_tiles(block_d, span, splits)
+    # One arrival counter per record (only split entries count; else an unread pointer).
+    arrivals = state.arrivals.at_least(rows) if splits > 1 else compress_plan
+    _compress_fused_kernel[(rows, splits)](
         kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
-        write_plan, norm_weight, cos, sin, out, out_loc, storage,
+        write_plan, norm_weight, cos, sin, out, out_loc, storage, arrivals,
         rows, d, kv_proj.shape[1], ring.shape[1], norm_eps, rows.bit_length(),
         kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
         window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
         storage.stride(0),
         RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
         ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
-        BLOCK_D=block_d, **fused_tiles(block_d, span), DEFER_WRITES=defer_writes,
+        BLOCK_D=block_d, **tiles, DEFER_WRITES=defer_writes,
         **row_store_constexprs(cache), num_warps=fused_warps(block_d),
     )  # fmt: skip
     return out

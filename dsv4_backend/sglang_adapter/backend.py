@@ -556,9 +556,10 @@ class DSV4AttentionBackend(AttentionBackend):
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the fixed metadata buffers for graphs of up to ``max_num_tokens`` rows, and
-        build flashinfer's top-k before any capture."""
+        """Allocate the fixed metadata buffers (and the state's per-row scratch) for graphs of
+        up to ``max_num_tokens`` rows, and build flashinfer's top-k before any capture."""
         warm_up_topk(self.device, self.config.index_topk)
+        self.state.reserve_rows(max_num_tokens)
         self.graph_buffers = GraphMetadataBuffers(
             self.config,
             max_batch_size=max_bs,
