@@ -15,12 +15,14 @@ from stress import STRESS
 from dsv4_backend.cache.state import ArrivalCounters
 from dsv4_backend.config import DSV4AttentionConfig, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
-from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels import compressor, dispatch
 from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.compressor import (
+    MAX_ENTRY_WORKERS,
     CompressorState,
     channel_splits,
     compress_forward,
+    entry_workers,
     force_channel_splits,
     fused_tiles,
     ring_write_is_safe,
@@ -335,11 +337,11 @@ def test_state_reset_scope_and_allocation_sizes() -> None:
 
 def test_ratio_128_entries_are_split_across_programs() -> None:
     """On a GPU the one-launch kernel pools a c128 entry in 32-channel programs (a Flash
-    layer's 512 channels: 16 programs, two steps of [64, 32] tiles each); c4 entries (8
+    layer's 512 channels: 16 programs, four steps of [32, 32] tiles each); c4 entries (8
     tokens) in one program. The interpreter takes one program an entry unless forced."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing runs
     assert channel_splits(512, 128, cuda) == 16
-    tiles = dict(BLOCK_S=64, CHANNEL_SPLITS=16, BLOCK_W=32, ZERO_ROWS=8)
+    tiles = dict(BLOCK_S=32, CHANNEL_SPLITS=16, BLOCK_W=512, ZERO_ROWS=8)
     assert fused_tiles(512, 128, 16) == tiles
     assert channel_splits(512, 8, cuda) == 1
     assert fused_tiles(512, 8, 1) == dict(BLOCK_S=8, CHANNEL_SPLITS=1, BLOCK_W=512, ZERO_ROWS=8)
@@ -351,16 +353,22 @@ def test_ratio_128_entries_are_split_across_programs() -> None:
             channel_splits(2, 128, cpu)
     with pytest.raises(ConfigError, match="expected a power of two"):
         force_channel_splits(3).__enter__()
+    # Entry workers: one a (record, split) item, at most MAX_ENTRY_WORKERS.
+    assert entry_workers(1, 16) == 16  # decode of one request
+    assert entry_workers(64, 16) == MAX_ENTRY_WORKERS == 256
+    assert entry_workers(300, 1) == 0  # unsplit: the record programs pool
 
 
-def test_split_entries_equal_torch_and_leave_the_counters_zero() -> None:
+def test_split_entries_equal_torch_and_leave_the_counters_zero(monkeypatch) -> None:
     """c128 entries in 32-channel programs, as a GPU splits them, after a prefill on the torch
     path: a decode row completing an entry from 127 ring rows beside an extend whose entry
     reads the ring rows its writes replace (the owner's last split defers them), then decode
-    rows whose ring writes share programs with another request's entry (split by columns),
-    equal the torch path; each launch leaves its arrival counters at zero."""
+    rows writing the ring beside another request's decode entry, equal the torch path; each
+    launch leaves its arrival counters at zero. Three entry workers, so each takes several
+    (record, split) items."""
     splits = channel_splits(C128.head_dim, 128, torch.device("cuda"))
     assert splits == 4
+    monkeypatch.setattr(compressor, "MAX_ENTRY_WORKERS", 3)
     outs, rings = [], []
     for path in (TORCH, INTERP):
         requests = [make_request(C128, n, i, seed=6 + i) for i, n in enumerate((130, 140, 128))]
@@ -537,7 +545,8 @@ def test_extend_writes_wait_for_the_entries_that_read_the_ring(
 @given(data=st.data(), layer=st.sampled_from([C4, C128, INDEXER_C4]))
 def test_any_multi_request_schedule_on_the_one_launch_kernel(data, layer: Layer) -> None:
     """2-3 requests resuming and idling in random chunks, on the interpreter's one-launch
-    kernel (extend: the deferred writes), equal the reference."""
+    kernel (extend: the deferred writes; c128: entries split as on a GPU), equal the
+    reference."""
     limit = 140 if layer.ratio == 128 else 40
     steps = data.draw(st.integers(1, 3))
     # Request 0 takes tokens in every forward; the others idle at times (0), never throughout.
@@ -545,4 +554,8 @@ def test_any_multi_request_schedule_on_the_one_launch_kernel(data, layer: Layer)
     chunk = st.one_of(st.just(0), st.integers(1, limit))
     some = st.lists(chunk, min_size=1, max_size=steps).filter(any)
     chunks = [data.draw(busy), *data.draw(st.lists(some, min_size=1, max_size=2))]
-    run_schedule(layer, [sum(c) for c in chunks], chunks, INTERP)
+    # c128 entries split as a GPU splits them, over few entry workers (several items each).
+    splits = channel_splits(layer.head_dim, compress_span(layer.ratio), torch.device("cuda"))
+    with force_channel_splits(splits), pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compressor, "MAX_ENTRY_WORKERS", 5)
+        run_schedule(layer, [sum(c) for c in chunks], chunks, INTERP)

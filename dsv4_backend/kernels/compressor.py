@@ -37,13 +37,14 @@ Paths (``dispatch.use_triton``):
 
 * **one launch** (``dispatch.use_unverified("compressor")``: the interpreter's default, CUDA
   with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``):
-  ``_compress_fused_kernel``, one program per record (ratio 128 on a GPU: one per 32
-  channels of a record, ``channel_splits``; the last of them to arrive normalises for all),
-  pools over contiguous ``[BLOCK_S, channels]`` tiles in a pipelined loop, normalises, ropes,
-  stores the entry in the cache (``store=``) and writes the ring row of the write record of
-  the same index, in every mode. Where a write can replace a ring row an entry of the forward
-  reads (extend, verify without the speculative rings: ``ring_write_is_safe``), the program
-  of the request's first entry pools its ring-reading entries and then does those writes
+  ``_compress_fused_kernel``, one program per record (ratio 128 on a GPU: the entry as
+  items of 32 channels, ``channel_splits``, taken by entry workers past the records'
+  programs; the last item to arrive normalises for all), pools over contiguous
+  ``[BLOCK_S, channels]`` tiles in a pipelined loop, normalises, ropes, stores the entry in
+  the cache (``store=``) and writes the ring row of the write record of the same index, in
+  every mode. Where a write can replace a ring row an entry of the forward reads (extend,
+  verify without the speculative rings: ``ring_write_is_safe``), the program of the
+  request's first entry pools its ring-reading entries and then does those writes
   (``DEFER_WRITES``).
 * **replaced** (the CUDA default): ``_compress_entry_kernel`` (pool, norm, RoPE and the zero
   rows, even / odd channel tiles), ``_ring_write_kernel``, then the cache store: 3 launches.
@@ -74,6 +75,9 @@ POOL_TILE = 4096
 #: 128) in programs of ``SPLIT_CHANNELS`` channels each, so its span's loads spread over SMs.
 SPLIT_SPAN = 128
 SPLIT_CHANNELS = 32
+#: The most entry workers (programs pooling split entries) a launch takes: about two an SM
+#: (132 on an H200, 148 on a B200), so a forward with few entries wakes few programs.
+MAX_ENTRY_WORKERS = 256
 #: Columns per ring-write program.
 WRITE_BLOCK = 256
 
@@ -630,6 +634,176 @@ def _write_waits(
 
 
 @triton.jit
+def _record_entries(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    ring_ptr,
+    pool_ptr,
+    window_ptr,
+    plan_ptr,
+    write_plan_ptr,
+    norm_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    out_loc_ptr,
+    cache_ptr,
+    arrivals_ptr,
+    rec,  # a valid compress record
+    split,  # the channel split this program pools
+    num_rows,
+    D,
+    CD,
+    ring_rows,
+    eps,
+    search_steps,
+    stride_kv,
+    stride_score,
+    stride_ape,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    stride_plan,
+    stride_out,
+    stride_rope,
+    stride_cache,
+    RATIO: tl.constexpr,
+    SPAN: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+    ROPE_PAIRS: tl.constexpr,
+    ROPE_BY_ROW: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    CHANNEL_SPLITS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    DEFER_WRITES: tl.constexpr,
+    STORE: tl.constexpr,
+    BF16_BITS: tl.constexpr,
+    NOPE_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+):
+    """Compress record ``rec``'s entry (``_entry``, channel split ``split``) and, where the
+    record is its request's owner (``DEFER_WRITES``, kernel docstring), the ratio-4 entry it
+    pools for the next record and, once every read of the request's ring is done, the writes
+    that wait for them."""
+    record = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, norm_ptr, cos_ptr,
+              sin_ptr, out_ptr, out_loc_ptr, cache_ptr, arrivals_ptr)  # fmt: skip
+    strides = (D, ring_rows, eps, stride_kv, stride_score, stride_ape, stride_ring_slot,
+               stride_ring_row, stride_window, stride_out, stride_rope, stride_cache)  # fmt: skip
+    row = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
+    batch = tl.load(plan_ptr + rec * stride_plan + 1)
+    pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
+    window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
+    delegated = window_len < 0
+    if DEFER_WRITES and RATIO < SPAN:
+        # Ratio 4's second entry reading the ring: pooled by the owner (record rec - 1).
+        delegated = (window_len > RATIO) & (window_len < SPAN)
+    done = ~delegated  # this program finished the record's entry
+    if not delegated:
+        done = _entry(
+            *record, rec, split, row, batch, pos, window_len, *strides, RATIO, SPAN, OVERLAP,
+            WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, STORE,
+            BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+        )  # fmt: skip
+    if DEFER_WRITES:
+        first = pos - window_len + 1
+        if (window_len <= RATIO) & (window_len < SPAN) & done:  # the request's owner
+            if RATIO < SPAN:
+                nxt = rec + 1
+                live = nxt < num_rows
+                n_row = tl.load(plan_ptr + nxt * stride_plan, mask=live, other=-1)
+                n_batch = tl.load(plan_ptr + nxt * stride_plan + 1, mask=live, other=-1)
+                n_pos = tl.load(plan_ptr + nxt * stride_plan + 2, mask=live, other=0)
+                n_len = tl.load(plan_ptr + nxt * stride_plan + 3, mask=live, other=SPAN)
+                if (n_row >= 0) & (n_batch == batch) & (n_len > RATIO) & (n_len < SPAN):
+                    _entry(
+                        *record, nxt, split, n_row.to(tl.int64), n_batch, n_pos.to(tl.int64),
+                        n_len.to(tl.int64), *strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
+                        ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, STORE,
+                        BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+                    )  # fmt: skip
+            tl.debug_barrier()  # every ring read of the request is done
+            writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, write_plan_ptr)
+            write_strides = (CD, ring_rows, stride_kv, stride_score, stride_ape,
+                             stride_ring_slot, stride_ring_row, stride_window,
+                             stride_plan)  # fmt: skip
+            j = _lower_bound(write_plan_ptr, num_rows, search_steps, stride_plan, row + 1, batch,
+                             False)  # fmt: skip
+            go = j < num_rows
+            while go:
+                w_row = tl.load(write_plan_ptr + j * stride_plan).to(tl.int64)
+                w_batch = tl.load(write_plan_ptr + j * stride_plan + 1)
+                w_pos = tl.load(write_plan_ptr + j * stride_plan + 2).to(tl.int64)
+                go = (w_row >= 0) & (w_batch == batch)
+                if WINDOW_PAGE > 0:  # a c4 write waits only in the same window page
+                    go = go & (w_pos < first + WINDOW_PAGE)
+                if go:
+                    deferred = _write_waits(window_ptr, w_row, w_pos, first, row, pos,
+                                            ring_rows, stride_window, SPAN,
+                                            WINDOW_PAGE)  # fmt: skip
+                    if deferred:
+                        _ring_write_row(*writes, j, 0, *write_strides, RATIO, WINDOW_PAGE,
+                                        BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
+                j += 1
+                go = go & (j < num_rows)
+
+
+@triton.jit
+def _record_ring_write(
+    kv_ptr,
+    score_ptr,
+    ape_ptr,
+    ring_ptr,
+    pool_ptr,
+    window_ptr,
+    plan_ptr,
+    write_plan_ptr,
+    rec,  # a write-plan record (padding: nothing)
+    num_rows,
+    CD,
+    ring_rows,
+    search_steps,
+    stride_kv,
+    stride_score,
+    stride_ape,
+    stride_ring_slot,
+    stride_ring_row,
+    stride_window,
+    stride_plan,
+    RATIO: tl.constexpr,
+    SPAN: tl.constexpr,
+    WINDOW_PAGE: tl.constexpr,
+    COLUMNS: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    DEFER_WRITES: tl.constexpr,
+):
+    """Write-plan record ``rec``'s ring row, unless (``DEFER_WRITES``) it replaces a row its
+    request's first entries read: then their owner writes it (``_record_entries``)."""
+    waits = rec < 0
+    if DEFER_WRITES:
+        w_row = tl.load(write_plan_ptr + rec * stride_plan).to(tl.int64)
+        if w_row >= 0:
+            w_batch = tl.load(write_plan_ptr + rec * stride_plan + 1)
+            w_pos = tl.load(write_plan_ptr + rec * stride_plan + 2).to(tl.int64)
+            w_len = tl.load(write_plan_ptr + rec * stride_plan + 3).to(tl.int64)
+            first, e_row, e_pos = _first_entry(
+                plan_ptr, w_row, w_pos, w_batch, w_len, num_rows, search_steps, stride_plan,
+                RATIO, SPAN,
+            )  # fmt: skip
+            waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos, ring_rows,
+                                 stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
+    if not waits:
+        _ring_write_row(kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr,
+                        write_plan_ptr, rec, 0, CD, ring_rows, stride_kv, stride_score,
+                        stride_ape, stride_ring_slot, stride_ring_row, stride_window,
+                        stride_plan, RATIO, WINDOW_PAGE, COLUMNS, BLOCK_W)  # fmt: skip
+
+
+@triton.jit
 def _compress_fused_kernel(
     kv_ptr,  # [T, C*D] float kv projection
     score_ptr,  # [T, C*D] float score projection (without ape)
@@ -671,7 +845,7 @@ def _compress_fused_kernel(
     BLOCK_D: tl.constexpr,  # channels of an entry (>= D)
     BLOCK_S: tl.constexpr,  # span slots per pooling step
     CHANNEL_SPLITS: tl.constexpr,  # programs pooling one entry (BLOCK_D / CHANNEL_SPLITS each)
-    BLOCK_W: tl.constexpr,  # ring-row columns per write step (divides C*D / CHANNEL_SPLITS)
+    BLOCK_W: tl.constexpr,  # ring-row columns per write step (>= C*D / steps)
     ZERO_ROWS: tl.constexpr,  # output rows zeroed per step (rows that complete no entry)
     DEFER_WRITES: tl.constexpr,  # a write may replace a ring row an entry reads (extend)
     STORE: tl.constexpr,  # cache_store.STORE_*: the format entries are stored in
@@ -681,13 +855,15 @@ def _compress_fused_kernel(
     PAGE_TOKENS: tl.constexpr,
     BLOCK_R: tl.constexpr,
 ):
-    """Program ``(rec, split)``: compress-plan record ``rec``'s entry (``_entry``: channel
-    split ``split`` of ``CHANNEL_SPLITS``, the last to arrive finishing it), then its share of
-    the ring row of write-plan record ``rec`` (the whole row from split 0 where compress
-    record ``rec`` is padding).
+    """Program ``rec < T``: compress-plan record ``rec``'s entry, then the ring row of
+    write-plan record ``rec``. With ``CHANNEL_SPLITS`` > 1 the entries go to the programs
+    past ``T`` instead (*entry workers*): item ``k`` is split ``k % CHANNEL_SPLITS`` of
+    record ``k // CHANNEL_SPLITS``, worker ``w`` takes items ``w, w + W, ...`` (``W``
+    workers) up to the first of a padding record (valid records come first), and the last
+    split of a record to arrive finishes it (``_entry``).
 
-    Rows that complete no entry are zeroed by split 0 of the record before them (the gap up to
-    its own row, and after the last record, up to ``T``), so no output row needs a fill.
+    Rows that complete no entry are zeroed by the program of the record before them (the gap up
+    to its own row, and after the last record, up to ``T``), so no output row needs a fill.
 
     Only a request's first entry in the forward (ratio 4: and the next) reads the ring, and a
     write may replace a row it reads (``_write_waits``) where rows a request exceed
@@ -697,99 +873,49 @@ def _compress_fused_kernel(
     own. A ring row is then read and replaced by one program, in that order. With channel
     splits, the owner's last split does them, once every split's reads are done.
     """
-    rec = tl.program_id(0)
-    split = tl.program_id(1)
-    if split == 0:
+    pid = tl.program_id(0)
+    pointers = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
+                write_plan_ptr, norm_ptr, cos_ptr, sin_ptr, out_ptr, out_loc_ptr, cache_ptr,
+                arrivals_ptr)  # fmt: skip
+    sizes = (num_rows, D, CD, ring_rows, eps, search_steps, stride_kv, stride_score, stride_ape,
+             stride_ring_slot, stride_ring_row, stride_window, stride_plan, stride_out,
+             stride_rope, stride_cache)  # fmt: skip
+    writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
+              write_plan_ptr)  # fmt: skip
+    write_sizes = (num_rows, CD, ring_rows, search_steps, stride_kv, stride_score, stride_ape,
+                   stride_ring_slot, stride_ring_row, stride_window, stride_plan)  # fmt: skip
+    if CHANNEL_SPLITS == 1:
         ragged = _zero_gaps(
-            plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
+            plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
         )
-    else:
-        ragged = tl.load(plan_ptr + rec * stride_plan)
-    record = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, norm_ptr, cos_ptr,
-              sin_ptr, out_ptr, out_loc_ptr, cache_ptr, arrivals_ptr)  # fmt: skip
-    strides = (D, ring_rows, eps, stride_kv, stride_score, stride_ape, stride_ring_slot,
-               stride_ring_row, stride_window, stride_out, stride_rope, stride_cache)  # fmt: skip
-    writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, write_plan_ptr)
-    write_strides = (CD, ring_rows, stride_kv, stride_score, stride_ape, stride_ring_slot,
-                     stride_ring_row, stride_window, stride_plan)  # fmt: skip
-    if ragged >= 0:
-        row = ragged.to(tl.int64)
-        batch = tl.load(plan_ptr + rec * stride_plan + 1)
-        pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
-        window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
-        delegated = window_len < 0
-        if DEFER_WRITES and RATIO < SPAN:
-            # Ratio 4's second entry reading the ring: pooled by the owner (record rec - 1).
-            delegated = (window_len > RATIO) & (window_len < SPAN)
-        done = ~delegated  # this program finished the record's entry
-        if not delegated:
-            done = _entry(
-                *record, rec, split, row, batch, pos, window_len, *strides, RATIO, SPAN,
-                OVERLAP, WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S,
-                CHANNEL_SPLITS, STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+        # The ring write first: one that does not wait replaces no row an entry reads.
+        _record_ring_write(*writes, pid, *write_sizes, RATIO, SPAN, WINDOW_PAGE,
+                           BLOCK_D * OVERLAP, BLOCK_W, DEFER_WRITES)  # fmt: skip
+        if ragged >= 0:
+            _record_entries(
+                *pointers, pid, 0, *sizes, RATIO, SPAN, OVERLAP, WINDOW_PAGE, ROPE_PAIRS,
+                ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, BLOCK_W, DEFER_WRITES, STORE,
+                BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
             )  # fmt: skip
-        if DEFER_WRITES:
-            first = pos - window_len + 1
-            if (window_len <= RATIO) & (window_len < SPAN) & done:  # the request's owner
-                if RATIO < SPAN:
-                    nxt = rec + 1
-                    live = nxt < num_rows
-                    n_row = tl.load(plan_ptr + nxt * stride_plan, mask=live, other=-1)
-                    n_batch = tl.load(plan_ptr + nxt * stride_plan + 1, mask=live, other=-1)
-                    n_pos = tl.load(plan_ptr + nxt * stride_plan + 2, mask=live, other=0)
-                    n_len = tl.load(plan_ptr + nxt * stride_plan + 3, mask=live, other=SPAN)
-                    if (n_row >= 0) & (n_batch == batch) & (n_len > RATIO) & (n_len < SPAN):
-                        _entry(
-                            *record, nxt, split, n_row.to(tl.int64), n_batch,
-                            n_pos.to(tl.int64), n_len.to(tl.int64), *strides, RATIO, SPAN,
-                            OVERLAP, WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S,
-                            CHANNEL_SPLITS, STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS,
-                            BLOCK_R,
-                        )  # fmt: skip
-                tl.debug_barrier()  # every ring read of the request is done
-                j = _lower_bound(write_plan_ptr, num_rows, search_steps, stride_plan, row + 1,
-                                 batch, False)  # fmt: skip
-                go = j < num_rows
-                while go:
-                    w_row = tl.load(write_plan_ptr + j * stride_plan).to(tl.int64)
-                    w_batch = tl.load(write_plan_ptr + j * stride_plan + 1)
-                    w_pos = tl.load(write_plan_ptr + j * stride_plan + 2).to(tl.int64)
-                    go = (w_row >= 0) & (w_batch == batch)
-                    if WINDOW_PAGE > 0:  # a c4 write waits only in the same window page
-                        go = go & (w_pos < first + WINDOW_PAGE)
-                    if go:
-                        deferred = _write_waits(
-                            window_ptr, w_row, w_pos, first, row, pos, ring_rows,
-                            stride_window, SPAN, WINDOW_PAGE,
-                        )  # fmt: skip
-                        if deferred:
-                            _ring_write_row(*writes, j, 0, *write_strides, RATIO, WINDOW_PAGE,
-                                            BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
-                    j += 1
-                    go = go & (j < num_rows)
-    # The splits of a record with an entry share its ring write; at a record without one,
-    # split 0 writes the whole row and the other splits have nothing to do.
-    has_entry = ragged >= 0
-    if (split == 0) | has_entry:
-        waits = rec < 0
-        if DEFER_WRITES:
-            w_row = tl.load(write_plan_ptr + rec * stride_plan).to(tl.int64)
-            if w_row >= 0:
-                w_batch = tl.load(write_plan_ptr + rec * stride_plan + 1)
-                w_pos = tl.load(write_plan_ptr + rec * stride_plan + 2).to(tl.int64)
-                w_len = tl.load(write_plan_ptr + rec * stride_plan + 3).to(tl.int64)
-                first, e_row, e_pos = _first_entry(
-                    plan_ptr, w_row, w_pos, w_batch, w_len, num_rows, search_steps,
-                    stride_plan, RATIO, SPAN,
-                )  # fmt: skip
-                waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos,
-                                     ring_rows, stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
-        if not waits:
-            columns = BLOCK_D * OVERLAP // CHANNEL_SPLITS
-            first_slice = tl.where(has_entry, split, 0)
-            for k in range(tl.where(has_entry, 1, CHANNEL_SPLITS)):
-                _ring_write_row(*writes, rec, (first_slice + k) * columns, *write_strides,
-                                RATIO, WINDOW_PAGE, columns, BLOCK_W)  # fmt: skip
+    elif pid < num_rows:  # a record's program: the gap before it, the ring write
+        _zero_gaps(plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D,
+                   ZERO_ROWS)  # fmt: skip
+        _record_ring_write(*writes, pid, *write_sizes, RATIO, SPAN, WINDOW_PAGE,
+                           BLOCK_D * OVERLAP, BLOCK_W, DEFER_WRITES)  # fmt: skip
+    else:  # an entry worker: items (record, split) pid - T, then every workers-th after
+        workers = tl.num_programs(0) - num_rows
+        item = pid - num_rows
+        rec = item // CHANNEL_SPLITS
+        go = tl.load(plan_ptr + rec * stride_plan, mask=rec < num_rows, other=-1) >= 0
+        while go:  # valid records come first: the first padding one ends the worker's items
+            _record_entries(
+                *pointers, rec, item % CHANNEL_SPLITS, *sizes, RATIO, SPAN, OVERLAP,
+                WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, BLOCK_W,
+                DEFER_WRITES, STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
+            )  # fmt: skip
+            item += workers
+            rec = item // CHANNEL_SPLITS
+            go = tl.load(plan_ptr + rec * stride_plan, mask=rec < num_rows, other=-1) >= 0
 
 
 @triton.jit
@@ -906,17 +1032,26 @@ def channel_splits(block_d: int, span: int, device: torch.device) -> int:
     return max(block_d // SPLIT_CHANNELS, 1) if device.type == "cuda" else 1
 
 
+def entry_workers(rows: int, splits: int) -> int:
+    """Entry workers of a launch of ``rows`` records whose entries are pooled in ``splits``
+    items each: one an item, at most ``MAX_ENTRY_WORKERS`` (a worker stops at the first
+    item of a padding record, so a forward with few entries keeps few of them busy); 0
+    unsplit."""
+    return 0 if splits == 1 else min(rows * splits, MAX_ENTRY_WORKERS)
+
+
 def fused_tiles(block_d: int, span: int, splits: int) -> dict[str, int]:
     """The tile constexprs of ``_compress_fused_kernel`` for ``block_d`` channels, entries of
     ``span`` tokens pooled by ``splits`` programs (:func:`channel_splits`): span slots a
     pooling step, ring-row columns a write step, output rows zeroed a step (``POOL_TILE``
     elements at most a tile)."""
-    width = block_d // splits  # channels a program pools, columns it writes a step
+    width = block_d // splits  # channels a program pools
     rows = max(POOL_TILE // block_d, 1)  # [rows, block_d] tiles
-    # A split program's [BLOCK_S, width] tiles are half POOL_TILE: at D = 512, 4 pipelined
-    # steps in 113 registers (sm_90a), where 2 steps of twice the slots take 254.
-    block_s = min(span, rows if splits == 1 else max(POOL_TILE // (2 * width), 1))
-    return dict(BLOCK_S=block_s, CHANNEL_SPLITS=splits, BLOCK_W=width, ZERO_ROWS=rows)
+    # A split program's [BLOCK_S, width] tiles are a quarter of POOL_TILE: at D = 512, four
+    # pipelined [32, 32] steps in 88-95 registers (sm_90a / sm_100a), where two [64, 32]
+    # steps take 128 and spill on sm_100a.
+    block_s = min(span, rows if splits == 1 else max(POOL_TILE // (4 * width), 1))
+    return dict(BLOCK_S=block_s, CHANNEL_SPLITS=splits, BLOCK_W=block_d, ZERO_ROWS=rows)
 
 
 def fused_warps(block_d: int) -> int:
@@ -970,7 +1105,7 @@ def _fused_triton(
     tiles = fused_tiles(block_d, span, splits)
     # One arrival counter per record (only split entries count; else an unread pointer).
     arrivals = state.arrivals.at_least(rows) if splits > 1 else compress_plan
-    _compress_fused_kernel[(rows, splits)](
+    _compress_fused_kernel[(rows + entry_workers(rows, splits),)](
         kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
         write_plan, norm_weight, cos, sin, out, out_loc, storage, arrivals,
         rows, d, kv_proj.shape[1], ring.shape[1], norm_eps, rows.bit_length(),
