@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.kernels.dispatch import force_path, force_unverified
 from dsv4_backend.kernels.sparse_attention import attention_tolerance, force_num_splits
 from dsv4_backend.planning import BatchView
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
@@ -140,8 +140,12 @@ def test_every_kernel_in_the_interpreter(splits: int) -> None:
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_compiled_kernels_on_cuda() -> None:
-    """Every mode with the compiled Triton kernels (GPU machines: scripts/gpu_check.sh).
+@pytest.mark.parametrize("new", [False, True], ids=["default-kernels", "unverified-kernels"])
+def test_compiled_kernels_on_cuda(new: bool) -> None:
+    """Every mode with the compiled Triton kernels (GPU machines: scripts/gpu_check.sh), the
+    CUDA defaults and (``unverified-kernels``) the ones not yet the default
+    (``dispatch.UNVERIFIED_OPS``: the one-launch compressor, whose c128 entries split across
+    entry workers, and the length-bounded indexer), which gpu_check.sh reports apart.
 
     The attention dots take bf16 operands on a GPU: the tolerance follows from that dtype.
     """
@@ -149,7 +153,7 @@ def test_compiled_kernels_on_cuda() -> None:
     pool = PagedRequestPool(CONFIG, [140, 270], generator=generator, device="cuda")
     model = RandomModel(CONFIG, pool, generator=generator, device="cuda")
     atol = attention_tolerance(torch.device("cuda"))
-    with force_path("triton"):
+    with force_path("triton"), force_unverified(new):
         check(model, pool.extend([0, 1], [0, 0], [126, 253]), atol=atol)
         check(model, pool.verify([0, 1], [126, 253], 4), atol=atol)
         for step in range(3):
