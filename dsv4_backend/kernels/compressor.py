@@ -517,11 +517,11 @@ def _entry(
     """One compress record's entry, pooled (``_pool_channels``) and finished
     (``_finish_entry``). Returns whether this program finished it.
 
-    With ``CHANNEL_SPLITS`` > 1 the record's programs each pool ``BLOCK_D / CHANNEL_SPLITS``
-    channels into its row of ``out`` and count their arrival on ``arrivals[rec]``
-    (acquire-release); the last to arrive reads the row back, finishes it and resets the
-    counter, so the span's loads spread over the programs and RMSNorm still sees every
-    channel."""
+    With ``CHANNEL_SPLITS`` > 1 each of the record's items (split ``split``, taken by an entry
+    worker) pools ``BLOCK_D / CHANNEL_SPLITS`` channels into its row of ``out`` and counts its
+    arrival on ``arrivals[rec]`` (acquire-release); the last to arrive reads the row back,
+    finishes it and resets the counter, so the span's loads spread over the workers and
+    RMSNorm still sees every channel."""
     sources = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, row, batch, pos,
                window_len)  # fmt: skip
     ring_strides = (D, ring_rows, stride_kv, stride_score, stride_ape, stride_ring_slot,
