@@ -169,7 +169,6 @@ def _zero_gaps(
 def _span_sources(
     j,  # [BLOCK_S] span slots
     pos,  # int64 the entry's last position
-    pos_ring_row,  # int64 pos % ring_rows (computed once, in int32, before the caller's loop)
     window_len,  # int64 the span's rows from this forward
     row,  # int64 the entry's ragged row
     request_ring,  # the request's ring (request-scoped) or the ring storage (page-scoped)
@@ -190,8 +189,8 @@ def _span_sources(
     from_ring = (q >= 0) & ~from_rows
     rows = tl.where(from_rows, row - (pos - q), 0)
     # Ring row q % R from the entry's last row: a lag below SPAN <= R wraps at most once
-    # (no modulo a slot).
-    ring_row = pos_ring_row - (pos - q)
+    # (one int32 modulo, not one a slot).
+    ring_row = (pos.to(tl.int32) % ring_rows).to(tl.int64) - (pos - q)
     ring_row = tl.where(ring_row < 0, ring_row + ring_rows, ring_row)
     ring_base = request_ring + tl.where(from_ring, ring_row, 0) * stride_ring_row
     if WINDOW_PAGE > 0:
@@ -260,13 +259,12 @@ def _compress_entry_kernel(
         request_ring = ring_ptr
         if WINDOW_PAGE == 0:
             request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
-        pos_ring_row = (pos.to(tl.int32) % ring_rows).to(tl.int64)
         m_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
         m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
         for j0 in range(0, SPAN, BLOCK_S):
             j = j0 + tl.arange(0, BLOCK_S)
             from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
-                j, pos, pos_ring_row, window_len, row, request_ring, window_ptr, ring_rows,
+                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
                 stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
             )  # fmt: skip
             # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
@@ -386,13 +384,12 @@ def _pool_channels(
     request_ring = ring_ptr
     if WINDOW_PAGE == 0:
         request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
-    pos_ring_row = (pos.to(tl.int32) % ring_rows).to(tl.int64)
     m_run = tl.full([BLOCK_C], float("-inf"), tl.float32)
     l_run, acc = zeros, zeros
     for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
         j = j0 + tl.arange(0, BLOCK_S)
         from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
-            j, pos, pos_ring_row, window_len, row, request_ring, window_ptr, ring_rows,
+            j, pos, window_len, row, request_ring, window_ptr, ring_rows,
             stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
         )  # fmt: skip
         if OVERLAP == 2:  # ratio 4: slots RATIO.. (the current block) read the second half
@@ -884,7 +881,8 @@ def _compress_fused_kernel(
               write_plan_ptr)  # fmt: skip
     write_sizes = (num_rows, CD, ring_rows, search_steps, stride_kv, stride_score, stride_ape,
                    stride_ring_slot, stride_ring_row, stride_window, stride_plan)  # fmt: skip
-    if CHANNEL_SPLITS == 1:
+    if CHANNEL_SPLITS == 1:  # every program is a record's (under a pid bound check, the c4
+        # kernels compile to twice the instructions)
         ragged = _zero_gaps(
             plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
         )
