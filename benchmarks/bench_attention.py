@@ -38,9 +38,13 @@ layout) on the same cache bytes, indices and sink, per fp8 case on a GPU: both t
 ratio (ours / FlashMLA) and the largest output difference between the two. Without
 ``flash_mla`` (or without a GPU) it says so and skips the comparison.
 
+``--kernel`` names the attention kernels the measured and FlashMLA tables time (the default
+``triton``; the opt-in ``pipelined`` and ``ws`` where they take the inputs, each skipped with
+the reason elsewhere: dense caches, and for ws a CPU).
+
     python benchmarks/bench_attention.py [--batch 1 8 32 64 128] [--fmt dense fp8]
         [--layer window ratio4 ratio128] [--splits N] [--reps 3] [--threads 1] [--verify]
-        [--against flashmla]
+        [--kernel triton pipelined ws] [--against flashmla]
 """
 
 from __future__ import annotations
@@ -68,6 +72,14 @@ from dsv4_backend.kernels.sparse_attention import (  # noqa: E402
     group_rows,
     sparse_attention_torch,
     sparse_attention_triton,
+)
+from dsv4_backend.kernels.sparse_attention_pipelined import (  # noqa: E402
+    pipelined_unsupported_reason,
+    sparse_attention_pipelined,
+)
+from dsv4_backend.kernels.sparse_attention_ws import (  # noqa: E402
+    sparse_attention_ws,
+    ws_unsupported_reason,
 )
 
 #: ``(name substring, HBM bytes/s, dense bf16 tensor FLOP/s)``, matched against
@@ -292,6 +304,23 @@ def flashmla_call(args: tuple) -> Callable[[], torch.Tensor]:
     return call
 
 
+def kernel_call(kernel: str, args: tuple, splits: int | None) -> tuple[Callable | None, str]:
+    """``(call, "")``: attention ``kernel`` (``dispatch.ATTENTION_KERNELS``) on the op's
+    ``args``; ``(None, why)`` where it does not take them (the opt-in kernels: fp8 caches; ws:
+    a GPU, at most 64 heads of dim 512), so a table never times the default in its place."""
+    q, window, extra = args[0], args[1], args[4]
+    why, run = None, sparse_attention_triton
+    if kernel == "pipelined":
+        why = pipelined_unsupported_reason(window, extra, q.shape[2])
+        run = sparse_attention_pipelined
+    elif kernel == "ws":
+        why = ws_unsupported_reason(q.device, window, extra, q.shape[1], q.shape[2])
+        run = sparse_attention_ws
+    if why is not None:
+        return None, why
+    return functools.partial(run, *args, num_splits=splits), ""
+
+
 def flashmla_missing() -> str | None:
     """Why FlashMLA cannot run here, or None when it can."""
     if not ON_GPU:
@@ -310,20 +339,24 @@ def compare_flashmla(opts, shapes: dict, device: str, g: torch.Generator) -> Non
         print(f"against flashmla: skipped, {missing}")
         return
     print("against flashmla (sparse fp8 decode, use_legacy=True): ratio = ours / flashmla")
-    print(f"{'layer':>8} {'batch':>5} {'ours us':>9} {'flashmla us':>11} {'ratio':>6} "
-          f"{'max|ours-fm|':>12} {'max|fm-ref|':>11}")  # fmt: skip
+    print(f"{'layer':>8} {'batch':>5} {'kernel':>9} {'ours us':>9} {'flashmla us':>11} "
+          f"{'ratio':>6} {'max|ours-fm|':>12} {'max|fm-ref|':>11}")  # fmt: skip
     for layer in opts.layer:
         for batch in opts.batch or [8, 64, 128]:
             args = make_inputs(batch, layer, "fp8", shapes, device, g)
-            ours = functools.partial(sparse_attention_triton, *args, num_splits=opts.splits)
             theirs = flashmla_call(args)
-            reference = sparse_attention_torch(*args)
             fm = theirs().float()
-            diff = (ours().float() - fm).abs().max().item()
-            ref_diff = (fm - reference).abs().max().item()
-            t_ours, t_fm = time_call(ours, opts.reps), time_call(theirs, opts.reps)
-            print(f"{layer:>8} {batch:>5} {t_ours * 1e6:9.1f} {t_fm * 1e6:11.1f} "
-                  f"{t_ours / t_fm:6.2f} {diff:12.2e} {ref_diff:11.2e}")  # fmt: skip
+            ref_diff = (fm - sparse_attention_torch(*args)).abs().max().item()
+            t_fm = time_call(theirs, opts.reps)
+            for kernel in opts.kernel:
+                ours, why = kernel_call(kernel, args, opts.splits)
+                if ours is None:
+                    print(f"{layer:>8} {batch:>5} {kernel:>9}  skipped: {why}")
+                    continue
+                diff = (ours().float() - fm).abs().max().item()
+                t_ours = time_call(ours, opts.reps)
+                print(f"{layer:>8} {batch:>5} {kernel:>9} {t_ours * 1e6:9.1f} {t_fm * 1e6:11.1f} "
+                      f"{t_ours / t_fm:6.2f} {diff:12.2e} {ref_diff:11.2e}")  # fmt: skip
 
 
 def main() -> None:
@@ -336,6 +369,9 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--verify", action="store_true", help="also time verify rows at TP")
     parser.add_argument("--against", choices=["flashmla"], help="also time FlashMLA's kernel")
+    parser.add_argument("--kernel", nargs="+", default=["triton"],
+                        choices=dispatch.ATTENTION_KERNELS,
+                        help="attention kernels to time (default: the default kernel)")  # fmt: skip
     opts = parser.parse_args()
     if opts.threads:
         torch.set_num_threads(opts.threads)
@@ -368,7 +404,7 @@ def main() -> None:
     if table_peaks:
         print_verify_table(table_peaks[1], table_peaks[2], opts.fmt)
     print(f"measured: shapes {shapes}, window {WINDOW}; dense caches are bf16")
-    print(f"{'layer':>8} {'fmt':>5} {'batch':>5} {'path':>6} {'time us':>10} {'GB/s':>9} "
+    print(f"{'layer':>8} {'fmt':>5} {'batch':>5} {'path':>9} {'time us':>10} {'GB/s':>9} "
           f"{'TFLOP/s':>8} {'roofline':>8}  max|diff|")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for layer in opts.layer:
@@ -377,12 +413,14 @@ def main() -> None:
                 args = make_inputs(batch, layer, fmt, shapes, device, g)
                 moved, fl = cost(batch, layer, fmt, shapes)
                 reference = sparse_attention_torch(*args)
-                for path, fn in (
-                    ("torch", lambda a=args: sparse_attention_torch(*a)),
-                    ("triton", lambda a=args: sparse_attention_triton(*a, num_splits=opts.splits)),
-                ):
+                calls = [("torch", functools.partial(sparse_attention_torch, *args), "")]
+                calls += [(k, *kernel_call(k, args, opts.splits)) for k in opts.kernel]
+                for path, fn, why in calls:
+                    if fn is None:
+                        print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>9}  skipped: {why}")
+                        continue
                     sec, frac, diff = measure(fn, reference, opts.reps, moved, fl, matched)
-                    print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>6} {sec * 1e6:10.1f} "
+                    print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>9} {sec * 1e6:10.1f} "
                           f"{moved / sec / 1e9:9.3g} {fl / sec / 1e12:8.3g} {frac:>8}  "
                           f"{diff:.2e}")  # fmt: skip
     if opts.verify:

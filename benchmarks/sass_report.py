@@ -19,14 +19,17 @@ attention kernel's key-block loop). Per kernel and target it prints:
   the boost clock (one instruction a scheduler a cycle), beside ``HBM ns/key``: one key's bytes
   over one SM's share of the HBM bandwidth (fp8: 584 B / (4.8 TB/s / 132 SMs) = 16 ns on an
   H200). A loop whose issue time exceeds its HBM share cannot reach the bandwidth roofline
-  however well it hides latency; ``criteria`` says which of the checks below hold.
+  however well it hides latency; ``criteria`` says which of the checks below hold. A
+  warp-specialised kernel's partitions share the schedulers: its issue time sums their key
+  loops (``partitions``: each loop's instructions, warps, MMAs and copies).
 
 Kernels are described by :data:`SPECS` (one entry a kernel: what an iteration of its main loop
 consumes and which criteria it claims); a kernel without an entry still gets its registers,
 spills, loop and MMAs. ``tests/test_sass_report.py`` asserts the claimed criteria:
 
 * ``no-spills``: no spill stores or loads and no stack frame;
-* ``async-gather``: the main loop gathers keys with asynchronous copies;
+* ``async-gather``: the main loop gathers keys with asynchronous copies (a warp-specialised
+  kernel: its copy partition's loop);
 * ``qk-n64``: no MMA with N < 64 (attention: the q k^T dot's N is the key block; p v's is
   256, the head dim a warpgroup);
 * ``issue-bound``: issue ns/key at or below the HBM share on sm_90a (every SM busy, as at
@@ -84,6 +87,10 @@ class KernelSpec:
     keys: Callable[[dict], int]
     bytes_per_key: Callable[[dict], int]
     claims: Callable[[dict, str], frozenset[str]] = field(default=_no_claims)
+    #: Warp-specialised kernels: ``(warps of a partition whose key loop runs MMAs, warps of
+    #: one whose loop only copies)``. Their partitions share the SM's schedulers, so the
+    #: issue time a key sums every partition's loop (``sass.partition_loops``).
+    partition_warps: Callable[[dict], tuple[int, int]] | None = None
 
 
 def _fp8_key_bytes(c: dict) -> int:
@@ -120,9 +127,10 @@ def _pipelined_attention_claims(c: dict, target: str) -> frozenset[str]:
 
 
 def _ws_attention_claims(c: dict, target: str) -> frozenset[str]:
-    """The opt-in Gluon ws kernel (sm_90a only): no spills; its producer's gather is
-    synchronous and the consumers split q k^T's 64 keys (N = 32): figures, not claims."""
-    return frozenset({"no-spills"})
+    """The opt-in Gluon ws kernel (sm_90a only): no spills, the producer's gather as cp.async,
+    q k^T at N = 64 (one warpgroup a block), and its three partitions' loops issue a key
+    within the HBM share."""
+    return frozenset({"no-spills", "async-gather", "qk-n64", "issue-bound"})
 
 
 #: Kernel (Triton function name) -> how to read its main loop.
@@ -138,7 +146,10 @@ SPECS: dict[str, KernelSpec] = {
         claims=_pipelined_attention_claims,
     ),
     "_ws_attention_kernel": KernelSpec(
-        keys=lambda c: c["BLOCK_N"], bytes_per_key=_fp8_key_bytes, claims=_ws_attention_claims
+        keys=lambda c: c["BLOCK_N"],
+        bytes_per_key=_fp8_key_bytes,
+        claims=_ws_attention_claims,
+        partition_warps=lambda c: (c["CONSUMER_WARPS"], c["PRODUCER_WARPS"]),
     ),
 }
 
@@ -169,6 +180,9 @@ def loop_figures(listing: str, spec: KernelSpec | None, constexprs: dict, warps:
     if spec is not None:
         keys, key_bytes = spec.keys(constexprs), spec.bytes_per_key(constexprs)
         per_key = len(loop.path) * warps / keys
+        if spec.partition_warps is not None:
+            out["partitions"] = _partition_figures(listing, spec.partition_warps(constexprs))
+            per_key = sum(p["instructions"] * p["warps"] for p in out["partitions"]) / keys
         out["main_loop"].update(
             keys=keys,
             warp_instructions_per_key=round(per_key, 1),
@@ -178,12 +192,29 @@ def loop_figures(listing: str, spec: KernelSpec | None, constexprs: dict, warps:
     return out
 
 
+def _partition_figures(listing: str, warps: tuple[int, int]) -> list[dict]:
+    """Per partition key loop (``sass.partition_loops``): its header, instructions an
+    iteration (the longest path), warps (``warps``: an MMA loop's, a copy loop's), MMAs and
+    asynchronous copies."""
+    out = []
+    for loop in sass.partition_loops(listing):
+        mma = loop.opcodes(sass.MMA_CLASSES)
+        out.append(dict(
+            header=hex(loop.header), instructions=len(loop.path), warps=warps[0 if mma else 1],
+            mma_ops=mma, async_copies=loop.opcodes(sass.ASYNC_COPY_CLASSES),
+            global_loads=loop.opcodes(("ldg",)),
+        ))  # fmt: skip
+    return out
+
+
 def criteria(report: dict) -> dict[str, bool]:
     """Which of :data:`CRITERIA` a report meets (``issue-bound`` is judged on sm_90a only)."""
     loop = report["main_loop"] or {}
     met = {
         "no-spills": report["spill_stores"] == report["spill_loads"] == report["stack"] == 0,
-        "async-gather": bool(loop.get("async_copies")),
+        # A warp-specialised kernel gathers in its copy partition's loop.
+        "async-gather": bool(loop.get("async_copies"))
+        or any(p["async_copies"] and not p["mma_ops"] for p in report.get("partitions", ())),
         "qk-n64": bool(report["mma_shapes"]) and min(map(_mma_n, report["mma_shapes"])) >= 64,
     }
     if "issue_ns_per_key" in loop and report["target"] == "sm_90a":

@@ -73,7 +73,7 @@ echo "gpu_check: sglang A/B (report in ab-report-sglang/): $ab_verdict"
 "$py" benchmarks/bench_ops.py
 echo "gpu_check: bench_ops with DSV4_UNVERIFIED_KERNELS=1 (one-launch compressor, length-bounded indexer):"
 DSV4_UNVERIFIED_KERNELS=1 "$py" benchmarks/bench_ops.py
-"$py" benchmarks/bench_attention.py --verify
+"$py" benchmarks/bench_attention.py --verify --kernel triton pipelined ws --against flashmla
 "$py" benchmarks/bench_planning.py --device cuda
 echo "gpu_check summary: kernel/serving tests $([ $tests -eq 0 ] && echo PASS || echo FAIL)," \
      "CUDA-graph loop $([ $loop -eq 0 ] && echo PASS || echo FAIL)," \

@@ -83,7 +83,8 @@ def ws_attention_source(ratio: int, splits: int) -> tuple[ASTSource, dict]:
     constexprs = dict(
         D=sc.DIM, NOPE_DIM=sc.DIM - sc.ROPE, BLOCK_N=wa.BLOCK_N,
         BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0, NUM_BUF=wa.NUM_BUF,
-        PRODUCER_WARPS=wa.PRODUCER_WARPS, PRODUCER_REGS=wa.PRODUCER_REGS,
+        NUM_STAGES=wa.NUM_STAGES, CONSUMER_WARPS=wa.CONSUMER_WARPS,
+        PRODUCER_WARPS=wa.PRODUCER_WARPS, VALUE_REGS=wa.VALUE_REGS, PRODUCER_REGS=wa.PRODUCER_REGS,
     )  # fmt: skip
     src = _source(wa._ws_attention_kernel, constexprs, GluonASTSource)
     return src, dict(num_warps=wa.CONSUMER_WARPS)

@@ -73,6 +73,39 @@ def test_set_max_registers_of_warp_specialised_partitions() -> None:
     assert sass.set_max_registers(LISTING) == []
 
 
+# A warp-specialised shape: the default partition's MMA loop (0x10) and, past its exit, the
+# workers' dispatch loop (0x50, which worker warps branch to) holding an MMA loop (0x60) and a
+# copy-only loop (0x90).
+PARTITIONED = """
+        /*0000*/               @P5 BRA 0x50 ;
+        /*0010*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0020*/                   IADD3 R2, R2, 0x1, RZ ;
+        /*0030*/               @P0 BRA 0x10 ;
+        /*0040*/                   EXIT ;
+        /*0050*/                   LDS.U8 R0, [R1] ;
+        /*0060*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], R24 ;
+        /*0070*/               @P1 BRA 0x60 ;
+        /*0080*/               @P2 BRA 0xc0 ;
+        /*0090*/                   LDGSTS.E.BYPASS.128 [R4], desc[UR4][R6.64] ;
+        /*00a0*/                   F2FP.BF16.F32.PACK_AB R8, R9, R10 ;
+        /*00b0*/               @P3 BRA 0x90 ;
+        /*00c0*/                   BAR.SYNC.DEFER_BLOCKING 0x1 ;
+        /*00d0*/               @P4 BRA 0x50 ;
+        /*00e0*/                   EXIT ;
+"""
+
+
+def test_partition_loops_are_the_innermost_mma_and_copy_loops() -> None:
+    loops = sass.partition_loops(PARTITIONED)
+    assert [hex(loop.header) for loop in loops] == ["0x10", "0x60", "0x90"]
+    assert [len(loop.path) for loop in loops] == [3, 2, 3]
+    assert loops[2].opcodes(sass.ASYNC_COPY_CLASSES) == {"LDGSTS.E.BYPASS.128": 1}
+    # The dispatch loop holds both kinds, through its inner loops only.
+    dispatch = [lp for lp in sass.ControlFlow(sass.parse(PARTITIONED)).loops() if lp.header == 0x50]
+    assert dispatch and dispatch[0].inner == (0x60, 0x90)
+    assert sass.partition_loops(LISTING)[0].header == 0x30  # one partition: the key loop
+
+
 def test_straight_code_has_no_loop_and_empty_input_is_refused() -> None:
     assert sass.main_loop("        /*0000*/                   EXIT ;\n") is None
     with pytest.raises(ValueError, match="no instructions"):

@@ -4,14 +4,20 @@ The design plain Triton cannot express (``kernels/sparse_attention_pipelined.py`
 FlashMLA's SM90 sparse FP8 decode, for H = 64 heads a program row and D = 512 (448 e4m3 + 64
 bf16 channels, 584-byte tokens):
 
-* a producer partition (4 warps, few registers) gathers each 64-key block with 16-byte loads,
-  dequantises it to bf16 and stores it in a ring of ``NUM_BUF`` shared-memory buffers, running
-  up to ``NUM_BUF`` blocks ahead of the consumers (``ready`` / ``empty`` mbarriers);
-* the consumer partition (8 warps = two warpgroups) runs ``s = q k^T`` once per block (each
-  warpgroup 32 of the 64 keys, wgmma from shared memory), the online softmax and ``acc += p
-  k`` (each warpgroup 256 of the 512 output channels), so dequantisation overlaps the MMAs and
-  the accumulator and a dequantised block never share registers;
-* splits, the merge in the last split and the bf16 output as in the pipelined kernel.
+* a producer partition (4 warps, few registers) streams each 64-key block global -> shared
+  with cp.async, one nope group (64 e4m3 bytes a key) a unit with ``NUM_STAGES - 1`` units in
+  flight across block boundaries, the rope part straight into the key buffer; it dequantises
+  each landed unit to bf16 into a ring of ``NUM_BUF`` key buffers (``ready`` / ``empty``
+  mbarriers) and leaves the keys' validity beside them;
+* warpgroup 0 (``_softmax_partition``) runs ``s = q k^T`` once a block over all 64 keys
+  (wgmma m64n64 from shared memory), the online softmax and ``acc += p k`` over the first 256
+  output channels (``p`` from registers); it hands ``p`` (bf16) and the rescale to warpgroup 1
+  through shared memory (``p_ready`` / ``p_free``);
+* warpgroup 1 (``_value_partition``) runs ``acc += p k`` over the other 256 channels (``p``
+  from shared memory) and stores its half of the output;
+* so dequantisation overlaps the MMAs, q k^T is computed once, and the accumulators and a
+  dequantised block never share registers; splits, the merge in the last split and the bf16
+  output as in the pipelined kernel.
 
 Gluon does not run in the Triton interpreter: this kernel is compiled ahead of time on the CPU
 (``tests/pipelined_compile.py``) and has never run, so it is checked from its SASS only.
@@ -23,6 +29,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -46,10 +53,14 @@ from dsv4_backend.kernels.sparse_attention_pipelined import (
 BLOCK_N = 64
 #: Shared-memory key buffers the producer fills ahead of the consumers.
 NUM_BUF = 2
-#: Warps of the consumer partition (two warpgroups) and of the producer.
-CONSUMER_WARPS = 8
+#: Shared-memory stages of the producer's cp.async stream (one nope group of a block each).
+NUM_STAGES = 6
+#: Warps of each consumer partition (one warpgroup each) and of the producer.
+CONSUMER_WARPS = 4
 PRODUCER_WARPS = 4
-#: Registers a producer thread keeps (the consumers get the rest).
+#: Registers a thread of warpgroup 1 (``p k`` only) and of the producer keep (warpgroup 0,
+#: which also runs ``q k^T`` and the softmax, gets the rest).
+VALUE_REGS = 160
 PRODUCER_REGS = 88
 
 #: Heads (M lines) and head dim the kernel is written for (DeepSeek-V4-Flash).
@@ -64,19 +75,62 @@ def _pow2_of_biased(biased):
 
 
 @gluon.jit
-def _load_group(cache, data, scale, valid, chan, g: gl.constexpr):
-    """``(codes [BLOCK_N, 64] uint8, exponents [BLOCK_N] int32)`` of nope group ``g``."""
-    code = gl.load(cache + data[:, None] + (g * 64 + chan)[None, :], mask=valid[:, None], other=0)
-    e = gl.load(cache + scale + g, mask=valid, other=127).to(gl.int32)
-    return code, e
+def _block_slots(block, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, keys,
+                 BLOCK_N: gl.constexpr):  # fmt: skip
+    """Block ``block``'s cache slots ``[BLOCK_N]`` int32 (-1 past its span's keys)."""
+    in_win = block < win_blocks
+    cols = gl.where(in_win, block, block - win_blocks) * BLOCK_N + keys
+    idx_row = gl.where(in_win, win_idx_row, ext_idx_row)
+    return gl.load(idx_row + cols, mask=cols < gl.where(in_win, n_win, n_ext), other=-1)
 
 
 @gluon.jit
-def _store_group(k_buf, code_and_e, g: gl.constexpr):
-    """Dequantise nope group ``g`` (e4m3 * 2^(e - 127), exact in bf16) into the key buffer."""
-    code, e = code_and_e
-    val = code.to(gl.float8e4nv, bitcast=True).to(gl.float32) * _pow2_of_biased(e)[:, None]
-    k_buf.slice(g * 64, 64, dim=1).store(val.to(gl.bfloat16))
+def _block_rows(
+    block, slots, win_ptr, ext_ptr, win_blocks,
+    win_page_shift, win_page_bytes, win_scale_region,
+    ext_page_shift, ext_page_bytes, ext_scale_region,
+    NOPE_DIM: gl.constexpr,
+):  # fmt: skip
+    """Where block ``block``'s keys (``slots``) live: ``(cache, data, scale, valid)``, the
+    cache's uint8 base pointer and per key ``[BLOCK_N]`` the byte offsets of its 576 data bytes
+    (16-byte aligned) and of its 8 ue8m0 scales, and whether it is a key."""
+    in_win = block < win_blocks
+    shift = gl.where(in_win, win_page_shift, ext_page_shift)
+    valid = slots >= 0
+    s = gl.where(valid, slots, 0).to(gl.int64)
+    page_base = (s >> shift) * gl.where(in_win, win_page_bytes, ext_page_bytes)
+    t = s & ((1 << shift) - 1)
+    data = page_base + t * (NOPE_DIM + 128)
+    scale = page_base + gl.where(in_win, win_scale_region, ext_scale_region) + t * 8
+    return gl.where(in_win, win_ptr, ext_ptr), data, scale, valid
+
+
+@gluon.jit
+def _copy_group(stage, rows, chan, g):
+    """cp.async nope group ``g``'s codes ``[BLOCK_N, 64]`` uint8 of ``rows`` into ``stage``
+    (padding keys as zeros)."""
+    cache, data, _, valid = rows
+    async_copy.async_load(
+        stage, cache + data[:, None] + (g * 64 + chan)[None, :], mask=valid[:, None]
+    )
+
+
+@gluon.jit
+def _copy_rope_and_scales(k_buf, scale_stage, rows, chan, scale_chan, NOPE_DIM: gl.constexpr):
+    """cp.async a block's rope part (``[BLOCK_N, 64]`` bf16, needing no dequantisation)
+    straight into its key buffer and its ue8m0 scales ``[BLOCK_N, 8]`` into ``scale_stage``."""
+    cache, data, scale, valid = rows
+    rope = (cache + data + NOPE_DIM).to(gl.pointer_type(gl.bfloat16))
+    async_copy.async_load(
+        k_buf.slice(NOPE_DIM, 64, dim=1), rope[:, None] + chan[None, :], mask=valid[:, None]
+    )
+    # The same keys a thread as the codes' layout (a register-free conversion).
+    scale_rows: gl.constexpr = scale_chan.type.layout.parent
+    scales = cache + gl.convert_layout(scale, gl.SliceLayout(1, scale_rows))
+    scale_valid = gl.convert_layout(valid, gl.SliceLayout(1, scale_rows))
+    async_copy.async_load(
+        scale_stage, scales[:, None] + scale_chan[None, :], mask=scale_valid[:, None]
+    )
 
 
 @gluon.jit
@@ -84,101 +138,202 @@ def _producer(
     win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, first, num_blocks,
     win_page_shift, win_page_bytes, win_scale_region,
     ext_page_shift, ext_page_bytes, ext_scale_region,
-    k_ring, ready, empty,
+    k_ring, valid_ring, ready, empty,
     NOPE_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Gather, dequantise and store each block's keys ``[BLOCK_N, D]`` bf16 in the ring."""
+    """Gather each block's keys with cp.async and dequantise them into the ring as
+    ``[BLOCK_N, D]`` bf16, with the keys' validity ``[BLOCK_N]`` int8 beside it.
+
+    The copies stream in units of one nope group (``[BLOCK_N, 64]`` e4m3, 4 KB), the first
+    unit of a block also carrying its rope part (copied straight into the key buffer) and its
+    scales. ``NUM_STAGES - 1`` units are in flight while one is dequantised, across block
+    boundaries."""
     CODE: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-    ROPE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-    TOKEN_BYTES: gl.constexpr = NOPE_DIM + 128
+    SCALE: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+    GROUPS: gl.constexpr = NOPE_DIM // 64
+    gl.static_assert(NUM_STAGES - 1 <= GROUPS, "units in flight span at most two blocks")
+    STAGE: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+    stages = gl.allocate_shared_memory(gl.uint8, [NUM_STAGES, BLOCK_N, 64], STAGE)
+    scale_stages = gl.allocate_shared_memory(gl.uint8, [2, BLOCK_N, 8], STAGE)  # by block parity
     keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, CODE))
     chan = gl.arange(0, 64, layout=gl.SliceLayout(0, CODE))
-    rope_chan = gl.arange(0, 64, layout=gl.SliceLayout(0, ROPE))
+    scale_chan = gl.arange(0, 8, layout=gl.SliceLayout(0, SCALE))
+    spans = (win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, keys, BLOCK_N)
+    geometry = (win_ptr, ext_ptr, win_blocks, win_page_shift, win_page_bytes, win_scale_region,
+                ext_page_shift, ext_page_bytes, ext_scale_region, NOPE_DIM)  # fmt: skip
+
+    rows = _block_rows(first, _block_slots(first, *spans), *geometry)
+    next_slots = _block_slots(first + 1, *spans)
+    # Block 0's first NUM_STAGES - 1 units (its key buffer is free: a fresh barrier passes).
+    _copy_rope_and_scales(k_ring.index(0), scale_stages.index(0), rows, chan, scale_chan,
+                          NOPE_DIM)  # fmt: skip
+    for g in gl.static_range(NUM_STAGES - 1):
+        _copy_group(stages.index(g), rows, chan, g)
+        async_copy.commit_group()
     for i in range(num_blocks):
         buf = i % NUM_BUF
-        # The first pass over the ring finds every buffer free (phase 1 of a fresh barrier).
-        mbarrier.wait(empty.index(buf), ((i // NUM_BUF) & 1) ^ 1)
-        block = first + i
-        in_win = block < win_blocks
-        start = gl.where(in_win, block, block - win_blocks) * BLOCK_N
-        cols = start + keys
-        idx_row = gl.where(in_win, win_idx_row, ext_idx_row)
-        slots = gl.load(idx_row + cols, mask=cols < gl.where(in_win, n_win, n_ext), other=-1)
-        cache = gl.where(in_win, win_ptr, ext_ptr)
-        shift = gl.where(in_win, win_page_shift, ext_page_shift)
-        valid = slots >= 0
-        s = gl.where(valid, slots, 0).to(gl.int64)
-        page_base = (s >> shift) * gl.where(in_win, win_page_bytes, ext_page_bytes)
-        t = s & ((1 << shift) - 1)
-        data = page_base + t * TOKEN_BYTES
-        scale = page_base + gl.where(in_win, win_scale_region, ext_scale_region) + t * 8
+        has_next = i + 1 < num_blocks
+        # Indices are loaded a block before their copies are issued (the load never stalls).
+        later_slots = _block_slots(first + i + 2, *spans)
+        next_rows = _block_rows(first + i + 1, next_slots, *geometry)
         k_buf = k_ring.index(buf)
-        # Loads are issued ahead of the stores they feed (the rope part first, then the nope
-        # groups two at a time), so each thread keeps several 16-byte loads in flight.
-        data_r = gl.convert_layout(data, gl.SliceLayout(1, ROPE))
-        valid_r = gl.convert_layout(valid, gl.SliceLayout(1, ROPE))
-        rope_base = (cache + data_r + NOPE_DIM).to(gl.pointer_type(gl.uint16))
-        rope = gl.load(rope_base[:, None] + rope_chan[None, :], mask=valid_r[:, None], other=0)
-        for g in gl.static_range(0, NOPE_DIM // 64, 2):
-            code_a = _load_group(cache, data, scale, valid, chan, g)
-            if g + 1 < NOPE_DIM // 64:
-                code_b = _load_group(cache, data, scale, valid, chan, g + 1)
-                _store_group(k_buf, code_a, g)
-                _store_group(k_buf, code_b, g + 1)
-            else:
-                _store_group(k_buf, code_a, g)
-        k_buf.slice(NOPE_DIM, 64, dim=1).store(rope.to(gl.bfloat16, bitcast=True))
-        gl.barrier()  # every producer thread's stores, then one arrive
-        fence_async_shared()  # generic-proxy stores before the consumers' wgmma reads
+        for g in gl.static_range(GROUPS):
+            unit = i * GROUPS + g
+            # Unit `unit` has landed (for every thread: the barrier), and every thread has
+            # dequantised the previous one, whose stage the next copy reuses.
+            async_copy.wait_group(NUM_STAGES - 2)
+            gl.barrier()
+            ahead = g + NUM_STAGES - 1  # the unit issued now: this block's, or the next one's
+            stage = stages.index((unit + NUM_STAGES - 1) % NUM_STAGES)
+            if ahead < GROUPS:
+                _copy_group(stage, rows, chan, ahead)
+            elif has_next:
+                if ahead == GROUPS:
+                    next_buf = (i + 1) % NUM_BUF
+                    mbarrier.wait(empty.index(next_buf), (((i + 1) // NUM_BUF) & 1) ^ 1)
+                    _copy_rope_and_scales(k_ring.index(next_buf), scale_stages.index((i + 1) % 2),
+                                          next_rows, chan, scale_chan, NOPE_DIM)  # fmt: skip
+                _copy_group(stage, next_rows, chan, ahead - GROUPS)
+            async_copy.commit_group()  # (empty past the last block: the count stays uniform)
+            e = scale_stages.index(i % 2).load(SCALE).to(gl.int32)
+            e = gl.sum(gl.where(scale_chan[None, :] == g, e, 0), axis=1)
+            e = gl.convert_layout(e, gl.SliceLayout(1, CODE))
+            code = stages.index(unit % NUM_STAGES).load(CODE)
+            val = code.to(gl.float8e4nv, bitcast=True).to(gl.float32)
+            val = val * _pow2_of_biased(e)[:, None]
+            k_buf.slice(g * 64, 64, dim=1).store(val.to(gl.bfloat16))
+        valid_ring.index(buf).store(rows[3].to(gl.int8))  # which keys warpgroup 0 masks
+        rows = next_rows
+        next_slots = later_slots
+        gl.barrier()  # every producer thread's stores (and its rope copy), then one arrive
+        fence_async_shared()  # generic-proxy writes before the consumers' wgmma reads
         mbarrier.arrive(ready.index(buf))
+    async_copy.wait_group(0)
 
 
 @gluon.jit
-def _consumer(
-    q_smem, k_ring, ready, empty, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, first,
-    num_blocks, qk_scale,
+def _softmax_partition(
+    q_smem, k_ring, valid_ring, p_smem, alpha_smem, scale_smem, ready, empty, p_ready, p_free,
+    done, num_blocks, qk_scale, sink_ptr, H, splits,
     BLOCK_M: gl.constexpr, D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
 ):  # fmt: skip
-    """Both dots and the online softmax over the ring's blocks; returns ``(acc [M, D] fp32,
-    m [M], l [M])`` in the accumulator's layout."""
+    """Warpgroup 0: ``s = q k^T`` once a block over all its keys (m64n64), the online softmax,
+    ``p`` (bf16) and the rescale ``alpha`` handed to warpgroup 1 through shared memory, and
+    ``acc += p k`` over output channels ``[0, D/2)``. Returns ``(acc [M, D/2] fp32, m [M],
+    l [M])``; before returning it leaves the lines' final output scale (one split) for
+    warpgroup 1 in ``scale_smem`` and arrives on ``done``."""
     S_LAYOUT: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, BLOCK_N // 2, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BLOCK_N, 16]
     )
     ACC: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, D // 2, 16]
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16]
     )
+    LINES: gl.constexpr = gl.SliceLayout(1, S_LAYOUT)
     P_OPERAND: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=ACC, k_width=2)
-    acc = gl.zeros([BLOCK_M, D], gl.float32, layout=ACC)
-    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-    l_i = gl.zeros([BLOCK_M], gl.float32, layout=gl.SliceLayout(1, S_LAYOUT))
-    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, S_LAYOUT))
+    acc = gl.zeros([BLOCK_M, D // 2], gl.float32, layout=ACC)
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, layout=LINES)
+    l_i = gl.zeros([BLOCK_M], gl.float32, layout=LINES)
     for i in range(num_blocks):
         buf = i % NUM_BUF
-        block = first + i
-        in_win = block < win_blocks
-        cols = gl.where(in_win, block, block - win_blocks) * BLOCK_N + keys
-        idx_row = gl.where(in_win, win_idx_row, ext_idx_row)
-        slots = gl.load(idx_row + cols, mask=cols < gl.where(in_win, n_win, n_ext), other=-1)
         mbarrier.wait(ready.index(buf), (i // NUM_BUF) & 1)
         k = k_ring.index(buf)
         s = warpgroup_mma(
             q_smem, k.permute((1, 0)), gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=S_LAYOUT),
             use_acc=False,
         )  # fmt: skip
-        s = gl.where((slots >= 0)[None, :], s * qk_scale, float("-inf"))
+        valid = valid_ring.index(buf).load(gl.SliceLayout(0, S_LAYOUT)) != 0
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
         m_ref = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_ref[:, None])
+        p_fp32 = gl.exp2(s - m_ref[:, None])
         alpha = gl.exp2(m_i - m_ref)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        alpha_acc = gl.convert_layout(alpha, gl.SliceLayout(1, ACC))
-        p_op = gl.convert_layout(p.to(gl.bfloat16), P_OPERAND)
-        acc = warpgroup_mma(p_op, k, acc * alpha_acc[:, None])
-        # Both warpgroups' (synchronous) wgmma have read the buffer; then one arrive frees it.
-        gl.barrier()
-        mbarrier.arrive(empty.index(buf))
+        l_i = l_i * alpha + gl.sum(p_fp32, axis=1)
         m_i = m_new
+        p = p_fp32.to(gl.bfloat16)
+        # Warpgroup 1 has read the previous block's p and alpha (a fresh barrier passes).
+        mbarrier.wait(p_free, (i & 1) ^ 1)
+        p_smem.store(p)
+        alpha_smem.store(alpha)
+        gl.barrier()  # every thread's stores, then one arrive
+        fence_async_shared()  # p's generic-proxy stores before warpgroup 1's wgmma reads
+        mbarrier.arrive(p_ready)
+        alpha_acc = gl.convert_layout(alpha, gl.SliceLayout(1, ACC))
+        acc = warpgroup_mma(
+            gl.convert_layout(p, P_OPERAND), k.slice(0, D // 2, dim=1), acc * alpha_acc[:, None]
+        )
+        gl.barrier()  # the (synchronous) wgmma has read the buffer; then one arrive
+        mbarrier.arrive(empty.index(buf))
+    lines = gl.arange(0, BLOCK_M, layout=LINES)
+    sink = gl.load(sink_ptr + lines, mask=lines < H, other=0.0) * LOG2E
+    if splits == 1:
+        scale_smem.store(_final_scale(m_i, l_i, sink))
+        gl.barrier()
+        mbarrier.arrive(done)
     return acc, m_i, l_i
+
+
+@gluon.jit
+def _final_scale(m_i, l_i, sink):
+    """A line's output scale ``alpha / (l alpha + e^sink)`` once its keys are done (one split):
+    the sink joins the softmax as a key with no value."""
+    m_fin = gl.maximum(m_i, sink)
+    m_ref = gl.where(m_fin == float("-inf"), 0.0, m_fin)
+    alpha = gl.exp2(m_i - m_ref)
+    denom = l_i * alpha + gl.exp2(sink - m_ref)
+    return alpha / gl.where(denom > 0, denom, 1.0)
+
+
+@gluon.jit
+def _gpu_fence(WARPS: gl.constexpr):
+    """``fence.acq_rel.gpu`` once a thread (of a ``WARPS``-warp partition): its global stores
+    are ordered before a release that another partition's thread makes after the join."""
+    token = gl.arange(0, 32 * WARPS, layout=gl.BlockedLayout([1], [32], [WARPS], [0]))
+    gl.inline_asm_elementwise(
+        "fence.acq_rel.gpu;\n mov.b32 $0, $1;",
+        "=r,r",
+        [token],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
+
+
+@gluon.jit
+def _value_partition(
+    k_ring, p_smem, alpha_smem, scale_smem, ready, empty, p_ready, p_free, done, out_ptr,
+    part_ptr, row, stride_ot, stride_pt, H, split, splits, num_blocks, BLOCK_M: gl.constexpr,
+    D: gl.constexpr, NUM_BUF: gl.constexpr,
+):  # fmt: skip
+    """Warpgroup 1: ``acc += p k`` over output channels ``[D/2, D)``, with ``p`` and ``alpha``
+    from warpgroup 0's shared memory, then that half of the output (one split: bf16, scaled by
+    warpgroup 0's final scale) or of the partial numerator (fp32)."""
+    ACC: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, D // 2, 16]
+    )
+    LINES: gl.constexpr = gl.SliceLayout(1, ACC)
+    acc = gl.zeros([BLOCK_M, D // 2], gl.float32, layout=ACC)
+    for i in range(num_blocks):
+        buf = i % NUM_BUF
+        mbarrier.wait(ready.index(buf), (i // NUM_BUF) & 1)
+        mbarrier.wait(p_ready, i & 1)
+        alpha = alpha_smem.load(LINES)
+        acc = warpgroup_mma(p_smem, k_ring.index(buf).slice(D // 2, D // 2, dim=1),
+                            acc * alpha[:, None])  # fmt: skip
+        gl.barrier()  # the (synchronous) wgmma has read p and the buffer; then one arrive each
+        mbarrier.arrive(p_free)
+        mbarrier.arrive(empty.index(buf))
+    lines = gl.arange(0, BLOCK_M, layout=LINES)
+    chans = D // 2 + gl.arange(0, D // 2, layout=gl.SliceLayout(0, ACC))
+    line_ok = (lines < H)[:, None]
+    if splits == 1:
+        mbarrier.wait(done, 0)
+        out = (acc * scale_smem.load(LINES)[:, None]).to(gl.bfloat16)
+        gl.store(out_ptr + row * stride_ot + lines[:, None] * D + chans[None, :], out, mask=line_ok)
+    else:
+        part_rows = row * stride_pt + lines * (gl.num_programs(1) * D)
+        gl.store(part_ptr + part_rows[:, None] + split * D + chans[None, :], acc, mask=line_ok)
+        _gpu_fence(4)  # before warpgroup 0's release of the split count
 
 
 @gluon.jit
@@ -217,7 +372,10 @@ def _ws_attention_kernel(
     BLOCK_S: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
     NUM_BUF: gl.constexpr,
+    NUM_STAGES: gl.constexpr,
+    CONSUMER_WARPS: gl.constexpr,
     PRODUCER_WARPS: gl.constexpr,
+    VALUE_REGS: gl.constexpr,
     PRODUCER_REGS: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = 64
@@ -237,7 +395,7 @@ def _ws_attention_kernel(
     num_blocks = gl.minimum(per_split, all_blocks - first)
 
     # q [64 heads, D] bf16 into shared memory once (heads past H read as 0).
-    Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0])
+    Q_LOAD: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
     heads = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, Q_LOAD))
     chans = gl.arange(0, D, layout=gl.SliceLayout(0, Q_LOAD))
     q_ptrs = q_ptr + row * stride_qt + heads[:, None] * D + chans[None, :]
@@ -251,11 +409,26 @@ def _ws_attention_kernel(
         [NUM_BUF, BLOCK_N, D],
         gl.NVMMASharedLayout.get_default_for([BLOCK_N, D], gl.bfloat16),
     )
+    p_smem = gl.allocate_shared_memory(
+        gl.bfloat16,
+        [BLOCK_M, BLOCK_N],
+        gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.bfloat16),
+    )
+    LINE_SMEM: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+    valid_ring = gl.allocate_shared_memory(gl.int8, [NUM_BUF, BLOCK_N], LINE_SMEM)
+    alpha_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], LINE_SMEM)
+    scale_smem = gl.allocate_shared_memory(gl.float32, [BLOCK_M], LINE_SMEM)
     ready = mbarrier.allocate_mbarrier(batch=NUM_BUF)
     empty = mbarrier.allocate_mbarrier(batch=NUM_BUF)
     for b in gl.static_range(NUM_BUF):
         mbarrier.init(ready.index(b), count=1)
-        mbarrier.init(empty.index(b), count=1)
+        mbarrier.init(empty.index(b), count=2)  # both warpgroups' p k
+    p_ready = mbarrier.allocate_mbarrier()
+    p_free = mbarrier.allocate_mbarrier()
+    done = mbarrier.allocate_mbarrier()
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(done, count=1)
     fence_async_shared()  # q and the barriers, before any partition's wgmma or wait
     gl.barrier()
 
@@ -263,32 +436,31 @@ def _ws_attention_kernel(
     ext_idx_row = ext_idx_ptr + row * stride_ext_idx_t
     acc, m_i, l_i = gl.warp_specialize(
         [
-            (_consumer, (q_smem, k_ring, ready, empty, win_idx_row, ext_idx_row, n_win, n_ext,
-                         win_blocks, first, num_blocks, qk_scale, BLOCK_M, D, BLOCK_N, NUM_BUF)),
+            (_softmax_partition, (q_smem, k_ring, valid_ring, p_smem, alpha_smem, scale_smem,
+                                  ready, empty, p_ready, p_free, done, num_blocks, qk_scale,
+                                  sink_ptr, H, splits, BLOCK_M, D, BLOCK_N, NUM_BUF)),
+            (_value_partition, (k_ring, p_smem, alpha_smem, scale_smem, ready, empty, p_ready,
+                                p_free, done, out_ptr, part_ptr, row, stride_ot, stride_pt, H,
+                                split, splits, num_blocks, BLOCK_M, D, NUM_BUF)),
             (_producer, (win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks,
                          first, num_blocks, win_page_shift, win_page_bytes, win_scale_region,
-                         ext_page_shift, ext_page_bytes, ext_scale_region, k_ring, ready, empty,
-                         NOPE_DIM, BLOCK_N, NUM_BUF)),
+                         ext_page_shift, ext_page_bytes, ext_scale_region, k_ring, valid_ring,
+                         ready, empty, NOPE_DIM, BLOCK_N, NUM_BUF, NUM_STAGES)),
         ],
-        [PRODUCER_WARPS],
-        [PRODUCER_REGS],
+        [CONSUMER_WARPS, PRODUCER_WARPS],
+        [VALUE_REGS, PRODUCER_REGS],
     )  # fmt: skip
 
+    # Warpgroup 0's half of the output channels (warpgroup 1 stored the other half).
     ACC: gl.constexpr = acc.type.layout
     ML: gl.constexpr = gl.SliceLayout(1, ACC)
     m_i = gl.convert_layout(m_i, ML)
     l_i = gl.convert_layout(l_i, ML)
     lines = gl.arange(0, BLOCK_M, layout=ML)
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, ACC))
+    offs_d = gl.arange(0, D // 2, layout=gl.SliceLayout(0, ACC))
     line_ok = (lines < H)[:, None]
-    sink = gl.load(sink_ptr + lines, mask=lines < H, other=0.0) * LOG2E
     if splits == 1:
-        m_fin = gl.maximum(m_i, sink)
-        m_ref = gl.where(m_fin == float("-inf"), 0.0, m_fin)
-        alpha = gl.exp2(m_i - m_ref)
-        denom = l_i * alpha + gl.exp2(sink - m_ref)
-        scale = alpha / gl.where(denom > 0, denom, 1.0)
-        out = (acc * scale[:, None]).to(gl.bfloat16)
+        out = (acc * scale_smem.load(ML)[:, None]).to(gl.bfloat16)
         gl.store(
             out_ptr + row * stride_ot + lines[:, None] * D + offs_d[None, :], out, mask=line_ok
         )
@@ -300,6 +472,7 @@ def _ws_attention_kernel(
         gl.store(ml_ptr + ml_rows + 1, l_i, mask=lines < H)
         gl.barrier()
         if gl.atomic_add(count_ptr + row, 1, sem="acq_rel") == splits - 1:
+            sink = gl.load(sink_ptr + lines, mask=lines < H, other=0.0) * LOG2E
             _merge(part_ptr, ml_ptr, out_ptr, row, stride_pt, stride_mt, stride_ot, H, sink,
                    splits, D, BLOCK_M, BLOCK_S)  # fmt: skip
 
@@ -308,7 +481,7 @@ def _ws_attention_kernel(
 def _merge(part_ptr, ml_ptr, out_ptr, row, stride_pt, stride_mt, stride_ot, H, sink_acc, splits,
            D: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_S: gl.constexpr):  # fmt: skip
     """Combine the ``splits`` partials of the row's 64 lines with the sink into bf16."""
-    TILE: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [8, 1], [1, 0])
+    TILE: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
     lines = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, TILE))
     offs_s = gl.arange(0, BLOCK_S, layout=gl.SliceLayout(0, TILE))
     ok = lines < H
@@ -394,7 +567,8 @@ def sparse_attention_ws(
         *_page_geometry(window), *_page_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
         D=dim, NOPE_DIM=dim - window.rope_dim, BLOCK_N=BLOCK_N,
         BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=spans.has_extra,
-        NUM_BUF=NUM_BUF, PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
+        NUM_BUF=NUM_BUF, NUM_STAGES=NUM_STAGES, CONSUMER_WARPS=CONSUMER_WARPS,
+        PRODUCER_WARPS=PRODUCER_WARPS, VALUE_REGS=VALUE_REGS, PRODUCER_REGS=PRODUCER_REGS,
         num_warps=CONSUMER_WARPS,
     )  # fmt: skip
     return out

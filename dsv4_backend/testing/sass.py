@@ -288,3 +288,22 @@ def main_loop(listing: str) -> Loop | None:
         return sum(classify(i.op) in MMA_CLASSES for i in loop.instructions)
 
     return max(loops, key=lambda loop: (mma_count(loop), len(loop.instructions)))
+
+
+def partition_loops(listing: str) -> list[Loop]:
+    """The innermost loops of ``listing`` that hold tensor-core MMAs or asynchronous copies,
+    in address order: a warp-specialised kernel's per-partition key loops (the loop through
+    which the worker partitions dispatch holds theirs, so it is left out)."""
+    loops = ControlFlow(parse(listing)).loops()
+    by_header = {loop.header: loop for loop in loops}
+
+    def holds(loop: Loop, classes: tuple[str, ...]) -> bool:
+        return any(classify(i.op) in classes for i in loop.instructions)
+
+    keep = []
+    for loop in loops:
+        for classes in (MMA_CLASSES, ASYNC_COPY_CLASSES):
+            if holds(loop, classes) and not any(holds(by_header[h], classes) for h in loop.inner):
+                keep.append(loop)
+                break
+    return sorted(keep, key=lambda loop: loop.header)
