@@ -147,7 +147,7 @@ SPECS: dict[str, KernelSpec] = {
     ),
     "_ws_attention_kernel": KernelSpec(
         keys=lambda c: c["BLOCK_N"],
-        bytes_per_key=_fp8_key_bytes,
+        bytes_per_key=lambda c: _fp8_key_bytes(c) if c["FP8"] else 2 * c["D"],
         claims=_ws_attention_claims,
         partition_warps=lambda c: (c["CONSUMER_WARPS"], c["PRODUCER_WARPS"]),
     ),

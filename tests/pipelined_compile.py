@@ -39,11 +39,13 @@ KINDS = dict(
 )  # fmt: skip
 
 
-def _source(fn, constexprs: dict, source: type[ASTSource] = ASTSource) -> ASTSource:
-    """``fn`` (an opt-in attention kernel) with the launcher's argument kinds, 16-byte aligned
-    pointers and strides, and page sizes and scale regions that are multiples of 16 bytes (as
-    Triton specialises them)."""
-    signature = sc.argument_kinds(fn, KINDS, constexprs)
+def _source(
+    fn, constexprs: dict, source: type[ASTSource] = ASTSource, kinds: dict[str, str] = KINDS
+) -> ASTSource:
+    """``fn`` (an opt-in attention kernel) with the launcher's argument ``kinds``, 16-byte
+    aligned pointers and strides, and page sizes and scale regions that are multiples of 16
+    bytes (as Triton specialises them)."""
+    signature = sc.argument_kinds(fn, kinds, constexprs)
     aligned = sc._aligned(signature)
     for i, name in enumerate(signature):
         if name.endswith(("_page_bytes", "_scale_region")):
@@ -78,24 +80,28 @@ def pipelined_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
     return out
 
 
-def ws_attention_source(ratio: int, splits: int) -> tuple[ASTSource, dict]:
-    """The Gluon ws kernel as launched for a layer of compress ``ratio`` at 64 heads."""
+def ws_attention_source(ratio: int, splits: int, fp8: bool = True) -> tuple[ASTSource, dict]:
+    """The Gluon ws kernel as launched for a layer of compress ``ratio`` at 64 heads (fp8
+    caches, or dense bf16 ones)."""
     constexprs = dict(
         D=sc.DIM, NOPE_DIM=sc.DIM - sc.ROPE, BLOCK_N=wa.BLOCK_N,
-        BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0, NUM_BUF=wa.NUM_BUF,
-        NUM_STAGES=wa.NUM_STAGES, CONSUMER_WARPS=wa.CONSUMER_WARPS,
+        BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0, FP8=fp8,
+        NUM_BUF=wa.NUM_BUF, NUM_STAGES=wa.NUM_STAGES, CONSUMER_WARPS=wa.CONSUMER_WARPS,
         PRODUCER_WARPS=wa.PRODUCER_WARPS, VALUE_REGS=wa.VALUE_REGS, PRODUCER_REGS=wa.PRODUCER_REGS,
     )  # fmt: skip
-    src = _source(wa._ws_attention_kernel, constexprs, GluonASTSource)
+    caches = {} if fp8 else dict(win_ptr="*bf16", ext_ptr="*bf16")  # [slots, D] rows
+    src = _source(wa._ws_attention_kernel, constexprs, GluonASTSource, {**KINDS, **caches})
     return src, dict(num_warps=wa.CONSUMER_WARPS)
 
 
 def ws_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
-    """The ws kernel (sm_90a only: wgmma) at 64 heads: window-only, c4 (8 splits), c128."""
-    return [
+    """The ws kernel (sm_90a only: wgmma) at 64 heads: fp8 window-only, c4 (8 splits) and c128
+    (4 splits); dense bf16 c4 (8 splits)."""
+    out = [
         (f"ws-r{ratio}-s{splits}", *ws_attention_source(ratio, splits))
         for ratio, splits in ((0, 1), (4, 8), (128, 4))
     ]
+    return [*out, ("ws-dense-r4-s8", *ws_attention_source(4, 8, fp8=False))]
 
 
 def main(argv: list[str]) -> None:

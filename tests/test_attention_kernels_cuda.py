@@ -1,10 +1,11 @@
 """The opt-in FP8 attention kernels on a GPU (skipped without one; ``scripts/gpu_check.sh``).
 
 Neither ``pipelined`` nor ``ws`` has run on a GPU yet: this is the check that decides it. At
-DeepSeek-V4-Flash shapes (64 heads, D = 512, fp8 caches with 584-byte tokens) for every layer
-kind, rows of several lengths (one split and several, a row without keys), each kernel's bf16
-output equals the torch path on the same bytes within the bf16 tolerance
-(``attention_tolerance`` plus the output's own bf16 rounding).
+DeepSeek-V4-Flash shapes (64 heads, D = 512, fp8 caches with 584-byte tokens; ``ws-dense``:
+the ws kernel on dense bf16 caches) for every layer kind, rows of several lengths (one split
+and several, a row without keys), each kernel's bf16 output equals the torch path on the same
+bytes within the bf16 tolerance (``attention_tolerance`` plus the output's own bf16
+rounding).
 """
 
 from __future__ import annotations
@@ -24,18 +25,21 @@ PAGE_TOKENS = {0: 128, 4: 64, 128: 2}
 
 
 def _on_cuda(cache: TokenCache) -> TokenCache:
-    return TokenCache.over(
-        cache.storage.cuda(), cache.num_slots, cache.dim, cache.rope_dim, cache.page_tokens
-    )
+    return TokenCache(
+        cache.num_slots, cache.dim, cache.rope_dim, cache.page_tokens, cache.fmt,
+        cache.storage.dtype, "cuda", storage=cache.storage.cuda(),
+    )  # fmt: skip
 
 
-def _inputs(ratio: int, lengths: list[int], extra_lengths: list[int], seed: int):
+def _inputs(ratio: int, lengths: list[int], extra_lengths: list[int], seed: int, fmt="fp8"):
+    """fp8 caches, or dense bf16 ones (``fmt="dense"``)."""
     g = torch.Generator().manual_seed(seed)
-    win = _on_cuda(_cache(_keys(1000, 512, g), PAGE_TOKENS[0], "fp8"))
+    dtype = torch.bfloat16  # (a dense cache's storage; fp8 ignores it)
+    win = _on_cuda(_cache(_keys(1000, 512, g), PAGE_TOKENS[0], fmt, dtype))
     idx, lens = _indices(lengths, 128, 1000, g, holes=0.1)
     extra = (None, None, None)
     if ratio:
-        ext = _on_cuda(_cache(_keys(600, 512, g), PAGE_TOKENS[ratio], "fp8"))
+        ext = _on_cuda(_cache(_keys(600, 512, g), PAGE_TOKENS[ratio], fmt, dtype))
         eidx, elens = _indices(extra_lengths, 512, 600, g, holes=0.1)
         extra = (ext, eidx.cuda(), elens.cuda())
     q = torch.randn(len(lengths), 64, 512, generator=g).bfloat16().cuda()
@@ -43,11 +47,12 @@ def _inputs(ratio: int, lengths: list[int], extra_lengths: list[int], seed: int)
     return (q, win, idx.cuda(), lens.cuda(), *extra, sink, 512**-0.5)
 
 
-@pytest.mark.parametrize("kernel", ["pipelined", "ws"])
+@pytest.mark.parametrize("kernel", ["pipelined", "ws", "ws-dense"])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_matches_torch_on_cuda(kernel, ratio, splits):
-    args = _inputs(ratio, [128, 1, 77, 0, 128, 128], [512, 3, 0, 0, 100, 512], seed=ratio)
+    fmt = "dense" if kernel == "ws-dense" else "fp8"
+    args = _inputs(ratio, [128, 1, 77, 0, 128, 128], [512, 3, 0, 0, 100, 512], ratio, fmt)
     run = sparse_attention_pipelined if kernel == "pipelined" else sparse_attention_ws
     out = run(*args, num_splits=splits)
     expected = sparse_attention_torch(*args)

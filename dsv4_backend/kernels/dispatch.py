@@ -10,8 +10,8 @@
 
 Sparse attention on the two Triton paths runs one of :data:`ATTENTION_KERNELS`: ``triton``
 (the default), ``pipelined`` (``kernels/sparse_attention_pipelined.py``, fp8 caches) or ``ws``
-(``kernels/sparse_attention_ws.py``, Gluon, fp8 caches on a GPU; neither has run on a GPU, so
-neither is the default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by
+(``kernels/sparse_attention_ws.py``, Gluon, fp8 or dense bf16 caches on a GPU; neither has run
+on a GPU, so neither is the default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by
 ``force_attention_kernel`` (``kernels/attention_choice.py`` runs the choice).
 
 Kernels that have not yet passed ``scripts/gpu_check.sh`` (``UNVERIFIED_OPS``) replace the
@@ -182,8 +182,8 @@ def _attention_kernel_note(kernel: str, why: str) -> str:
         return f"{why}; fp8 caches (others run triton); has never run on a GPU"
     if kernel == "ws":
         return (
-            f"{why}; Gluon, CUDA only, fp8 caches, <= 64 heads of dim 512 (others run "
-            "triton); has never run on a GPU"
+            f"{why}; Gluon, CUDA only, fp8 or dense bf16 caches, <= 64 heads of dim 512 "
+            "(others run triton); has never run on a GPU"
         )
     return why
 

@@ -38,9 +38,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
+from dsv4_backend.kernels.fp8_device import pow2_of_biased
 from dsv4_backend.kernels.sparse_attention import (
     LOG2E,
     _check_inputs,
+    _e4m3_rebiased_bf16,
     key_spans,
     launch_num_splits,
 )
@@ -66,12 +68,6 @@ PRODUCER_REGS = 88
 #: Heads (M lines) and head dim the kernel is written for (DeepSeek-V4-Flash).
 BLOCK_M = 64
 HEAD_DIM = 512
-
-
-@gluon.jit
-def _pow2_of_biased(biased):
-    """``2^(biased - 127)`` as fp32 for int32 ``biased`` in [0, 254] (0 -> 2^-127)."""
-    return gl.where(biased > 0, biased << 23, 0x400000).to(gl.float32, bitcast=True)
 
 
 @gluon.jit
@@ -139,11 +135,81 @@ def _producer(
     win_page_shift, win_page_bytes, win_scale_region,
     ext_page_shift, ext_page_bytes, ext_scale_region,
     k_ring, valid_ring, ready, empty,
+    FP8: gl.constexpr, D: gl.constexpr, NOPE_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+    NUM_BUF: gl.constexpr, NUM_STAGES: gl.constexpr,
+):  # fmt: skip
+    """The producer partition: each block's keys ``[BLOCK_N, D]`` bf16 into the ring, with
+    their validity ``[BLOCK_N]`` int8 beside them (``ready[buf]`` once both have landed)."""
+    if FP8:
+        _fp8_producer(
+            win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, first,
+            num_blocks, win_page_shift, win_page_bytes, win_scale_region,
+            ext_page_shift, ext_page_bytes, ext_scale_region, k_ring, valid_ring, ready, empty,
+            NOPE_DIM, BLOCK_N, NUM_BUF, NUM_STAGES,
+        )  # fmt: skip
+    else:
+        _dense_producer(
+            win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, first,
+            num_blocks, k_ring, valid_ring, ready, empty, D, BLOCK_N, NUM_BUF,
+        )  # fmt: skip
+
+
+@gluon.jit
+def _dense_producer(
+    win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, first, num_blocks,
+    k_ring, valid_ring, ready, empty,
+    D: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
+):  # fmt: skip
+    """Dense bf16 caches (contiguous ``[num_slots, D]`` rows): cp.async each block's rows
+    straight into its key buffer, the next block's copies in flight (64 KB) while one lands;
+    the index row is loaded a block before its copies."""
+    ROWS: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    keys = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ROWS))
+    chan = gl.arange(0, D, layout=gl.SliceLayout(0, ROWS))
+    spans = (win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, keys, BLOCK_N)
+    slots = _block_slots(first, *spans)
+    _copy_rows(k_ring.index(0), first, slots, win_ptr, ext_ptr, win_blocks, chan, D)
+    async_copy.commit_group()  # (its key buffer is free: a fresh barrier passes)
+    next_slots = _block_slots(first + 1, *spans)
+    for i in range(num_blocks):
+        buf = i % NUM_BUF
+        later_slots = _block_slots(first + i + 2, *spans)
+        if i + 1 < num_blocks:
+            next_buf = (i + 1) % NUM_BUF
+            mbarrier.wait(empty.index(next_buf), (((i + 1) // NUM_BUF) & 1) ^ 1)
+            _copy_rows(k_ring.index(next_buf), first + i + 1, next_slots, win_ptr, ext_ptr,
+                       win_blocks, chan, D)  # fmt: skip
+        async_copy.commit_group()  # (empty past the last block: the count stays uniform)
+        async_copy.wait_group(1)  # block i has landed (this thread's copies)
+        valid_ring.index(buf).store((slots >= 0).to(gl.int8))
+        slots = next_slots
+        next_slots = later_slots
+        gl.barrier()  # every producer thread's copies and stores, then one arrive
+        fence_async_shared()  # before the consumers' wgmma reads
+        mbarrier.arrive(ready.index(buf))
+    async_copy.wait_group(0)
+
+
+@gluon.jit
+def _copy_rows(k_buf, block, slots, win_ptr, ext_ptr, win_blocks, chan, D: gl.constexpr):
+    """cp.async block ``block``'s dense bf16 rows at ``slots`` into ``k_buf`` (padding keys
+    as zeros)."""
+    valid = slots >= 0
+    rows = gl.where(valid, slots, 0).to(gl.int64) * D
+    cache = gl.where(block < win_blocks, win_ptr, ext_ptr)
+    async_copy.async_load(k_buf, cache + rows[:, None] + chan[None, :], mask=valid[:, None])
+
+
+@gluon.jit
+def _fp8_producer(
+    win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks, first, num_blocks,
+    win_page_shift, win_page_bytes, win_scale_region,
+    ext_page_shift, ext_page_bytes, ext_scale_region,
+    k_ring, valid_ring, ready, empty,
     NOPE_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_BUF: gl.constexpr,
     NUM_STAGES: gl.constexpr,
 ):  # fmt: skip
-    """Gather each block's keys with cp.async and dequantise them into the ring as
-    ``[BLOCK_N, D]`` bf16, with the keys' validity ``[BLOCK_N]`` int8 beside it.
+    """fp8 caches: gather each block's keys with cp.async and dequantise them into the ring.
 
     The copies stream in units of one nope group (``[BLOCK_N, 64]`` e4m3, 4 KB), the first
     unit of a block also carrying its rope part (copied straight into the key buffer) and its
@@ -200,9 +266,10 @@ def _producer(
             e = gl.sum(gl.where(scale_chan[None, :] == g, e, 0), axis=1)
             e = gl.convert_layout(e, gl.SliceLayout(1, CODE))
             code = stages.index(unit % NUM_STAGES).load(CODE)
-            val = code.to(gl.float8e4nv, bitcast=True).to(gl.float32)
-            val = val * _pow2_of_biased(e)[:, None]
-            k_buf.slice(g * 64, 64, dim=1).store(val.to(gl.bfloat16))
+            # As the default kernel: the rebiased codes are the keys times 2^-120, and the
+            # group's scale times 2^120 is 2^(E - 7), exact in bf16 (E <= 134).
+            scale = pow2_of_biased(gl.minimum(e + 120, 255)).to(gl.bfloat16)
+            k_buf.slice(g * 64, 64, dim=1).store(_e4m3_rebiased_bf16(code) * scale[:, None])
         valid_ring.index(buf).store(rows[3].to(gl.int8))  # which keys warpgroup 0 masks
         rows = next_rows
         next_slots = later_slots
@@ -339,10 +406,10 @@ def _value_partition(
 @gluon.jit
 def _ws_attention_kernel(
     q_ptr,  # [T, H, D] bf16
-    win_ptr,  # uint8 window cache pages
+    win_ptr,  # uint8 window cache pages (dense: [slots, D] bf16 rows)
     win_idx_ptr,  # [T, Ws] int32
     win_len_ptr,  # [T] int32
-    ext_ptr,  # uint8 extra cache pages (the window's on a window-only layer)
+    ext_ptr,  # the extra cache, as win_ptr (the window's on a window-only layer)
     ext_idx_ptr,  # [T, Ke] int32
     ext_len_ptr,  # [T] int32
     sink_ptr,  # [H] fp32
@@ -371,6 +438,7 @@ def _ws_attention_kernel(
     BLOCK_N: gl.constexpr,
     BLOCK_S: gl.constexpr,
     HAS_EXTRA: gl.constexpr,
+    FP8: gl.constexpr,
     NUM_BUF: gl.constexpr,
     NUM_STAGES: gl.constexpr,
     CONSUMER_WARPS: gl.constexpr,
@@ -445,7 +513,7 @@ def _ws_attention_kernel(
             (_producer, (win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext, win_blocks,
                          first, num_blocks, win_page_shift, win_page_bytes, win_scale_region,
                          ext_page_shift, ext_page_bytes, ext_scale_region, k_ring, valid_ring,
-                         ready, empty, NOPE_DIM, BLOCK_N, NUM_BUF, NUM_STAGES)),
+                         ready, empty, FP8, D, NOPE_DIM, BLOCK_N, NUM_BUF, NUM_STAGES)),
         ],
         [CONSUMER_WARPS, PRODUCER_WARPS],
         [VALUE_REGS, PRODUCER_REGS],
@@ -516,13 +584,27 @@ def ws_unsupported_reason(
     device: torch.device, window: TokenCache, extra: TokenCache | None, heads: int, dim: int
 ) -> str | None:
     """Why the ws kernel cannot run here (None when it can): a compiled GPU kernel (Gluon has
-    no interpreter) for fp8 caches, at most 64 heads and head dim 512."""
+    no interpreter) for caches of one format, fp8 (as the pipelined kernel takes them) or dense
+    bf16, at most 64 heads and head dim 512."""
     if device.type != "cuda":
         return "Gluon kernels run on CUDA devices only (no interpreter)"
-    reason = pipelined_unsupported_reason(window, extra, dim)
+    caches = [("window", window)] + ([("extra", extra)] if extra is not None else [])
+    if extra is not None and extra.fmt != window.fmt:
+        return f"window cache {window.fmt}, extra {extra.fmt}; the ws kernel takes one format"
+    reason = None
+    if window.fmt == "fp8":
+        reason = pipelined_unsupported_reason(window, extra, dim)
+    for name, cache in caches:
+        if cache.fmt == "dense" and cache.storage.dtype != torch.bfloat16:
+            reason = f"the {name} cache stores {cache.storage.dtype}; dense caches must be bf16"
     if reason is None and (heads > BLOCK_M or dim != HEAD_DIM):
         reason = f"{heads} heads of dim {dim}; the ws kernel takes <= {BLOCK_M} heads of {HEAD_DIM}"
     return reason
+
+
+def _geometry(cache: TokenCache) -> tuple[int, int, int]:
+    """The fp8 page geometry (``_page_geometry``); zeros for a dense cache (rows of D)."""
+    return _page_geometry(cache) if cache.fmt == "fp8" else (0, 0, 0)
 
 
 def sparse_attention_ws(
@@ -564,11 +646,11 @@ def sparse_attention_ws(
         spans.ext_lengths, sink.contiguous(), out, part, ml, count,
         q.stride(0), win_idx.stride(0), ext_idx.stride(0), out.stride(0),
         part.stride(0), ml.stride(0), heads, win_idx.shape[1], ext_idx.shape[1],
-        *_page_geometry(window), *_page_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
+        *_geometry(window), *_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
         D=dim, NOPE_DIM=dim - window.rope_dim, BLOCK_N=BLOCK_N,
         BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=spans.has_extra,
-        NUM_BUF=NUM_BUF, NUM_STAGES=NUM_STAGES, CONSUMER_WARPS=CONSUMER_WARPS,
-        PRODUCER_WARPS=PRODUCER_WARPS, VALUE_REGS=VALUE_REGS, PRODUCER_REGS=PRODUCER_REGS,
-        num_warps=CONSUMER_WARPS,
+        FP8=window.fmt == "fp8", NUM_BUF=NUM_BUF, NUM_STAGES=NUM_STAGES,
+        CONSUMER_WARPS=CONSUMER_WARPS, PRODUCER_WARPS=PRODUCER_WARPS, VALUE_REGS=VALUE_REGS,
+        PRODUCER_REGS=PRODUCER_REGS, num_warps=CONSUMER_WARPS,
     )  # fmt: skip
     return out
