@@ -21,7 +21,8 @@ attention kernel's key-block loop). Per kernel and target it prints:
   H200). A loop whose issue time exceeds its HBM share cannot reach the bandwidth roofline
   however well it hides latency; ``criteria`` says which of the checks below hold. A
   warp-specialised kernel's partitions share the schedulers: its issue time sums their key
-  loops (``partitions``: each loop's instructions, warps, MMAs and copies).
+  loops (``partitions``: each loop's role -- MMAs, copies or tensor memory --, instructions,
+  warps, MMAs and copies).
 
 Kernels are described by :data:`SPECS` (one entry a kernel: what an iteration of its main loop
 consumes and which criteria it claims); a kernel without an entry still gets its registers,
@@ -87,10 +88,11 @@ class KernelSpec:
     keys: Callable[[dict], int]
     bytes_per_key: Callable[[dict], int]
     claims: Callable[[dict, str], frozenset[str]] = field(default=_no_claims)
-    #: Warp-specialised kernels: ``(warps of a partition whose key loop runs MMAs, warps of
-    #: one whose loop only copies)``. Their partitions share the SM's schedulers, so the
-    #: issue time a key sums every partition's loop (``sass.partition_loops``).
-    partition_warps: Callable[[dict], tuple[int, int]] | None = None
+    #: Warp-specialised kernels: the warps of a partition by the role of its key loop
+    #: (``sass.PARTITION_ROLES``: ``mma``, ``copy``, ``tmem``). Their partitions share the SM's
+    #: schedulers, so the issue time a key sums every partition's loop
+    #: (``sass.partition_loops``).
+    partition_warps: Callable[[dict], dict[str, int]] | None = None
 
 
 def _fp8_key_bytes(c: dict) -> int:
@@ -133,6 +135,13 @@ def _ws_attention_claims(c: dict, target: str) -> frozenset[str]:
     return frozenset({"no-spills", "async-gather", "qk-n64", "issue-bound"})
 
 
+def _ws_sm100_attention_claims(c: dict, target: str) -> frozenset[str]:
+    """The opt-in Gluon ws kernel for Blackwell (sm_100a only): the producer's cp.async gather
+    and q k^T at N = 64 (tcgen05 m64n64); its prologue spills 8 B (warp indices kept across
+    the tensor-memory allocation and setmaxnreg, outside the key loops): a figure."""
+    return frozenset({"async-gather", "qk-n64"})
+
+
 #: Kernel (Triton function name) -> how to read its main loop.
 SPECS: dict[str, KernelSpec] = {
     "_sparse_attention_kernel": KernelSpec(
@@ -149,7 +158,13 @@ SPECS: dict[str, KernelSpec] = {
         keys=lambda c: c["BLOCK_N"],
         bytes_per_key=lambda c: _fp8_key_bytes(c) if c["FP8"] else 2 * c["D"],
         claims=_ws_attention_claims,
-        partition_warps=lambda c: (c["CONSUMER_WARPS"], c["PRODUCER_WARPS"]),
+        partition_warps=lambda c: dict(mma=c["CONSUMER_WARPS"], copy=c["PRODUCER_WARPS"]),
+    ),
+    "_ws_attention_kernel_sm100": KernelSpec(
+        keys=lambda c: c["BLOCK_N"],
+        bytes_per_key=lambda c: _fp8_key_bytes(c) if c["FP8"] else 2 * c["D"],
+        claims=_ws_sm100_attention_claims,
+        partition_warps=lambda c: dict(mma=1, copy=c["PRODUCER_WARPS"], tmem=4),
     ),
 }
 
@@ -192,16 +207,17 @@ def loop_figures(listing: str, spec: KernelSpec | None, constexprs: dict, warps:
     return out
 
 
-def _partition_figures(listing: str, warps: tuple[int, int]) -> list[dict]:
-    """Per partition key loop (``sass.partition_loops``): its header, instructions an
-    iteration (the longest path), warps (``warps``: an MMA loop's, a copy loop's), MMAs and
-    asynchronous copies."""
+def _partition_figures(listing: str, warps: dict[str, int]) -> list[dict]:
+    """Per partition key loop (``sass.partition_loops``): its header, role, instructions an
+    iteration (the longest path), warps (``warps`` by role), MMAs, asynchronous copies and
+    global loads."""
     out = []
     for loop in sass.partition_loops(listing):
-        mma = loop.opcodes(sass.MMA_CLASSES)
+        role = sass.partition_role(loop)
         out.append(dict(
-            header=hex(loop.header), instructions=len(loop.path), warps=warps[0 if mma else 1],
-            mma_ops=mma, async_copies=loop.opcodes(sass.ASYNC_COPY_CLASSES),
+            header=hex(loop.header), role=role, instructions=len(loop.path),
+            warps=warps[role or "mma"], mma_ops=loop.opcodes(sass.MMA_CLASSES),
+            async_copies=loop.opcodes(sass.ASYNC_COPY_CLASSES),
             global_loads=loop.opcodes(("ldg",)),
         ))  # fmt: skip
     return out

@@ -6,7 +6,8 @@ Run as a script (``python tests/pipelined_compile.py [--target sm_90a] [NAME ...
 kernel's launches at DeepSeek-V4-Flash shapes (H = 64, D = 512 = 448 e4m3 + 64 bf16 channels,
 584-byte tokens, window-only / c4 / c128 layers, one split and several; 16 heads a rank with
 a verify request's 4 rows a program), :func:`ws_attention_configurations` the Gluon ``ws``
-kernel's (sm_90a only: its dots are wgmma). One JSON object per configuration and target:
+kernels' (Hopper's for sm_90a: wgmma; Blackwell's for sm_100a: tcgen05). One JSON object per
+configuration and target:
 ``benchmarks/sass_report.py``'s report (registers, spills, shared memory, the register counts
 of warp-specialised partitions, the main loop's instructions, asynchronous copies and MMAs,
 the MMA shapes, and the criteria with the claims of ``sass_report.SPECS``).
@@ -80,41 +81,51 @@ def pipelined_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
     return out
 
 
-def ws_attention_source(ratio: int, splits: int, fp8: bool = True) -> tuple[ASTSource, dict]:
+def ws_attention_source(
+    ratio: int, splits: int, fp8: bool = True, major: int = 9
+) -> tuple[ASTSource, dict]:
     """The Gluon ws kernel as launched for a layer of compress ``ratio`` at 64 heads (fp8
-    caches, or dense bf16 ones)."""
-    constexprs = dict(
-        D=sc.DIM, NOPE_DIM=sc.DIM - sc.ROPE, BLOCK_N=wa.BLOCK_N,
-        BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0, FP8=fp8,
-        NUM_BUF=wa.NUM_BUF, NUM_STAGES=wa.NUM_STAGES, CONSUMER_WARPS=wa.CONSUMER_WARPS,
-        PRODUCER_WARPS=wa.PRODUCER_WARPS, VALUE_REGS=wa.VALUE_REGS, PRODUCER_REGS=wa.PRODUCER_REGS,
-    )  # fmt: skip
+    caches, or dense bf16 ones) on a device of compute capability ``major`` (9: Hopper's
+    kernel, 10: Blackwell's)."""
+    kernel, constexprs = wa.ws_kernel(major, sc.DIM, sc.DIM - sc.ROPE, splits, ratio != 0, fp8)
+    options = dict(num_warps=constexprs.pop("num_warps"))
     caches = {} if fp8 else dict(win_ptr="*bf16", ext_ptr="*bf16")  # [slots, D] rows
-    src = _source(wa._ws_attention_kernel, constexprs, GluonASTSource, {**KINDS, **caches})
-    return src, dict(num_warps=wa.CONSUMER_WARPS)
+    return _source(kernel, constexprs, GluonASTSource, {**KINDS, **caches}), options
 
 
 def ws_attention_configurations() -> list[tuple[str, ASTSource, dict]]:
-    """The ws kernel (sm_90a only: wgmma) at 64 heads: fp8 window-only, c4 (8 splits) and c128
-    (4 splits); dense bf16 c4 (8 splits)."""
+    """The ws kernels at 64 heads: Hopper's (``ws-``, sm_90a only: wgmma) for fp8 window-only,
+    c4 (8 splits) and c128 (4 splits) layers and dense bf16 c4; Blackwell's (``ws-sm100-``,
+    sm_100a only: tcgen05) for fp8 c4 and dense c4."""
     out = [
         (f"ws-r{ratio}-s{splits}", *ws_attention_source(ratio, splits))
         for ratio, splits in ((0, 1), (4, 8), (128, 4))
     ]
-    return [*out, ("ws-dense-r4-s8", *ws_attention_source(4, 8, fp8=False))]
+    out.append(("ws-dense-r4-s8", *ws_attention_source(4, 8, fp8=False)))
+    out.append(("ws-sm100-r4-s8", *ws_attention_source(4, 8, major=10)))
+    out.append(("ws-sm100-dense-r4-s8", *ws_attention_source(4, 8, fp8=False, major=10)))
+    return out
+
+
+def targets_of(name: str) -> tuple[str, ...]:
+    """The targets a configuration compiles for: the pipelined kernel both, each ws kernel its
+    own architecture's."""
+    if name.startswith("pipelined"):
+        return tuple(sc.TARGETS)
+    return ("sm_100a",) if name.startswith("ws-sm100") else ("sm_90a",)
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--target", action="append", choices=list(sc.TARGETS),
-                        help="repeatable (default: both; ws: sm_90a only)")  # fmt: skip
+                        help="repeatable (default: each configuration's own)")  # fmt: skip
     parser.add_argument("only", nargs="*", help="configuration name substrings (default: all)")
     opts = parser.parse_args(argv)
     for name, src, options in pipelined_attention_configurations() + ws_attention_configurations():
         if opts.only and not any(o in name for o in opts.only):
             continue
-        for target in opts.target or list(sc.TARGETS):
-            if target == "sm_90a" or name.startswith("pipelined"):
+        for target in targets_of(name):
+            if not opts.target or target in opts.target:
                 report = sass_report.kernel_report(name, src, options, target)
                 print(json.dumps(report), flush=True)
 

@@ -106,6 +106,25 @@ def test_partition_loops_are_the_innermost_mma_and_copy_loops() -> None:
     assert sass.partition_loops(LISTING)[0].header == 0x30  # one partition: the key loop
 
 
+def test_indirect_jump_targets_are_roots() -> None:
+    """sm_100a dispatches worker partitions through a jump table (``BRX``): blocks no branch
+    names still get their loops."""
+    listing = """
+        /*0000*/                   LDC R6, c[0x2][R8] ;
+        /*0010*/                   BRX R6 -0x20 ;
+        /*0020*/                   EXIT ;
+        /*0030*/                   UTCHMMA gdesc[UR4], gdesc[UR6], tmem[UR8], idesc[UR9] ;
+        /*0040*/               @P0 BRA 0x30 ;
+        /*0050*/                   EXIT ;
+        /*0060*/                   LDTM.x16 R4, tmem[UR4] ;
+        /*0070*/               @P1 BRA 0x60 ;
+        /*0080*/                   EXIT ;
+"""
+    loops = sass.partition_loops(listing)
+    assert [hex(loop.header) for loop in loops] == ["0x30", "0x60"]
+    assert [sass.partition_role(loop) for loop in loops] == ["mma", "tmem"]
+
+
 def test_straight_code_has_no_loop_and_empty_input_is_refused() -> None:
     assert sass.main_loop("        /*0000*/                   EXIT ;\n") is None
     with pytest.raises(ValueError, match="no instructions"):

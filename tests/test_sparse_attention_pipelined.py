@@ -24,7 +24,11 @@ from dsv4_backend.kernels.sparse_attention import (
     sparse_attention_with_sink,
 )
 from dsv4_backend.kernels.sparse_attention_pipelined import sparse_attention_pipelined
-from dsv4_backend.kernels.sparse_attention_ws import sparse_attention_ws, ws_unsupported_reason
+from dsv4_backend.kernels.sparse_attention_ws import (
+    sparse_attention_ws,
+    ws_arch_reason,
+    ws_inputs_reason,
+)
 
 pytestmark = pytest.mark.skipif(
     not dispatch.interpreter_enabled(), reason="needs TRITON_INTERPRET=1 (tests/conftest.py)"
@@ -138,28 +142,27 @@ def test_selection(monkeypatch):
         dispatch.force_attention_kernel("ws2").__enter__()
 
 
-def test_ws_takes_fp8_or_dense_bf16_caches_of_one_format() -> None:
-    """What the ws kernel takes, judged for a CUDA device from the caches alone (Gluon runs on
-    GPUs only): fp8 caches or dense bf16 ones, not a mix, not fp32 storage, at most 64 heads of
-    dim 512; on the CPU the launcher refuses with the reason."""
+def test_ws_takes_fp8_or_dense_bf16_caches_of_one_format_on_hopper_or_blackwell() -> None:
+    """What the ws kernels take (Gluon: GPUs only), judged from the caches and shapes alone:
+    fp8 caches or dense bf16 ones, not a mix, not fp32 storage, at most 64 heads of dim 512;
+    compute capability 9.x or 10.x. On the CPU the launcher refuses with the reason."""
     g = torch.Generator().manual_seed(3)
     keys = _keys(4, 512, g)
     fp8 = _cache(keys, 64, "fp8")
     bf16 = _cache(keys, 64, "dense", torch.bfloat16)
-    cuda = torch.device("cuda")
-    assert ws_unsupported_reason(cuda, fp8, fp8, 64, 512) is None
-    assert ws_unsupported_reason(cuda, bf16, bf16, 64, 512) is None
-    assert ws_unsupported_reason(cuda, bf16, None, 16, 512) is None
-    assert "one format" in str(ws_unsupported_reason(cuda, fp8, bf16, 64, 512))
+    assert ws_inputs_reason(fp8, fp8, 64, 512) is None
+    assert ws_inputs_reason(bf16, bf16, 64, 512) is None
+    assert ws_inputs_reason(bf16, None, 16, 512) is None
+    assert "one format" in str(ws_inputs_reason(fp8, bf16, 64, 512))
     fp32 = _cache(keys, 64, "dense")
-    assert "torch.float32; dense caches must be bf16" in str(
-        ws_unsupported_reason(cuda, fp32, None, 64, 512)
-    )
-    assert "128 heads of dim 512" in str(ws_unsupported_reason(cuda, fp8, None, 128, 512))
+    assert "torch.float32; dense caches must be bf16" in str(ws_inputs_reason(fp32, None, 64, 512))
+    assert "128 heads of dim 512" in str(ws_inputs_reason(fp8, None, 128, 512))
     small = _cache(_keys(4, 128, g), 64, "dense", torch.bfloat16)
-    assert "heads of dim 128" in str(ws_unsupported_reason(cuda, small, None, 8, 128))
+    assert "heads of dim 128" in str(ws_inputs_reason(small, None, 8, 128))
+    assert ws_arch_reason((9, 0)) is None and ws_arch_reason((10, 3)) is None
+    assert "compute capability 12.0" in str(ws_arch_reason((12, 0)))
+    assert "compute capability 8.0" in str(ws_arch_reason((8, 0)))
     idx, lens = _indices([3], 8, 4, g)
     q = torch.randn(1, 64, 512, generator=g).bfloat16()
     with pytest.raises(BatchError, match="CUDA devices only"):
         sparse_attention_ws(q, bf16, idx, lens, None, None, None, torch.zeros(64), 0.1)
-

@@ -21,7 +21,9 @@ from stress import STRESS
 
 SCRIPT = Path(__file__).with_name("pipelined_compile.py")
 PIPELINED = ("pipelined-r0-s1", "pipelined-r4-s8", "pipelined-r128-s4-g-h16")
-WS = ("ws-r4-s8", "ws-dense-r4-s8")
+#: The ws configurations compiled, each for its architecture (Hopper's kernel: wgmma;
+#: Blackwell's: tcgen05).
+WS = {"ws-r4-s8": "sm_90a", "ws-dense-r4-s8": "sm_90a", "ws-sm100-r4-s8": "sm_100a"}
 #: The pipelined configurations compiled for sm_90a and sm_100a by default: the c4 layer with
 #: key splits (every layer kind under ``DSV4_STRESS=1``; a cold compile costs a few seconds of
 #: CPU).
@@ -54,8 +56,9 @@ def _loop_mma(report: dict) -> dict[str, int]:
 
 
 def test_every_layer_kind_compiles_for_both_targets(reports) -> None:
-    expected = {(n, "sm_90a") for n in COMPILED + WS} | {(n, "sm_100a") for n in COMPILED}
-    assert set(reports) == expected
+    """The pipelined kernel for both targets, each ws kernel for its own."""
+    pipelined = {(n, t) for n in COMPILED for t in ("sm_90a", "sm_100a")}
+    assert set(reports) == pipelined | set(WS.items())
 
 
 def test_claimed_criteria_hold(reports) -> None:
@@ -158,3 +161,19 @@ def test_ws_gather_is_asynchronous(reports) -> None:
         loads = producer["global_loads"]
         assert set(loads) <= {"LDG.E"} and sum(loads.values()) <= 4, producer
         assert r["criteria"]["async-gather"] and r["criteria"]["issue-bound"], r
+
+
+def test_ws_sm100_kernel_runs_tcgen05_beside_the_same_producer(reports) -> None:
+    """Blackwell's ws kernel: the MMA warp's loop issues each block's q k^T (32 tcgen05
+    m64n64 k-steps) and p k (2 x 4 m64n256) into tensor memory; the softmax warpgroup's loop
+    reads tensor memory; the producer's loop is the Hopper kernel's (cp.async). Its fp8
+    prologue spills 8 B (warp indices across the tensor-memory allocation and setmaxnreg): a
+    figure, not a claim."""
+    r = reports[("ws-sm100-r4-s8", "sm_100a")]
+    roles = {p["role"]: p for p in r["partitions"]}
+    assert set(roles) == {"mma", "copy", "tmem"} and len(r["partitions"]) == 3, r
+    assert roles["mma"]["mma_ops"] == {"UTCHMMA": 40} and roles["mma"]["warps"] == 1, r
+    assert roles["copy"]["async_copies"].get("LDGSTS.E.BYPASS.128", 0) >= 16, r
+    assert not roles["tmem"]["global_loads"] and not roles["mma"]["global_loads"], r
+    assert sorted(r["mma_shapes"]) == ["m64n256k16.bf16", "m64n64k16.bf16"], r
+    assert r["shared"] <= 227 * 1024 and r["spill_stores"] <= 8, r

@@ -182,8 +182,8 @@ def _attention_kernel_note(kernel: str, why: str) -> str:
         return f"{why}; fp8 caches (others run triton); has never run on a GPU"
     if kernel == "ws":
         return (
-            f"{why}; Gluon, CUDA only, fp8 or dense bf16 caches, <= 64 heads of dim 512 "
-            "(others run triton); has never run on a GPU"
+            f"{why}; Gluon, CUDA only (Hopper or Blackwell), fp8 or dense bf16 caches, <= 64 "
+            "heads of dim 512 (others run triton); has never run on a GPU"
         )
     return why
 

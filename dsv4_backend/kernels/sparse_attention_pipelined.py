@@ -124,6 +124,25 @@ def _gather_dequant(
 
 
 @triton.jit
+def split_blocks(win_len_ptr, ext_len_ptr, prog, split, grid_splits, win_width, ext_width,
+                 HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
+    """Program row ``prog``'s window and extra key counts, its window blocks (``cdiv(n_win,
+    BLOCK_N)``, then the extra blocks), its splits (whole blocks a split: of the grid's
+    ``grid_splits`` only those that get one run, at least one, which finalises a row without
+    keys) and this ``split``'s first block and block count. Shared with the ws kernels."""
+    n_win = tl.minimum(tl.maximum(tl.load(win_len_ptr + prog), 0), win_width)
+    win_blocks = tl.cdiv(n_win, BLOCK_N)
+    n_ext = 0
+    if HAS_EXTRA:
+        n_ext = tl.minimum(tl.maximum(tl.load(ext_len_ptr + prog), 0), ext_width)
+    all_blocks = win_blocks + tl.cdiv(n_ext, BLOCK_N)
+    per_split = tl.maximum(tl.cdiv(all_blocks, grid_splits), 1)
+    splits = tl.maximum(tl.cdiv(all_blocks, per_split), 1)
+    first = split * per_split
+    return n_win, n_ext, win_blocks, splits, first, tl.minimum(per_split, all_blocks - first)
+
+
+@triton.jit
 def _pipelined_attention_kernel(
     q_ptr,  # [T, H, D] bf16 / fp32
     win_ptr,  # uint8 window cache pages
@@ -181,21 +200,12 @@ def _pipelined_attention_kernel(
     rows = prog * GROUP + m_row
     m_mask = (offs_h < H) & (m_row < GROUP) & (rows < num_rows)
 
-    # This program row's blocks: cdiv(n_win, 64) window blocks, then the extra blocks.
-    n_win = tl.minimum(tl.maximum(tl.load(win_len_ptr + prog), 0), win_width)
-    win_blocks = tl.cdiv(n_win, BLOCK_N)
-    n_ext = 0
-    if HAS_EXTRA:
-        n_ext = tl.minimum(tl.maximum(tl.load(ext_len_ptr + prog), 0), ext_width)
-    all_blocks = win_blocks + tl.cdiv(n_ext, BLOCK_N)
-    # Whole blocks a split; only the splits that get one run (at least one, which finalises
-    # a row without keys).
-    per_split = tl.maximum(tl.cdiv(all_blocks, tl.num_programs(2)), 1)
-    splits = tl.maximum(tl.cdiv(all_blocks, per_split), 1)
+    n_win, n_ext, win_blocks, splits, first, num_blocks = split_blocks(
+        win_len_ptr, ext_len_ptr, prog, split, tl.num_programs(2), win_width, ext_width,
+        HAS_EXTRA, BLOCK_N,
+    )  # fmt: skip
     if split >= splits:
         return
-    first = split * per_split
-    num_blocks = tl.minimum(per_split, all_blocks - first)
 
     offs_d = tl.arange(0, D)
     q_rows = rows * stride_qt + offs_h * stride_qh

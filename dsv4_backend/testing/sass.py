@@ -43,7 +43,8 @@ CLASSES = (
     ("hgmma", r"^HGMMA\b"),
     ("tcgen05-mma", r"^UTC[A-Z]*MMA\b"),
     ("mma.sync", r"^(HMMA|IMMA|QMMA)\b"),
-    ("tmem", r"^(LDTM|STTM|UTCBAR|UTCCP|UTCATOM\w*)\b"),
+    ("tmem", r"^(LDTM|STTM)\b"),
+    ("tmem-control", r"^(UTCBAR|UTCCP|UTCATOM\w*)\b"),
     ("warpgroup", r"^WARPGROUP\b"),
     ("barrier", r"^(BAR|MEMBAR|FENCE|ARRIVES|WARPSYNC|ERRBAR|CCTL)\b"),
     ("cvt", r"^(F2FP|F2F|I2F|F2I|I2FP|F2IP|HADD2\.F32|FRND)\b"),
@@ -189,20 +190,30 @@ class ControlFlow:
         self.dom = self._dominators(starts[0])
 
     def _dominators(self, entry: int) -> dict[int, set[int]]:
-        """``dom[b]``: the blocks that dominate ``b`` (iterative data-flow, reachable only)."""
-        reach, stack = {entry}, [entry]
-        while stack:
-            for s in self.succ[stack.pop()]:
-                if s not in reach:
-                    reach.add(s)
-                    stack.append(s)
-        order = [b for b in self.blocks if b in reach]
+        """``dom[b]``: the blocks that dominate ``b`` (iterative data-flow). Code no branch
+        reaches from ``entry`` is entered at its first block, a root beside ``entry``: the
+        targets of an indirect jump (``BRX`` through a jump table, as warp-specialised
+        partitions dispatch on sm_100a)."""
+        roots, reach = [], set()
+        for root in [entry, *self.blocks]:
+            if root in reach:
+                continue
+            roots.append(root)
+            reach.add(root)
+            stack = [root]
+            while stack:
+                for s in self.succ[stack.pop()]:
+                    if s not in reach:
+                        reach.add(s)
+                        stack.append(s)
+        order = list(self.blocks)
         dom = {b: set(order) for b in order}
-        dom[entry] = {entry}
+        for root in roots:
+            dom[root] = {root}
         changed = True
         while changed:
             changed = False
-            for b in order[1:]:
+            for b in (b for b in order if b not in roots):
                 preds = [dom[p] for p in self.pred[b] if p in dom]
                 new = set.intersection(*preds) | {b} if preds else {b}
                 if new != dom[b]:
@@ -290,10 +301,23 @@ def main_loop(listing: str) -> Loop | None:
     return max(loops, key=lambda loop: (mma_count(loop), len(loop.instructions)))
 
 
+#: What a warp-specialised partition's key loop does, by the first of these its body holds:
+#: MMAs (Hopper's consumers, Blackwell's MMA warp), asynchronous copies (a producer), tensor
+#: memory loads and stores (Blackwell's softmax).
+PARTITION_ROLES = (("mma", MMA_CLASSES), ("copy", ASYNC_COPY_CLASSES), ("tmem", ("tmem",)))
+
+
+def partition_role(loop: Loop) -> str | None:
+    """The :data:`PARTITION_ROLES` name of ``loop`` (None when it holds none of them)."""
+    held = {classify(i.op) for i in loop.instructions}
+    return next((role for role, classes in PARTITION_ROLES if held & set(classes)), None)
+
+
 def partition_loops(listing: str) -> list[Loop]:
-    """The innermost loops of ``listing`` that hold tensor-core MMAs or asynchronous copies,
-    in address order: a warp-specialised kernel's per-partition key loops (the loop through
-    which the worker partitions dispatch holds theirs, so it is left out)."""
+    """The innermost loops of ``listing`` that hold tensor-core MMAs, asynchronous copies or
+    tensor-memory traffic, in address order: a warp-specialised kernel's per-partition key
+    loops (the loop through which the worker partitions dispatch holds theirs, so it is left
+    out)."""
     loops = ControlFlow(parse(listing)).loops()
     by_header = {loop.header: loop for loop in loops}
 
@@ -302,7 +326,7 @@ def partition_loops(listing: str) -> list[Loop]:
 
     keep = []
     for loop in loops:
-        for classes in (MMA_CLASSES, ASYNC_COPY_CLASSES):
+        for _, classes in PARTITION_ROLES:
             if holds(loop, classes) and not any(holds(by_header[h], classes) for h in loop.inner):
                 keep.append(loop)
                 break
