@@ -87,7 +87,7 @@ def _rescale_o(o_tmem, alpha, D: gl.constexpr, O_CHUNK: gl.constexpr):
 
 @gluon.jit
 def _softmax_partition(
-    s_tmem, o_tmem, p_smem, valid_ring, s_ready, s_free, p_ready, o_done, num_blocks,
+    s_tmem, o_tmem, p_smem, valid_ring, ready, s_ready, s_free, p_ready, o_done, num_blocks,
     qk_scale, sink_ptr, out_ptr, part_ptr, row, stride_ot, stride_pt, H, split, splits,
     BLOCK_M: gl.constexpr, D: gl.constexpr, NUM_BUF: gl.constexpr, RESCALE_LOG2: gl.constexpr,
     O_CHUNK: gl.constexpr,
@@ -105,6 +105,9 @@ def _softmax_partition(
         s = s_tmem.load(s_layout)
         gl.barrier()  # every thread has read s; then one arrive lets the next q k^T overwrite it
         mbarrier.arrive(s_free)
+        # The producer's validity stores, acquired from its own barrier (already complete: the
+        # MMA warp waited on it before this block's q k^T).
+        mbarrier.wait(ready.index(buf), (i // NUM_BUF) & 1)
         valid = valid_ring.index(buf).load(gl.SliceLayout(0, s_layout)) != 0
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_blk = gl.max(s, axis=1)
@@ -197,10 +200,10 @@ def _ws_attention_kernel_sm100(
     ext_idx_row = ext_idx_ptr + row * stride_ext_idx_t
     m_i, l_i = gl.warp_specialize(
         [
-            (_softmax_partition, (s_tmem, o_tmem, p_smem, valid_ring, s_ready, s_free, p_ready,
-                                  o_done, num_blocks, qk_scale, sink_ptr, out_ptr, part_ptr,
-                                  row, stride_ot, stride_pt, H, split, splits, BLOCK_M, D,
-                                  NUM_BUF, RESCALE_LOG2, O_CHUNK)),
+            (_softmax_partition, (s_tmem, o_tmem, p_smem, valid_ring, ready, s_ready, s_free,
+                                  p_ready, o_done, num_blocks, qk_scale, sink_ptr, out_ptr,
+                                  part_ptr, row, stride_ot, stride_pt, H, split, splits,
+                                  BLOCK_M, D, NUM_BUF, RESCALE_LOG2, O_CHUNK)),
             (_mma_partition, (q_smem, k_ring, p_smem, s_tmem, o_tmem, ready, empty, s_ready,
                               s_free, p_ready, o_done, num_blocks, D, NUM_BUF)),
             (producer_partition, (win_ptr, ext_ptr, win_idx_row, ext_idx_row, n_win, n_ext,
