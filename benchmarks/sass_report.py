@@ -100,6 +100,11 @@ def _fp8_key_bytes(c: dict) -> int:
     return c["NOPE_DIM"] + 2 * (c["D"] - c["NOPE_DIM"]) + 8
 
 
+def _ws_key_bytes(c: dict) -> int:
+    """One cache row of a ws kernel: fp8 (:func:`_fp8_key_bytes`), dense bf16 2 D."""
+    return _fp8_key_bytes(c) if c["FP8"] else 2 * c["D"]
+
+
 def _attention_key_bytes(c: dict) -> int:
     """One cache row: fp8 (:func:`_fp8_key_bytes`), dense bf16 2 D."""
     return _fp8_key_bytes(c) if c["WIN_FP8"] else 2 * c["D"]
@@ -156,13 +161,13 @@ SPECS: dict[str, KernelSpec] = {
     ),
     "_ws_attention_kernel": KernelSpec(
         keys=lambda c: c["BLOCK_N"],
-        bytes_per_key=lambda c: _fp8_key_bytes(c) if c["FP8"] else 2 * c["D"],
+        bytes_per_key=_ws_key_bytes,
         claims=_ws_attention_claims,
         partition_warps=lambda c: dict(mma=c["CONSUMER_WARPS"], copy=c["PRODUCER_WARPS"]),
     ),
     "_ws_attention_kernel_sm100": KernelSpec(
         keys=lambda c: c["BLOCK_N"],
-        bytes_per_key=lambda c: _fp8_key_bytes(c) if c["FP8"] else 2 * c["D"],
+        bytes_per_key=_ws_key_bytes,
         claims=_ws_sm100_attention_claims,
         partition_warps=lambda c: dict(mma=1, copy=c["PRODUCER_WARPS"], tmem=4),
     ),
@@ -212,11 +217,10 @@ def _partition_figures(listing: str, warps: dict[str, int]) -> list[dict]:
     iteration (the longest path), warps (``warps`` by role), MMAs, asynchronous copies and
     global loads."""
     out = []
-    for loop in sass.partition_loops(listing):
-        role = sass.partition_role(loop)
+    for role, loop in sass.partition_loops(listing):
         out.append(dict(
             header=hex(loop.header), role=role, instructions=len(loop.path),
-            warps=warps[role or "mma"], mma_ops=loop.opcodes(sass.MMA_CLASSES),
+            warps=warps[role], mma_ops=loop.opcodes(sass.MMA_CLASSES),
             async_copies=loop.opcodes(sass.ASYNC_COPY_CLASSES),
             global_loads=loop.opcodes(("ldg",)),
         ))  # fmt: skip

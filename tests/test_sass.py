@@ -96,14 +96,15 @@ PARTITIONED = """
 
 
 def test_partition_loops_are_the_innermost_mma_and_copy_loops() -> None:
-    loops = sass.partition_loops(PARTITIONED)
+    roles, loops = zip(*sass.partition_loops(PARTITIONED), strict=True)
     assert [hex(loop.header) for loop in loops] == ["0x10", "0x60", "0x90"]
+    assert roles == ("mma", "mma", "copy")
     assert [len(loop.path) for loop in loops] == [3, 2, 3]
     assert loops[2].opcodes(sass.ASYNC_COPY_CLASSES) == {"LDGSTS.E.BYPASS.128": 1}
     # The dispatch loop holds both kinds, through its inner loops only.
     dispatch = [lp for lp in sass.ControlFlow(sass.parse(PARTITIONED)).loops() if lp.header == 0x50]
     assert dispatch and dispatch[0].inner == (0x60, 0x90)
-    assert sass.partition_loops(LISTING)[0].header == 0x30  # one partition: the key loop
+    assert sass.partition_loops(LISTING)[0][1].header == 0x30  # one partition: the key loop
 
 
 def test_indirect_jump_targets_are_roots() -> None:
@@ -120,9 +121,9 @@ def test_indirect_jump_targets_are_roots() -> None:
         /*0070*/               @P1 BRA 0x60 ;
         /*0080*/                   EXIT ;
 """
-    loops = sass.partition_loops(listing)
-    assert [hex(loop.header) for loop in loops] == ["0x30", "0x60"]
-    assert [sass.partition_role(loop) for loop in loops] == ["mma", "tmem"]
+    found = sass.partition_loops(listing)
+    assert [hex(loop.header) for _, loop in found] == ["0x30", "0x60"]
+    assert [role for role, _ in found] == ["mma", "tmem"]
 
 
 def test_straight_code_has_no_loop_and_empty_input_is_refused() -> None:

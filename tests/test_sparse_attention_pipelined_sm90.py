@@ -3,9 +3,9 @@
 ``tests/pipelined_compile.py`` compiles, at DeepSeek-V4-Flash shapes, the pipelined kernel for
 sm_90a and sm_100a (a c4 decode layer with 8 splits, whose last one merges; under
 ``DSV4_STRESS=1`` also a window-only decode layer with one split and a c128 verify layer at 16
-heads a rank, 4 rows a program), the Gluon ws kernel for sm_90a (the c4 layer, 8 splits, on
-fp8 and on dense bf16 caches), and reads each as ``benchmarks/sass_report.py`` does (its
-``SPECS`` claims). No GPU is needed.
+heads a rank, 4 rows a program), the Gluon ws kernels (the c4 layer, 8 splits: Hopper's for
+sm_90a on fp8 and on dense bf16 caches, Blackwell's for sm_100a on fp8 ones), and reads each
+as ``benchmarks/sass_report.py`` does (its ``SPECS`` claims). No GPU is needed.
 """
 
 from __future__ import annotations

@@ -404,6 +404,7 @@ def ws_kernel(
         PRODUCER_WARPS=PRODUCER_WARPS, PRODUCER_REGS=PRODUCER_REGS,
     )  # fmt: skip
     if major == 10:
-        return sm100._ws_attention_kernel_sm100, {**constexprs, **sm100.kernel_options()}
+        blackwell = dict(MMA_REGS=sm100.MMA_REGS, num_warps=sm100.SOFTMAX_WARPS)
+        return sm100._ws_attention_kernel_sm100, {**constexprs, **blackwell}
     hopper = dict(CONSUMER_WARPS=CONSUMER_WARPS, VALUE_REGS=VALUE_REGS, num_warps=CONSUMER_WARPS)
     return _ws_attention_kernel, {**constexprs, **hopper}

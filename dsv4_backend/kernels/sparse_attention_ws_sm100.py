@@ -48,12 +48,6 @@ SOFTMAX_WARPS = 4
 MMA_REGS = 48
 
 
-def kernel_options() -> dict[str, int]:
-    """The constexprs and ``num_warps`` of :func:`_ws_attention_kernel_sm100` beyond those the
-    Hopper kernel shares (``sparse_attention_ws.ws_kernel``)."""
-    return dict(MMA_REGS=MMA_REGS, num_warps=SOFTMAX_WARPS)
-
-
 @gluon.jit
 def _mma_partition(
     q_smem, k_ring, p_smem, s_tmem, o_tmem, ready, empty, s_ready, s_free, p_ready, o_done,

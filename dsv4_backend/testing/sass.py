@@ -307,17 +307,12 @@ def main_loop(listing: str) -> Loop | None:
 PARTITION_ROLES = (("mma", MMA_CLASSES), ("copy", ASYNC_COPY_CLASSES), ("tmem", ("tmem",)))
 
 
-def partition_role(loop: Loop) -> str | None:
-    """The :data:`PARTITION_ROLES` name of ``loop`` (None when it holds none of them)."""
-    held = {classify(i.op) for i in loop.instructions}
-    return next((role for role, classes in PARTITION_ROLES if held & set(classes)), None)
-
-
-def partition_loops(listing: str) -> list[Loop]:
-    """The innermost loops of ``listing`` that hold tensor-core MMAs, asynchronous copies or
-    tensor-memory traffic, in address order: a warp-specialised kernel's per-partition key
-    loops (the loop through which the worker partitions dispatch holds theirs, so it is left
-    out)."""
+def partition_loops(listing: str) -> list[tuple[str, Loop]]:
+    """``(role, loop)`` for the innermost loops of ``listing`` that hold tensor-core MMAs,
+    asynchronous copies or tensor-memory loads and stores, in address order: a warp-specialised
+    kernel's per-partition key loops (the loop through which the worker partitions dispatch
+    holds theirs, so it is left out). The role is the first of :data:`PARTITION_ROLES` a loop
+    holds and none of its inner loops does."""
     loops = ControlFlow(parse(listing)).loops()
     by_header = {loop.header: loop for loop in loops}
 
@@ -326,8 +321,8 @@ def partition_loops(listing: str) -> list[Loop]:
 
     keep = []
     for loop in loops:
-        for _, classes in PARTITION_ROLES:
+        for role, classes in PARTITION_ROLES:
             if holds(loop, classes) and not any(holds(by_header[h], classes) for h in loop.inner):
-                keep.append(loop)
+                keep.append((role, loop))
                 break
-    return sorted(keep, key=lambda loop: loop.header)
+    return sorted(keep, key=lambda found: found[1].header)
