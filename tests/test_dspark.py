@@ -183,3 +183,19 @@ def test_refusals() -> None:
     wrong = dataclasses.replace(view, out_cache_loc=view.out_cache_loc.flip(0))
     with pytest.raises(BatchError, match="req_to_token holds slot"):
         plan_dspark_block(DRAFT, wrong)
+
+
+@pytest.mark.parametrize("slot", [-5, 10**6])
+def test_the_oldest_window_key_of_a_block_is_range_checked(slot: int) -> None:
+    """A block of ``L >= 128`` reads the committed key at ``L - 128`` too (a causal row reads
+    only the 127 before it): a bad slot there is a ``BatchError`` naming it, not an
+    ``IndexError`` or an unchecked gather."""
+    draft = make_draft([400], block_size=4)
+    view = draft.view([0], [300])
+    row = int(view.req_pool_indices[0])
+    view.req_to_token[row, 300 - CONFIG.window_size] = slot
+    with pytest.raises(BatchError, match=rf"slot {slot}\b.*position {300 - CONFIG.window_size}"):
+        plan_dspark_block(DRAFT, view)
+    view.req_to_token[row, 300 - CONFIG.window_size - 1] = slot  # one further back: not read
+    view.req_to_token[row, 300 - CONFIG.window_size] = view.req_to_token[row, 0]
+    plan_dspark_block(DRAFT, view)

@@ -125,6 +125,11 @@ def test_factory_builds_the_dspark_draft_backend_and_its_refusals() -> None:
         DSparkDraftBackend(draft_runner(pool, 3), cache_format="dense")
     with pytest.raises(ConfigError, match="speculative_num_draft_tokens=1"):
         DSparkDraftBackend(draft_runner(pool, 0), cache_format="dense")
+    # g + 1 query rows a request (the anchor's too): refused at build, not at the first block.
+    no_anchor = draft_runner(pool, 3)
+    no_anchor.model_config.hf_config = {**HF, "sample_from_anchor": False}
+    with pytest.raises(ConfigError, match="sample_from_anchor=false"):
+        create_dsv4_backend(no_anchor)
 
 
 def test_dspark_draft_reads_the_draft_pools_window_buffers() -> None:

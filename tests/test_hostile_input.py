@@ -78,7 +78,21 @@ def test_a_plan_reused_for_the_next_step_is_refused(host: SimpleNamespace) -> No
         run_all_layers(host, nxt)
     message = str(refused.value)
     assert "store_cache (layer 0)" in message and "made for another batch" in message
-    assert "forward_batch is not the object the plan was made from" in message
+    assert "planned with seq_lens_cpu=[5, 9] and the batch has [6, 10]" in message
+    assert_nothing_written(host.backend, before)
+
+
+def test_a_plan_reused_for_a_batch_without_host_lengths_is_refused_by_its_values(
+    host: SimpleNamespace,
+) -> None:
+    """Without ``seq_lens_cpu`` (a batch without a CPU mirror) the device values decide."""
+    first = host.batches.decode([0, 1], [5, 9])
+    host.backend.init_forward_metadata(first.batch)
+    nxt = host.batches.decode([0, 1], [6, 10])
+    nxt.batch.seq_lens_cpu = None
+    before = snapshot(host.backend)
+    with pytest.raises(ContractError, match=r"seq_lens\[0\]=6 but the plan was made with "):
+        run_all_layers(host, nxt)
     assert_nothing_written(host.backend, before)
 
 
@@ -87,7 +101,8 @@ def test_a_plan_for_the_same_requests_in_another_order_is_refused(host: SimpleNa
     host.backend.init_forward_metadata(planned.batch)
     reordered = host.batches.verify([1, 0], [30, 126], 4)
     before = snapshot(host.backend)
-    with pytest.raises(ContractError, match="made for another batch: forward_batch"):
+    reordered.batch.seq_lens_cpu = None  # the device values decide
+    with pytest.raises(ContractError, match=r"another batch: req_pool_indices\[0\]=2 but"):
         run_all_layers(host, reordered)
     assert_nothing_written(host.backend, before)
 
@@ -103,8 +118,27 @@ def test_batch_tensors_swapped_or_written_after_planning_are_refused(
     before = snapshot(host.backend)
     with pytest.raises(ContractError, match=f"{field} was written in place since planning"):
         run_all_layers(host, step)
-    setattr(step.batch, field, tensor.clone())  # rebound to an equal copy: still refused
-    with pytest.raises(ContractError, match=f"{field} is not the object the plan was made from"):
+    setattr(step.batch, field, tensor.clone())  # rebound to a copy: its planned tensor changed
+    with pytest.raises(ContractError, match=f"{field} was written in place since planning"):
+        run_all_layers(host, step)
+    assert_nothing_written(host.backend, before)
+
+
+@pytest.mark.parametrize("field", ["req_pool_indices", "seq_lens", "out_cache_loc"])
+def test_batch_tensors_rebound_after_planning_are_matched_by_value(
+    host: SimpleNamespace, field: str
+) -> None:
+    """A tensor rebound to an equal copy is served (sglang's eager runner forwards such a copy
+    of every planned batch); rebound to other values it is refused."""
+    step = host.batches.decode([0, 1], [5, 9])
+    host.backend.init_forward_metadata(step.batch)
+    planned = getattr(step.batch, field)
+    setattr(step.batch, field, planned.clone())
+    run_all_layers(host, step)
+    step.batch.seq_lens_cpu = None  # the device values decide
+    setattr(step.batch, field, planned.flip(0))
+    before = snapshot(host.backend)
+    with pytest.raises(ContractError, match=rf"another batch: {field}\[0\]=.* but the plan"):
         run_all_layers(host, step)
     assert_nothing_written(host.backend, before)
 
@@ -131,7 +165,7 @@ def test_draft_extend_grown_by_a_real_request_is_refused(host: SimpleNamespace) 
     with pytest.raises(ContractError) as refused:
         host.sim.layer(host.backend, padded, 0)
     message = str(refused.value)
-    assert "seq_lens_cpu=[130, 34]" in message and "[130, 34, 44]" in message
+    assert "planned with seq_lens_cpu=[130, 34] and the batch has [130, 34, 44]" in message
     assert "only padding requests (seq_lens_cpu 1)" in message
     assert_nothing_written(host.backend, before)
 
@@ -143,7 +177,7 @@ def test_draft_extend_grown_by_a_request_in_a_real_pool_row_is_refused(
     host.backend.init_forward_metadata(step.batch)
     padded = host.batches.pad(step, host.runner, 1, 4)
     padded.batch.req_pool_indices[-1] = 3  # pool row 3 holds request 2
-    with pytest.raises(ContractError, match=r"req_pool_indices=\[1, 2\] and grew to \[1, 2, 3\]"):
+    with pytest.raises(ContractError, match=r"req_pool_indices\[2\]=3 is past the planned"):
         host.sim.layer(host.backend, padded, 0)
 
 

@@ -41,6 +41,10 @@ from dsv4_backend.errors import BatchError
 SUPPORTED_DRAFT_TOPK = (1,)
 
 
+#: Sequence length of padding requests; the backend's ``get_cuda_graph_seq_len_fill_value()``.
+seq_len_fill_value = 1
+
+
 class ForwardKind(enum.Enum):
     IDLE = "idle"
     DECODE = "decode"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_backend.errors import BatchError
+from dsv4_backend.errors import BatchError, DSV4Error
 
 #: Environment variable that turns strict mode on (``1``) or off (anything else).
 STRICT_ENV = "DSV4_STRICT_CHECKS"
@@ -99,38 +99,52 @@ def _failure(messages: tuple[str, ...], record: list[list[int]]) -> str | None:
     return None
 
 
+#: What a forward did meanwhile when a planning check it deferred fails.
+WROTE_NOTHING = "its requests with a failing row wrote nothing"
+
+
 @dataclass(frozen=True)
 class PendingChecks:
     """A batch's checks whose verdict is still on its way to the host (see module docstring).
 
     ``host`` ``[k, 4]`` int64 (pinned) receives the record; ``event`` marks the copy's end.
+    A failure raises ``error`` and says ``consequence`` (what the forward did meanwhile).
     """
 
     messages: tuple[str, ...]
     host: torch.Tensor
     event: torch.cuda.Event | None
     where: str
+    error: type[DSV4Error] = BatchError
+    consequence: str = WROTE_NOTHING
 
     def ready(self) -> bool:
         return self.event is None or self.event.query()
 
     def raise_if_failed(self) -> None:
-        """``BatchError`` when a check failed (waits for the copy if it is not done yet)."""
+        """``self.error`` when a check failed (waits for the copy if it is not done yet)."""
         if self.event is not None:
             self.event.synchronize()
         failure = _failure(self.messages, self.host.tolist())
         if failure is not None:
-            raise BatchError(
-                f"{failure} (found by the device-side checks of {self.where}; its requests "
-                "with a failing row wrote nothing)"
+            raise self.error(
+                f"{failure} (found by the device-side checks of {self.where}; {self.consequence})"
             )
 
 
-def run_checks(checks: list[Check], device: torch.device, where: str) -> PendingChecks | None:
-    """Raise ``BatchError`` for the first failed check now, or return them pending.
+def run_checks(
+    checks: list[Check],
+    device: torch.device,
+    where: str,
+    *,
+    error: type[DSV4Error] = BatchError,
+    consequence: str = WROTE_NOTHING,
+) -> PendingChecks | None:
+    """Raise ``error`` for the first failed check now, or return them pending.
 
     Pending (``defer_checks(device)``): the record is copied to pinned host memory without a
-    sync; the caller keeps the ``PendingChecks`` and calls ``raise_if_failed`` later.
+    sync; the caller keeps the ``PendingChecks`` (raising ``error``, saying ``consequence``)
+    and calls ``raise_if_failed`` later.
     """
     if not checks or device.type == "meta":  # meta tensors hold no values to check
         return None
@@ -140,19 +154,26 @@ def run_checks(checks: list[Check], device: torch.device, where: str) -> Pending
         failed = torch.stack([check.bad.any() for check in checks]).tolist()
         for check, bad in zip(checks, failed, strict=True):
             if bad:
-                raise BatchError(_failure((check.message,), _record([check], device).tolist()))
+                raise error(_failure((check.message,), _record([check], device).tolist()))
         return None
-    return settle(messages, _record(checks, device), where)
+    return settle(messages, _record(checks, device), where, error=error, consequence=consequence)
 
 
-def settle(messages: tuple[str, ...], record: torch.Tensor, where: str) -> PendingChecks | None:
+def settle(
+    messages: tuple[str, ...],
+    record: torch.Tensor,
+    where: str,
+    *,
+    error: type[DSV4Error] = BatchError,
+    consequence: str = WROTE_NOTHING,
+) -> PendingChecks | None:
     """The verdict of a computed ``[len(messages), 4]`` record (``_record``'s layout): read at
-    once (``BatchError`` for the first failed check) unless ``defer_checks``; then copied to
-    pinned host memory without a sync and returned pending."""
+    once (``error`` for the first failed check) unless ``defer_checks``; then copied to pinned
+    host memory without a sync and returned pending (``run_checks``)."""
     if not defer_checks(record.device):
         failure = _failure(messages, record.tolist())
         if failure is not None:
-            raise BatchError(failure)
+            raise error(failure)
         return None
     event = None
     if record.device.type == "cuda":
@@ -162,4 +183,11 @@ def settle(messages: tuple[str, ...], record: torch.Tensor, where: str) -> Pendi
         event.record()
     else:
         host = record
-    return PendingChecks(messages=messages, host=host, event=event, where=where)
+    return PendingChecks(
+        messages=messages,
+        host=host,
+        event=event,
+        where=where,
+        error=error,
+        consequence=consequence,
+    )

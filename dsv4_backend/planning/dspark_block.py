@@ -73,7 +73,10 @@ def plan_dspark_block(
     host_lens = None if host is None else [s + block for s in host]
     widths = planner._resolve_widths(config, batch, host_lens, widths)
     rows_in = planner._verify_rows(batch)
-    req, rows, pending = planner._checked_rows(config, batch, rows_in, widths.page_table)
+    # Every row reads up to W committed keys (L - W ... L - 1): all of them are checked.
+    req, rows, pending = planner._checked_rows(
+        config, batch, rows_in, widths.page_table, context_keys=config.window_size
+    )
     committed = rows.first_new  # [T] L of the row's request
     context = committed.clamp(max=config.window_size)
     if valid_from is not None:

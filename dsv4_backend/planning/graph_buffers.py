@@ -30,12 +30,9 @@ from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.plan_fields import PlanFields, RatioFields
 from dsv4_backend.planning import planner
-from dsv4_backend.planning.batch import BatchView, ForwardKind
+from dsv4_backend.planning.batch import BatchView, ForwardKind, seq_len_fill_value
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import PlanWidths
-
-#: Sequence length of padded rows; the backend's ``get_cuda_graph_seq_len_fill_value()``.
-seq_len_fill_value = 1
 
 #: Padding of every field not listed here: -1 (no slot / no write / invalid record).
 _SENTINELS = {

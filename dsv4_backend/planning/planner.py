@@ -396,25 +396,24 @@ def _out_of(values: torch.Tensor, limit: int | None) -> torch.Tensor:
 
 def _checked_reads(
     batch: BatchView, req: torch.Tensor, first_new: torch.Tensor, lens: torch.Tensor,
-    *, window: int, page_size: int, page_width: int,
+    *, keys: int, page_size: int, page_width: int,
 ) -> tuple[Check, Check, torch.Tensor]:  # fmt: skip
     """The checks of what the plan reads from ``req_to_token`` besides the rows' own slots.
 
     Per request (pool row ``req`` ``[B]``, in range; first new position ``first_new`` ``[B]``;
-    length ``lens`` ``[B]``): the ``window - 1`` window keys before its first new position
-    (full slot and window slot) and the first slot of each of the ``page_width`` pages of the
-    page table inside its length (full slot). Entries are laid out ``[entry, request]``, the
-    order ``check_rows`` visits them. Returns the full-slot check, the window-slot check and
-    ``[B]`` bool, the requests with a bad entry.
+    length ``lens`` ``[B]``): the ``keys`` window keys before its first new position (full
+    slot and window slot) and the first slot of each of the ``page_width`` pages of the page
+    table inside its length (full slot). Entries are laid out ``[entry, request]``, the order
+    ``check_rows`` visits them. Returns the full-slot check, the window-slot check and ``[B]``
+    bool, the requests with a bad entry.
     """
     context = batch.req_to_token.shape[1]
-    key_pos = first_new[None, :] - torch.arange(1, window, device=req.device)[:, None]
+    key_pos = first_new[None, :] - torch.arange(1, keys + 1, device=req.device)[:, None]
     page_pos = torch.arange(page_width, device=req.device)[:, None] * page_size
     positions = torch.cat([key_pos, page_pos.expand(-1, req.numel())])
     valid = torch.cat([key_pos >= 0, page_pos < lens[None, :]]) & (positions < context)
     full = batch.req_to_token[req[None, :], positions.clamp(0, context - 1)].long()
     bad_full = valid & _out_of(full, _slot_limit(batch))
-    keys = window - 1
     swa = _window_slots(batch, full[:keys])
     bad_swa = valid[:keys] & ~bad_full[:keys] & _out_of(swa, batch.num_swa_slots)
     requests = torch.arange(req.numel(), device=req.device).expand_as(positions)
@@ -425,7 +424,11 @@ def _checked_reads(
 
 
 def _checked_rows(
-    config: DSV4AttentionConfig, batch: BatchView, rows: _Rows, page_width: int
+    config: DSV4AttentionConfig,
+    batch: BatchView,
+    rows: _Rows,
+    page_width: int,
+    context_keys: int | None = None,
 ) -> tuple[torch.Tensor, _Rows, PendingChecks | None]:
     """Check every index before anything is gathered or written (``planning/checks.py``).
 
@@ -437,8 +440,10 @@ def _checked_rows(
       the row's key back from; a padding row (pool row 0, slot 0: sglang's data-parallel
       padding) is exempt;
     * each write's window slot (``full_to_swa``) in ``[0, num_swa_slots)``;
-    * what the plan reads besides (``_checked_reads``): every window key's full and window
-      slot, every page-table slot.
+    * what the plan reads besides (``_checked_reads``): the full and window slots of the
+      ``context_keys`` keys before each request's first new position (default ``window - 1``,
+      the keys a causal row reads there; a DSpark block reads ``window``), every page-table
+      slot.
 
     Returns the rows' pool rows ``[T]`` int64, the rows, and the pending checks (deferred
     mode). When deferred, the requests with a failing row write nothing (no cache slot, no
@@ -463,7 +468,8 @@ def _checked_rows(
     lens = requests.new_zeros(requests.shape).scatter_(0, ids, rows.request_lens.long())
     read_full, read_swa, bad_reads = _checked_reads(
         batch, request_rows, first_new, lens,
-        window=config.window_size, page_size=config.page_size, page_width=page_width,
+        keys=config.window_size - 1 if context_keys is None else context_keys,
+        page_size=config.page_size, page_width=page_width,
     )  # fmt: skip
     messages = check_messages(batch)
     row_checks = [

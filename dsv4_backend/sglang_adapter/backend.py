@@ -76,12 +76,13 @@ from dsv4_backend.planning import (
     DraftStep,
     ForwardKind,
     GraphMetadataBuffers,
+    PlanInputs,
     PlanWidths,
     pad_plan,
     plan,
     seq_len_fill_value,
 )
-from dsv4_backend.planning.checks import PendingChecks, strict_checks_enabled
+from dsv4_backend.planning.checks import PendingChecks, run_checks, strict_checks_enabled
 from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.sglang_adapter.batch_view import (
     batch_view,
@@ -301,15 +302,32 @@ def state_sizes(runner: ModelRunner, config: DSV4AttentionConfig) -> StateSizes:
 class PlannedBatch:
     """What the backend remembers of the batch its current plan was made for.
 
-    ``tag`` holds the ``ForwardBatch`` and its ``req_pool_indices`` / ``seq_lens`` /
-    ``out_cache_loc`` (not for a draft step: sglang hands each step its own slice); the host
-    lists (draft-extend plans only) are the batch's ``seq_lens_cpu`` and ``req_pool_indices``
-    where known without a sync.
+    ``inputs``: the planning inputs, matched by value against a batch object the consumers get
+    that is not ``accepted`` (``PlanInputs``: sglang's eager runner forwards a copy of the
+    planned batch, a draft step rebinds ``out_cache_loc``, data-parallel padding grows it).
+    ``accepted``: the last ``ForwardBatch`` object matched (the planned one at first) and its
+    ``req_pool_indices`` / ``seq_lens`` / ``out_cache_loc`` with their in-place versions: the
+    same objects, unchanged, pass without a value check.
     """
 
-    tag: BatchTag
-    seq_lens: list[int] | None
-    req_pool_indices: list[int] | None
+    inputs: PlanInputs
+    accepted: BatchTag
+
+
+def _batch_objects(fb: Any) -> dict[str, Any]:
+    """``fb`` and its three planning tensors, by the names ``BatchTag`` messages use."""
+    return dict(
+        forward_batch=fb,
+        req_pool_indices=fb.req_pool_indices,
+        seq_lens=fb.seq_lens,
+        out_cache_loc=fb.out_cache_loc,
+    )
+
+
+def _capturing() -> bool:
+    """Whether a CUDA graph is being captured on the current stream (no value check may run:
+    it would be recorded into the graph)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _host_values(name: str, values: Any) -> list[int] | None:
@@ -475,7 +493,7 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if metadata.pending_checks is not None:
             self.pending_checks.append(metadata.pending_checks)
-        self.planned = self._planned_batch(forward_batch, metadata.kind)
+        self.planned = self._planned_batch(forward_batch, view)
         return metadata
 
     def _plan_view(
@@ -488,30 +506,28 @@ class DSV4AttentionBackend(AttentionBackend):
         """The planner kind this backend plans ``forward_batch``'s mode as."""
         return forward_kind(forward_batch.forward_mode)
 
-    def _planned_batch(self, fb: Any, kind: ForwardKind) -> PlannedBatch:
-        """Tag ``fb``; its host lists only for a draft-extend plan (``_check_padding`` is their
-        one reader), so no other plan pays for them."""
-        idle = kind is ForwardKind.IDLE
-        tensors = {} if idle else dict(
-            req_pool_indices=fb.req_pool_indices,
-            seq_lens=fb.seq_lens,
-            out_cache_loc=None if self.draft_step is not None else fb.out_cache_loc,
-        )  # fmt: skip
-        lists = kind is ForwardKind.DRAFT_EXTEND
-        return PlannedBatch(
-            tag=BatchTag(forward_batch=fb, **tensors),
-            seq_lens=self._host_seq_lens(fb) if lists else None,
-            req_pool_indices=self._host_pool_rows(fb) if lists else None,
+    def _planned_batch(self, fb: Any, view: BatchView) -> PlannedBatch:
+        """What a consumer's batch is matched against (``PlannedBatch``): ``view``'s requests,
+        and the rows' write slots as the forward's batch holds them (a draft step's own row
+        of the ``[bs, topk, num_steps]`` layout; an extend kind's padding tokens included)."""
+        loc = view.out_cache_loc
+        if view.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
+            loc = fb.out_cache_loc
+        elif self.draft_step is not None and view.kind is ForwardKind.DECODE:
+            step = self.draft_step
+            loc = loc.view(view.batch_size, step.topk, step.num_steps)[:, :, step.step_id]
+        inputs = PlanInputs(
+            req_pool_indices=view.req_pool_indices,
+            seq_lens=view.seq_lens,
+            out_cache_loc=loc.reshape(-1),
+            seq_lens_cpu=view.host_seq_lens if view.seq_lens_cpu is not None else None,
+            sources=BatchTag(
+                req_pool_indices=fb.req_pool_indices,
+                seq_lens=fb.seq_lens,
+                out_cache_loc=fb.out_cache_loc,
+            ),
         )
-
-    @staticmethod
-    def _host_seq_lens(fb: Any) -> list[int] | None:
-        return _host_values("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
-
-    @staticmethod
-    def _host_pool_rows(fb: Any) -> list[int] | None:
-        cpu = getattr(fb, "req_pool_indices_cpu", None)
-        return _host_values("req_pool_indices", cpu if cpu is not None else fb.req_pool_indices)
+        return PlannedBatch(inputs=inputs, accepted=BatchTag(**_batch_objects(fb)))
 
     def raise_pending_checks(self, wait: bool = True) -> None:
         """Raise ``BatchError`` for a failed device-side planning check of an earlier batch.
@@ -584,7 +600,9 @@ class DSV4AttentionBackend(AttentionBackend):
         """The current plan, checked against this batch (``ContractError`` when stale).
 
         ``num_rows``: the rows the caller got (None when it has none to compare: then the
-        batch's size, kind and identity are checked).
+        batch's size, kind and values are checked). The planned object, or the last one
+        matched, with its tensors unchanged passes at once; another object is matched by value
+        (``_match``).
         """
         metadata, planned = self.forward_metadata, self.planned
         if metadata is None or planned is None:
@@ -593,70 +611,88 @@ class DSV4AttentionBackend(AttentionBackend):
                 "init_forward_metadata (eager, after padding) or init_forward_metadata_out_graph "
                 "(CUDA graph) before the forward"
             )
-        if (
-            metadata.kind is ForwardKind.DRAFT_EXTEND
-            and forward_batch.batch_size >= metadata.batch_size
-            and num_rows is not None
-            and num_rows > metadata.num_rows
-        ):
-            # sglang plans the draft-extend batch before data-parallel padding on purpose (it
-            # marks it ready and never replans); the requests and tokens it appends are padding.
-            self._check_padding(forward_batch, planned, metadata, where)
-            metadata = pad_plan(
-                self.config, metadata, batch_size=forward_batch.batch_size, num_rows=num_rows
-            )
-            self.forward_metadata = metadata
-            self.planned = planned = self._planned_batch(forward_batch, metadata.kind)
-        metadata.check_matches(
-            batch_size=forward_batch.batch_size,
-            num_rows=metadata.num_rows if num_rows is None else num_rows,
-            where=where,
-        )
         kind = self._forward_kind(forward_batch)
         if kind is not metadata.kind:
             raise ContractError(
                 f"{where}: attention metadata was planned for {metadata.kind.name} but the batch "
                 f"is {forward_batch.forward_mode.name}; plan each batch before its forward"
             )
-        mismatch = planned.tag.mismatch(
-            forward_batch=forward_batch,
-            req_pool_indices=forward_batch.req_pool_indices,
-            seq_lens=forward_batch.seq_lens,
-            out_cache_loc=forward_batch.out_cache_loc,
-        )
-        if mismatch is not None:
-            raise ContractError(
-                f"{where}: the attention metadata (plan #{planned.tag.serial}, "
-                f"{metadata.kind.name}) was made for another batch: {mismatch}. Plan every "
-                "batch before its forward (init_forward_metadata after padding, or "
-                "init_forward_metadata_out_graph)."
-            )
+        rows = metadata.num_rows if num_rows is None else num_rows
+        if planned.accepted.mismatch(**_batch_objects(forward_batch)) is not None:
+            metadata = self._match(forward_batch, planned, metadata, rows, where)
+        metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=rows, where=where)
         return metadata
 
-    def _check_padding(
-        self, fb: ForwardBatch, planned: PlannedBatch, metadata: AttentionMetadata, where: str
-    ) -> None:
-        """Refuse a grown draft-extend batch unless it is the planned ``ForwardBatch`` and the
-        requests appended are padding (seq len 1, pool row 0) where the host lists show it."""
-        if planned.tag.mismatch(forward_batch=fb) is not None:
-            raise ContractError(
-                f"{where}: the draft-extend plan (#{planned.tag.serial}) was made for another "
-                "ForwardBatch; only the planned batch may grow by padding"
+    def _match(
+        self,
+        fb: ForwardBatch,
+        planned: PlannedBatch,
+        metadata: AttentionMetadata,
+        num_rows: int,
+        where: str,
+    ) -> AttentionMetadata:
+        """Accept ``fb`` (not the object last matched) for the plan when its planning inputs
+        equal the planned ones (``PlanInputs``), and return the plan for it: grown by padding
+        rows (they write nothing, output 0) when ``fb`` is the planned batch padded for
+        data-parallel sync after planning, as sglang pads draft and draft-extend batches.
+
+        ``ContractError`` for a plan of another batch: host lengths at once; device values at
+        once on the CPU or in strict mode, else read at the next plan (``planning/checks.py``).
+        During CUDA-graph capture only the shapes are checked.
+        """
+        stale = planned.inputs.stale() or planned.inputs.host_mismatch(self._host_seq_lens(fb))
+        if stale is not None:
+            raise self._stale(metadata, stale, where)
+        grown = fb.batch_size > metadata.batch_size or num_rows > metadata.num_rows
+        may_grow = self._grows_after_planning(metadata) and not _capturing()
+        shrunk = fb.batch_size < metadata.batch_size or num_rows < metadata.num_rows
+        if shrunk or (grown and not may_grow):
+            metadata.check_matches(batch_size=fb.batch_size, num_rows=num_rows, where=where)
+        if not _capturing():
+            checks = planned.inputs.checks(
+                req_pool_indices=fb.req_pool_indices,
+                seq_lens=fb.seq_lens,
+                out_cache_loc=fb.out_cache_loc[:num_rows],
             )
-        _check_padding_slots(fb.out_cache_loc, metadata.num_rows, where)
-        n = metadata.batch_size
-        for name, before, now, fill in (
-            ("seq_lens_cpu", planned.seq_lens, self._host_seq_lens(fb), seq_len_fill_value),
-            ("req_pool_indices", planned.req_pool_indices, self._host_pool_rows(fb), 0),
-        ):  # fmt: skip
-            if before is None or now is None:
-                continue
-            if now[:n] != before or any(v != fill for v in now[n:]):
-                raise ContractError(
-                    f"{where}: the draft-extend batch was planned with {name}={before} and grew "
-                    f"to {now}; only padding requests ({name} {fill}) may be appended after "
-                    "planning. Plan the batch after it reached its final shape."
+            try:
+                pending = run_checks(
+                    checks,
+                    fb.seq_lens.device,
+                    f"{where}'s batch against its plan",
+                    error=ContractError,
+                    consequence="the forward ran on that plan",
                 )
+            except ContractError as mismatch:
+                raise self._stale(metadata, str(mismatch), where) from None
+            if pending is not None:
+                self.pending_checks.append(pending)
+        if grown:
+            metadata = pad_plan(self.config, metadata, batch_size=fb.batch_size, num_rows=num_rows)
+            self.forward_metadata = metadata
+        self.planned = dataclasses.replace(planned, accepted=BatchTag(**_batch_objects(fb)))
+        return metadata
+
+    def _grows_after_planning(self, metadata: AttentionMetadata) -> bool:
+        """Whether sglang pads batches of this plan's kind after planning them: the EAGLE v2
+        worker plans and marks its draft batch (``eagle_worker_v2.py`` ``draft``) and its draft
+        extend (``_draft_extend_for_decode``) before ``ModelRunner.forward``, whose
+        ``_prepare_eager_forward_batch`` pads for data-parallel sync. Every other kind is
+        planned after padding (the lazy-init contract), so a grown batch is a stale plan."""
+        return metadata.kind is ForwardKind.DRAFT_EXTEND or self.draft_step is not None
+
+    @staticmethod
+    def _stale(metadata: AttentionMetadata, mismatch: str, where: str) -> ContractError:
+        return ContractError(
+            f"{where}: the attention metadata ({metadata.kind.name}, batch_size="
+            f"{metadata.batch_size}, num_rows={metadata.num_rows}) was made for another batch: "
+            f"{mismatch}. Plan every batch before its forward (init_forward_metadata after "
+            "padding, or init_forward_metadata_out_graph)."
+        )
+
+    @staticmethod
+    def _host_seq_lens(fb: Any) -> list[int] | None:
+        """``fb``'s ``seq_lens_cpu`` as host ints (None when absent)."""
+        return readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
 
     def get_swa_out_cache_loc(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """``[T]`` int32 window slot each row writes (its own step's slots for a draft step),

@@ -20,7 +20,16 @@ sglang's CUDA ``DeepseekV4AttnBackend``, which plans every step with ``seq_lens 
 attends without the draft tokens.
 
 Rows that data-parallel padding added (``seq_lens`` fill value 1, ``req_pool_indices`` 0,
-``out_cache_loc`` 0) plan like ordinary rows; their outputs are discarded by the host. An
+``out_cache_loc`` 0) plan like ordinary rows; their outputs are discarded by the host.
+
+CUDA-graph replay views (sglang's ``build_replay_fb_view`` for the decode / verify graphs, the
+EAGLE draft graph runner's namespace; they carry ``num_padding``): ``batch_size`` is the graph's
+bucket and ``req_pool_indices`` / ``seq_lens`` are the padded static buffers, but
+``out_cache_loc`` may be the live batch's (``raw_bs`` requests' slots). The view pads it with
+sglang's padding slot 0 to the bucket (``replay_slots``), as sglang's own backend does in its
+replay branch. A view whose ``actual_forward_mode`` is IDLE (an idle data-parallel rank
+replaying the largest rank's graph) is planned as ``batch_size`` padding requests. Padding
+requests (pool row 0, length 1, slot 0) write only sglang's padding slot, page and ring row. An
 EXTEND / DRAFT_EXTEND_V2 batch can also be padded with whole tokens that belong to no request
 (``out_cache_loc`` longer than the sum of the extend lengths, sglang's
 ``ForwardBatch._pad_inputs_to_size``): the view leaves them out (``padding_rows``) and the
@@ -35,7 +44,7 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from dsv4_backend.errors import BatchError
-from dsv4_backend.planning import BatchView, DraftStep, ForwardKind
+from dsv4_backend.planning import BatchView, DraftStep, ForwardKind, seq_len_fill_value
 from dsv4_backend.planning.batch import host_ints
 
 #: The planner kind of each supported sglang forward mode.
@@ -78,6 +87,47 @@ def padding_rows(fb: Any, view: BatchView) -> int:
     return fb.out_cache_loc.numel() - view.num_rows
 
 
+def write_slots_per_request(
+    kind: ForwardKind, draft: DraftStep | None, num_draft_tokens: int
+) -> int | None:
+    """Write slots a request of a uniform kind has in ``out_cache_loc`` (None: extend kinds)."""
+    if kind is ForwardKind.DECODE:
+        return 1 if draft is None else draft.topk * draft.num_steps
+    if kind is ForwardKind.TARGET_VERIFY:
+        return num_draft_tokens
+    return None
+
+
+def replay_slots(fb: Any, per_request: int) -> torch.Tensor:
+    """``out_cache_loc`` of a replay view ``fb`` padded with slot 0 to its ``batch_size``
+    requests of ``per_request`` slots; a ``ForwardBatch`` (no ``num_padding``) as it is.
+
+    ``BatchError`` when the view's slots are neither the bucket's nor its live requests'
+    (``batch_size - num_padding``): the live rows do not fit the graph.
+    """
+    loc = fb.out_cache_loc
+    padding = getattr(fb, "num_padding", None)
+    want = fb.batch_size * per_request
+    if padding is None or loc is None or loc.numel() == want:
+        return loc
+    live = (fb.batch_size - int(padding)) * per_request
+    if loc.dim() != 1 or loc.numel() != live:
+        raise BatchError(
+            f"a CUDA-graph replay view of batch_size={fb.batch_size} with num_padding={padding} "
+            f"has out_cache_loc of shape {tuple(loc.shape)}; expected {live} live write slots "
+            f"({per_request} a live request) or {want} (the bucket's): the live batch does "
+            "not fit the graph"
+        )
+    return torch.nn.functional.pad(loc, (0, want - live), value=0)
+
+
+def _idle_replay(fb: Any) -> bool:
+    """Whether ``fb`` is a replay view of an idle rank (``actual_forward_mode`` IDLE) in a graph
+    of another mode."""
+    actual = getattr(fb, "actual_forward_mode", None)
+    return actual is not None and actual.is_idle() and not fb.forward_mode.is_idle()
+
+
 def batch_view(
     fb: Any,
     *,
@@ -117,6 +167,17 @@ def batch_view(
             req_to_token=req_to_token, full_to_swa=full_to_swa,
         )  # fmt: skip
     out_cache_loc = fb.out_cache_loc
+    req_pool_indices, seq_lens = fb.req_pool_indices, fb.seq_lens
+    per_request = write_slots_per_request(kind, draft, num_draft_tokens)
+    if per_request is not None and _idle_replay(fb):
+        # An idle rank in the largest rank's graph: every request is padding.
+        bs, device = fb.batch_size, req_to_token.device
+        req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=device)
+        seq_lens = torch.full((bs,), seq_len_fill_value, dtype=torch.int64, device=device)
+        common["seq_lens_cpu"] = [seq_len_fill_value] * bs
+        out_cache_loc = torch.zeros(bs * per_request, dtype=torch.int64, device=device)
+    elif per_request is not None:
+        out_cache_loc = replay_slots(fb, per_request)
     if kind is ForwardKind.DECODE:
         common["draft"] = draft
     elif kind is ForwardKind.TARGET_VERIFY:
@@ -140,8 +201,8 @@ def batch_view(
         out_cache_loc = out_cache_loc[: sum(extend)]
     return BatchView(
         kind=kind,
-        req_pool_indices=fb.req_pool_indices,
-        seq_lens=fb.seq_lens,
+        req_pool_indices=req_pool_indices,
+        seq_lens=seq_lens,
         out_cache_loc=out_cache_loc,
         **common,
     )

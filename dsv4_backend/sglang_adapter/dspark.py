@@ -5,9 +5,11 @@ per request with the draft head's window-only stages (``DeepseekV4ForCausalLMDSp
 ids ``0 ... stages - 1``), handing the draft runner's backend (``ATTENTION_BACKENDS["dsv4"]``)
 a TARGET_VERIFY ``ForwardBatch`` with ``seq_lens = L`` and the ``B * g`` slots the target's
 verify of the block writes next. :class:`DSparkDraftBackend` plans it as a ``DSPARK_BLOCK``
-(``planning.plan_dspark_block``: every row attends to the last ``W`` committed keys and the
-whole block, as sglang's ``init_forward_metadata_dspark_draft_block`` plans it), eager and into
-the graph buffers; everything else is the base backend's.
+(``planning.plan_dspark_block``: every row attends to the request's last
+``min(L, W, L - swa_valid_from)`` committed keys and the whole block, as sglang's
+``init_forward_metadata_dspark_draft_block`` plans it), eager and into the graph buffers;
+everything else is the base backend's. A checkpoint with ``sample_from_anchor = false``
+(``g + 1`` query rows a request) is refused when the backend is built.
 
 What sglang's DSpark model writes itself: the block's window keys
 (``DSparkAttention._store_block_kv``) and the committed tokens' keys injected from the target's
@@ -70,8 +72,10 @@ class DSparkDraftBackend(DSV4AttentionBackend):
     Raises ``ConfigError`` (besides the base backend's) when the draft's window caches are not
     the draft pool's buffers in the fp8 format (sglang's model writes its keys there), with
     ``SGLANG_DSPARK_DEFER_CONTEXT_KV`` (sglang hooks the deferred commit's join into its own
-    backend class only, so the staged key writes would race the block) and with a ragged
-    ``SGLANG_RAGGED_VERIFY_MODE`` (verifies of per-request token counts).
+    backend class only, so the staged key writes would race the block), with a ragged
+    ``SGLANG_RAGGED_VERIFY_MODE`` (verifies of per-request token counts) and for a checkpoint
+    whose ``sample_from_anchor`` is false (sglang's worker then queries ``g + 1`` rows a
+    request, ``dspark_worker_v2.py`` ``query_token_num``; the block plan has ``g``).
     """
 
     needs_cpu_seq_lens = False
@@ -94,6 +98,18 @@ class DSparkDraftBackend(DSV4AttentionBackend):
             raise ConfigError(
                 f"SGLANG_RAGGED_VERIFY_MODE={ragged!r}; the dsv4 backend plans DSpark verifies "
                 "of speculative_num_draft_tokens tokens per request (static): leave it unset"
+            )
+        from sglang.srt.speculative.dspark_components.dspark_config import (
+            get_dspark_sample_from_anchor,
+        )
+
+        if not get_dspark_sample_from_anchor(model_runner.model_config.hf_config):
+            raise ConfigError(
+                "the DSpark checkpoint sets sample_from_anchor=false: sglang's worker then "
+                "queries speculative_num_draft_tokens rows a request (the anchor's too), and the "
+                "dsv4 backend plans blocks of speculative_num_draft_tokens - 1 rows; serve a "
+                "checkpoint that samples from the anchor, or sglang's own dsv4 backend "
+                "(--attention-backend dsv4_builtin)"
             )
         super().__init__(model_runner, *args, cache_format=cache_format, **kwargs)
         # A block's rows per request; the views of its TARGET_VERIFY batches take this many.

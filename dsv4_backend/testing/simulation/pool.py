@@ -21,7 +21,8 @@ class PagedRequestPool:
     (sglang's padding page: padded rows write slot 0, see :meth:`pad_requests`); the window
     cache is addressed through ``full_to_swa``, a random permutation of whole pages that keeps
     each token's offset inside its page (as sglang's paged SWA allocator does), so that a plan
-    using full slots where window slots are due is caught.
+    using full slots where window slots are due is caught. Page 0 maps to window page 0, as
+    sglang maps its padding slot 0 to window slot 0.
 
     Prefix caching (how sglang's radix cache hands a hit to the backend): ``shared_pages[i] =
     (j, n)`` makes request ``i``'s first ``n`` pages request ``j``'s first ``n`` pages (its
@@ -80,6 +81,9 @@ class PagedRequestPool:
         self.device = torch.device(device)
         self.req_to_token = req_to_token.to(self.device)
         swa_pages = torch.randperm(self.num_pages, generator=generator)
+        # Page 0 maps to window page 0 (the docstring): swapped into place.
+        zero = int(torch.nonzero(swa_pages == 0)[0])
+        swa_pages[[0, zero]] = swa_pages[[zero, 0]]
         self.full_to_swa = (swa_pages[:, None] * page + offsets.long()).flatten().to(self.device)
         self.full_size = self.swa_size = self.num_full_slots - page
         self.max_lens = list(max_lens)
