@@ -11,6 +11,11 @@ graph buffers and marks them ready (the verify batch padded to the graph bucket 
 graph runner does); ``eager`` leaves them unmarked, pads the verify batch for data-parallel
 sync after its preparation (one extra request, as ``_pad_inputs_to_size`` does) and only then
 plans, as sglang's eager runner does when ``needs_forward_metadata_init()``.
+
+Both hosts are simulations of sglang's call order on the planned objects themselves. sglang's
+own runner code (the eager runner's copy, the EAGLE v2 worker, the decode graph runner's replay
+views of live batches) drives the backend in ``test_host_eager_eagle.py`` and
+``test_host_graph_replay.py``.
 """
 
 from __future__ import annotations

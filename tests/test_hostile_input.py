@@ -143,6 +143,28 @@ def test_batch_tensors_rebound_after_planning_are_matched_by_value(
     assert_nothing_written(host.backend, before)
 
 
+def test_a_plan_of_inference_tensors_refilled_by_the_next_batch_is_refused(
+    host: SimpleNamespace,
+) -> None:
+    """sglang's eager runner copies each batch into shared buffers; under inference mode their
+    writes bump no version. A plan made from the buffers' views keeps the values it was made
+    from, so the next batch refilled into the same buffers is refused."""
+    fields = ("req_pool_indices", "seq_lens", "out_cache_loc")
+    with torch.inference_mode():
+        first = host.batches.decode([0, 1], [5, 9])
+        nxt = host.batches.decode([0, 1], [6, 10])
+        buffers = {name: getattr(first.batch, name).clone() for name in fields}
+        planned = dataclasses.replace(first.batch, **buffers, seq_lens_cpu=None)
+        host.backend.init_forward_metadata(planned)
+        for name in fields:
+            buffers[name].copy_(getattr(nxt.batch, name))
+        refilled = dataclasses.replace(nxt.batch, **buffers, seq_lens_cpu=None)
+        before = snapshot(host.backend)
+        with pytest.raises(ContractError, match=r"seq_lens\[0\]=6 but the plan was made with"):
+            run_all_layers(host, harness.Step(refilled, nxt.rows))
+    assert_nothing_written(host.backend, before)
+
+
 def test_a_host_agnostic_plan_for_another_batch_is_refused(host: SimpleNamespace) -> None:
     model, pool = host.model, host.pool
     metadata = plan(CONFIG, pool.decode([0, 1], [5, 9]))

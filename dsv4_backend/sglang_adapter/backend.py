@@ -324,6 +324,13 @@ def _batch_objects(fb: Any) -> dict[str, Any]:
     )
 
 
+def _kept(planned: torch.Tensor) -> torch.Tensor:
+    """``planned`` itself, or a copy for an inference tensor: its in-place writes bump no
+    version, so the values planned from must be kept apart (sglang's registry buffers are
+    refilled by the next batch)."""
+    return planned.clone() if planned.is_inference() else planned
+
+
 def _capturing() -> bool:
     """Whether a CUDA graph is being captured on the current stream (no value check may run:
     it would be recorded into the graph)."""
@@ -517,9 +524,9 @@ class DSV4AttentionBackend(AttentionBackend):
             step = self.draft_step
             loc = loc.view(view.batch_size, step.topk, step.num_steps)[:, :, step.step_id]
         inputs = PlanInputs(
-            req_pool_indices=view.req_pool_indices,
-            seq_lens=view.seq_lens,
-            out_cache_loc=loc.reshape(-1),
+            req_pool_indices=_kept(view.req_pool_indices),
+            seq_lens=_kept(view.seq_lens),
+            out_cache_loc=_kept(loc.reshape(-1)),
             seq_lens_cpu=view.host_seq_lens if view.seq_lens_cpu is not None else None,
             sources=BatchTag(
                 req_pool_indices=fb.req_pool_indices,

@@ -111,7 +111,7 @@ def replay_slots(fb: Any, per_request: int) -> torch.Tensor:
     if padding is None or loc is None or loc.numel() == want:
         return loc
     live = (fb.batch_size - int(padding)) * per_request
-    if loc.dim() != 1 or loc.numel() != live:
+    if not 0 <= int(padding) <= fb.batch_size or loc.dim() != 1 or loc.numel() != live:
         raise BatchError(
             f"a CUDA-graph replay view of batch_size={fb.batch_size} with num_padding={padding} "
             f"has out_cache_loc of shape {tuple(loc.shape)}; expected {live} live write slots "
