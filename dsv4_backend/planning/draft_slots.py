@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.errors import BatchError
+from dsv4_backend.planning.batch import DraftStep
 
 
 def per_step_draft_out_cache_loc(
@@ -31,3 +32,11 @@ def per_step_draft_out_cache_loc(
         )
     steps = out_cache_loc.view(batch_size, topk, num_steps).permute(2, 0, 1)
     return steps.reshape(num_steps, batch_size * topk).contiguous()
+
+
+def draft_step_slots(out_cache_loc: torch.Tensor, batch_size: int, step: DraftStep) -> torch.Tensor:
+    """Step ``step``'s write slots of a draft batch's ``[batch_size, topk, num_steps]`` buffer,
+    ``[batch_size * topk]``, without a copy where the layout allows (topk 1: a strided view).
+    The row of ``per_step_draft_out_cache_loc`` for that step."""
+    steps = out_cache_loc.view(batch_size, step.topk, step.num_steps)
+    return steps[:, :, step.step_id].reshape(-1)

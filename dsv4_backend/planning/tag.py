@@ -68,10 +68,10 @@ class BatchTag:
                 )
         return None
 
-    def objects(self) -> dict[str, Any]:
-        """The tagged objects still alive, by name."""
+    def rewritten(self) -> str | None:
+        """Which tagged tensor still alive was written in place since tagging (None: none)."""
         alive = {name: ref() for name, (ref, _) in self._entries.items()}
-        return {name: obj for name, obj in alive.items() if obj is not None}
+        return self.mismatch(**{name: obj for name, obj in alive.items() if obj is not None})
 
     def __repr__(self) -> str:
         return f"BatchTag(#{self.serial}, {sorted(self._entries)})"
@@ -106,7 +106,7 @@ class PlanInputs:
 
     def stale(self) -> str | None:
         """Why the planned values no longer hold (a source written in place), or None."""
-        return self.sources.mismatch(**self.sources.objects())
+        return self.sources.rewritten()
 
     def host_mismatch(self, seq_lens_cpu: list[int] | None) -> str | None:
         """How the host lengths ``seq_lens_cpu`` of a batch differ from the planned ones."""

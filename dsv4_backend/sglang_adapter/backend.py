@@ -83,6 +83,7 @@ from dsv4_backend.planning import (
     seq_len_fill_value,
 )
 from dsv4_backend.planning.checks import PendingChecks, run_checks, strict_checks_enabled
+from dsv4_backend.planning.draft_slots import draft_step_slots
 from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.sglang_adapter.batch_view import (
     batch_view,
@@ -520,13 +521,12 @@ class DSV4AttentionBackend(AttentionBackend):
         loc = view.out_cache_loc
         if view.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
             loc = fb.out_cache_loc
-        elif self.draft_step is not None and view.kind is ForwardKind.DECODE:
-            step = self.draft_step
-            loc = loc.view(view.batch_size, step.topk, step.num_steps)[:, :, step.step_id]
+        elif view.draft is not None:
+            loc = draft_step_slots(loc, view.batch_size, view.draft)
         inputs = PlanInputs(
             req_pool_indices=_kept(view.req_pool_indices),
             seq_lens=_kept(view.seq_lens),
-            out_cache_loc=_kept(loc.reshape(-1)),
+            out_cache_loc=_kept(loc),
             seq_lens_cpu=view.host_seq_lens if view.seq_lens_cpu is not None else None,
             sources=BatchTag(
                 req_pool_indices=fb.req_pool_indices,
@@ -650,12 +650,13 @@ class DSV4AttentionBackend(AttentionBackend):
         stale = planned.inputs.stale() or planned.inputs.host_mismatch(self._host_seq_lens(fb))
         if stale is not None:
             raise self._stale(metadata, stale, where)
+        capturing = _capturing()
         grown = fb.batch_size > metadata.batch_size or num_rows > metadata.num_rows
-        may_grow = self._grows_after_planning(metadata) and not _capturing()
+        may_grow = self._grows_after_planning(metadata) and not capturing
         shrunk = fb.batch_size < metadata.batch_size or num_rows < metadata.num_rows
         if shrunk or (grown and not may_grow):
             metadata.check_matches(batch_size=fb.batch_size, num_rows=num_rows, where=where)
-        if not _capturing():
+        if not capturing:
             checks = planned.inputs.checks(
                 req_pool_indices=fb.req_pool_indices,
                 seq_lens=fb.seq_lens,
