@@ -5,13 +5,23 @@ the forward context's backend; every step sees the same batch, whose ``out_cache
 all ``bs * topk * num_steps`` write slots. Step backend ``i`` plans its own slice of them
 (``DraftStep``; the planner slices, nothing here does). Steps ``0 ... n-2`` are planned; the
 last step only samples and never runs attention.
+
+CUDA graphs: sglang's ``EAGLEDraftCudaGraphRunner`` replays an idle data-parallel rank
+(``raw_bs = 0``) in the DECODE draft graph of the largest rank's bucket, but the view it hands
+over keeps the live ``forward_mode`` IDLE (``execute``: ``SimpleNamespace(**vars(forward_batch),
+num_padding=bs - raw_bs)``, speculative/eagle_draft_cuda_graph_runner.py). Planned as IDLE, the
+graph buffers would keep the previous replay's plan and the graph would write with it; the step
+backends plan it as DECODE with ``actual_forward_mode`` IDLE instead (every request padding),
+as sglang's own multi-step backend rewrites its inner view.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from types import SimpleNamespace
+from typing import TYPE_CHECKING, Any
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.planning import seq_len_fill_value
@@ -72,8 +82,9 @@ class DSV4MultiStepDraftBackend(AttentionBackend):
     def init_forward_metadata_out_graph(
         self, forward_batch: ForwardBatch, in_capture: bool = False
     ) -> None:
+        view = idle_replay_as_decode(forward_batch)
         for backend in self.attending_backends:
-            backend.init_forward_metadata_out_graph(forward_batch, in_capture=in_capture)
+            backend.init_forward_metadata_out_graph(view, in_capture=in_capture)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         for backend in self.attn_backends:
@@ -90,3 +101,16 @@ class DSV4MultiStepDraftBackend(AttentionBackend):
     def on_after_cuda_graph_warmup(self) -> None:
         for backend in self.attn_backends:
             backend.on_after_cuda_graph_warmup()
+
+
+def idle_replay_as_decode(forward_batch: Any) -> Any:
+    """An idle rank's replay view (IDLE, ``num_padding``, ``batch_size > 0``) as a DECODE view
+    with ``actual_forward_mode`` IDLE (module docstring); any other batch as it is."""
+    if (
+        forward_batch.forward_mode.is_idle()
+        and getattr(forward_batch, "num_padding", None) is not None
+        and forward_batch.batch_size > 0
+    ):
+        fields = {**vars(forward_batch), "forward_mode": ForwardMode.DECODE}
+        return SimpleNamespace(**fields, actual_forward_mode=ForwardMode.IDLE)
+    return forward_batch
