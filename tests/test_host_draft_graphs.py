@@ -147,15 +147,16 @@ def server(monkeypatch: pytest.MonkeyPatch, *, dp: bool) -> Any:
 
 def draft_graphs(host: Host, monkeypatch: pytest.MonkeyPatch) -> EAGLEDraftCudaGraphRunner:
     """sglang's draft graph runner for ``host``'s draft worker, built and captured."""
-    for runner in (host.draft_runner,):
-        runner.kv_index_translator = KVIndexTranslator(
-            req_to_token=host.req_to_token_pool.req_to_token,
-            token_to_kv_pool_allocator=types.SimpleNamespace(),
-            token_to_kv_pool=runner.token_to_kv_pool,
-            page_size=PAGE,
-            device="cpu",
-            is_draft_worker=True,
-        )
+    # The capture batch's slots are bound through the draft runner's translator (no
+    # translating allocator here: its write ids are the runner's buffer as it is).
+    host.draft_runner.kv_index_translator = KVIndexTranslator(
+        req_to_token=host.req_to_token_pool.req_to_token,
+        token_to_kv_pool_allocator=types.SimpleNamespace(),
+        token_to_kv_pool=host.draft_runner.token_to_kv_pool,
+        page_size=PAGE,
+        device="cpu",
+        is_draft_worker=True,
+    )
     host.worker.dsa_seed_topk_width = 0
     # EagleDraftWorker.init_attention_backend (eagle_worker_v2.py, line 412).
     host.draft_runner.draft_attn_backend = host.draft
