@@ -201,7 +201,7 @@ def check_forward(sim: harness.SimulatedModel, record: Forward) -> None:
 
 
 def model_runner(
-    ns: SimpleNamespace, backend: Any, model: HostModel, *, is_draft_worker: bool
+    ns: SimpleNamespace, backend: Any, model: Any, *, is_draft_worker: bool
 ) -> ModelRunner:
     """A real ``ModelRunner`` (``__new__``) with the attributes ``forward`` / ``_forward_raw`` /
     ``_prepare_eager_forward_batch`` and the ``EagerRunner`` constructor read, and its own
@@ -557,22 +557,41 @@ def build_eagle_verify_input(batch: SimpleNamespace, draft_input: Any, *args: An
     )
 
 
-def verify_slots(batch: SimpleNamespace) -> torch.Tensor:
-    """The verify window's slots by sglang's own ``assign_extend_cache_locs_uniform`` kernel
-    (Triton, in the interpreter), launched as ``assign_extend_cache_locs_uniform_func``'s CUDA
-    branch launches it (kernels/ops/speculative/cache_locs.py, lines 632-657): that function
-    has no branch for a CPU that is not sglang's CPU build (it returns None here). Handed over
-    as ``prepared_out_cache_loc``, which ``eagle_prepare_for_verify`` then uses."""
-    bs = len(batch.seq_lens)
-    req_to_token = batch.req_to_token_pool.req_to_token
-    out = torch.empty(bs * NUM_DRAFT, dtype=torch.int64)
-    assign_extend_cache_locs_uniform[(bs,)](
-        batch.req_pool_indices, req_to_token, batch.seq_lens, out, req_to_token.shape[1],
-        NUM_DRAFT, full_v2p=None, swa_v2p=None, full_out=None, swa_out=None, PAGE_SIZE=1,
-        num_v_pages=0, num_swa_pages=0, positions_out=None, anchor_src=None, anchor_out=None,
-        anchor_stride=0,
+def assign_extend_cache_locs_uniform_on_cpu(
+    req_pool_indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    start_offset: torch.Tensor,
+    batch_size: int,
+    draft_token_num: int,
+    device: Any,
+    *,
+    page_size: int = 1,
+    **untranslated: Any,
+) -> torch.Tensor:
+    """``assign_extend_cache_locs_uniform_func`` as its CUDA branch runs (kernels/ops/
+    speculative/cache_locs.py, lines 632-657), sglang's Triton kernel in the interpreter: the
+    function has no branch for a CPU that is not sglang's CPU build (it returns None here). No
+    write translation or fused outputs (the keyword arguments must be None)."""
+    unused = sorted(name for name, value in untranslated.items() if value is not None)
+    assert not unused, f"not stood in for: {unused}"
+    out = torch.empty(batch_size * draft_token_num, dtype=torch.int64, device=device)
+    assign_extend_cache_locs_uniform[(batch_size,)](
+        req_pool_indices, req_to_token, start_offset, out, req_to_token.shape[1],
+        draft_token_num, full_v2p=None, swa_v2p=None, full_out=None, swa_out=None,
+        PAGE_SIZE=page_size, num_v_pages=0, num_swa_pages=0, positions_out=None, anchor_src=None,
+        anchor_out=None, anchor_stride=0,
     )  # fmt: skip
     return out
+
+
+def verify_slots(batch: SimpleNamespace) -> torch.Tensor:
+    """The verify window's slots by ``assign_extend_cache_locs_uniform_on_cpu``, handed over as
+    ``prepared_out_cache_loc``, which ``eagle_prepare_for_verify`` then uses."""
+    bs = len(batch.seq_lens)
+    return assign_extend_cache_locs_uniform_on_cpu(
+        batch.req_pool_indices, batch.req_to_token_pool.req_to_token, batch.seq_lens, bs,
+        NUM_DRAFT, "cpu",
+    )  # fmt: skip
 
 
 def sync_metadata(fb: ForwardBatch, global_num_tokens: list[int] | None, *, extend: bool = False):

@@ -7,15 +7,17 @@ window (128), block (4 / 128) and page (256) boundaries. Every attention output 
 row equals the reference's full causal pass.
 
 Two hosts: ``graph`` plans the uniform batches with ``init_forward_metadata_out_graph`` into
-graph buffers and marks them ready (the verify batch padded to the graph bucket first, as the
-graph runner does); ``eager`` leaves them unmarked, pads the verify batch for data-parallel
+graph buffers and marks them ready (the verify batch padded to the graph bucket first: sglang's
+graph runner pads its static buffers instead and hands a replay view, whose plan
+``test_host_graph_replay.py`` checks equals this one on the live rows); ``eager`` leaves them unmarked, pads the verify batch for data-parallel
 sync after its preparation (one extra request, as ``_pad_inputs_to_size`` does) and only then
 plans, as sglang's eager runner does when ``needs_forward_metadata_init()``.
 
 Both hosts are simulations of sglang's call order on the planned objects themselves. sglang's
-own runner code (the eager runner's copy, the EAGLE v2 worker, the decode graph runner's replay
-views of live batches) drives the backend in ``test_host_eager_eagle.py`` and
-``test_host_graph_replay.py``.
+own runner code (the eager runner's copy, the EAGLE v2 worker, the decode and draft graph
+runners' replay views of live batches, the DSpark proposer) drives the backend in
+``test_host_eager_eagle.py``, ``test_host_graph_replay.py``, ``test_host_draft_graphs.py`` and
+``test_host_dspark_proposer.py``.
 """
 
 from __future__ import annotations
