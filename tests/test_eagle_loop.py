@@ -9,9 +9,10 @@ row equals the reference's full causal pass.
 Two hosts: ``graph`` plans the uniform batches with ``init_forward_metadata_out_graph`` into
 graph buffers and marks them ready (the verify batch padded to the graph bucket first: sglang's
 graph runner pads its static buffers instead and hands a replay view, whose plan
-``test_host_graph_replay.py`` checks equals this one on the live rows); ``eager`` leaves them unmarked, pads the verify batch for data-parallel
-sync after its preparation (one extra request, as ``_pad_inputs_to_size`` does) and only then
-plans, as sglang's eager runner does when ``needs_forward_metadata_init()``.
+``test_host_graph_replay.py`` checks equals this one on the live rows); ``eager`` leaves them
+unmarked, pads the verify batch for data-parallel sync after its preparation (one extra request,
+as ``_pad_inputs_to_size`` does) and only then plans, as sglang's eager runner does when
+``needs_forward_metadata_init()``.
 
 Both hosts are simulations of sglang's call order on the planned objects themselves. sglang's
 own runner code (the eager runner's copy, the EAGLE v2 worker, the decode and draft graph
