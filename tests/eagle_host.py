@@ -29,6 +29,7 @@ import torch
 from sglang.kernels.ops.speculative.cache_locs import assign_extend_cache_locs_uniform
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 from sglang.srt.model_executor import forward_batch_info
 from sglang.srt.model_executor.cuda_graph_config import Backend, CudaGraphConfig, PhaseConfig
 from sglang.srt.model_executor.forward_batch_info import (
@@ -246,6 +247,20 @@ def model_runner(
     )
     mr.eager_runner = EagerRunner(mr, run_warmup=False)
     return mr
+
+
+def untranslating_translator(runner: Any) -> KVIndexTranslator:
+    """sglang's ``KVIndexTranslator`` for ``runner`` over a pool without a translating allocator
+    (mem_cache/kv_index_translator.py): write ids are the virtual ids as they are (a graph
+    runner's capture batch binds its own buffer through it, ``bind_runner_slots``)."""
+    return KVIndexTranslator(
+        req_to_token=runner.req_to_token_pool.req_to_token,
+        token_to_kv_pool_allocator=SimpleNamespace(),
+        token_to_kv_pool=runner.token_to_kv_pool,
+        page_size=PAGE,
+        device="cpu",
+        is_draft_worker=True,
+    )
 
 
 class Host:

@@ -37,7 +37,6 @@ which the graph would replay with).
 
 from __future__ import annotations
 
-import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -47,7 +46,6 @@ from eagle_host import (
     DP_EXTRA_REQUESTS,
     LENS,
     NUM_STEPS,
-    PAGE,
     Forward,
     Host,
     assert_equal_outside_the_padding_page,
@@ -57,9 +55,9 @@ from eagle_host import (
     install_worker_stand_ins,
     schedule_batch,
     state_tensors,
+    untranslating_translator,
 )
 from planning_spec import flatten
-from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative import eagle_draft_cuda_graph_runner
@@ -147,16 +145,7 @@ def server(monkeypatch: pytest.MonkeyPatch, *, dp: bool) -> Any:
 
 def draft_graphs(host: Host, monkeypatch: pytest.MonkeyPatch) -> EAGLEDraftCudaGraphRunner:
     """sglang's draft graph runner for ``host``'s draft worker, built and captured."""
-    # The capture batch's slots are bound through the draft runner's translator (no
-    # translating allocator here: its write ids are the runner's buffer as it is).
-    host.draft_runner.kv_index_translator = KVIndexTranslator(
-        req_to_token=host.req_to_token_pool.req_to_token,
-        token_to_kv_pool_allocator=types.SimpleNamespace(),
-        token_to_kv_pool=host.draft_runner.token_to_kv_pool,
-        page_size=PAGE,
-        device="cpu",
-        is_draft_worker=True,
-    )
+    host.draft_runner.kv_index_translator = untranslating_translator(host.draft_runner)
     host.worker.dsa_seed_topk_width = 0
     # EagleDraftWorker.init_attention_backend (eagle_worker_v2.py, line 412).
     host.draft_runner.draft_attn_backend = host.draft

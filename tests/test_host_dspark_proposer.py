@@ -40,10 +40,10 @@ from eagle_host import (
     assign_extend_cache_locs_uniform_on_cpu,
     eagle_server,
     model_runner,
+    untranslating_translator,
 )
 from sglang.kernels.ops.speculative import cache_locs
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
-from sglang.srt.mem_cache.kv_index_translator import KVIndexTranslator
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import get_attn_backend
 from sglang.srt.speculative.dspark_components.dspark_draft import DraftBlockProposer
@@ -144,14 +144,7 @@ def test_dspark_blocks_through_sglangs_proposer(monkeypatch: pytest.MonkeyPatch)
         model = DSparkModel(draft)
         runner = model_runner(ns, backend, model, is_draft_worker=True)
         runner.spec_algorithm = SpeculativeAlgorithm.DSPARK
-        runner.kv_index_translator = KVIndexTranslator(
-            req_to_token=ns.req_to_token_pool.req_to_token,
-            token_to_kv_pool_allocator=SimpleNamespace(),
-            token_to_kv_pool=ns.token_to_kv_pool,
-            page_size=CONFIG.page_size,
-            device="cpu",
-            is_draft_worker=True,
-        )
+        runner.kv_index_translator = untranslating_translator(runner)
         proposer = DraftBlockProposer(
             draft_model=model, draft_model_runner=runner, gamma=BLOCK, mask_token_id=0,
             draft_block_spec_info=SimpleNamespace(), tp_sync=None, random_seed=0,
