@@ -32,11 +32,12 @@ the ridge (bf16 peak / HBM bandwidth) a row is. ``--verify`` also times both sch
 (GPU: 16 heads at Flash shapes; CPU: the tiny config's 8 heads through the interpreter), with
 the roofline fraction on the ideal bytes.
 
-``--against flashmla``: FlashMLA's sparse fp8 decode (``flash_mla``, the sgl-flash-mla wheel
-sglang pins; ``use_legacy=True``, its SM90 kernel, as sglang calls it for the DeepSeek-V4
-layout) on the same cache bytes, indices and sink, per fp8 case on a GPU: both times, the
-ratio (ours / FlashMLA) and the largest output difference between the two. Without
-``flash_mla`` (or without a GPU) it says so and skips the comparison.
+``--against flashmla``: FlashMLA's sparse fp8 decode through its variant of the op
+(``kernels/attention_flashmla.py``: the sgl-flash-mla wheel sglang pins, ``use_legacy=True``
+as sglang calls it for the DeepSeek-V4 layout; its time includes the variant's argument
+preparation) on the same cache bytes, indices and sink, per fp8 case on a GPU: both times,
+the ratio (ours / FlashMLA) and the largest output difference between the two. Where the
+variant cannot run (no GPU, no ``flash_mla``, shapes it does not take) each case says why.
 
 ``--kernel`` names the attention kernels the measured and FlashMLA tables time (the default
 ``triton``; the opt-in ``pipelined`` and ``ws`` where they take the inputs, each skipped with
@@ -51,7 +52,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import os
 import statistics
 import time
@@ -66,6 +66,11 @@ if not ON_GPU:
 from dsv4_backend.cache import TokenCache  # noqa: E402
 from dsv4_backend.config import WINDOW_PAGE_TOKENS  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
+from dsv4_backend.kernels.attention_flashmla import (  # noqa: E402
+    flashmla_schedule,
+    flashmla_unsupported_reason,
+    sparse_attention_flashmla,
+)
 from dsv4_backend.kernels.cache_store import store_rows  # noqa: E402
 from dsv4_backend.kernels.key_union import key_union_torch  # noqa: E402
 from dsv4_backend.kernels.sparse_attention import (  # noqa: E402
@@ -272,38 +277,6 @@ def measure(
     return sec, frac, diff
 
 
-def flashmla_call(args: tuple) -> Callable[[], torch.Tensor]:
-    """FlashMLA's sparse decode over the op's ``args`` (fp8 caches, 64 heads): a closure
-    returning ``[T, H, D]`` bf16. The caches are viewed ``[pages, page_tokens, 1, 584]`` over
-    the same pages (FlashMLA reads sglang's V4 layout from that last dim, as sglang passes
-    them) and the indices ``[T, 1, width]``; the schedule is filled by the first call."""
-    import flash_mla
-
-    q, win, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = args
-
-    def paged(cache: TokenCache) -> torch.Tensor:
-        token_bytes = cache.layout.token_bytes + cache.layout.scale_bytes
-        pages = cache.storage[:, : cache.page_tokens * token_bytes]
-        return pages.view(cache.storage.shape[0], cache.page_tokens, 1, token_bytes)
-
-    sched = flash_mla.get_mla_metadata()[0]
-    extra = {}
-    if ext is not None:
-        extra = dict(extra_k_cache=paged(ext), extra_indices_in_kvcache=ext_idx[:, None],
-                     extra_topk_length=ext_len)  # fmt: skip
-
-    def call() -> torch.Tensor:
-        out = flash_mla.flash_mla_with_kvcache(
-            q=q[:, None], k_cache=paged(win), block_table=None, cache_seqlens=None,
-            head_dim_v=q.shape[-1], tile_scheduler_metadata=sched, softmax_scale=scale,
-            is_fp8_kvcache=True, indices=swa_idx[:, None], topk_length=swa_len,
-            attn_sink=sink, use_legacy=True, **extra,
-        )[0]  # fmt: skip
-        return out[:, 0]
-
-    return call
-
-
 def kernel_call(kernel: str, args: tuple, splits: int | None) -> tuple[Callable | None, str]:
     """``(call, "")``: attention ``kernel`` (``dispatch.ATTENTION_KERNELS``) on the op's
     ``args``; ``(None, why)`` where it does not take them (the opt-in kernels: fp8 caches; ws:
@@ -321,29 +294,25 @@ def kernel_call(kernel: str, args: tuple, splits: int | None) -> tuple[Callable 
     return functools.partial(run, *args, num_splits=splits), ""
 
 
-def flashmla_missing() -> str | None:
-    """Why FlashMLA cannot run here, or None when it can."""
-    if not ON_GPU:
-        return "no GPU"
-    try:
-        importlib.import_module("flash_mla")
-    except ImportError as e:  # the wheel, or its CUDA extension against this torch
-        return f"flash_mla does not import ({e})"
-    return None
+def flashmla_call(args: tuple) -> Callable[[], torch.Tensor]:
+    """The FlashMLA variant (``kernels/attention_flashmla.py``) on the op's ``args``, one
+    schedule shared by every call (same shapes and lengths; the first call fills it)."""
+    return functools.partial(sparse_attention_flashmla, *args, schedule=flashmla_schedule())
 
 
 def compare_flashmla(opts, shapes: dict, device: str, g: torch.Generator) -> None:
     """The ``--against flashmla`` table (module docstring)."""
-    missing = flashmla_missing()
-    if missing:
-        print(f"against flashmla: skipped, {missing}")
-        return
     print("against flashmla (sparse fp8 decode, use_legacy=True): ratio = ours / flashmla")
     print(f"{'layer':>8} {'batch':>5} {'kernel':>9} {'ours us':>9} {'flashmla us':>11} "
           f"{'ratio':>6} {'max|ours-fm|':>12} {'max|fm-ref|':>11}")  # fmt: skip
     for layer in opts.layer:
         for batch in opts.batch or [8, 64, 128]:
             args = make_inputs(batch, layer, "fp8", shapes, device, g)
+            q, window, extra = args[0], args[1], args[4]
+            why = flashmla_unsupported_reason(q.device, window, extra, q.shape[1], q.shape[2])
+            if why is not None:
+                print(f"{layer:>8} {batch:>5} {'flashmla':>9}  skipped: {why}")
+                continue
             theirs = flashmla_call(args)
             fm = theirs().float()
             ref_diff = (fm - sparse_attention_torch(*args)).abs().max().item()

@@ -15,10 +15,12 @@ kernels, Triton and other launches; the same count on a CPU as on a GPU).
   nothing about GPU speed.
 
 * ``--against deep_gemm``: instead, the lightning indexer's scores beside DeepGEMM's
-  ``fp8_paged_mqa_logits`` (the ``sgl-deep-gemm`` wheel sglang pins, as sglang's DeepSeek-V4
-  indexer calls it) on the same FP8 keys and page tables, with queries quantised to e4m3 per
-  (row, head) for both: the largest score difference and the time of each. Needs a CUDA device
-  and deep_gemm; without them it says so and exits with status 0.
+  ``fp8_paged_mqa_logits`` through its variant of the op (``kernels/indexer_deep_gemm.py``: the
+  ``sgl-deep-gemm`` wheel sglang pins, called as sglang's DeepSeek-V4 indexer calls it; its
+  time includes the variant's query quantisation and masking) on the same FP8 keys and page
+  tables, with queries already e4m3 per (row, head), as ``indexer_selection="fp8"`` gives them:
+  the largest score difference and the time of each. Where the variant cannot run (no CUDA
+  device, no deep_gemm) it says why and exits with status 0.
 
     python benchmarks/bench_ops.py [--batch 1 8 32] [--context 600] [--reps 5] [--threads 1]
     python benchmarks/bench_ops.py --against deep_gemm [--batch 64] [--context 8192]
@@ -31,7 +33,6 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
@@ -116,75 +117,71 @@ def _ops(config: DSV4AttentionConfig, batch: int, context: int, device: str, fmt
     }
 
 
-def _e4m3_per_head(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` ``[T, HI, DI]`` as e4m3 codes and one fp32 scale per (row, head) ``[T, HI]``."""
-    scale = q.float().abs().amax(-1).clamp(min=1e-4) / 448.0
-    return (q.float() / scale[..., None]).to(torch.float8_e4m3fn), scale
-
-
 def compare_deep_gemm(batches: list[int], context: int, reps: int) -> None:
     """Indexer scores against DeepGEMM's paged MQA logits (see the module docstring)."""
-    if not ON_GPU:
-        print("--against deep_gemm: needs a CUDA device (DeepGEMM's kernels); nothing compared")
-        return
-    try:
-        import deep_gemm
-    except ImportError as error:
-        print(f"--against deep_gemm: deep_gemm is not importable ({error}); nothing compared")
-        return
+    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+    from dsv4_backend.kernels.indexer_deep_gemm import deep_gemm_unsupported_reason
+
     config = DSV4AttentionConfig(compress_ratios=RATIOS)
     hi, di = config.index_n_heads, config.index_head_dim
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    probe = IndexerKeyCache(64, di, "fp8", device=device)  # the state's geometry, one page
+    why = deep_gemm_unsupported_reason(device, probe, hi, di, "fp8")
+    if why is not None:
+        print(f"--against deep_gemm: {why}; nothing compared")
+        return
     print(
         f"indexer scores against deep_gemm.fp8_paged_mqa_logits: context={context} HI={hi} DI={di}"
     )
     print(f"{'batch':>5} {'ours us':>9} {'deep_gemm us':>13} {'max |diff| / max |score|':>26}")
     for batch in batches:
-        ours_s, theirs_s, diff = _compare_batch(deep_gemm, config, batch, context, reps)
+        ours_s, theirs_s, diff = _compare_batch(config, batch, context, reps)
         print(f"{batch:5d} {ours_s * 1e6:9.1f} {theirs_s * 1e6:13.1f} {diff:26.2e}")
 
 
 def _compare_batch(
-    deep_gemm: Any, config: DSV4AttentionConfig, batch: int, context: int, reps: int
+    config: DSV4AttentionConfig, batch: int, context: int, reps: int
 ) -> tuple[float, float, float]:
-    """Seconds a call of our scores and of DeepGEMM's, and their largest difference relative
-    to the largest score, on one decode batch."""
+    """Seconds a call of our scores and of the DeepGEMM variant
+    (``kernels/indexer_deep_gemm.py``), and their largest difference relative to the largest
+    score, on one decode batch."""
     from dsv4_backend.kernels import indexer
     from dsv4_backend.kernels.cache_store import store_rows
     from dsv4_backend.kernels.dispatch import force_unverified
+    from dsv4_backend.kernels.indexer_deep_gemm import index_scores_deep_gemm, paged_mqa_schedule
+    from dsv4_backend.kernels.indexer_fp8 import e4m3_round_trip
 
     hi, di = config.index_n_heads, config.index_head_dim
-    pool = PagedRequestPool(config, [context] * batch, device="cuda")
+    generator = torch.Generator().manual_seed(0)
+    pool = PagedRequestPool(config, [context] * batch, generator=generator, device="cuda")
     state = AttentionState.allocate(
         config, num_full_slots=pool.num_full_slots, num_swa_slots=pool.num_full_slots,
         num_request_slots=batch + 1, fmt="fp8", dtype=torch.bfloat16, device="cuda",
     )  # fmt: skip
     metadata = plan(config, pool.decode(list(range(batch)), [context] * batch))
+    assert metadata.c4 is not None  # RATIOS has c4 layers
     cache, num = state.pools.indexer(1), metadata.c4.topk_lengths_raw
     page_table, width = metadata.page_table, int(num.max())
     entries = torch.arange(width, device="cuda").expand(batch, width)
     valid = entries < num[:, None]
     slots = indexer.c4_entry_slots(page_table, torch.where(valid, entries, -1))
     store_rows(cache, torch.randn(slots.numel(), di, device="cuda"), slots.reshape(-1))
-    q_fp8, q_scale = _e4m3_per_head(torch.randn(batch, hi, di, device="cuda"))
+    # e4m3 values on sglang's per-(row, head) scale, as indexer_selection="fp8" hands them
+    # over: the variant's own quantisation keeps them, so both score the same queries.
+    q = e4m3_round_trip(torch.randn(batch, hi, di, device="cuda"))
     weights = torch.rand(batch, hi, device="cuda") * (hi * di) ** -0.5
     ours = torch.empty(batch, width, device="cuda")
-    q_ours = (q_fp8.float() * q_scale[..., None]).to(torch.bfloat16)
-    lens = num.int().unsqueeze(-1)  # [B, 1]: one query row a request, as sglang passes them
-    schedule = deep_gemm.get_paged_mqa_logits_metadata(lens, 64, deep_gemm.get_num_sms())
-    kv = cache.storage.view(cache.storage.shape[0], 64, 1, di + 4)
-    dg_weights = (weights * q_scale).float()
+    schedule = paged_mqa_schedule(num, width)  # built once a forward, as sglang does
 
     def run_ours() -> None:
-        indexer._row_scores_triton(q_ours, weights, cache, page_table, num, ours)
+        indexer._row_scores_triton(q, weights, cache, page_table, num, ours)
 
     def run_deep_gemm() -> torch.Tensor:
-        return deep_gemm.fp8_paged_mqa_logits(
-            q_fp8.unsqueeze(1), kv, dg_weights, lens, page_table, schedule, width, False
-        )
+        return index_scores_deep_gemm(q, weights, cache, page_table, num, width, schedule=schedule)
 
     with force_unverified(True):
         run_ours()
-        theirs = run_deep_gemm()[:, :width]
+        theirs = run_deep_gemm()
         diff = float((ours - theirs).abs()[valid].max() / theirs.abs()[valid].max())
         return _time(run_ours, reps), _time(run_deep_gemm, reps), diff
 
