@@ -6,8 +6,9 @@ verify and decode, both padded to the graph bucket) with ``init_forward_metadata
 into the backends' graph buffers, captures each once (``torch.cuda.CUDAGraph`` around the
 backend's per-layer calls: store_cache, forward_c4_indexer, forward_core_compressor, forward)
 and replays it for every later batch after loading that batch. Prefill and draft extend run
-eagerly in both. Prints, per kind, the largest |replay - eager| and |eager - reference| and
-exits 1 when one exceeds its tolerance. Run through ``scripts/gpu_check.sh``.
+eagerly in both. Prints, per kind, the largest |replay - eager| (every layer) and |eager -
+reference| (the layers without an indexer selection) and exits 1 when one exceeds its
+tolerance. Run through ``scripts/gpu_check.sh``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ LENS, MAX_LENS = [124, 250, 7], [150, 280, 40]
 LAYERS = list(range(len(CONFIG.compress_ratios)))
 #: Replay must reproduce eager (same kernels, same shapes); the reference differs by summation
 #: order and the rounding of the attention dots' operands (bf16 on a GPU), hence a tolerance
-#: derived from that dtype.
+#: derived from that dtype. The c4 layers are left out of the reference comparison: a bf16
+#: indexer may swap a near tie at the top-k boundary, which this bound does not cover
+#: (``dsv4_backend/testing/gpu_verdict.py`` judges them, tie-aware).
 REPLAY_ATOL = 1e-5
 REFERENCE_ATOL = attention_tolerance(torch.device("cuda"))
 
@@ -125,8 +128,9 @@ def main() -> int:
         got = graphed.replay(steps[1])
         for layer, (e, g) in enumerate(zip(expected, got, strict=True)):
             replay_err[kind] = max(replay_err[kind], (e - g).abs().max().item())
-            err = eager_setup.sim.max_error(steps[0].rows, layer, e)
-            reference_err[kind] = max(reference_err[kind], err)
+            if CONFIG.compress_ratios[layer] != 4:  # c4: see REFERENCE_ATOL
+                err = eager_setup.sim.max_error(steps[0].rows, layer, e)
+                reference_err[kind] = max(reference_err[kind], err)
 
     lens = list(LENS)
     requests = list(range(len(LENS)))

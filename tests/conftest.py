@@ -47,6 +47,8 @@ COSTLIEST_FIRST = (
     "test_eagle_loop.py",
     "test_sparse_attention.py",
     "test_launch_budget.py",
+    "test_gpu_verdict.py",
+    "test_precompiled.py",
     "test_planner.py",
 )
 

@@ -38,6 +38,7 @@ from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
 from dsv4_backend.testing.ab.cli import main
 from dsv4_backend.testing.ab.runner import run_trace
 from dsv4_backend.testing.ab.trace import build_trace
+from dsv4_backend.testing.gpu_verdict import state_tensors
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 #: The 64-head configuration with tiny head dims (attention, RoPE, indexer).
@@ -79,18 +80,6 @@ def idle_step() -> harness.Step:
         seq_lens=empty, seq_lens_cpu=empty, out_cache_loc=empty, positions=empty, seq_lens_sum=0,
     )  # fmt: skip
     return harness.Step(batch, [])
-
-
-def state_tensors(backend: DSV4AttentionBackend) -> dict[str, torch.Tensor]:
-    """Every cache and compressor ring of the backend's state, by name."""
-    state = backend.state
-    pools = state.pools
-    out = {f"window{i}": c.storage for i, c in enumerate(pools.windows)}
-    out |= {f"c{i}": c.storage for i, c in pools.compressed_caches.items()}
-    out |= {f"indexer{i}": c.storage for i, c in pools.indexer_caches.items()}
-    out |= {f"ring{i}": s.ring for i, s in state.compressor_states.items()}
-    out |= {f"indexer_ring{i}": s.ring for i, s in state.indexer_states.items()}
-    return out
 
 
 def dummy_extend_step(num_tokens: int) -> harness.Step:
@@ -159,9 +148,9 @@ def test_attention_tp_ranks_concatenate_to_the_single_rank_result(
                         single.forward_metadata.c4.page_indices,
                     )
             torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-6, rtol=1e-6)
-    reference = state_tensors(single)
+    reference = state_tensors(single.state)
     for backend in ranks:
-        for name, tensor in state_tensors(backend).items():
+        for name, tensor in state_tensors(backend.state).items():
             assert torch.equal(tensor, reference[name]), name
 
 

@@ -65,13 +65,14 @@ def compress_and_store(
     *,
     indexer: bool = False,
     norm_eps: float | None = None,
-) -> None:
+) -> torch.Tensor:
     """Run ``layer``'s compressor (or its indexer's, ``indexer=True``) over this forward.
 
     ``kv_proj`` / ``score_proj`` ``[T, c*D]`` (scores without ``ape``); the rings are updated
     and the entries completed by this forward are stored in the layer's compressed cache (or
     indexer key cache) at ``out_loc``. ``norm_eps``: the RMSNorm epsilon (default
-    ``config.rms_norm_eps``).
+    ``config.rms_norm_eps``). Returns the ``[T, D]`` float32 entries completed by each row
+    (zeros for rows that complete none), before any fp8 rounding of the store.
     """
     ratio = layer_ratio(state.config, layer, f"compressor of layer {layer}")
     ratio = 4 if indexer else ratio
@@ -89,6 +90,7 @@ def compress_and_store(
     )  # fmt: skip
     if quantised:  # sglang's rotated e4m3 keys (rows completing no entry stay 0)
         store_rows(cache, quantised_view(entries), comp.out_loc)
+    return entries
 
 
 def select_c4_entries(

@@ -22,14 +22,25 @@ On Blackwell (sm_100a) :func:`sparse_attention_ws` runs ``kernels/sparse_attenti
 (tcgen05 into tensor memory) instead. Gluon does not run in the Triton interpreter: both are
 compiled ahead of time on the CPU (``tests/pipelined_compile.py``) and have never run, so they
 are checked from their SASS only.
+
+Both use Gluon APIs of Triton 3.8 (:data:`GLUON_APIS`). Under an older Triton the launcher runs
+a kernel precompiled with 3.8 (``kernels/precompiled.py``, from ``DSV4_PRECOMPILED_DIR``; built
+by ``python -m dsv4_backend.testing.precompile``) where one exists for the launch, and
+:func:`ws_unsupported_reason` names the missing kernel where none does.
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -38,9 +49,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
+from dsv4_backend.kernels import precompiled
 from dsv4_backend.kernels import sparse_attention_ws_sm100 as sm100
 from dsv4_backend.kernels.sparse_attention import (
     LOG2E,
+    MAX_SPLITS,
+    KeySpans,
     _check_inputs,
     key_spans,
     launch_num_splits,
@@ -297,17 +311,100 @@ def _ws_attention_kernel(
 
 
 # ------------------------------------------------------------------------------ launcher
+#: The Gluon APIs of Triton 3.8 the ws kernels call which Triton 3.6 lacks: ``(module, name,
+#: label)``, probed by :func:`missing_gluon_apis`.
+GLUON_APIS = (
+    (mbarrier, "allocate_mbarrier", "mbarrier.allocate_mbarrier"),
+    (async_copy, "async_load", "async_copy.async_load"),
+    (gl, "barrier", "gl.barrier"),
+)
+#: ``BLOCK_S`` of every split count a launch can take (``next_power_of_2`` of 1 ...
+#: ``MAX_SPLITS``): the ws kernels a precompiled package holds for each layer kind.
+BLOCK_S_VALUES = tuple(sorted({triton.next_power_of_2(s) for s in range(1, MAX_SPLITS + 1)}))
+
+
+def missing_gluon_apis() -> tuple[str, ...]:
+    """The :data:`GLUON_APIS` the installed Triton lacks (empty: it compiles the ws kernels).
+    A probe of the APIs rather than a version test: it names what is missing, and judges a
+    nightly or vendor build (``3.7.0+git...``) by what it has, not by its version string."""
+    return tuple(label for module, name, label in GLUON_APIS if not hasattr(module, name))
+
+
+def ws_target(capability: tuple[int, int]) -> str:
+    """The compile target of a device of compute ``capability``: ``sm_90a`` for 9.0 (the
+    architecture-specific one: wgmma and tcgen05 need it)."""
+    return f"sm_{capability[0]}{capability[1]}a"
+
+
 def ws_unsupported_reason(
-    device: torch.device, window: TokenCache, extra: TokenCache | None, heads: int, dim: int
+    device: torch.device,
+    window: TokenCache,
+    extra: TokenCache | None,
+    heads: int,
+    dim: int,
+    splits: int | None = None,
 ) -> str | None:
     """Why the ws kernel cannot run here (None when it can): a compiled GPU kernel (Gluon has
-    no interpreter) for Hopper or Blackwell (:func:`ws_arch_reason`) and the caches and shapes
-    :func:`ws_inputs_reason` takes."""
+    no interpreter) for Hopper or Blackwell (:func:`ws_arch_reason`), the caches and shapes
+    :func:`ws_inputs_reason` takes, and a Triton that compiles it or else a precompiled kernel
+    for the launch of ``splits`` key splits (None: for every count the launcher may pick)."""
     if device.type != "cuda":
         return "Gluon kernels run on CUDA devices only (no interpreter)"
-    return ws_arch_reason(torch.cuda.get_device_capability(device)) or ws_inputs_reason(
-        window, extra, heads, dim
-    )
+    capability = torch.cuda.get_device_capability(device)
+    reason = ws_arch_reason(capability) or ws_inputs_reason(window, extra, heads, dim)
+    missing = missing_gluon_apis()
+    if reason is not None or not missing:
+        return reason
+    return _precompiled_reason(
+        missing, triton.__version__, precompiled.precompiled_directory(), capability, dim,
+        dim - window.rope_dim, extra is not None, window.fmt == "fp8", splits,
+    )  # fmt: skip
+
+
+@functools.cache
+def _precompiled_reason(
+    missing: tuple[str, ...],
+    version: str,
+    directory: Path | None,
+    capability: tuple[int, int],
+    dim: int,
+    nope_dim: int,
+    has_extra: bool,
+    fp8: bool,
+    splits: int | None,
+) -> str | None:
+    """Why a Triton ``version`` lacking the Gluon APIs ``missing`` has no precompiled ws
+    kernel in ``directory`` for these launches (:func:`ws_unsupported_reason`'s arguments);
+    None when it has them all. Memoised: the reason is asked every layer of every forward."""
+    target = ws_target(capability)
+    for block_s in BLOCK_S_VALUES if splits is None else (triton.next_power_of_2(splits),):
+        kernel, launch = ws_kernel(capability[0], dim, nope_dim, block_s, has_extra, fp8)
+        if precompiled.find(directory, kernel, launch, target) is not None:
+            continue
+        key = precompiled.kernel_key(kernel, launch, target)
+        where = (
+            f"{precompiled.DIRECTORY_ENV} is not set"
+            if directory is None
+            else f"{precompiled.DIRECTORY_ENV}={directory} has no {key}.json"
+        )
+        constexprs = ", ".join(f"{k}={v}" for k, v in launch.items())
+        return (
+            f"Triton {version} cannot compile the Gluon ws kernels (it lacks "
+            f"{', '.join(missing)}; they need Triton 3.8) and no precompiled "
+            f"{kernel.fn.__name__} for {target} with {constexprs} was found ({where}); build "
+            f"one with Triton 3.8: python -m dsv4_backend.testing.precompile --target {target} "
+            "--out DIR"
+        )
+    return None
+
+
+def precompiled_ws_kernel(
+    capability: tuple[int, int], kernel: gluon.GluonJITFunction, launch: Mapping[str, Any]
+) -> precompiled.PrecompiledKernel | None:
+    """``kernel`` precompiled for a device of ``capability`` with the keyword arguments
+    ``launch`` (:func:`ws_kernel`'s), from ``DSV4_PRECOMPILED_DIR`` (None without one)."""
+    directory = precompiled.precompiled_directory()
+    return precompiled.find(directory, kernel, launch, ws_target(capability))
 
 
 def ws_arch_reason(capability: tuple[int, int]) -> str | None:
@@ -365,32 +462,85 @@ def sparse_attention_ws(
         softmax_scale,
     )  # fmt: skip
     rows, heads, dim = q.shape
-    reason = ws_unsupported_reason(q.device, window, extra, heads, dim)
-    if reason is not None:
-        raise BatchError(reason)
-    q = q.contiguous()
     spans = key_spans(window, swa_indices, swa_lengths, extra_span, heads)
     splits = launch_num_splits(num_splits, rows, heads, spans.width, BLOCK_N, q.device)
-    out = torch.empty((rows, heads, dim), dtype=torch.bfloat16, device=q.device)
+    reason = ws_unsupported_reason(q.device, window, extra, heads, dim, splits)
+    if reason is not None:
+        raise BatchError(reason)
     if rows == 0:
+        return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
+    capability = torch.cuda.get_device_capability(q.device)
+    kernel, launch = ws_kernel(
+        capability[0], dim, dim - window.rope_dim, splits, spans.has_extra, window.fmt == "fp8"
+    )
+    if not missing_gluon_apis():
+        args, out = ws_arguments(q.contiguous(), window, spans, sink, softmax_scale, splits)
+        kernel[(rows, splits)](*args, **launch)
         return out
+    compiled = precompiled_ws_kernel(capability, kernel, launch)
+    assert compiled is not None  # ws_unsupported_reason found it
+    # The kernel rounds q to bf16 as it loads it, so converting first gives the same bits and
+    # the package holds one q dtype.
+    q = q.to(torch.bfloat16).contiguous()
+    args, out = ws_arguments(q, window, spans, sink, softmax_scale, splits)
+    compiled.launch((rows, splits), args)
+    return out
+
+
+def ws_arguments(
+    q: torch.Tensor,
+    window: TokenCache,
+    spans: KeySpans,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    splits: int,
+) -> tuple[tuple[object, ...], torch.Tensor]:
+    """The ws kernels' runtime arguments in their parameter order (:func:`ws_signature` gives
+    their kinds) for ``q`` ``[T, H, D]`` (contiguous) over ``spans`` in ``splits`` key splits,
+    and the ``[T, H, D]`` bf16 output they write. Allocates the partials (``[T, H, S, D]``
+    fp32), their ``(max, denominator)`` (``[T, H, S, 2]`` fp32; both ``[1]`` for one split)
+    and the zeroed ``[T]`` int32 split counters."""
+    rows, heads, dim = q.shape
+    out = torch.empty((rows, heads, dim), dtype=torch.bfloat16, device=q.device)
     part = torch.empty((rows, heads, splits, dim) if splits > 1 else (1,), device=q.device)
     ml = torch.empty((rows, heads, splits, 2) if splits > 1 else (1,), device=q.device)
     count = torch.zeros(rows, dtype=torch.int32, device=q.device)
     win_idx, ext_idx = spans.swa_indices, spans.ext_indices
-    kernel, constexprs = ws_kernel(
-        torch.cuda.get_device_capability(q.device)[0], dim, dim - window.rope_dim, splits,
-        spans.has_extra, window.fmt == "fp8",
-    )  # fmt: skip
-    kernel[(rows, splits)](
+    args = (
         q, window.storage, win_idx, spans.swa_lengths, spans.ext_cache.storage, ext_idx,
         spans.ext_lengths, sink.contiguous(), out, part, ml, count,
         q.stride(0), win_idx.stride(0), ext_idx.stride(0), out.stride(0),
         part.stride(0), ml.stride(0), heads, win_idx.shape[1], ext_idx.shape[1],
         *_geometry(window), *_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
-        **constexprs,
     )  # fmt: skip
-    return out
+    return args, out
+
+
+def ws_signature(
+    kernel: gluon.GluonJITFunction, launch: Mapping[str, Any]
+) -> tuple[dict[str, str], frozenset[str]]:
+    """The Triton kind of each runtime argument :func:`ws_arguments` passes ``kernel`` for the
+    keyword arguments ``launch`` (:func:`ws_kernel`'s), and the arguments it makes multiples
+    of 16, which a precompiled kernel is compiled to assume: every pointer (torch allocations
+    and the contiguous index copies are 16-byte aligned), q's and the output's rows (H x 512),
+    fp8 page and scale-region bytes (of 576-byte tokens) and, with several splits, the
+    partials' rows (H x S x 512). No other integer (the index widths are the caller's)."""
+    cache = "*u8" if launch["FP8"] else "*bf16"
+    pointers = dict(
+        q_ptr="*bf16", win_ptr=cache, win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr=cache,
+        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
+        part_ptr="*fp32", ml_ptr="*fp32", count_ptr="*i32",
+    )  # fmt: skip
+    kinds = {
+        name: pointers.get(name, "fp32" if name == "qk_scale" else "i32")
+        for name in kernel.arg_names
+        if name not in launch
+    }
+    aligned = {*pointers, "stride_qt", "stride_ot"}
+    aligned |= {f"{c}_{f}" for c in ("win", "ext") for f in ("page_bytes", "scale_region")}
+    if launch["BLOCK_S"] > 1:
+        aligned.add("stride_pt")
+    return kinds, frozenset(aligned)
 
 
 def ws_kernel(

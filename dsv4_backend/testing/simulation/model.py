@@ -140,18 +140,12 @@ class RandomModel:
         """
         with timed(timings, "plan", self.device):
             metadata = planner(self.config, batch)
-        requests = [int(i) - 1 for i in batch.req_pool_indices.tolist()]
-        rows = [
-            (requests[b], p)
-            for b, p in zip(
-                metadata.row_batch_ids.tolist(), metadata.positions_causal.tolist(), strict=True
-            )
-        ]
+        rows = self.rows(metadata, batch)
         if layers is None:
             layers = self.layers_served(metadata)
         outputs = []
         for layer in layers:
-            inputs = _select_rows(self.inputs[layer], rows, rejected or {}) if rows else None
+            inputs = self.layer_inputs(layer, rows, rejected)
             if inputs is None:
                 outputs.append(torch.zeros(0, self.config.num_heads, self.config.head_dim))
                 continue
@@ -169,6 +163,27 @@ class RandomModel:
             metadata=metadata, rows=rows, outputs=outputs, layers=list(layers),
             rejected=dict(rejected or {}),
         )  # fmt: skip
+
+    @staticmethod
+    def rows(metadata: AttentionMetadata, batch: BatchView) -> list[tuple[int, int]]:
+        """``(request, position)`` of every row of ``metadata``, a plan of ``batch``."""
+        requests = [int(i) - 1 for i in batch.req_pool_indices.tolist()]
+        return [
+            (requests[b], p)
+            for b, p in zip(
+                metadata.row_batch_ids.tolist(), metadata.positions_causal.tolist(), strict=True
+            )
+        ]
+
+    def layer_inputs(
+        self,
+        layer: int,
+        rows: Sequence[tuple[int, int]],
+        rejected: Mapping[int, int] | None = None,
+    ) -> ops.LayerInputs | None:
+        """``layer``'s runtime inputs of ``rows`` (None for no row); ``rejected`` as in
+        :meth:`forward`."""
+        return _select_rows(self.inputs[layer], rows, rejected or {}) if rows else None
 
     def max_error(self, result: ForwardResult) -> float:
         """Largest absolute difference to the reference over the accepted rows of ``result``."""
