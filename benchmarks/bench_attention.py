@@ -66,6 +66,7 @@ if not ON_GPU:
 from dsv4_backend.cache import TokenCache  # noqa: E402
 from dsv4_backend.config import WINDOW_PAGE_TOKENS  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
+from dsv4_backend.kernels.attention_choice import ATTENTION_VARIANTS  # noqa: E402
 from dsv4_backend.kernels.attention_flashmla import (  # noqa: E402
     flashmla_schedule,
     flashmla_unsupported_reason,
@@ -77,14 +78,6 @@ from dsv4_backend.kernels.sparse_attention import (  # noqa: E402
     group_rows,
     sparse_attention_torch,
     sparse_attention_triton,
-)
-from dsv4_backend.kernels.sparse_attention_pipelined import (  # noqa: E402
-    pipelined_unsupported_reason,
-    sparse_attention_pipelined,
-)
-from dsv4_backend.kernels.sparse_attention_ws import (  # noqa: E402
-    sparse_attention_ws,
-    ws_unsupported_reason,
 )
 
 #: ``(name substring, HBM bytes/s, dense bf16 tensor FLOP/s)``, matched against
@@ -278,20 +271,15 @@ def measure(
 
 
 def kernel_call(kernel: str, args: tuple, splits: int | None) -> tuple[Callable | None, str]:
-    """``(call, "")``: attention ``kernel`` (``dispatch.ATTENTION_KERNELS``) on the op's
-    ``args``; ``(None, why)`` where it does not take them (the opt-in kernels: fp8 caches; ws:
-    a GPU, at most 64 heads of dim 512), so a table never times the default in its place."""
+    """``(call, "")``: attention ``kernel`` (``attention_choice.ATTENTION_VARIANTS``) on the
+    op's ``args``; ``(None, why)`` where it does not take them, so a table never times the
+    default in its place."""
     q, window, extra = args[0], args[1], args[4]
-    why, run = None, sparse_attention_triton
-    if kernel == "pipelined":
-        why = pipelined_unsupported_reason(window, extra, q.shape[2])
-        run = sparse_attention_pipelined
-    elif kernel == "ws":
-        why = ws_unsupported_reason(q.device, window, extra, q.shape[1], q.shape[2])
-        run = sparse_attention_ws
+    variant = ATTENTION_VARIANTS[kernel]
+    why = variant.unsupported(q.device, window, extra, q.shape[1], q.shape[2])
     if why is not None:
         return None, why
-    return functools.partial(run, *args, num_splits=splits), ""
+    return functools.partial(variant.run, *args, num_splits=splits), ""
 
 
 def flashmla_call(args: tuple) -> Callable[[], torch.Tensor]:

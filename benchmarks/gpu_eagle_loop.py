@@ -1,4 +1,5 @@
-"""GPU check: the EAGLE v2 loop of ``tests/test_eagle_loop.py`` on CUDA, eager and CUDA-graphed.
+"""GPU check: the EAGLE v2 loop of ``tests/serving/test_eagle_loop.py`` on CUDA, eager and
+CUDA-graphed.
 
 Two identical set-ups (same seed, same batches). ``eager`` plans every batch with
 ``init_forward_metadata`` and runs it. ``graph`` plans the uniform batches (draft steps 0 and 1,

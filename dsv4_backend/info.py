@@ -129,7 +129,7 @@ def _flashinfer(gpu: str | None) -> tuple[bool, str]:
 
 def _dispatch_lines() -> list[str]:
     """The ``(op, path, reason)`` rows of the kernels' dispatch table."""
-    from dsv4_backend.kernels.dispatch import describe_paths
+    from dsv4_backend.kernels.report import describe_paths
 
     return _table(describe_paths())
 

@@ -9,10 +9,9 @@
 ``force_path`` pins one path inside a ``with`` block (tests and the A/B tool use it).
 
 Sparse attention on the two Triton paths runs one of :data:`ATTENTION_KERNELS`: ``triton``
-(the default), ``pipelined`` (``kernels/sparse_attention_pipelined.py``, fp8 caches) or ``ws``
-(``kernels/sparse_attention_ws.py``, Gluon, fp8 or dense bf16 caches on a GPU; neither has run
-on a GPU, so neither is the default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by
-``force_attention_kernel`` (``kernels/attention_choice.py`` runs the choice).
+(the default), ``pipelined``, ``ws`` or ``flashmla`` (none has run on a GPU, so none is the
+default), chosen by ``DSV4_ATTENTION_KERNEL`` or pinned by ``force_attention_kernel``;
+``kernels/attention_choice.py`` declares them (``ATTENTION_VARIANTS``) and runs the choice.
 
 Kernels that have not yet passed ``scripts/gpu_check.sh`` (``UNVERIFIED_OPS``) replace the
 verified ones in the interpreter (where the tests run them) but on CUDA only with
@@ -54,8 +53,9 @@ UNVERIFIED_ENV = "DSV4_UNVERIFIED_KERNELS"
 _forced: list[str] = []
 _forced_unverified: list[bool] = []
 
-#: Sparse-attention kernels of the Triton paths; the first is the default.
-ATTENTION_KERNELS = ("triton", "pipelined", "ws")
+#: Sparse-attention kernels of the Triton paths (``attention_choice.ATTENTION_VARIANTS``
+#: declares each); the first is the default.
+ATTENTION_KERNELS = ("triton", "pipelined", "ws", "flashmla")
 #: Environment variable naming the sparse-attention kernel.
 ATTENTION_KERNEL_ENV = "DSV4_ATTENTION_KERNEL"
 _forced_attention: list[str] = []
@@ -65,7 +65,8 @@ def interpreter_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _default_path(device: torch.device) -> tuple[str, str]:
+def default_path(device: torch.device) -> tuple[str, str]:
+    """``(path, reason)``: the path ops take for tensors on ``device`` when none is forced."""
     if device.type == "meta":
         return TORCH, "meta tensors (shape-only tracing)"
     if importlib.util.find_spec("triton") is None:
@@ -93,7 +94,7 @@ def select_path(device: torch.device | str) -> str:
                 "triton is imported"
             )
         return forced
-    return _default_path(device)[0]
+    return default_path(device)[0]
 
 
 def use_triton(device: torch.device | str) -> bool:
@@ -158,49 +159,6 @@ def force_unverified(enabled: bool) -> Iterator[None]:
         yield
     finally:
         _forced_unverified.pop()
-
-
-def describe_paths(device: torch.device | str = "cpu") -> list[tuple[str, str, str]]:
-    """``(op, path, reason)`` for each op, as ``python -m dsv4_backend info`` prints them."""
-    device = torch.device(device)
-    path, reason = _default_path(device)
-    rows = [(op, path, reason) for op in TRITON_OPS]
-    if path != TORCH:
-        for i, (op, _, _) in enumerate(rows):
-            if op in UNVERIFIED_OPS:
-                kernel = "new kernel" if use_unverified(op, device) else "verified kernel"
-                rows[i] = (op, path, f"{reason}; {kernel} ({UNVERIFIED_ENV})")
-        kernel, why = attention_kernel()
-        rows.append(("attention_kernel", kernel, _attention_kernel_note(kernel, why)))
-    rows.append(("compress_plan", *_tvm_path(device)))
-    rows.append(("indexer_topk", *topk_path(device)))
-    return rows
-
-
-def _attention_kernel_note(kernel: str, why: str) -> str:
-    if kernel == "pipelined":
-        return f"{why}; fp8 caches (others run triton); has never run on a GPU"
-    if kernel == "ws":
-        return (
-            f"{why}; Gluon, CUDA only (Hopper or Blackwell), fp8 or dense bf16 caches, <= 64 "
-            "heads of dim 512 (others run triton); has never run on a GPU"
-        )
-    return why
-
-
-def _tvm_path(device: torch.device) -> tuple[str, str]:
-    from dsv4_backend.kernels.compress_plan_tvm import cuda_unavailable_reason, tvm_available
-
-    if device.type == "cuda":
-        reason = cuda_unavailable_reason()
-        if reason is not None:
-            return TORCH, reason
-        return "tvm-cuda", "TVM-generated CUDA source with symbolic shapes, built by tvm-ffi"
-    if importlib.util.find_spec("tvm") is None:
-        return TORCH, "apache-tvm is not installed"
-    if not tvm_available(device.type):
-        return TORCH, "the installed TVM runtime has no llvm support"
-    return "tvm-llvm", "TVM kernel with symbolic shapes compiled for llvm"
 
 
 def topk_path(device: torch.device | str) -> tuple[str, str]:

@@ -57,7 +57,7 @@ class PlannerTiles:
 GPU_TILES = PlannerTiles(rows=8, columns=64, request_tile=1024, check_rows=128, check_read_tile=512)
 #: In Triton's interpreter, which pays per program and per operation rather than per element:
 #: an extend of 900 rows is 15 programs of every column, not 113 x the column blocks (the
-#: tiles are any power of two; ``tests/test_planner.py`` also runs the GPU's).
+#: tiles are any power of two; ``tests/planning/test_planner.py`` also runs the GPU's).
 INTERPRETER_TILES = PlannerTiles(
     rows=64, columns=1024, request_tile=16384, check_rows=1024, check_read_tile=8192
 )

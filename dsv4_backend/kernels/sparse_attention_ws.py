@@ -20,8 +20,8 @@ Hopper (sm_90a, this module):
 
 On Blackwell (sm_100a) :func:`sparse_attention_ws` runs ``kernels/sparse_attention_ws_sm100.py``
 (tcgen05 into tensor memory) instead. Gluon does not run in the Triton interpreter: both are
-compiled ahead of time on the CPU (``tests/pipelined_compile.py``) and have never run, so they
-are checked from their SASS only.
+compiled ahead of time on the CPU (``python -m dsv4_backend.testing.aot_compile``) and have
+never run, so they are checked from their SASS only.
 
 Both use Gluon APIs of Triton 3.8 (:data:`GLUON_APIS`). Under an older Triton the launcher runs
 a kernel precompiled with 3.8 (``kernels/precompiled.py``, from ``DSV4_PRECOMPILED_DIR``; built

@@ -66,6 +66,7 @@ from dsv4_backend.config import (
     DSV4AttentionConfig,
 )
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
+from dsv4_backend.kernels.attention_choice import explicit_choice_reason
 from dsv4_backend.kernels.dispatch import attention_kernel
 from dsv4_backend.kernels.indexer import warm_up_topk
 from dsv4_backend.ops.rope import apply_rope
@@ -440,6 +441,13 @@ class DSV4AttentionBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.state = shared_state(model_runner, self.config, cache_format, settings.region_copying)
+        pools = self.state.pools
+        extra = next(iter(pools.compressed_caches.values()), None)
+        reason = explicit_choice_reason(
+            self.device, pools.window(0), extra, self.local_heads, self.config.head_dim
+        )
+        if reason is not None:  # refused when built, not at the first forward
+            raise ConfigError(reason)
         sizes = state_sizes(model_runner, self.config)
         self.num_cache_slots = sizes["num_full_slots"]
         self.num_swa_slots = sizes["num_swa_slots"]

@@ -7,6 +7,8 @@
   for the model's modules) driving the sglang adapter;
 * :mod:`.ab`: the A/B tool (``python -m dsv4_backend ab``);
 * :mod:`.op_counter`: counts aten ops and host syncs of a block of code;
+* :mod:`.aot_compile`: the kernels compiled ahead of time for sm_90a / sm_100a on the CPU and
+  read from their PTX and SASS (:mod:`.sass`), ``python -m dsv4_backend.testing.aot_compile``;
 * :mod:`.transfer`, :mod:`.hicache`: sglang's PD transfer and HiCache host tier over a
   ``DeepSeekV4TokenToKVPool``'s regions.
 """

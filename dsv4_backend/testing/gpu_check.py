@@ -84,7 +84,7 @@ STEPS: tuple[Step, ...] = (
     Step("unverified-graph-loop", 30, ("{python}", "benchmarks/gpu_eagle_loop.py"), False,
          "their CUDA-graph capture and replay", UNVERIFIED),
     Step("opt-in-attention", 45, ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "tests/test_attention_kernels_cuda.py"), False,
+         "-m", "gpu", "tests/kernels/test_attention_kernels_cuda.py"), False,
          "the pipelined and ws attention kernels against the torch path on fp8 bytes"),
     Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "triton",
          "pipelined", "ws", "--against", "flashmla", "--batch", "8", "64", "128"), False,

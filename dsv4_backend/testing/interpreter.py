@@ -4,8 +4,8 @@ Two of Triton 3.8's interpreter costs are skipped by :func:`patch_language_once`
 
 * Its ``_get_np_dtype`` (the numpy dtype of a Triton type, asked by nearly every operation)
   builds its table of 19 types on every call: about a tenth of the interpreter's time in a
-  sampled profile of ``tests/test_compressor.py``. The patch answers from a table filled once
-  per type by the original function.
+  sampled profile of ``tests/kernels/test_compressor.py``. The patch answers from a table
+  filled once per type by the original function.
 * It re-patches ``triton.language`` on every call of a ``@triton.jit`` device function made
   from a running kernel (``InterpretedFunction.__call__`` calls ``_patch_lang``: an
   ``inspect.getmembers`` walk over the language modules, about half a millisecond), although

@@ -1,0 +1,81 @@
+"""The shipped CUDA source of the compress / write plan kernel (``kernels/compress_plan_cuda.cu``).
+
+It is TVM's CUDA C for ``kernels/compress_plan_tvm.py`` plus the tvm-ffi launcher; GPU hosts
+build it with nvcc through tvm-ffi at run time. Here: the shipped file is what the generator
+writes today (needs apache-tvm), it compiles for sm_90a (needs nvcc, not a GPU), and the
+dispatcher reports the CUDA path or the reason it cannot run.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv4_backend.kernels import compress_plan_tvm as cpt
+from dsv4_backend.kernels import report
+
+
+def test_shipped_cuda_source_is_regenerated_unchanged() -> None:
+    pytest.importorskip("tvm")
+    assert cpt.CUDA_SOURCE.read_text() == cpt.generate_cuda_source(), (
+        "compress_plan_cuda.cu is stale: run python -m dsv4_backend.kernels.compress_plan_tvm"
+    )
+
+
+def test_shipped_cuda_source_is_package_data() -> None:
+    pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
+    assert '"dsv4_backend.kernels" = ["*.cu"]' in pyproject
+    source = cpt.CUDA_SOURCE.read_text()
+    assert source.count("__syncthreads()") == 3  # count | scan rounds (read, write) | emit
+    assert f"void {cpt.CUDA_ENTRY}(" in source
+    assert "compress_plan_kernel_kernel<<<1, kThreads, 0, stream>>>" in source
+
+
+@pytest.mark.compiled
+def test_shipped_cuda_source_compiles_for_sm90a(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nvcc compiles kernel and launcher, as tvm-ffi builds them on a GPU host (no linking:
+    this machine may lack libcudart). The build directory sits beside Triton's cache, as the
+    compile checks' figures do: tvm-ffi's ninja build rebuilds only what changed (about 10 s
+    of CPU a cold compile)."""
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found")
+    tvm_ffi_cpp = pytest.importorskip("tvm_ffi.cpp")
+    from triton import knobs
+
+    monkeypatch.setenv("TVM_FFI_CUDA_ARCH_LIST", "9.0a")
+    build = Path(knobs.cache.dir) / "dsv4-nvcc" / "compress_plan_sm90a"
+    build.mkdir(parents=True, exist_ok=True)
+    obj = tvm_ffi_cpp.build_inline(
+        name="dsv4_compress_plan",
+        cuda_sources=cpt.CUDA_SOURCE.read_text(),
+        functions=[cpt.CUDA_ENTRY],
+        build_directory=str(build),
+        output="compress_plan.o",
+    )
+    assert Path(obj).stat().st_size > 0 and Path(obj).parent == build
+
+
+def test_cuda_path_or_reason(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``tvm-cuda`` exactly when tvm-ffi, nvcc and a CUDA device are there; else torch, with
+    the reason (here, and with the toolkit and the device faked present or absent)."""
+    reason = cpt.cuda_unavailable_reason()
+    path, why = report._tvm_path(torch.device("cuda"))
+    assert (path, why) == (("torch", reason) if reason else ("tvm-cuda", why))
+    assert cpt.tvm_available("cuda") == (reason is None)
+    pytest.importorskip("tvm_ffi")
+    monkeypatch.setenv("CUDA_HOME", "/opt/cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert report._tvm_path(torch.device("cuda"))[0] == "tvm-cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert report._tvm_path(torch.device("cuda")) == ("torch", "no CUDA device")
+
+
+def test_cuda_tensors_use_the_shipped_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CUDA tensors get the tvm-ffi build of the shipped source, never TVM's compiler."""
+    shipped = object()
+    monkeypatch.setattr(cpt, "cuda_kernel", lambda: shipped)
+    monkeypatch.setattr(cpt, "compiled_kernel", lambda *a: pytest.fail("TVM compiler used"))
+    assert cpt._kernel_for(torch.device("cuda", 0)) == (shipped, True)

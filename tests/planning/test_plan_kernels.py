@@ -1,0 +1,300 @@
+"""The planning kernels against their torch implementations, exactly.
+
+* ``kernels/compress_plan_tvm.py`` (TVM, symbolic ``num_rows``) vs
+  ``kernels.compress_plan_torch.compute_compress_plans``;
+* ``kernels/row_fields.py``: the Triton kernel (run by the interpreter here) vs its torch
+  twin ``row_fields_torch``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from marks import needs_interpreter
+
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, compress_span
+from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
+from dsv4_backend.kernels.row_fields import row_fields, row_fields_torch
+
+tvm = pytest.importorskip("tvm")
+
+from dsv4_backend.kernels import compress_plan_tvm as cpt  # noqa: E402
+
+LLVM = json.dumps({"kind": "llvm"})
+CUDA_SM90 = json.dumps({"kind": "cuda", "arch": "sm_90"})
+PAGE = REQUIRED_PAGE_SIZE
+
+
+def plan_inputs(
+    prefixes: list[int], extends: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rows of requests extending ``prefix[b]`` by ``extend[b]`` tokens (any batch kind)."""
+    extend = torch.tensor(extends, dtype=torch.int64)
+    prefix = torch.tensor(prefixes, dtype=torch.int64)
+    batch_ids = torch.repeat_interleave(torch.arange(len(extends)), extend)
+    starts = torch.cumsum(extend, 0) - extend
+    offsets = torch.arange(int(extend.sum())) - starts[batch_ids]
+    first = prefix[batch_ids]
+    return (
+        batch_ids.to(torch.int32),
+        first + offsets,
+        first,
+        (prefix + extend)[batch_ids].to(torch.int32),
+    )
+
+
+def assert_plans_equal(got: tuple, want: tuple) -> None:
+    for g, w, name in zip(got, want, ("compress_plan", "write_plan"), strict=True):
+        assert g.dtype == torch.int32 and g.shape == w.shape, name
+        assert torch.equal(g, w), f"{name} differs:\n{g}\nvs torch\n{w}"
+
+
+requests = st.lists(st.tuples(st.integers(0, 1100), st.integers(1, 400)), min_size=0, max_size=8)
+
+
+# -------------------------------------------------------------------- TVM compress plans
+@settings(max_examples=25, deadline=None)
+@given(reqs=requests, ratio=st.sampled_from([4, 128]), page=st.sampled_from([64, PAGE]))
+def test_tvm_plans_equal_torch(reqs: list[tuple[int, int]], ratio: int, page: int) -> None:
+    inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
+    want = compute_compress_plans(*inputs, ratio, page)
+    assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio, page), want)
+
+
+@settings(max_examples=15, deadline=None)
+@given(reqs=requests, ratio=st.sampled_from([4, 128]), threads=st.sampled_from([7, 1024]))
+def test_cuda_decomposition_on_cpu_equals_torch(
+    reqs: list[tuple[int, int]], ratio: int, threads: int
+) -> None:
+    """The CUDA kernel's per-thread count / scan / emit / pad code, with its thread count,
+    run as virtual threads on the CPU (chunks of several rows, uneven last chunks)."""
+    inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
+    rows = inputs[0].shape[0]
+    out = torch.full((rows, 4), 7, dtype=torch.int32), torch.full((rows, 4), 7, dtype=torch.int32)
+    cpt.compiled_kernel(LLVM, threads)(*inputs, *out, ratio, compress_span(ratio), PAGE)
+    assert_plans_equal(out, compute_compress_plans(*inputs, ratio))
+
+
+def test_tvm_plans_arbitrary_rows_equal_torch() -> None:
+    """Rows in no request order, negative window lengths, positions at every boundary."""
+    g = torch.Generator().manual_seed(3)
+    rows = 2000
+    positions = torch.randint(0, 3000, (rows,), generator=g)
+    inputs = (
+        torch.randint(0, 50, (rows,), generator=g, dtype=torch.int32),
+        positions,
+        positions - torch.randint(-5, 300, (rows,), generator=g),
+        (positions + torch.randint(1, 300, (rows,), generator=g)).to(torch.int32),
+    )
+    out = torch.empty(rows, 4, dtype=torch.int32), torch.empty(rows, 4, dtype=torch.int32)
+    for ratio in (4, 128):
+        want = compute_compress_plans(*inputs, ratio)
+        assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio), want)
+        # The CUDA thread count: 2 rows per thread.
+        kernel = cpt.compiled_kernel(LLVM, cpt.CUDA_THREADS)
+        kernel(*inputs, *out, ratio, compress_span(ratio), PAGE)
+        assert_plans_equal(out, want)
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("reqs", [[], [(0, 1)], [(3, 1)], [(127, 1)], [(6, 1)]])
+def test_tvm_plans_edge_sizes(reqs: list[tuple[int, int]], ratio: int) -> None:
+    inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
+    got = cpt.compress_plans_tvm(*inputs, ratio)
+    assert got[0].shape == (len(reqs), 4)
+    assert_plans_equal(got, compute_compress_plans(*inputs, ratio))
+    assert_plans_equal(cpt.build_compress_plans(*inputs, ratio), got)
+
+
+def test_tvm_plan_records_by_hand() -> None:
+    # One request extending 5 + 4 (positions 5..8, seq_len 9), ratio 4: entry ending at 7.
+    got_c, got_w = cpt.compress_plans_tvm(*plan_inputs([5], [4]), 4)
+    assert got_c.tolist() == [[2, 0, 7, 3]] + [[-1] * 4] * 3
+    # Kept from (9 // 4) * 4 - 4 = 4: every row; window_len = min(8, p - 5 + 1).
+    assert got_w.tolist() == [[0, 0, 5, 1], [1, 0, 6, 2], [2, 0, 7, 3], [3, 0, 8, 4]]
+
+
+def test_tvm_kernel_compiled_once() -> None:
+    inputs = plan_inputs([0, 9], [5, 3])
+    cpt.compress_plans_tvm(*inputs, 4)
+    before = cpt.compiled_kernel.cache_info()
+    cpt.compress_plans_tvm(*inputs, 128)  # another ratio: same kernel
+    cpt.compress_plans_tvm(*plan_inputs([2], [40]), 4)  # another T: same kernel
+    after = cpt.compiled_kernel.cache_info()
+    assert after.misses == before.misses
+    assert after.hits == before.hits + 2
+
+
+def test_tvm_mismatched_rows_raise_contract_error_before_the_call() -> None:
+    rb, pos, first, seq = plan_inputs([0], [6])
+    with pytest.raises(ContractError, match=r"symbolic dim num_rows.*request_seq_lens disagrees"):
+        cpt.compress_plans_tvm(rb, pos, first, seq[:5], 4)
+    with pytest.raises(ContractError, match=r"row_batch_ids \(6,\) torch.int64"):
+        cpt.compress_plans_tvm(rb.long(), pos, first, seq, 4)
+    with pytest.raises(ConfigError, match="ratio=8"):
+        cpt.compress_plans_tvm(rb, pos, first, seq, 8)
+
+
+@pytest.mark.parametrize(
+    ("bad", "tvm_says"),
+    [
+        ("compress_plan", "Mismatched compress_plan.shape[0]"),
+        ("positions", "Mismatched positions.shape[0]"),
+        ("write_plan_dtype", "Mismatched write_plan.dtype"),
+    ],
+)
+def test_tvm_kernel_refusal_is_a_contract_error(bad: str, tvm_says: str) -> None:
+    """The low-level entry has no checks of its own: TVM's symbolic-shape check refuses."""
+    rb, pos, first, seq = plan_inputs([0, 4], [6, 2])
+    c_plan, w_plan = torch.empty(8, 4, dtype=torch.int32), torch.empty(8, 4, dtype=torch.int32)
+    if bad == "compress_plan":
+        c_plan = c_plan[:7]  # planned for another T
+    elif bad == "positions":
+        pos = pos[:7]
+    else:
+        w_plan = w_plan.long()
+    with pytest.raises(ContractError) as info:
+        cpt.launch_compress_plan_kernel(rb, pos, first, seq, c_plan, w_plan, 4)
+    message = str(info.value)
+    assert "symbolic dim num_rows" in message
+    assert tvm_says in message
+    assert f"compress_plan {tuple(c_plan.shape)}" in message
+    assert f"positions {tuple(pos.shape)}" in message
+
+
+def test_dispatcher_picks_tvm_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpt.tvm_available("cpu")
+    assert cpt.tvm_available("cuda") == (cpt.cuda_unavailable_reason() is None)
+    inputs = plan_inputs([1], [9])
+    calls: list[str] = []
+    monkeypatch.setattr(cpt, "compress_plans_tvm", lambda *a: calls.append("tvm"))
+    monkeypatch.setattr(cpt, "compute_compress_plans", lambda *a: calls.append("torch"))
+    cpt.build_compress_plans(*inputs, 4)
+    monkeypatch.setattr(cpt, "tvm_available", lambda device_type: False)
+    cpt.build_compress_plans(*inputs, 4)
+    assert calls == ["tvm", "torch"]
+
+
+def test_cuda_kernel_builds() -> None:
+    """The CUDA variant lowers (one block of 1024 threads, explicit barriers) and TVM emits its
+    CUDA C (shipped and compiled in ``tests/planning/test_compress_plan_cuda.py``)."""
+    lowered = cpt.lower_kernel(CUDA_SM90, cpt.CUDA_THREADS).script()
+    assert '"threadIdx.x", 1024' in lowered
+    assert lowered.count("tvm_storage_sync") == 3
+    if shutil.which("nvcc") is None:
+        pytest.skip("nvcc not found: the CUDA source was lowered but not compiled")
+    source = cpt.compiled_kernel(CUDA_SM90, cpt.CUDA_THREADS).mod.imports[0].inspect_source()
+    assert "__launch_bounds__(1024)" in source
+    assert source.count("__syncthreads()") == 3
+
+
+# -------------------------------------------------------------------- Triton row metadata
+def assert_fields_equal(got: tuple, want: tuple) -> None:
+    for g, w, name in zip(got, want, got._fields, strict=True):
+        if w is None:
+            assert g is None, name
+            continue
+        assert g.dtype == w.dtype and g.shape == w.shape, name
+        assert torch.equal(g, w), f"{name} differs:\n{g}\nvs torch\n{w}"
+
+
+def row_inputs(
+    rows: int, page_width: int, seed: int, ratio: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, page_width * 256 + 300, (rows,), generator=g)
+    # A third of the rows complete an entry; a few sit on either side of a boundary.
+    boundary = torch.randint(1, page_width * 256 // ratio + 3, (rows,), generator=g) * ratio - 1
+    pick = torch.randint(0, 3, (rows,), generator=g)
+    positions = torch.where(pick == 0, boundary, positions)
+    positions = torch.where(
+        pick == 1, boundary + torch.randint(-1, 2, (rows,), generator=g), positions
+    ).clamp(min=0)
+    raw_out_loc = torch.randint(0, 1 << 40, (rows,), generator=g)
+    page_table = torch.randperm(1 << 16, generator=g)[: rows * page_width]
+    return positions, raw_out_loc, page_table.reshape(rows, page_width).to(torch.int32)
+
+
+@needs_interpreter
+@settings(max_examples=20, deadline=None)
+@given(
+    rows=st.integers(0, 300),
+    page_width=st.integers(1, 5),
+    c128_width=st.integers(0, 140),
+    index_topk=st.sampled_from([1, 16, 512]),
+    ratio=st.sampled_from([4, 128]),
+    seed=st.integers(0, 2**16),
+)
+def test_triton_row_fields_equal_torch(
+    rows: int, page_width: int, c128_width: int, index_topk: int, ratio: int, seed: int
+) -> None:
+    inputs = row_inputs(rows, page_width, seed, ratio)
+    kw = {"ratio": ratio, "index_topk": index_topk, "c128_width": c128_width}
+    with dispatch.force_path(dispatch.TRITON_INTERPRETER):
+        got = row_fields(*inputs, **kw)
+    assert_fields_equal(got, row_fields_torch(*inputs, **kw))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_triton_row_fields_strided_and_negative_inputs(ratio: int) -> None:
+    """Non-contiguous inputs; negative positions and slots use floor division like torch."""
+    g = torch.Generator().manual_seed(1)
+    positions = torch.randint(-300, 600, (150, 2), generator=g)[:, 0]
+    raw_out_loc = torch.randint(-1000, 1000, (150, 3), generator=g)[:, 1]
+    page_table = torch.randint(0, 500, (3, 150), generator=g, dtype=torch.int32).t()
+    kw = {"ratio": ratio, "index_topk": 16, "c128_width": 70}
+    with dispatch.force_path(dispatch.TRITON_INTERPRETER):
+        got = row_fields(positions, raw_out_loc, page_table, **kw)
+    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("ratio", [4, 128])
+@pytest.mark.parametrize("position", [None, 0, 126, 127, 511])
+def test_triton_row_fields_edge_sizes(ratio: int, position: int | None) -> None:
+    """T = 0 (``None``) and T = 1 rows at and around entry boundaries."""
+    positions = torch.tensor([] if position is None else [position], dtype=torch.int64)
+    raw_out_loc = positions + 1000
+    page_table = torch.tensor([[7, 9]] * positions.shape[0], dtype=torch.int32).reshape(-1, 2)
+    kw = {"ratio": ratio, "index_topk": 16, "c128_width": 6}
+    with dispatch.force_path(dispatch.TRITON_INTERPRETER):
+        got = row_fields(positions, raw_out_loc, page_table, **kw)
+    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
+
+
+def test_row_fields_torch_path_and_contract_errors() -> None:
+    positions, raw_out_loc, page_table = row_inputs(9, 2, 0, 128)
+    kw = {"ratio": 128, "index_topk": 16, "c128_width": 5}
+    with dispatch.force_path(dispatch.TORCH):
+        got = row_fields(positions, raw_out_loc, page_table, **kw)
+    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
+    with pytest.raises(ContractError, match=r"raw_out_loc has shape \(8,\).*expected \[T\]"):
+        row_fields(positions, raw_out_loc[:8], page_table, **kw)
+    with pytest.raises(ContractError, match=r"page_table has shape \(9, 2\) and dtype torch.int64"):
+        row_fields(positions, raw_out_loc, page_table.long(), **kw)
+    with pytest.raises(ContractError, match="width 0"):
+        row_fields(positions, raw_out_loc, page_table[:, :0], **kw)
+    with pytest.raises(ConfigError, match="ratio=2"):
+        row_fields(positions, raw_out_loc, page_table, ratio=2, index_topk=16, c128_width=5)
+
+
+def test_forced_paths_and_their_refusals() -> None:
+    cpu = torch.device("cpu")
+    with dispatch.force_path(dispatch.TORCH):
+        assert dispatch.select_path(cpu) == dispatch.TORCH and not dispatch.use_triton(cpu)
+        refused = pytest.raises(ConfigError, match="'triton' was forced for tensors on cpu")
+        with dispatch.force_path(dispatch.TRITON), refused:  # the innermost block wins
+            dispatch.select_path(cpu)
+        assert dispatch.select_path(cpu) == dispatch.TORCH
+    unknown = pytest.raises(ConfigError, match=r"unknown kernel path 'cuda'; expected one of \(")
+    with unknown, dispatch.force_path("cuda"):
+        pass
+    assert dispatch.select_path("meta") == dispatch.TORCH

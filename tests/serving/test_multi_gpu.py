@@ -1,0 +1,360 @@
+"""Multi-GPU serving on the CPU: one backend per rank, fed what sglang 0.5.23 hands each rank.
+
+* Attention TP: sglang's DeepSeek-V4 layer gives rank ``r`` of ``n`` query heads
+  ``[r * H/n, (r + 1) * H/n)`` and their sink entries (padded to 64 heads for FlashMLA), while the
+  indexer (``ReplicatedLinear`` queries and weights) and the compressors are replicated. Each
+  rank's outputs, concatenated over ranks, equal the single-rank result; the indexer's top-k and
+  every cache and ring are identical on every rank.
+* DP attention: batches padded by sglang's own ``ForwardBatch._pad_inputs_to_size`` (requests at
+  pool row 0, ``seq_lens`` 1, slot 0) plan and run on the eager and the graph path; real rows
+  keep the reference's values.
+* Start-up refusals with sglang's real ``ServerArgs``: options that move KV state outside this
+  backend (PD disaggregation, HiCache, ...), context parallelism, heads the attention TP group
+  does not divide.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.server_args import ServerArgs
+
+from dsv4_backend.cache.token_cache import TokenCache
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError, ConfigError, ContractError
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
+from dsv4_backend.planning import ForwardKind, plan
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
+from dsv4_backend.testing.ab.cli import main
+from dsv4_backend.testing.ab.runner import run_trace
+from dsv4_backend.testing.ab.trace import build_trace
+from dsv4_backend.testing.gpu_verdict import state_tensors
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+
+pytestmark = pytest.mark.usefixtures("torch_path")
+
+#: The 64-head configuration with tiny head dims (attention, RoPE, indexer).
+CONFIG = DSV4AttentionConfig.tiny(
+    num_heads=64, head_dim=32, rope_dim=16, index_head_dim=32, speculative=True
+)
+HF = harness.tiny_hf_config(CONFIG)
+ATOL = 2e-5
+NUM_DRAFT = 4
+#: sglang's FlashMLA query width for a rank with at most 64 heads (``_kernel_num_heads``).
+FLASHMLA_HEADS = 64
+
+
+def make_model(max_lens: list[int], seed: int = 0) -> tuple[PagedRequestPool, RandomModel]:
+    generator = torch.Generator().manual_seed(seed)
+    pool = PagedRequestPool(CONFIG, max_lens, generator=generator)
+    model = RandomModel(CONFIG, pool, generator=generator)
+    return pool, model
+
+
+def make_backend(pool: PagedRequestPool, **runner_kwargs) -> DSV4AttentionBackend:
+    runner = harness.mock_runner(pool, HF, num_draft_tokens=NUM_DRAFT, **runner_kwargs)
+    backend = DSV4AttentionBackend(runner, cache_format="dense")
+    runner.attn_backend = backend
+    return backend
+
+
+def idle_step() -> harness.Step:
+    """An sglang IDLE batch: no requests, no rows."""
+    empty = torch.zeros(0, dtype=torch.int64)
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
+        seq_lens=empty, seq_lens_cpu=empty, out_cache_loc=empty, positions=empty, seq_lens_sum=0,
+    )  # fmt: skip
+    return harness.Step(batch, [])
+
+
+def dummy_extend_step(num_tokens: int) -> harness.Step:
+    """The EXTEND request sglang fabricates for an idle rank under MAX_LEN DP padding."""
+    zeros = torch.zeros(num_tokens, dtype=torch.int64)
+    one = torch.tensor([num_tokens])
+    batch = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=zeros,
+        req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=one, seq_lens_cpu=one,
+        out_cache_loc=zeros, positions=zeros, seq_lens_sum=num_tokens,
+        extend_seq_lens=one, extend_prefix_lens=torch.zeros(1, dtype=torch.int64),
+        extend_seq_lens_cpu=[num_tokens], extend_prefix_lens_cpu=[0], extend_num_tokens=num_tokens,
+    )  # fmt: skip
+    return harness.Step(batch, [None] * num_tokens)
+
+
+# ------------------------------------------------------------------------------ attention TP
+@pytest.mark.sglang
+@pytest.mark.parametrize("pad_to", [None, FLASHMLA_HEADS], ids=["exact", "flashmla-padded"])
+@pytest.mark.parametrize(
+    "tp_size",
+    [1, 2, pytest.param(4, marks=pytest.mark.stress), 8],
+)  # 4 lies between 2 and 8 heads a rank: long only
+def test_attention_tp_ranks_concatenate_to_the_single_rank_result(
+    tp_size: int, pad_to: int | None
+) -> None:
+    """Chunked prefill, verify and decode over window / c4 / c128 / page boundaries (the ranks
+    plan verify and decode on the CUDA-graph path, the single rank eagerly)."""
+    pool, model = make_model([140, 270])
+    sim = harness.SimulatedModel(model)
+    batches = harness.BatchBuilder(pool)
+    single = make_backend(pool)
+    ranks = [make_backend(pool, tp_size=tp_size) for _ in range(tp_size)]
+    for backend in ranks:  # the ranks plan verify and decode on the graph path
+        backend.init_cuda_graph_state(2, 2 * NUM_DRAFT)
+    local = CONFIG.num_heads // tp_size
+    assert single.local_heads == CONFIG.num_heads
+    assert all(b.local_heads == local for b in ranks)
+    requests = [0, 1]
+    steps = [
+        batches.extend(requests, [0, 0], [100, 200]),
+        batches.extend(requests, [100, 200], [30, 60]),
+        batches.verify(requests, [130, 260], NUM_DRAFT),
+        batches.decode(requests, [135, 265]),
+    ]
+    for step in steps:
+        single.init_forward_metadata(step.batch)
+        for backend in ranks:
+            if step.batch.forward_mode is ForwardMode.EXTEND:
+                backend.init_forward_metadata(step.batch)
+            else:
+                backend.init_forward_metadata_out_graph(step.batch)
+        for layer, ratio in enumerate(CONFIG.compress_ratios):
+            feed = sim.feed(step.rows, layer)
+            want = sim.run_feed(single, step.batch, layer, feed)
+            assert sim.max_error(step.rows, layer, want) <= ATOL
+            got = []
+            for rank, backend in enumerate(ranks):
+                tp = harness.AttentionTPRank(rank, tp_size, pad_to)
+                out = sim.run_feed(backend, step.batch, layer, feed, tp)
+                assert out.shape == (len(step.rows), pad_to or local, CONFIG.head_dim)
+                assert not out[:, local:].any()  # padded heads: 0
+                got.append(out[:, :local])
+                if ratio == 4:  # the indexer's top-k of this layer, identical on every rank
+                    assert torch.equal(
+                        backend.forward_metadata.c4.page_indices,
+                        single.forward_metadata.c4.page_indices,
+                    )
+            torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-6, rtol=1e-6)
+    reference = state_tensors(single.state)
+    for backend in ranks:
+        for name, tensor in state_tensors(backend.state).items():
+            assert torch.equal(tensor, reference[name]), name
+
+
+@pytest.mark.sglang
+def test_a_rank_given_other_heads_than_it_serves_is_stopped() -> None:
+    pool, model = make_model([40])
+    sim = harness.SimulatedModel(model)
+    backend = make_backend(pool, tp_size=4)
+    step = harness.BatchBuilder(pool).extend([0], [0], [8])
+    backend.init_forward_metadata(step.batch)
+    feed = sim.feed(step.rows, 0)
+    with pytest.raises(ContractError, match="serves 16 query heads"):
+        sim.run_feed(backend, step.batch, 0, feed)  # all 64 heads, as one rank
+
+
+def test_kernels_read_a_rank_s_heads_from_the_padded_query() -> None:
+    """The strided view ``q[:, :Hl]`` of sglang's padded query (NaN past ``Hl``), on every
+    kernel path, equals the contiguous query."""
+    generator = torch.Generator().manual_seed(3)
+    rows, local, dim = 5, 8, CONFIG.head_dim
+    window = TokenCache(256, dim, CONFIG.rope_dim, 128, "dense", torch.float32, "cpu")
+    store_rows(window, torch.randn(256, dim, generator=generator), torch.arange(256))
+    indices = torch.randint(0, 256, (rows, 64), generator=generator, dtype=torch.int32)
+    lengths = torch.tensor([64, 17, 1, 40, 0], dtype=torch.int32)
+    sink = torch.randn(local, generator=generator)
+    padded = torch.full((rows, FLASHMLA_HEADS, dim), float("nan"))
+    padded[:, :local] = torch.randn(rows, local, dim, generator=generator)
+    for path in (dispatch.TORCH, dispatch.TRITON_INTERPRETER):
+        with force_path(path):
+            args = (window, indices, lengths, None, None, None, sink, CONFIG.softmax_scale)
+            got = sparse_attention_with_sink(padded[:, :local], *args)
+            want = sparse_attention_with_sink(padded[:, :local].contiguous(), *args)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------ DP attention
+@pytest.mark.sglang
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_dp_padded_requests_plan_and_leave_real_rows_exact(graph: bool) -> None:
+    """DECODE and TARGET_VERIFY padded by sglang's ``_pad_inputs_to_size`` (the modes whose
+    request count DP attention pads), planned after the padding; an IDLE rank padded to rows."""
+    pool, model = make_model([150, 260])
+    sim = harness.SimulatedModel(model)
+    batches = harness.BatchBuilder(pool)
+    runner = harness.mock_runner(pool, HF, num_draft_tokens=NUM_DRAFT)
+    backend = runner.attn_backend = DSV4AttentionBackend(runner, cache_format="dense")
+    if graph:
+        backend.init_cuda_graph_state(8, 8 * NUM_DRAFT)
+    requests = [0, 1]
+    prefill = batches.extend(requests, [0, 0], [126, 250])
+    backend.init_forward_metadata(prefill.batch)
+    for layer in range(len(CONFIG.compress_ratios)):
+        sim.layer(backend, prefill, layer)
+
+    def run(step: harness.Step, extra: int, rows_per_request: int) -> None:
+        step = batches.pad(step, runner, extra, rows_per_request)
+        assert step.batch.seq_lens[-extra:].tolist() == [1] * extra
+        assert step.batch.req_pool_indices[-extra:].tolist() == [0] * extra
+        if graph:
+            backend.init_forward_metadata_out_graph(step.batch)
+        else:
+            backend.init_forward_metadata(step.batch)
+        assert backend.forward_metadata.batch_size == len(requests) + extra
+        for layer in range(len(CONFIG.compress_ratios)):
+            out = sim.layer(backend, step, layer)
+            assert out.shape[0] == len(step.rows) and torch.isfinite(out).all()
+            assert sim.max_error(step.rows, layer, out) <= ATOL
+
+    run(batches.verify(requests, [126, 250], NUM_DRAFT), 3, NUM_DRAFT)  # all accepted
+    for seq_lens in ([131, 255], [132, 256], [133, 257]):
+        run(batches.decode(requests, seq_lens), 2, 1)
+
+    idle = batches.pad(idle_step(), runner, 3, 1)
+    backend.init_forward_metadata(idle.batch)
+    assert backend.forward_metadata.num_rows == 0
+    out = sim.layer(backend, idle, 0)
+    assert out.shape == (3, CONFIG.num_heads, CONFIG.head_dim) and out.abs().max() == 0
+
+    # MAX_LEN padding with an extend elsewhere (prepare_mlp_sync_batch): an idle rank runs a
+    # fabricated EXTEND request of all its padded tokens, at pool row 0, writing slot 0.
+    dummy = dummy_extend_step(300)
+    backend.init_forward_metadata(dummy.batch)
+    for layer in range(len(CONFIG.compress_ratios)):
+        assert torch.isfinite(sim.layer(backend, dummy, layer)).all()
+    run(batches.decode(requests, [134, 258]), 1, 1)  # the real requests' caches are intact
+
+
+# --------------------------------------------------------------------------- start-up checks
+def server_args(**overrides) -> ServerArgs:
+    """sglang's ``ServerArgs`` as the dsv4 backend serves it, with ``overrides``."""
+    values = dict(
+        model_path="unused", page_size=256, disable_radix_cache=True,
+        speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=3,
+        speculative_num_draft_tokens=NUM_DRAFT,
+    )  # fmt: skip
+    return ServerArgs(**{**values, **overrides})
+
+
+def backend_with(args: ServerArgs, pool: PagedRequestPool) -> DSV4AttentionBackend:
+    runner = harness.mock_runner(pool, HF)
+    runner.server_args = args
+    return DSV4AttentionBackend(runner, cache_format="dense")
+
+
+@pytest.fixture(scope="module")
+def small_pool() -> PagedRequestPool:
+    return PagedRequestPool(CONFIG, [40], generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        ({"disaggregation_mode": "prefill"}, "disaggregation_mode='prefill'"),
+        ({"disaggregation_mode": "decode"}, "--disaggregation-mode"),
+        ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+        ({"enable_hisparse": True}, "--enable-hisparse"),
+        ({"enable_lmcache": True}, "--enable-lmcache"),
+        ({"attn_cp_size": 2, "tp_size": 2}, "--attention-context-parallel-size"),
+        ({"dcp_size": 2, "tp_size": 2}, "--decode-context-parallel-size"),
+        ({"tp_size": 3}, "num_attention_heads=64 cannot be split"),
+        ({"tp_size": 256, "attn_dp_size": 2}, "group of 128 ranks"),
+    ],
+)
+def test_state_losing_or_unsplittable_configurations_are_refused_at_start_up(
+    small_pool: PagedRequestPool, overrides: dict, message: str
+) -> None:
+    with pytest.raises(ConfigError) as refused:
+        backend_with(server_args(**overrides), small_pool)
+    assert message in str(refused.value)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("overrides", "local_heads"),
+    [
+        ({}, 64),
+        ({"tp_size": 8}, 8),  # attention TP 8
+        ({"tp_size": 8, "attn_dp_size": 8}, 64),  # DP attention: every rank all heads
+        ({"tp_size": 8, "attn_dp_size": 2}, 16),  # 2 DP groups of attention TP 4
+        ({"tp_size": 8, "dp_size": 8, "enable_dp_attention": True}, 64),  # deprecated spelling
+        ({"tp_size": 8, "ep_size": 8}, 8),  # expert parallelism: attention unaffected
+    ],
+)
+def test_parallel_layouts_serve_the_rank_s_heads(
+    small_pool: PagedRequestPool, overrides: dict, local_heads: int
+) -> None:
+    assert backend_with(server_args(**overrides), small_pool).local_heads == local_heads
+
+
+@pytest.mark.sglang
+def test_refusals_name_a_real_server_option() -> None:
+    """Every option the backend refuses is a field of sglang 0.5.23's ``ServerArgs``, and
+    sglang's default value of each is served."""
+    from dsv4_backend.sglang_adapter.backend import REGION_COPYING_OPTIONS
+    from dsv4_backend.sglang_adapter.refusals import REFUSED
+
+    args = server_args()
+    for row in REFUSED:
+        if row.source == "server_args":
+            assert hasattr(args, row.option), row.option
+            assert not row.matches(getattr(args, row.option)), row.option
+    for option, off, _ in REGION_COPYING_OPTIONS:
+        assert getattr(args, option) == off, option  # sglang's default is off
+    for option in ("tp_size", "attn_dp_size", "disable_radix_cache"):
+        assert hasattr(args, option), option
+
+
+# ---------------------------------------------------------------------- the A/B --dp-pad run
+def test_ab_dp_pad_scenario_plans_padded_batches_and_matches_the_reference(
+    tmp_path: Path, capsys
+) -> None:
+    """``dsv4-backend ab --dp-pad 3``: draft, verify and decode batches carry 3 padding
+    requests into planning on both paths; every mode still equals the reference."""
+    sizes: dict[ForwardKind, set[int]] = {}
+
+    def recording_plan(config, batch, widths=None):
+        sizes.setdefault(batch.kind, set()).add(batch.batch_size)
+        return plan(config, batch, widths=widths)
+
+    tiny = DSV4AttentionConfig.tiny(speculative=True)
+    trace = build_trace(tiny, num_requests=2, max_len=150, cycles=2, decode_steps=2, dp_pad=3)
+    assert trace.dp_pad == 3
+    backend = DSV4Backend("dsv4-torch", path="torch", planner=recording_plan)
+    result = run_trace(trace, backend, ReferenceBackend())
+    assert result.passed, result.failed
+    assert sizes[ForwardKind.TARGET_VERIFY] == {5} and sizes[ForwardKind.DECODE] == {5}
+    assert sizes[ForwardKind.EXTEND] == {2} and sizes[ForwardKind.DRAFT_EXTEND] == {2}
+
+    status = main(
+        ["--a", "dsv4-torch", "--requests", "2", "--max-len", "150", "--cycles", "1",
+         "--decode-steps", "2", "--dp-pad", "2", "--out", str(tmp_path), "--json", "--quiet"]
+    )  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert status == 0 and report["trace"]["dp_pad"] == 2
+
+
+def test_padding_requests_write_only_the_reserved_page() -> None:
+    """``pad_requests`` lays padding out as sglang does, and no request owns page 0."""
+    pool = PagedRequestPool(CONFIG, [300, 40, 600], generator=torch.Generator().manual_seed(1))
+    owned = {int(s) // CONFIG.page_size for r, n in enumerate(pool.max_lens)
+             for s in pool.slots(r, range(n))}  # fmt: skip
+    assert 0 not in owned
+    view = pool.pad_requests(pool.verify([0, 2], [10, 20], NUM_DRAFT), 2)
+    assert view.req_pool_indices.tolist() == [1, 3, 0, 0]
+    assert view.host_seq_lens == [10, 20, 1, 1]
+    assert view.out_cache_loc[2 * NUM_DRAFT :].tolist() == [0] * 2 * NUM_DRAFT
+    draft = pool.pad_requests(pool.draft_step([1], [5], 3, 1), 1)
+    assert draft.out_cache_loc.numel() == 2 * 3
+    with pytest.raises(BatchError, match="request padding"):
+        pool.pad_requests(pool.extend([0], [0], [4]), 1)

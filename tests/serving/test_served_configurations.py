@@ -1,0 +1,205 @@
+"""Every configuration is served or refused when the backends are built, never accepted and
+broken later: sglang's documented DeepSeek-V4 launch commands (the cookbook's cells and its
+playground's options) parsed by sglang 0.5.23's own ``prepare_server_args``, then the target
+backend and, with speculative decoding, the draft backends (multi-step draft decode, draft
+extend) built from them. Also: the platforms the plugin leaves to sglang, the model types and
+compress ratios refused, and the scheduler-facing declarations."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from dsv4_backend import registration
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
+from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
+from dsv4_backend.sglang_adapter.refusals import REFUSED
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool
+
+CONFIG = DSV4AttentionConfig.tiny(speculative=True)
+HF = harness.tiny_hf_config(CONFIG)
+
+#: The cookbook's flags of a B200 / H200 cell, by recipe (host and port left out).
+FLASH = "--trust-remote-code --model-path deepseek-ai/DeepSeek-V4-Flash"
+MTP_314 = "--speculative-algorithm EAGLE --speculative-num-steps 3 --speculative-eagle-topk 1 "
+MTP_314 += "--speculative-num-draft-tokens 4"
+MTP_112 = "--speculative-algorithm EAGLE --speculative-num-steps 1 --speculative-eagle-topk 1 "
+MTP_112 += "--speculative-num-draft-tokens 2"
+LOW_LATENCY = f"{FLASH} --tp 4 --moe-runner-backend flashinfer_mxfp4 {MTP_314} "
+LOW_LATENCY += (
+    "--chunked-prefill-size 4096 --disable-flashinfer-autotune --swa-full-tokens-ratio 0.1"
+)
+BALANCED = f"{FLASH} --tp 4 --dp 4 --enable-dp-attention --moe-a2a-backend deepep {MTP_112}"
+HIGH_THROUGHPUT = f"{FLASH} --tp 4 --dp 4 --enable-dp-attention --moe-a2a-backend megamoe"
+
+#: ``(name, command, environment, None when served else the flag the refusal names)``.
+COMMANDS = [
+    ("low-latency", LOW_LATENCY, {}, None),
+    ("balanced", BALANCED, {}, None),
+    ("high-throughput", HIGH_THROUGHPUT, {}, None),
+    ("pro-low-latency", LOW_LATENCY.replace("--tp 4", "--tp 8"), {}, None),
+    ("nextn", LOW_LATENCY.replace("EAGLE", "NEXTN"), {}, None),
+    ("reasoning-and-tool-parsers",
+     f"{LOW_LATENCY} --reasoning-parser deepseek-v4 --tool-call-parser deepseekv4", {}, None),
+    ("fp4-indexer", f"{FLASH} --tp 4 --moe-runner-backend flashinfer_mxfp4 "
+     "--enable-deepseek-v4-fp4-indexer", {}, "--enable-deepseek-v4-fp4-indexer"),
+    ("dspark", LOW_LATENCY.replace("EAGLE", "DSPARK"), {}, None),
+    ("ngram", f"{FLASH} --tp 4 --speculative-algorithm NGRAM --speculative-num-draft-tokens 16 "
+     "--speculative-ngram-max-bfs-breadth 10", {}, "--speculative-algorithm (only EAGLE"),
+    ("mixed-chunk", f"{LOW_LATENCY} --enable-mixed-chunk", {}, "--enable-mixed-chunk"),
+    ("trtllm", f"{LOW_LATENCY} --dsv4-attn-backend trtllm", {}, "--dsv4-attn-backend trtllm"),
+    ("flashmla-mega", f"{LOW_LATENCY} --dsv4-attn-backend flashmla_mega", {},
+     "--dsv4-attn-backend flashmla_mega"),
+    ("pd-prefill", f"{HIGH_THROUGHPUT} --disaggregation-mode prefill", {},
+     "--disaggregation-mode"),
+    ("pd-decode-hisparse", f"{HIGH_THROUGHPUT} --disaggregation-mode decode --enable-hisparse "
+     "--disable-radix-cache", {}, "--enable-hisparse"),
+    ("hisparse", f"{HIGH_THROUGHPUT} --enable-hisparse --disable-radix-cache", {},
+     "--enable-hisparse"),
+    ("hicache", f"{LOW_LATENCY} --enable-hierarchical-cache", {}, "--enable-hierarchical-cache"),
+    ("prefill-cp", f"{FLASH} --tp 4 --enable-prefill-cp", {}, "--enable-prefill-cp"),
+    ("attention-cp", f"{FLASH} --tp 4 --attn-cp-size 2", {}, "--attention-context-parallel"),
+    ("two-batch-overlap", f"{BALANCED} --enable-two-batch-overlap", {},
+     "--enable-two-batch-overlap"),
+    ("pipeline", f"{FLASH} --tp 4 --pp-size 2", {}, "--pipeline-parallel-size"),
+    ("prefill-graph", f"{LOW_LATENCY} --cuda-graph-backend-prefill breakable", {},
+     "--cuda-graph-backend-prefill"),
+    ("v41-layout", LOW_LATENCY, {"SGLANG_DSV4_KV_LAYOUT": "v41"}, "SGLANG_DSV4_KV_LAYOUT"),
+]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def pool() -> PagedRequestPool:
+    return PagedRequestPool(CONFIG, [40], generator=torch.Generator().manual_seed(0))
+
+
+def build_all(pool: PagedRequestPool, server_args, hf=HF) -> list[object]:
+    """The target backend and, with speculative decoding, the draft runner's backends, as
+    sglang builds them from ``server_args``."""
+    target = harness.mock_runner(pool, hf)
+    target.server_args = server_args
+    built: list[object] = [DSV4AttentionBackend(target, cache_format="dense")]
+    if server_args.speculative_algorithm == "DSPARK":  # the draft runner's one backend
+        draft = harness.mock_runner(
+            pool, hf, topk=0, num_draft_tokens=server_args.speculative_num_draft_tokens,
+            is_draft_worker=True, speculative_algorithm="DSPARK",
+        )  # fmt: skip
+        draft.server_args = server_args
+        built.append(DSparkDraftBackend(draft, cache_format="dense"))
+    elif server_args.speculative_algorithm is not None:
+        draft = harness.mock_runner(pool, hf, is_draft_worker=True)
+        draft.server_args = server_args
+        topk, steps = server_args.speculative_eagle_topk, server_args.speculative_num_steps
+        built.append(DSV4MultiStepDraftBackend(draft, topk, steps, cache_format="dense"))
+        built.append(DSV4AttentionBackend(draft, cache_format="dense"))  # draft extend
+    return built
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("name", "command", "env", "refused"), COMMANDS, ids=[c[0] for c in COMMANDS]
+)
+def test_documented_launch_commands_are_served_or_refused_at_build_time(
+    pool: PagedRequestPool, monkeypatch: pytest.MonkeyPatch, name, command, env, refused
+) -> None:
+    from sglang.srt.server_args import prepare_server_args
+
+    for variable, value in env.items():
+        monkeypatch.setenv(variable, value)
+    server_args = prepare_server_args(command.split())
+    if refused is None:
+        assert build_all(pool, server_args)
+    else:
+        with pytest.raises(ConfigError) as error:
+            build_all(pool, server_args)
+        assert refused in str(error.value), str(error.value)
+
+
+@pytest.mark.sglang
+def test_every_refusal_row_is_sglang_s_option_and_off_by_default() -> None:
+    """A row names a real ``ServerArgs`` field, whose default is served."""
+    from sglang.srt.server_args import ServerArgs
+
+    defaults = ServerArgs(model_path="unused")
+    rows = [row for row in REFUSED if row.source == "server_args"]
+    assert rows
+    for row in rows:
+        assert hasattr(defaults, row.option), row.option
+        assert not row.matches(getattr(defaults, row.option)), row.option
+
+
+@pytest.mark.sglang
+def test_deepseek_v41_is_refused_by_model_type(pool: PagedRequestPool) -> None:
+    from sglang.srt.server_args import prepare_server_args
+
+    args = prepare_server_args(FLASH.split())
+    with pytest.raises(ConfigError, match="model type deepseek_v41"):
+        build_all(pool, args, {**HF, "model_type": "deepseek_v41"})
+
+
+@pytest.mark.parametrize("ratio", [1, 2])
+def test_low_compress_ratios_are_refused(ratio: int) -> None:
+    """1 and 2 are DeepSeek-V4.1's low ratios (with their own compressors), never window-only
+    layers."""
+    with pytest.raises(ConfigError, match=rf"compress_ratios contains \[{ratio}\]"):
+        DSV4AttentionConfig(compress_ratios=(0, ratio, 4, 128))
+
+
+@pytest.mark.sglang
+def test_platforms_other_than_cuda_leave_dsv4_to_sglang(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """On HIP (and NPU, XPU, ...) sglang's own registry picks a per-platform backend: the
+    plugin changes nothing and says so in one INFO line."""
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    assert registration.unserved_platform() is None  # the CPU: served (tests, torch path)
+    before = dict(ATTENTION_BACKENDS)
+    monkeypatch.setattr(registration, "unserved_platform", lambda: "HIP (ROCm)")
+    with caplog.at_level(logging.INFO, logger=registration.logger.name):
+        registration.register()
+    assert dict(ATTENTION_BACKENDS) == before
+    lines = [r.getMessage() for r in caplog.records if r.name == registration.logger.name]
+    assert lines == [
+        "dsv4 attention backend: left to sglang on HIP (ROCm) (dsv4_backend serves CUDA; "
+        "sglang's registry picks its own backend for this platform)."
+    ]
+
+
+@pytest.mark.sglang
+def test_backends_declare_what_sglang_s_scheduler_reads(pool: PagedRequestPool) -> None:
+    """The overlap scheduler publishes host sequence lengths only to backends that ask
+    (``decide_needs_cpu_seq_lens``: ``getattr(backend, "needs_cpu_seq_lens", True)``); the
+    eager planner sizes its plans from them, so every backend says so itself."""
+    backends = build_all(pool, harness.mock_runner(pool, HF).server_args)
+    assert len(backends) == 3
+    assert all("needs_cpu_seq_lens" in vars(type(b)) and b.needs_cpu_seq_lens for b in backends)
+
+
+@pytest.mark.sglang
+def test_get_swa_out_cache_loc_follows_sglang_s_contract(pool: PagedRequestPool) -> None:
+    """int32 window slots; IDLE translates its padding ``out_cache_loc`` (slot 0) through
+    ``full_to_swa`` and never reads the plan (stale there)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    runner = harness.mock_runner(pool, HF)
+    backend = DSV4AttentionBackend(runner, cache_format="dense")
+    step = harness.BatchBuilder(pool).decode([0], [30])
+    backend.init_forward_metadata(step.batch)
+    loc = backend.get_swa_out_cache_loc(step.batch)
+    assert loc.dtype == torch.int32
+    assert loc.tolist() == pool.full_to_swa[step.batch.out_cache_loc].tolist()
+    empty = torch.zeros(0, dtype=torch.int64)
+    idle = ForwardBatch(
+        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
+        seq_lens=empty, out_cache_loc=torch.zeros(3, dtype=torch.int64), seq_lens_sum=0,
+    )  # fmt: skip
+    idle_loc = backend.get_swa_out_cache_loc(idle)  # the decode's plan is still current
+    assert idle_loc.dtype == torch.int32
+    assert idle_loc.tolist() == [int(pool.full_to_swa[0])] * 3

@@ -1,0 +1,180 @@
+"""The package's import graph points only downward and has no cycle.
+
+Layers, bottom to top (a module may import its own layer and the ones below):
+
+0. ``errors``, ``_versions`` (and the package's ``__init__``)
+1. ``config``
+2. ``cache``, ``ops``
+3. ``kernels``
+4. ``planning``, ``compute``
+5. ``sglang_adapter``, ``registration``, ``info``
+6. ``testing`` (the oracle and the tools)
+7. ``__main__`` (the command line, which runs the tools)
+
+Every import statement counts, including those inside functions and under ``TYPE_CHECKING``.
+The reference (``testing.reference``) must stay independent of what it checks: it may import
+only ``config`` and ``errors``.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "dsv4_backend"
+ROOT = Path(__file__).resolve().parents[2] / PACKAGE
+
+LAYERS: dict[str, int] = {
+    "": 0,
+    "errors": 0,
+    "_versions": 0,
+    "config": 1,
+    "cache": 2,
+    "ops": 2,
+    "kernels": 3,
+    "planning": 4,
+    "compute": 4,
+    "sglang_adapter": 5,
+    "registration": 5,
+    "info": 5,
+    "testing": 6,
+    "__main__": 7,
+}
+REFERENCE = f"{PACKAGE}.testing.reference"
+REFERENCE_MAY_IMPORT = (f"{PACKAGE}.config", f"{PACKAGE}.errors")
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imported_modules(path: Path) -> Iterator[str]:
+    """Every ``dsv4_backend`` module ``path`` imports (``from a import b`` gives ``a.b`` when
+    ``a/b`` is a module, else ``a``)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                module = ".".join(base + ([node.module] if node.module else []))
+            else:
+                module = node.module or ""
+            targets = [
+                f"{module}.{alias.name}" if is_module(f"{module}.{alias.name}") else module
+                for alias in node.names
+            ]
+        else:
+            continue
+        yield from (t for t in targets if t == PACKAGE or t.startswith(PACKAGE + "."))
+
+
+def is_module(name: str) -> bool:
+    path = ROOT.parent.joinpath(*name.split("."))
+    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+
+
+def layer_of(module: str) -> int:
+    top = module.removeprefix(PACKAGE).lstrip(".").partition(".")[0]
+    if top not in LAYERS:
+        raise AssertionError(f"{module} is in no layer; add {top!r} to LAYERS")
+    return LAYERS[top]
+
+
+def import_graph() -> dict[str, set[str]]:
+    graph = {module_name(p): set() for p in ROOT.rglob("*.py")}
+    for path in ROOT.rglob("*.py"):
+        graph[module_name(path)].update(imported_modules(path))
+    return graph
+
+
+GRAPH = import_graph()
+
+
+def test_every_module_has_a_layer() -> None:
+    for module in GRAPH:
+        layer_of(module)
+
+
+def test_no_upward_imports() -> None:
+    upward = [
+        f"{module} (layer {layer_of(module)}) imports {target} (layer {layer_of(target)})"
+        for module, targets in sorted(GRAPH.items())
+        for target in sorted(targets)
+        if layer_of(target) > layer_of(module)
+    ]
+    assert not upward, "\n".join(upward)
+
+
+def test_runtime_never_imports_testing() -> None:
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if layer_of(module) < LAYERS["testing"]
+        for target in targets
+        if target.startswith(f"{PACKAGE}.testing")
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def test_reference_is_independent() -> None:
+    offenders = [
+        f"{module} imports {target}"
+        for module, targets in GRAPH.items()
+        if module.startswith(REFERENCE)
+        for target in targets
+        if not target.startswith((REFERENCE, *REFERENCE_MAY_IMPORT))
+    ]
+    assert not offenders, "\n".join(offenders)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One cycle of ``graph`` as a list of modules (first == last), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_no_import_cycles() -> None:
+    cycle = find_cycle(GRAPH)
+    assert cycle is None, " -> ".join(cycle or [])
+
+
+@pytest.mark.parametrize(
+    ("graph", "cyclic"),
+    [
+        ({"a": {"b"}, "b": {"c"}, "c": set()}, False),
+        ({"a": {"b"}, "b": {"c"}, "c": {"a"}}, True),
+        ({"a": {"a"}}, True),
+    ],
+)
+def test_find_cycle(graph: dict[str, set[str]], cyclic: bool) -> None:
+    assert (find_cycle(graph) is not None) is cyclic
+
+
+def test_the_graph_is_read() -> None:
+    # The checks above would pass vacuously on an empty graph.
+    assert f"{PACKAGE}.kernels.cache_store" in GRAPH[f"{PACKAGE}.compute.layer"]
+    assert f"{PACKAGE}.testing.ab.sglang_backend" in GRAPH[f"{PACKAGE}.testing.ab.backends"]
