@@ -115,6 +115,19 @@ class AttentionMetadata:
                         f"num_rows={rows}"
                     )
 
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """``name -> tensor`` of every planned field (``c4.out_loc`` style for the per-ratio
+        ones; not ``tag`` or ``pending_checks``, which describe the batch, not the plan)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
+        out = {name: value for name, value in out.items() if isinstance(value, torch.Tensor)}
+        for comp in (self.c4, self.c128):
+            if comp is not None:
+                for f in fields(comp):
+                    value = getattr(comp, f.name)
+                    if isinstance(value, torch.Tensor):
+                        out[f"c{comp.ratio}.{f.name}"] = value
+        return out
+
     def compressed(self, ratio: int) -> CompressedMetadata | None:
         """The fields of ``ratio`` (0 gives None: window-only layers)."""
         parts = {0: None, 4: self.c4, 128: self.c128}

@@ -45,7 +45,7 @@ import json
 import math
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import asdict, dataclass, fields, is_dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -189,16 +189,6 @@ def state_tensors(state: AttentionState) -> dict[str, torch.Tensor]:
     return out
 
 
-def metadata_tensors(metadata: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """``(name, tensor)`` of every tensor field of a metadata dataclass, nested ones included."""
-    for f in fields(metadata):  # type: ignore[arg-type]
-        value = getattr(metadata, f.name)
-        if isinstance(value, torch.Tensor):
-            yield prefix + f.name, value
-        elif is_dataclass(value):
-            yield from metadata_tensors(value, f"{prefix}{f.name}.")
-
-
 def differing_bytes(got: torch.Tensor, want: torch.Tensor) -> int:
     """Bytes at which two tensors of one shape and dtype differ."""
     return int((_as_bytes(got) != _as_bytes(want)).sum())
@@ -271,8 +261,8 @@ class StepwiseJudge:
             metadata = plan(model.config, batch)
         with force_path(dispatch.TORCH):
             twin_metadata = plan(model.config, batch)
-        theirs = dict(metadata_tensors(twin_metadata))
-        unequal = [n for n, t in metadata_tensors(metadata) if not torch.equal(t, theirs[n])]
+        theirs = twin_metadata.named_tensors()
+        unequal = [n for n, t in metadata.named_tensors().items() if not torch.equal(t, theirs[n])]
         self._add(mode, -1, "plan", math.inf if unequal else 0.0, ", ".join(unequal))
         rows = model.rows(metadata, batch)
         meta = _Pair(metadata, twin_metadata)

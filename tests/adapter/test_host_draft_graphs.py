@@ -57,7 +57,6 @@ from eagle_host import (
     state_tensors,
     untranslating_translator,
 )
-from planning_spec import flatten
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative import eagle_draft_cuda_graph_runner
@@ -79,7 +78,7 @@ def bucket(n: int) -> int:
 
 def storage(metadata: AttentionMetadata) -> dict[str, tuple[int, tuple[int, ...]]]:
     """Each plan field's data pointer and shape."""
-    return {name: (t.data_ptr(), tuple(t.shape)) for name, t in flatten(metadata).items()}
+    return {name: (t.data_ptr(), tuple(t.shape)) for name, t in metadata.named_tensors().items()}
 
 
 class EagerGraphs:

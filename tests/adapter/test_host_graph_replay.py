@@ -48,7 +48,6 @@ from typing import Any
 
 import pytest
 import torch
-from planning_spec import flatten
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -269,7 +268,7 @@ def assert_live_rows_equal(graph: AttentionMetadata, eager: AttentionMetadata, l
     the eager columns (the replay's further columns -1); plan records: the replay's records of
     live rows are the eager plan's valid records, in order."""
     live = eager.num_rows
-    got, want = flatten(graph), flatten(eager)
+    got, want = graph.named_tensors(), eager.named_tensors()
     assert sorted(got) == sorted(want), f"{label}: fields {sorted(got)} != {sorted(want)}"
     for name, expected in want.items():
         value = got[name]

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planning_spec import BatchSpec, assert_same, flatten, make_batch
+from planning_spec import BatchSpec, assert_same, make_batch
 from stress import sized
 
 from dsv4_backend.config import DSV4AttentionConfig
@@ -47,7 +47,7 @@ def padded(eager: AttentionMetadata, num_rows: int, widths: PlanWidths) -> dict:
     """The eager plan's fields widened to the buffer widths and padded to ``num_rows``."""
     col_widths = {"page_table": widths.page_table, "c128.page_indices": widths.c128}
     out = {}
-    for name, value in flatten(eager).items():
+    for name, value in eager.named_tensors().items():
         if value.dim() == 2:
             value = F.pad(
                 value, (0, col_widths.get(name, value.shape[1]) - value.shape[1]), value=-1
@@ -87,15 +87,15 @@ def test_load_equals_eager_plan_then_sentinels(spec: BatchSpec, extra_rows: int)
             eager.batch_size,
             num_rows,
         )
-        assert_same(flatten(loaded), padded(eager, num_rows, WIDTHS), spec.name)
+        assert_same(loaded.named_tensors(), padded(eager, num_rows, WIDTHS), spec.name)
 
 
 def test_views_share_storage_across_loads() -> None:
     bufs = buffers()
     big = bufs.load(plan(CONFIG, make_batch(SPECS[0])), num_rows=8)
     small = bufs.load(plan(CONFIG, make_batch(SPECS[1])), num_rows=8)
-    for name, value in flatten(big).items():
-        assert value.data_ptr() == flatten(small)[name].data_ptr(), name
+    for name, value in big.named_tensors().items():
+        assert value.data_ptr() == small.named_tensors()[name].data_ptr(), name
     assert small.c4.compress_plan.data_ptr() == bufs.compressed[4]["compress_plan"].data_ptr()
     # Stale rows of the previous, larger plan are overwritten.
     decode = bufs.load(plan(CONFIG, make_batch(SPECS[0])), num_rows=8)
@@ -138,7 +138,7 @@ def test_pad_plan_appends_sentinel_rows_and_requests() -> None:
     grown = pad_plan(CONFIG, source, batch_size=3, num_rows=9)
     assert (grown.batch_size, grown.num_rows) == (3, 9)
     widths = PlanWidths(page_table=source.page_table.shape[1], c128=1)
-    assert_same(flatten(grown), padded(source, 9, widths), "pad_plan")
+    assert_same(grown.named_tensors(), padded(source, 9, widths), "pad_plan")
     with pytest.raises(ContractError, match="padding only appends"):
         pad_plan(CONFIG, source, batch_size=1, num_rows=9)
 
@@ -198,7 +198,7 @@ def test_graph_path_equals_eager_random(spec: BatchSpec, extra_rows: int) -> Non
     bufs = buffers()
     num_rows = batch.num_rows + extra_rows
     loaded = bufs.load(plan(CONFIG, batch, widths=WIDTHS), num_rows=num_rows)
-    assert_same(flatten(loaded), padded(plan(CONFIG, batch), num_rows, WIDTHS), str(spec))
+    assert_same(loaded.named_tensors(), padded(plan(CONFIG, batch), num_rows, WIDTHS), str(spec))
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
@@ -210,10 +210,10 @@ def test_fused_plan_into_buffers_equals_torch_plan_loaded(spec: BatchSpec, extra
     batch = make_batch(spec)
     num_rows = batch.num_rows + extra_rows
     with force_path(TORCH):
-        want = flatten(buffers().load(plan(CONFIG, batch, widths=WIDTHS), num_rows=num_rows))
+        want = buffers().load(plan(CONFIG, batch, widths=WIDTHS), num_rows=num_rows).named_tensors()
     bufs = buffers()
     with force_path(TRITON_INTERPRETER), LaunchCounter() as launches:
-        got = flatten(bufs.plan(batch, num_rows=num_rows))
+        got = bufs.plan(batch, num_rows=num_rows).named_tensors()
     assert_same(got, want, spec.name)
     want = {"triton:_check_kernel": 1}
     if num_rows:  # nothing to write for an IDLE batch planned as 0 rows
@@ -250,7 +250,7 @@ def test_deferred_checks_mask_the_same_rows_fused_and_torch(
     for path in (TORCH, TRITON_INTERPRETER):
         with force_path(path):
             plans[path] = plan(CONFIG, batch, widths=WIDTHS)
-    assert_same(flatten(plans[TRITON_INTERPRETER]), flatten(plans[TORCH]), spec.name)
+    assert_same(plans[TRITON_INTERPRETER].named_tensors(), plans[TORCH].named_tensors(), spec.name)
     assert (plans[TRITON_INTERPRETER].swa_out_loc == -1).any()
     verdicts = []
     for metadata in plans.values():

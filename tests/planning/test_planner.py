@@ -9,7 +9,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from planning_spec import BatchSpec, assert_same, expected_metadata, flatten, make_batch
+from planning_spec import BatchSpec, assert_same, expected_metadata, make_batch
 from stress import sized
 
 from dsv4_backend.config import DSV4AttentionConfig, entries_per_page
@@ -61,11 +61,11 @@ def test_plan_matches_brute_force(spec: BatchSpec) -> None:
         len(spec.seq_lens),
         batch.num_rows,
     )
-    assert_same(flatten(meta), expected_metadata(CONFIG, batch), spec.name)
+    assert_same(meta.named_tensors(), expected_metadata(CONFIG, batch), spec.name)
     # Fixed (graph) widths give the same rows, padded with -1 columns.
     widths = PlanWidths(page_table=4, c128=7)
     fixed = plan(CONFIG, batch, widths=widths)
-    assert_same(flatten(fixed), expected_metadata(CONFIG, batch, (4, 7)), spec.name)
+    assert_same(fixed.named_tensors(), expected_metadata(CONFIG, batch, (4, 7)), spec.name)
 
 
 def test_ratios_absent_from_config_have_no_fields() -> None:
@@ -241,7 +241,7 @@ def test_plan_matches_brute_force_random(spec: BatchSpec, fixed: bool) -> None:
         widths = PlanWidths.for_max_len(batch.req_to_token.shape[1])
     meta = plan(CONFIG, batch, widths=widths)
     want_widths = None if widths is None else (widths.page_table, widths.c128)
-    assert_same(flatten(meta), expected_metadata(CONFIG, batch, want_widths), str(spec))
+    assert_same(meta.named_tensors(), expected_metadata(CONFIG, batch, want_widths), str(spec))
 
 
 # ----------------------------------------------------------------------------- graph safety

@@ -2,9 +2,10 @@
 
 A test helper module, not a test. ``expected_metadata`` walks the rows of a batch one by one
 over plain Python ints (no vectorisation, nothing shared with the planner) and produces every
-field of ``AttentionMetadata``; ``flatten`` turns a plan into the same ``name -> tensor`` form so
-tests compare every field with ``torch.equal``. ``make_batch`` builds a ``BatchView`` whose
-request pages are scattered randomly through the pool (``slot = page * 256 + offset``).
+field of ``AttentionMetadata``; ``AttentionMetadata.named_tensors`` turns a plan into the
+same ``name -> tensor`` form so tests compare every field with ``torch.equal``. ``make_batch``
+builds a ``BatchView`` whose request pages are scattered randomly through the pool (``slot =
+page * 256 + offset``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.planning import AttentionMetadata, BatchView, DraftStep, ForwardKind
+from dsv4_backend.planning import BatchView, DraftStep, ForwardKind
 
 PAGE = 256
 #: Tokens that feed one compressed entry (c4 entries overlap the previous block).
@@ -81,7 +82,8 @@ def _tensor(values: list, dtype: torch.dtype, width: int | None = None) -> torch
 def expected_metadata(
     config: DSV4AttentionConfig, batch: BatchView, widths: tuple[int, int] | None = None
 ) -> dict[str, torch.Tensor]:
-    """Every field of the plan of ``batch`` as ``name -> CPU tensor`` (see ``flatten``).
+    """Every field of the plan of ``batch`` as ``name -> CPU tensor`` (the form of
+    ``AttentionMetadata.named_tensors``).
 
     ``widths`` = ``(page_table columns, c128 columns)``; by default sized for the longest
     request: ceil(max_len / 256) pages, max_len // 128 c128 entries, at least 1 each.
@@ -169,20 +171,6 @@ def expected_metadata(
         result[f"c{r}.compress_plan"] = _tensor(_plan_records(rows, r, completes), torch.int32, 4)
         result[f"c{r}.write_plan"] = _tensor(_plan_records(rows, r, keep), torch.int32, 4)
     return result
-
-
-def flatten(meta: AttentionMetadata) -> dict[str, torch.Tensor]:
-    """``name -> tensor`` of every tensor field (``c4.out_loc`` style for per-ratio fields)."""
-    out = {}
-    for name, value in vars(meta).items():
-        if isinstance(value, torch.Tensor):
-            out[name] = value
-    for comp in (meta.c4, meta.c128):
-        if comp is not None:
-            for name, value in vars(comp).items():
-                if isinstance(value, torch.Tensor):
-                    out[f"c{comp.ratio}.{name}"] = value
-    return out
 
 
 def assert_same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> None:
