@@ -3,7 +3,7 @@
 # + Triton image lacks to run scripts/gpu_check.sh), then the Gluon ws attention kernels are
 # compiled here with the pinned Triton 3.8 for sm_90a into .gpu-bundle/precompiled/ (the GPU
 # image's Triton 3.6 cannot compile them; with DSV4_PRECOMPILED_DIR naming that folder the
-# launcher runs the cubins through the CUDA driver: dsv4_backend/kernels/precompiled.py).
+# launcher runs the cubins through the CUDA driver: dsv4_backend/kernels/device/precompiled.py).
 # pytest and hypothesis go in too. Prints the bundle's size and fails when it passes 64 MiB (what a device run carries).
 # PYTHON overrides the interpreter (default: .venv/bin/python, after scripts/bootstrap.sh).
 set -euo pipefail

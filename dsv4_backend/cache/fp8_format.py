@@ -25,7 +25,7 @@ mantissa bits, so ``|v - e4m3(v)| <= 2^-4 * 2^floor(log2|v|)``; below that the a
 at most ``2^-10`` (half the smallest subnormal, ``2^-9``). Dequantising multiplies by the scale.
 
 The device-side readers and encoders of these layouts (``@triton.jit``) are in
-:mod:`dsv4_backend.kernels.fp8_device`.
+:mod:`dsv4_backend.kernels.device.fp8`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ A cache holds ``num_slots`` rows of ``dim`` channels, addressed by int64 slot id
 
 A cache only holds data: kernels read and write ``storage`` directly (writes:
 :func:`dsv4_backend.kernels.cache_store.store_rows`; device helpers:
-:mod:`dsv4_backend.kernels.fp8_device`); ``gather`` is the torch reader used by torch paths
+:mod:`dsv4_backend.kernels.device.fp8`); ``gather`` is the torch reader used by torch paths
 and tests.
 """
 

@@ -19,8 +19,7 @@ import triton.language as tl
 from dsv4_backend.cache.fp8_format import Fp8TokenLayout
 from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.dispatch import use_triton
-from dsv4_backend.kernels.fp8_device import (
+from dsv4_backend.kernels.device.fp8 import (
     fp8_indexer_addresses,
     fp8_token_addresses,
     fp32_to_bf16_bits,
@@ -29,6 +28,7 @@ from dsv4_backend.kernels.fp8_device import (
     triton_constexprs,
     ue8m0_exponent_of,
 )
+from dsv4_backend.kernels.dispatch import use_triton
 
 _MAX_BLOCK_D = 1024
 

@@ -46,7 +46,7 @@ import triton.language as tl
 
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.fp8_device import (
+from dsv4_backend.kernels.device.fp8 import (
     e4m3_decode,
     fp8_indexer_addresses,
     load_dense_block,

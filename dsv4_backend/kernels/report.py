@@ -31,7 +31,10 @@ def describe_paths(device: torch.device | str = "cpu") -> list[tuple[str, str, s
 
 def _tvm_path(device: torch.device) -> tuple[str, str]:
     # (imported here: reading the TVM module's state should not import tvm for every report)
-    from dsv4_backend.kernels.compress_plan_tvm import cuda_unavailable_reason, tvm_available
+    from dsv4_backend.planning.kernels.compress_plan_tvm import (
+        cuda_unavailable_reason,
+        tvm_available,
+    )
 
     if device.type == "cuda":
         reason = cuda_unavailable_reason()

@@ -79,7 +79,7 @@ import triton.language as tl
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.fp8_device import (
+from dsv4_backend.kernels.device.fp8 import (
     bf16_bits_to_fp32,
     fp8_token_addresses,
     pow2_of_biased,

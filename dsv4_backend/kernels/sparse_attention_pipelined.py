@@ -58,7 +58,7 @@ import triton.language as tl
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.fp8_device import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
+from dsv4_backend.kernels.device.fp8 import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
 from dsv4_backend.kernels.sparse_attention import (
     LOG2E,
     _check_inputs,

@@ -24,7 +24,7 @@ compiled ahead of time on the CPU (``python -m dsv4_backend.testing.aot_compile`
 never run, so they are checked from their SASS only.
 
 Both use Gluon APIs of Triton 3.8 (:data:`GLUON_APIS`). Under an older Triton the launcher runs
-a kernel precompiled with 3.8 (``kernels/precompiled.py``, from ``DSV4_PRECOMPILED_DIR``; built
+a kernel precompiled with 3.8 (``kernels/device/precompiled.py``, from ``DSV4_PRECOMPILED_DIR``; built
 by ``python -m dsv4_backend.testing.precompile``) where one exists for the launch, and
 :func:`ws_unsupported_reason` names the missing kernel where none does.
 """
@@ -49,8 +49,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels import precompiled
 from dsv4_backend.kernels import sparse_attention_ws_sm100 as sm100
+from dsv4_backend.kernels.device import precompiled
 from dsv4_backend.kernels.sparse_attention import (
     LOG2E,
     MAX_SPLITS,

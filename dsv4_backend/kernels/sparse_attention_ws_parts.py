@@ -21,7 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from dsv4_backend.kernels.fp8_device import pow2_of_biased
+from dsv4_backend.kernels.device.fp8 import pow2_of_biased
 from dsv4_backend.kernels.sparse_attention import LOG2E, _e4m3_rebiased_bf16
 
 #: Keys a block (the N of ``q k^T``).

@@ -14,7 +14,7 @@ reading it is the only host sync, so *when* it is read depends on where the tens
   row that failed a check write nothing (their write slots are ``-1``) and gather only
   in-range indices.
 
-On the Triton paths the checks are one kernel launch (``kernels/plan_fields.py``'s
+On the Triton paths the checks are one kernel launch (``planning/kernels/plan_fields.py``'s
 ``check_rows``) and ``settle`` turns its record into the verdict.
 
 Strict mode is on when the environment variable ``DSV4_STRICT_CHECKS`` is ``1`` (the test suite

@@ -28,9 +28,9 @@ import torch
 
 from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels.plan_fields import PlanFields, RatioFields
 from dsv4_backend.planning import planner
 from dsv4_backend.planning.batch import BatchView, ForwardKind, seq_len_fill_value
+from dsv4_backend.planning.kernels.plan_fields import PlanFields, RatioFields
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import PlanWidths
 

@@ -14,14 +14,14 @@ only checked where the batch already holds them on the host (``BatchView.host_se
 extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``extend_seq_lens``.
 
 Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` plans every kind in two
-launches of ``kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
+launches of ``planning/kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
 first): ``check_rows``, the batch checks (``_checked_rows``'s twin), then the fused plan
 kernel, which plans the requests that failed a deferred check as writing nothing;
 ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The torch body
 below serves the torch path; there the per-row compression fields run
-``kernels/row_fields.py`` and the compress / write plans ``kernels/compress_plan_tvm.py``
+``planning/kernels/row_fields.py`` and the compress / write plans ``planning/kernels/compress_plan_tvm.py``
 where they can, else their torch references (``row_fields_torch`` beside that kernel,
-``kernels/compress_plan_torch.py``).
+``planning/kernels/compress_plan_torch.py``).
 """
 
 from __future__ import annotations
@@ -38,14 +38,14 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.compress_plan_tvm import build_compress_plans
-from dsv4_backend.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
-from dsv4_backend.kernels.row_fields import row_fields
 from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning import checks
 from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.checks import Check, PendingChecks, run_checks
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
+from dsv4_backend.planning.kernels.compress_plan_tvm import build_compress_plans
+from dsv4_backend.planning.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
+from dsv4_backend.planning.kernels.row_fields import row_fields
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.tag import BatchTag
 
@@ -227,7 +227,7 @@ def _row_layout(batch: BatchView) -> RowLayout:
 
 
 def fuses(batch: BatchView) -> bool:
-    """Whether ``batch`` is planned by the fused kernels (``kernels/plan_fields.py``): on the
+    """Whether ``batch`` is planned by the fused kernels (``planning/kernels/plan_fields.py``): on the
     Triton paths, every kind, its batch checks included (read at once or deferred)."""
     return batch.kind in _KINDS and dispatch.use_triton(batch.req_to_token.device)
 
@@ -355,7 +355,7 @@ def _slot_limit(batch: BatchView) -> int | None:
 
 def check_messages(batch: BatchView) -> tuple[str, ...]:
     """The messages of the batch checks, in the order of their record (``_checked_rows``,
-    ``kernels/plan_fields.py``'s ``check_rows``)."""
+    ``planning/kernels/plan_fields.py``'s ``check_rows``)."""
     pool_rows, context = batch.req_to_token.shape
     limit = _slot_limit(batch)
     full = f"[0, {'num_cache_slots' if limit is None else limit})"
@@ -448,7 +448,7 @@ def _checked_rows(
     Returns the rows' pool rows ``[T]`` int64, the rows, and the pending checks (deferred
     mode). When deferred, the requests with a failing row write nothing (no cache slot, no
     compressor ring row) and read only in-range indices (pool row 0). The torch twin of
-    ``kernels/plan_fields.py``'s ``check_rows``.
+    ``planning/kernels/plan_fields.py``'s ``check_rows``.
     """
     pool_rows, context = batch.req_to_token.shape
     requests = batch.req_pool_indices.long()

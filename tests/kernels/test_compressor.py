@@ -15,7 +15,6 @@ from dsv4_backend.cache.state import ArrivalCounters
 from dsv4_backend.config import DSV4AttentionConfig, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import compressor, dispatch
-from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.kernels.compressor import (
     MAX_ENTRY_WORKERS,
     CompressorState,
@@ -26,6 +25,7 @@ from dsv4_backend.kernels.compressor import (
     fused_tiles,
     ring_write_is_safe,
 )
+from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_ratio
 
 CONFIG = DSV4AttentionConfig.tiny()

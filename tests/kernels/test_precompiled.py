@@ -1,4 +1,4 @@
-"""Precompiled kernels (``kernels/precompiled.py``, built by ``testing/precompile.py``).
+"""Precompiled kernels (``kernels/device/precompiled.py``, built by ``testing/precompile.py``).
 
 Hopper's ws attention kernel is compiled here for sm_90a (once a session, in a subprocess with
 ``TRITON_INTERPRET=0``) into a package; its metadata is checked against the PTX ``.entry``
@@ -26,8 +26,8 @@ import triton
 from attention_inputs import make_cache, random_indices, random_keys
 
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels import precompiled
 from dsv4_backend.kernels import sparse_attention_ws as wa
+from dsv4_backend.kernels.device import precompiled
 from dsv4_backend.kernels.sparse_attention import key_spans
 
 #: The configuration compiled: fp8 caches, a compressed layer, 5 ... 8 splits.

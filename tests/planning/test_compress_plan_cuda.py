@@ -1,6 +1,6 @@
-"""The shipped CUDA source of the compress / write plan kernel (``kernels/compress_plan_cuda.cu``).
+"""The shipped CUDA source of the compress / write plan kernel (``planning/kernels/compress_plan_cuda.cu``).
 
-It is TVM's CUDA C for ``kernels/compress_plan_tvm.py`` plus the tvm-ffi launcher; GPU hosts
+It is TVM's CUDA C for ``planning/kernels/compress_plan_tvm.py`` plus the tvm-ffi launcher; GPU hosts
 build it with nvcc through tvm-ffi at run time. Here: the shipped file is what the generator
 writes today (needs apache-tvm), it compiles for sm_90a (needs nvcc, not a GPU), and the
 dispatcher reports the CUDA path or the reason it cannot run.
@@ -14,14 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4_backend.kernels import compress_plan_tvm as cpt
 from dsv4_backend.kernels import report
+from dsv4_backend.planning.kernels import compress_plan_tvm as cpt
 
 
 def test_shipped_cuda_source_is_regenerated_unchanged() -> None:
     pytest.importorskip("tvm")
     assert cpt.CUDA_SOURCE.read_text() == cpt.generate_cuda_source(), (
-        "compress_plan_cuda.cu is stale: run python -m dsv4_backend.kernels.compress_plan_tvm"
+        "compress_plan_cuda.cu is stale: run python -m dsv4_backend.planning.kernels.compress_plan_tvm"
     )
 
 

@@ -1,8 +1,8 @@
 """The planning kernels against their torch implementations, exactly.
 
-* ``kernels/compress_plan_tvm.py`` (TVM, symbolic ``num_rows``) vs
-  ``kernels.compress_plan_torch.compute_compress_plans``;
-* ``kernels/row_fields.py``: the Triton kernel (run by the interpreter here) vs its torch
+* ``planning/kernels/compress_plan_tvm.py`` (TVM, symbolic ``num_rows``) vs
+  ``planning.kernels.compress_plan_torch.compute_compress_plans``;
+* ``planning/kernels/row_fields.py``: the Triton kernel (run by the interpreter here) vs its torch
   twin ``row_fields_torch``.
 """
 
@@ -20,12 +20,12 @@ from marks import needs_interpreter
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.compress_plan_torch import compute_compress_plans
-from dsv4_backend.kernels.row_fields import row_fields, row_fields_torch
+from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
+from dsv4_backend.planning.kernels.row_fields import row_fields, row_fields_torch
 
 tvm = pytest.importorskip("tvm")
 
-from dsv4_backend.kernels import compress_plan_tvm as cpt  # noqa: E402
+from dsv4_backend.planning.kernels import compress_plan_tvm as cpt  # noqa: E402
 
 LLVM = json.dumps({"kind": "llvm"})
 CUDA_SM90 = json.dumps({"kind": "cuda", "arch": "sm_90"})

@@ -144,8 +144,8 @@ def test_fused_planner_keeps_the_page_ends_too(tile: str, monkeypatch: pytest.Mo
     """The fused kernel's closed-form record indices agree with the torch plans when the c4
     write plan holds page ends before each request's tail (long extends, verify, decode); with
     the interpreter's row tile and with the GPU's (its last two batches)."""
-    from dsv4_backend.kernels import plan_fields
     from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+    from dsv4_backend.planning.kernels import plan_fields
     from dsv4_backend.planning.planner import fuses
     from dsv4_backend.testing.simulation import PagedRequestPool
 

@@ -22,12 +22,13 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv4_backend.config import WINDOW_PAGE_TOKENS
-from dsv4_backend.kernels import compressor, indexer, plan_fields
+from dsv4_backend.kernels import compressor, indexer
 from dsv4_backend.kernels import key_union as ku
 from dsv4_backend.kernels import sparse_attention as sa
 from dsv4_backend.kernels import sparse_attention_pipelined as pa
 from dsv4_backend.kernels import sparse_attention_ws as wa
 from dsv4_backend.kernels.cache_store import STORE_FP8_INDEXER, STORE_FP8_TOKEN
+from dsv4_backend.planning.kernels import plan_fields
 from dsv4_backend.testing.aot_compile.toolchain import TARGETS
 from dsv4_backend.testing.precompile import DIM, ROPE
 

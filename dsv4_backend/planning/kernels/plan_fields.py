@@ -9,9 +9,9 @@ with some forty torch ops (field definitions: ``planning/metadata.py``):
   per-request starts and prefixes, uploaded as one ``[3, B]`` tensor);
 * ``page_table``, ``swa_page_indices`` (through ``full_to_swa``), the write slots, causal
   lengths, window lengths;
-* per compress ratio, the per-row fields of ``kernels/row_fields.py`` (c4 ``page_indices``
+* per compress ratio, the per-row fields of ``planning/kernels/row_fields.py`` (c4 ``page_indices``
   filled with ``-1``, c128 indices from the page table) and the compress / write plans of
-  ``kernels/compress_plan_torch.py``. The plans need no scan: a request's rows are consecutive
+  ``planning/kernels/compress_plan_torch.py``. The plans need no scan: a request's rows are consecutive
   positions, so the number of rows it contributes to each plan has a closed form, and a row's
   record index is the sum over earlier requests plus its rank inside its own.
 
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.config import compress_span
-from dsv4_backend.kernels.row_fields import _floor_div, _floor_mod
+from dsv4_backend.planning.kernels.row_fields import _floor_div, _floor_mod
 
 
 @dataclass(frozen=True)
