@@ -24,7 +24,7 @@ Verify at attention TP: 16 and 32 heads a rank, ``draft`` rows per request (MTP 
 draft extend) at context 8192, Flash shapes. The table (printed everywhere) gives the bytes
 of three schedules: ``per-row`` (one row a program: every row gathers its own keys),
 ``grouped`` (the kernel's: a program takes a request's rows and walks their union list from
-``kernels/key_union.py``; the column counts come from running that rule on the rows' index
+``kernels/attention/key_union.py``; the column counts come from running that rule on the rows' index
 lists, plus 8 B of slot and row bits per union column) and ``ideal`` (a request's keys once:
 window ``128 + draft - 1``, c128 entries once, c4 top-k sets identical). The c4 top-k lists
 here are drawn independently per row (the worst case for sharing). FLOP/B says how far below
@@ -33,7 +33,7 @@ the ridge (bf16 peak / HBM bandwidth) a row is. ``--verify`` also times both sch
 the roofline fraction on the ideal bytes.
 
 ``--against flashmla``: FlashMLA's sparse fp8 decode through its variant of the op
-(``kernels/attention_flashmla.py``: the sgl-flash-mla wheel sglang pins, ``use_legacy=True``
+(``kernels/attention/flashmla.py``: the sgl-flash-mla wheel sglang pins, ``use_legacy=True``
 as sglang calls it for the DeepSeek-V4 layout; its time includes the variant's argument
 preparation) on the same cache bytes, indices and sink, per fp8 case on a GPU: both times,
 the ratio (ours / FlashMLA) and the largest output difference between the two. Where the
@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import inspect
 import os
 import statistics
 import time
@@ -66,19 +67,17 @@ if not ON_GPU:
 from dsv4_backend.cache import TokenCache  # noqa: E402
 from dsv4_backend.config import WINDOW_PAGE_TOKENS  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
-from dsv4_backend.kernels.attention_choice import ATTENTION_VARIANTS  # noqa: E402
-from dsv4_backend.kernels.attention_flashmla import (  # noqa: E402
+from dsv4_backend.kernels.attention.common import group_rows  # noqa: E402
+from dsv4_backend.kernels.attention.flashmla import (  # noqa: E402
     flashmla_schedule,
     flashmla_unsupported_reason,
     sparse_attention_flashmla,
 )
-from dsv4_backend.kernels.cache_store import store_rows  # noqa: E402
-from dsv4_backend.kernels.key_union import key_union_torch  # noqa: E402
-from dsv4_backend.kernels.sparse_attention import (  # noqa: E402
-    group_rows,
-    sparse_attention_torch,
-    sparse_attention_triton,
-)
+from dsv4_backend.kernels.attention.key_union import key_union_torch  # noqa: E402
+from dsv4_backend.kernels.attention.table import ATTENTION, variant_reason  # noqa: E402
+from dsv4_backend.kernels.attention.torch import sparse_attention_torch  # noqa: E402
+from dsv4_backend.kernels.attention.triton import sparse_attention_triton  # noqa: E402
+from dsv4_backend.kernels.cache_store.table import store_rows  # noqa: E402
 
 #: ``(name substring, HBM bytes/s, dense bf16 tensor FLOP/s)``, matched against
 #: ``torch.cuda.get_device_name`` in order (more specific names first).
@@ -271,19 +270,22 @@ def measure(
 
 
 def kernel_call(kernel: str, args: tuple, splits: int | None) -> tuple[Callable | None, str]:
-    """``(call, "")``: attention ``kernel`` (``attention_choice.ATTENTION_VARIANTS``) on the
-    op's ``args``; ``(None, why)`` where it does not take them, so a table never times the
-    default in its place."""
+    """``(call, "")``: attention variant ``kernel`` (``attention.table.ATTENTION``) on the
+    op's ``args`` (with ``splits`` where it takes key splits); ``(None, why)`` where it does
+    not run here or take them, so a table never times another variant in its place."""
     q, window, extra = args[0], args[1], args[4]
-    variant = ATTENTION_VARIANTS[kernel]
-    why = variant.unsupported(q.device, window, extra, q.shape[1], q.shape[2])
+    variant = ATTENTION[kernel]
+    why = variant_reason(variant, q.device, window, extra, q.shape[1], q.shape[2])
     if why is not None:
         return None, why
-    return functools.partial(variant.run, *args, num_splits=splits), ""
+    takes_splits = "num_splits" in inspect.signature(variant.entry).parameters
+    return functools.partial(
+        variant.entry, *args, **({"num_splits": splits} if takes_splits else {})
+    ), ""
 
 
 def flashmla_call(args: tuple) -> Callable[[], torch.Tensor]:
-    """The FlashMLA variant (``kernels/attention_flashmla.py``) on the op's ``args``, one
+    """The FlashMLA variant (``kernels/attention/flashmla.py``) on the op's ``args``, one
     schedule shared by every call (same shapes and lengths; the first call fills it)."""
     return functools.partial(sparse_attention_flashmla, *args, schedule=flashmla_schedule())
 
@@ -326,10 +328,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's)")
     parser.add_argument("--verify", action="store_true", help="also time verify rows at TP")
     parser.add_argument("--against", choices=["flashmla"], help="also time FlashMLA's kernel")
-    parser.add_argument("--kernel", nargs="+", default=["triton"],
-                        choices=dispatch.ATTENTION_KERNELS,
-                        help="attention kernels to time (default: the default kernel)")  # fmt: skip
+    parser.add_argument("--kernel", nargs="+", default=[ATTENTION.names[0]],
+                        choices=[*ATTENTION.names, "all"],
+                        help="attention variants to time (default: the first of the table; "
+                             "all: every one)")  # fmt: skip
     opts = parser.parse_args()
+    if "all" in opts.kernel:
+        opts.kernel = list(ATTENTION.names)
     if opts.threads:
         torch.set_num_threads(opts.threads)
     device = "cuda" if ON_GPU else "cpu"

@@ -15,7 +15,7 @@ kernels, Triton and other launches; the same count on a CPU as on a GPU).
   nothing about GPU speed.
 
 * ``--against deep_gemm``: instead, the lightning indexer's scores beside DeepGEMM's
-  ``fp8_paged_mqa_logits`` through its variant of the op (``kernels/indexer_deep_gemm.py``: the
+  ``fp8_paged_mqa_logits`` through its variant of the op (``kernels/indexer/deep_gemm.py``: the
   ``sgl-deep-gemm`` wheel sglang pins, called as sglang's DeepSeek-V4 indexer calls it; its
   time includes the variant's query quantisation and masking) on the same FP8 keys and page
   tables, with queries already e4m3 per (row, head), as ``indexer_selection="fp8"`` gives them:
@@ -120,7 +120,7 @@ def _ops(config: DSV4AttentionConfig, batch: int, context: int, device: str, fmt
 def compare_deep_gemm(batches: list[int], context: int, reps: int) -> None:
     """Indexer scores against DeepGEMM's paged MQA logits (see the module docstring)."""
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
-    from dsv4_backend.kernels.indexer_deep_gemm import deep_gemm_unsupported_reason
+    from dsv4_backend.kernels.indexer.deep_gemm import deep_gemm_unsupported_reason
 
     config = DSV4AttentionConfig(compress_ratios=RATIOS)
     hi, di = config.index_n_heads, config.index_head_dim
@@ -143,13 +143,14 @@ def _compare_batch(
     config: DSV4AttentionConfig, batch: int, context: int, reps: int
 ) -> tuple[float, float, float]:
     """Seconds a call of our scores and of the DeepGEMM variant
-    (``kernels/indexer_deep_gemm.py``), and their largest difference relative to the largest
+    (``kernels/indexer/deep_gemm.py``), and their largest difference relative to the largest
     score, on one decode batch."""
-    from dsv4_backend.kernels import indexer
-    from dsv4_backend.kernels.cache_store import store_rows
-    from dsv4_backend.kernels.dispatch import force_unverified
-    from dsv4_backend.kernels.indexer_deep_gemm import index_scores_deep_gemm, paged_mqa_schedule
-    from dsv4_backend.kernels.indexer_fp8 import e4m3_round_trip
+    from dsv4_backend.kernels.cache_store.table import store_rows
+    from dsv4_backend.kernels.indexer.bounded import _row_scores_triton
+    from dsv4_backend.kernels.indexer.common import c4_entry_slots
+    from dsv4_backend.kernels.indexer.deep_gemm import index_scores_deep_gemm, paged_mqa_schedule
+    from dsv4_backend.kernels.indexer.fp8 import e4m3_round_trip
+    from dsv4_backend.kernels.variants import force_unverified
 
     hi, di = config.index_n_heads, config.index_head_dim
     generator = torch.Generator().manual_seed(0)
@@ -164,7 +165,7 @@ def _compare_batch(
     page_table, width = metadata.page_table, int(num.max())
     entries = torch.arange(width, device="cuda").expand(batch, width)
     valid = entries < num[:, None]
-    slots = indexer.c4_entry_slots(page_table, torch.where(valid, entries, -1))
+    slots = c4_entry_slots(page_table, torch.where(valid, entries, -1))
     store_rows(cache, torch.randn(slots.numel(), di, device="cuda"), slots.reshape(-1))
     # e4m3 values on sglang's per-(row, head) scale, as indexer_selection="fp8" hands them
     # over: the variant's own quantisation keeps them, so both score the same queries.
@@ -174,7 +175,7 @@ def _compare_batch(
     schedule = paged_mqa_schedule(num, width)  # built once a forward, as sglang does
 
     def run_ours() -> None:
-        indexer._row_scores_triton(q, weights, cache, page_table, num, ours)
+        _row_scores_triton(q, weights, cache, page_table, num, ours)
 
     def run_deep_gemm() -> torch.Tensor:
         return index_scores_deep_gemm(q, weights, cache, page_table, num, width, schedule=schedule)

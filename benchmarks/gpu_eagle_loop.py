@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.sparse_attention import attention_tolerance
+from dsv4_backend.kernels.attention.common import attention_tolerance
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
 from dsv4_backend.testing import harness

@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from dsv4_backend.errors import ConfigError, DSV4Error
 from dsv4_backend.testing.ab.cli import OneLineErrorParser, add_ab_parser
 
 
@@ -38,21 +39,47 @@ def _add_info_command(commands: argparse._SubParsersAction) -> None:
             "registry resolves dsv4 to this package after loading its plugins."
         ),
     )
+    info.add_argument(
+        "--device",
+        help="describe the kernel choice for tensors on this device (default: cuda:0 where a "
+        "GPU is visible, else cpu)",
+    )
+    info.add_argument(
+        "--json", action="store_true", help="print the report as one JSON object instead"
+    )
     info.set_defaults(run=_run_info)
 
 
 def _run_info(args: argparse.Namespace) -> int:
-    """Print the info report; ``info`` takes no options."""
+    """Print the info report (text, or JSON with ``--json``)."""
+    import json
+
+    import torch
+
     from dsv4_backend import info
 
-    print("\n".join(info.report()))
+    if args.device is not None:
+        try:
+            device = torch.device(args.device)
+        except RuntimeError:
+            raise ConfigError(f"--device {args.device!r}: expected e.g. cpu or cuda:0") from None
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"--device {args.device}: no CUDA device is visible to torch")
+    if args.json:
+        print(json.dumps(info.json_report(args.device), indent=2))
+    else:
+        print("\n".join(info.report(args.device)))
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
     args = build_parser().parse_args(argv)
-    return args.run(args)
+    try:
+        return args.run(args)
+    except DSV4Error as error:  # a bad option value or setting: one line, as usage errors
+        print(f"dsv4-backend {args.command}: error: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

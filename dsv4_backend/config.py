@@ -93,7 +93,7 @@ class DSV4AttentionConfig:
     #: RMSNorm epsilon of the compressors (sglang reads each module's ``variance_epsilon``).
     rms_norm_eps: float = 1e-6
     #: Lightning-indexer scores: ``"exact"`` (fp32 queries and keys) or ``"fp8"`` (sglang's
-    #: built-in selection: Hadamard-rotated, e4m3-quantised; ``kernels.indexer_fp8``).
+    #: built-in selection: Hadamard-rotated, e4m3-quantised; ``kernels.indexer.fp8``).
     indexer_selection: str = "exact"
     #: Speculative decoding doubles the compressor state rings.
     speculative: bool = False

@@ -30,9 +30,15 @@ ENTRY_POINT_NAME = "dsv4_backend"
 NO_GPU = "no CUDA GPU visible to torch"
 
 
-def report() -> list[str]:
-    """Return the report's lines."""
+def default_device() -> str:
+    """The device ``info`` describes unless told: the first CUDA device, else the CPU."""
+    return "cpu" if _cuda_device() is None else "cuda:0"
+
+
+def report(device: str | None = None) -> list[str]:
+    """Return the report's lines; the kernel choice is for tensors on ``device``."""
     gpu = _cuda_device()
+    device = device or default_device()
     return [
         f"dsv4_backend {_versions.installed_version('dsv4-backend')} "
         f"on Python {platform.python_version()}",
@@ -43,8 +49,8 @@ def report() -> list[str]:
         "Kernel paths on this machine",
         *_table(_capabilities(gpu)),
         "",
-        "Per-op dispatch",
-        *_dispatch_lines(),
+        f"Kernel variant of each op for tensors on {device}",
+        *_choice_lines(device),
         "",
         "sglang attention registry (after sglang.srt.plugins.load_plugins())",
         *_registry_lines(),
@@ -127,11 +133,46 @@ def _flashinfer(gpu: str | None) -> tuple[bool, str]:
     return True, f"on {gpu}"
 
 
-def _dispatch_lines() -> list[str]:
-    """The ``(op, path, reason)`` rows of the kernels' dispatch table."""
-    from dsv4_backend.kernels.report import describe_paths
+def _choice_lines(device: str) -> list[str]:
+    """Each op's chosen variant here and on CUDA 9.0 / 10.0, then every variant's status."""
+    from dsv4_backend.compute.kernel_choice import describe
 
-    return _table(describe_paths())
+    kernels = describe(device)
+    labels = [label for label in next(iter(kernels["ops"].values()))["chosen"] if label != "here"]
+    chosen = [("op", "here", *labels, "why (here)")]
+    variants = []
+    for op, entry in kernels["ops"].items():
+        picks = [c["variant"] or "refused" for c in entry["chosen"].values()]
+        here = entry["chosen"]["here"]
+        chosen.append((op, *picks, here.get("why") or here.get("error") or ""))
+        for v in entry["variants"]:
+            evidence = "gpu-verified" if v["gpu_verified"] else "baseline" if v["baseline"] else ""
+            status = "runs here" if v["runs_here"] else f"not here: {v['reason']}"
+            variants.append((f"{op}/{v['name']}", evidence or "opt-in on CUDA", status))
+    return [
+        f"  {kernels['target']}; CUDA columns: a CUDA host of that capability with sglang's "
+        "libraries",
+        *_table(chosen),
+        "",
+        "  Variants (baseline: the CUDA default from before the GPU check; opt-in: never run on",
+        "  a GPU, chosen by name; gpu-verified: passed scripts/gpu_check.sh)",
+        *_table(variants),
+    ]
+
+
+def json_report(device: str | None = None) -> dict[str, object]:
+    """``info --json``: versions, the registry's resolution and the kernel choice."""
+    from dsv4_backend.compute.kernel_choice import describe
+
+    return {
+        "dsv4_backend": _versions.installed_version("dsv4-backend"),
+        "python": platform.python_version(),
+        "versions": {
+            label: _versions.installed_version(distribution) for label, distribution in PACKAGES
+        },
+        "gpu": _cuda_device(),
+        "kernels": describe(device or default_device()),
+    }
 
 
 def _registry_lines() -> list[str]:

@@ -13,7 +13,7 @@ Compressed caches reuse the full page table (256 tokens per page), so ``num_full
 a multiple of 256. Window pages are sglang's SWA pages (``WINDOW_PAGE_TOKENS``, 256 tokens:
 149,760 bytes in the Flash fp8 layout). ``build`` allocates; ``over`` builds fp8 caches over given
 per-layer storages (e.g. a host's KV pool buffers). Compressor state rings live in
-``kernels/compressor.py``.
+``kernels/compressor/``.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ from dsv4_backend.ops.rope import RopeTable, rope_for_ratio
 
 class ArrivalCounters:
     """Zeroed int32 counters, one per plan record, for kernels whose programs meet at a record
-    in one launch (the compressor's channel splits, ``kernels/compressor.py``): each program
+    in one launch (the compressor's channel splits, ``kernels/compressor/fused.py``): each program
     adds 1 to its record's counter and the last to arrive sets it back to 0, so the counters
     are all zero between launches, graph replays included.
 

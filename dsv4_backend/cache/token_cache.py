@@ -8,7 +8,7 @@ A cache holds ``num_slots`` rows of ``dim`` channels, addressed by int64 slot id
   built over given bytes instead of allocating (``over``: a view, e.g. of a host's KV buffer).
 
 A cache only holds data: kernels read and write ``storage`` directly (writes:
-:func:`dsv4_backend.kernels.cache_store.store_rows`; device helpers:
+:func:`dsv4_backend.kernels.cache_store.table.store_rows`; device helpers:
 :mod:`dsv4_backend.kernels.device.fp8`); ``gather`` is the torch reader used by torch paths
 and tests.
 """

@@ -15,11 +15,11 @@ import torch
 from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels.attention_choice import sparse_attention_with_kernel_choice
-from dsv4_backend.kernels.cache_store import store_rows
-from dsv4_backend.kernels.compressor import compress_forward
-from dsv4_backend.kernels.indexer import run_indexer
-from dsv4_backend.kernels.indexer_fp8 import quantised_view
+from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
+from dsv4_backend.kernels.cache_store.table import store_rows
+from dsv4_backend.kernels.compressor.table import compress_forward
+from dsv4_backend.kernels.indexer.fp8 import quantised_view
+from dsv4_backend.kernels.indexer.table import run_indexer
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import GRAPH_KINDS
@@ -104,7 +104,7 @@ def select_c4_entries(
 
     ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled). With
     ``config.indexer_selection == "fp8"`` the queries (and, in ``compress_and_store``, the
-    keys) are sglang's rotated e4m3 values (``kernels.indexer_fp8``).
+    keys) are sglang's rotated e4m3 values (``kernels.indexer.fp8``).
     """
     comp = _compressed(metadata, 4, f"indexer of layer {layer}")
     if state.config.indexer_selection == "fp8":
@@ -123,14 +123,14 @@ def attend(
     sink: torch.Tensor,
 ) -> torch.Tensor:
     """Sparse attention with sink of ``layer``: ``q`` ``[T, H, D]`` -> ``[T, H, D]`` (float32;
-    bf16 for bf16 ``q`` on a GPU: ``sparse_attention.output_dtype``).
+    bf16 for bf16 ``q`` on a GPU: ``attention.common.output_dtype``).
 
     Keys: the window plus, on compressed layers, the c4 top-k (selected earlier in this
     forward) or every visible c128 entry.
     """
     ratio = layer_ratio(state.config, layer, "attention")
     comp = _compressed(metadata, ratio, f"attention of layer {layer}") if ratio else None
-    return sparse_attention_with_kernel_choice(
+    return sparse_attention_with_sink(
         q,
         state.pools.window(layer),
         metadata.swa_page_indices,
@@ -177,7 +177,7 @@ def forward_layer(
     params : the layer's parameters.
 
     Returns ``[T, H, D]`` attention output (before the inverse RoPE and ``wo``), in
-    ``sparse_attention.output_dtype``.
+    ``attention.common.output_dtype``.
     """
     ratio = layer_ratio(state.config, layer, "forward_layer")
     where = f"layer {layer}"

@@ -13,15 +13,14 @@ the row count (no ``nonzero`` / ``masked_select``, no ``.item()`` / ``.tolist()`
 only checked where the batch already holds them on the host (``BatchView.host_seq_lens``). The
 extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``extend_seq_lens``.
 
-Kernels: on the Triton paths (``kernels/dispatch.py``) ``plan_into`` plans every kind in two
-launches of ``planning/kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
+Kernels (the :data:`PLAN` table, ``kernels/variants.py``): on the Triton paths
+(``kernels/dispatch.py``) ``plan_into`` plans every kind in two launches of
+``planning/kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
 first): ``check_rows``, the batch checks (``_checked_rows``'s twin), then the fused plan
 kernel, which plans the requests that failed a deferred check as writing nothing;
 ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The torch body
-below serves the torch path; there the per-row compression fields run
-``planning/kernels/row_fields.py`` and the compress / write plans ``planning/kernels/compress_plan_tvm.py``
-where they can, else their torch references (``row_fields_torch`` beside that kernel,
-``planning/kernels/compress_plan_torch.py``).
+below serves the torch path; its per-row compression fields and compress / write plans run
+the variants of ``planning/kernels/table.py``.
 """
 
 from __future__ import annotations
@@ -38,14 +37,14 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.variants import OpTable, Variant, on_paths, resolve
 from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning import checks
 from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.checks import Check, PendingChecks, run_checks
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
-from dsv4_backend.planning.kernels.compress_plan_tvm import build_compress_plans
 from dsv4_backend.planning.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
-from dsv4_backend.planning.kernels.row_fields import row_fields
+from dsv4_backend.planning.kernels.table import build_compress_plans, row_fields
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.tag import BatchTag
 
@@ -184,9 +183,8 @@ def plan(
             f"{[kind.name for kind in _KINDS]} (a DSpark draft block: "
             "planning.plan_dspark_block)"
         )
-    if fuses(batch):
-        return plan_into(config, batch, widths, None)
-    return _plan_rows(config, batch, spec.expand(batch), widths, compressed=spec.compressed)
+    entry = resolve(PLAN, batch.req_to_token.device).variant.entry
+    return entry(config, batch, widths)
 
 
 def _extend_lens(batch: BatchView) -> tuple[Sequence[int], Sequence[int]]:
@@ -227,9 +225,9 @@ def _row_layout(batch: BatchView) -> RowLayout:
 
 
 def fuses(batch: BatchView) -> bool:
-    """Whether ``batch`` is planned by the fused kernels (``planning/kernels/plan_fields.py``): on the
-    Triton paths, every kind, its batch checks included (read at once or deferred)."""
-    return batch.kind in _KINDS and dispatch.use_triton(batch.req_to_token.device)
+    """Whether ``batch`` is planned by the fused kernels (``planning/kernels/plan_fields.py``):
+    on the Triton paths, every kind, its batch checks included (read at once or deferred)."""
+    return batch.kind in _KINDS and resolve(PLAN, batch.req_to_token.device).variant is FUSED
 
 
 def fused_checks(
@@ -603,3 +601,29 @@ def _plan_rows(
         tag=_tag(batch),
         pending_checks=pending,
     )
+
+
+def _plan_torch(
+    config: DSV4AttentionConfig, batch: BatchView, widths: PlanWidths | None
+) -> AttentionMetadata:
+    """The torch planner: ``plan``'s result from torch ops and ``planning/kernels/table.py``."""
+    spec = _KINDS[batch.kind]
+    return _plan_rows(config, batch, spec.expand(batch), widths, compressed=spec.compressed)
+
+
+def _plan_fused(
+    config: DSV4AttentionConfig, batch: BatchView, widths: PlanWidths | None
+) -> AttentionMetadata:
+    return plan_into(config, batch, widths, None)
+
+
+FUSED = Variant(
+    "triton", _plan_fused, (on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER),),
+    "every kind: the batch checks, then every field in one launch", baseline=True,
+)  # fmt: skip
+#: The planner's variants: the fused Triton kernels, then the torch planner.
+PLAN = OpTable(
+    "plan",
+    "the attention metadata of a batch (batch checks, rows, page tables, compression fields)",
+    (FUSED, Variant("torch", _plan_torch, (), "every kind", baseline=True)),
+)

@@ -14,8 +14,8 @@ parallelism), per layer, and what each call does here:
   sglang's stream handshake (``alt_streams``, waits for ``q_lora_ready`` before reading
   ``q_lora``).
 * ``forward_core_compressor(x, forward_batch, layer_id, compressor)`` (ratio 4 / 128) — the
-  module's ``compute_kv_score`` projections through ``kernels.compressor.compress_forward``, the
-  finished entries stored at ``c{r}.out_loc``.
+  module's ``compute_kv_score`` projections through
+  ``kernels.compressor.table.compress_forward``, the finished entries stored at ``c{r}.out_loc``.
 * ``forward(q, k, v, layer, forward_batch, compress_ratio=, attn_sink=, save_kv_cache=)`` —
   sparse attention with sink; returns ``[T, H, D]`` in ``q``'s dtype (``k``/``v`` are the
   model's sentinel and ``save_kv_cache`` is moot: keys were written by ``store_cache``).
@@ -40,6 +40,7 @@ backend; the draft runner's draft-extend backend and its per-step backends).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -60,15 +61,18 @@ from dsv4_backend.compute import (
     select_c4_entries,
     store_window_keys,
 )
+from dsv4_backend.compute.kernel_choice import (
+    KernelChoice,
+    explicit_choice_refusal,
+    kernel_choice,
+)
 from dsv4_backend.config import (
     INDEXER_SELECTIONS,
     REQUIRED_PAGE_SIZE,
     DSV4AttentionConfig,
 )
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
-from dsv4_backend.kernels.attention_choice import explicit_choice_reason
-from dsv4_backend.kernels.dispatch import attention_kernel
-from dsv4_backend.kernels.indexer import warm_up_topk
+from dsv4_backend.kernels.indexer.topk import warm_up_topk
 from dsv4_backend.ops.rope import apply_rope
 from dsv4_backend.planning import (
     SUPPORTED_DRAFT_TOPK,
@@ -106,6 +110,17 @@ if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+_logged_choices: set[KernelChoice] = set()
+
+
+def _log_kernels(kernels: KernelChoice) -> None:
+    """Log the kernel variants once per distinct choice (every draft step builds a backend)."""
+    if kernels not in _logged_choices:
+        _logged_choices.add(kernels)
+        logger.info("dsv4 kernels on %s: %s", kernels.target.describe(), "; ".join(kernels.lines()))
+
 
 #: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
 _STATE_ATTR = "_dsv4_backend_attention_state"
@@ -149,7 +164,8 @@ class RunnerSettings:
         ``speculative_num_draft_tokens``, ``tp_size``, ``attn_dp_size`` (or
         ``enable_dp_attention`` with ``dp_size``), every option of the refusal table
         (``refusals.REFUSED``) and the ``REGION_COPYING_OPTIONS``), and the environment
-        variables ``INDEXER_SELECTION_ENV`` and ``dispatch.ATTENTION_KERNEL_ENV``.
+        variables ``INDEXER_SELECTION_ENV`` and the kernel tables' ``DSV4_<OP>_KERNEL``
+        (``compute/kernel_choice.py``).
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -175,7 +191,6 @@ class RunnerSettings:
             raise ConfigError(
                 f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
             )
-        attention_kernel()  # ConfigError for an unknown DSV4_ATTENTION_KERNEL
         speculative = getattr(args, "speculative_algorithm", None) is not None
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.
         # sglang's own reading of the window (its model config resolves the same keys).
@@ -441,13 +456,14 @@ class DSV4AttentionBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.state = shared_state(model_runner, self.config, cache_format, settings.region_copying)
-        pools = self.state.pools
-        extra = next(iter(pools.compressed_caches.values()), None)
-        reason = explicit_choice_reason(
-            self.device, pools.window(0), extra, self.local_heads, self.config.head_dim
+        reason = explicit_choice_refusal(
+            self.device, self.state.pools, self.config, self.local_heads
         )
         if reason is not None:  # refused when built, not at the first forward
             raise ConfigError(reason)
+        #: What every op runs here (``compute/kernel_choice.py``), logged once per process.
+        self.kernels = kernel_choice(self.device)
+        _log_kernels(self.kernels)
         sizes = state_sizes(model_runner, self.config)
         self.num_cache_slots = sizes["num_full_slots"]
         self.num_swa_slots = sizes["num_swa_slots"]

@@ -86,8 +86,8 @@ STEPS: tuple[Step, ...] = (
     Step("opt-in-attention", 45, ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-m", "gpu", "tests/kernels/test_attention_kernels_cuda.py"), False,
          "the pipelined, ws and flashmla attention kernels against the torch path on fp8 bytes"),
-    Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "triton",
-         "pipelined", "ws", "--against", "flashmla", "--batch", "8", "64", "128"), False,
+    Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "all",
+         "--against", "flashmla", "--batch", "8", "64", "128"), False,
          "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes"),
     Step("sglang-ab", 26, ("{python}", "-m", "dsv4_backend.testing.gpu_check", "ab", "{out}"),
          True, "this backend against sglang's built-in (Flash's attention widths, one layer "

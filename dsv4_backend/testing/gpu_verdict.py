@@ -62,11 +62,12 @@ from dsv4_backend.compute.layer import (
 )
 from dsv4_backend.config import INDEXER_SELECTIONS, WINDOW_PAGE_TOKENS, DSV4AttentionConfig
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.attention.common import attention_tolerance, dot_operand_dtype
+from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.kernels.indexer import C4_ENTRIES_PER_PAGE, c4_entry_slots, index_scores
-from dsv4_backend.kernels.indexer_fp8 import quantised_view
-from dsv4_backend.kernels.sparse_attention import attention_tolerance, dot_operand_dtype
+from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, c4_entry_slots
+from dsv4_backend.kernels.indexer.fp8 import quantised_view
+from dsv4_backend.kernels.indexer.table import index_scores
 from dsv4_backend.planning import AttentionMetadata, BatchView, plan
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 

@@ -3,8 +3,8 @@
 ``python -m dsv4_backend.testing.precompile --target sm_90a --out DIR [--list] [--ptx]
 [NAME ...]`` (with ``TRITON_INTERPRET=0``: the interpreter turns every kernel into an
 interpreted function) compiles with the installed Triton, which must be 3.8, and writes
-``kernels/device/precompiled.py``'s format: ``<key>.cubin`` and ``<key>.json`` a kernel, found at run
-time through ``DSV4_PRECOMPILED_DIR`` by ``kernels/sparse_attention_ws.py`` under a Triton too
+``kernels/device/precompiled.py``'s format: ``<key>.cubin`` and ``<key>.json`` a kernel, found
+at run time through ``DSV4_PRECOMPILED_DIR`` by ``kernels/attention/ws.py`` under a Triton too
 old to compile them. ``--list`` prints the configurations without compiling, ``--ptx`` also
 writes ``<key>.ptx`` (for inspection; no launcher reads it), ``NAME`` substrings select
 configurations.
@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dsv4_backend.kernels import sparse_attention_ws as wa
+from dsv4_backend.kernels.attention import ws as wa
 from dsv4_backend.kernels.device import precompiled
 
 #: Flash's attention head: 448 e4m3 nope + 64 bf16 rope channels.

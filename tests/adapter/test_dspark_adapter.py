@@ -15,7 +15,7 @@ from sglang_pool import inside, make_pool
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.planning import ForwardKind
 from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
 from dsv4_backend.sglang_adapter.factory import create_dsv4_backend

@@ -51,7 +51,7 @@ from sglang.srt.speculative.dspark_components.dspark_planner import alloc_verify
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.planning import ForwardKind
 from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
 from dsv4_backend.testing import harness

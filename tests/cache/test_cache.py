@@ -29,7 +29,7 @@ from dsv4_backend.cache.fp8_format import e4m3_decode, e4m3_encode, ue8m0_expone
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.device.fp8 import (
     bf16_bits_to_fp32,
     e4m3_to_fp32,

@@ -18,7 +18,7 @@ from sglang_pool import CONFIG, REQUEST_SLOTS, inside, make_pool
 
 from dsv4_backend.cache import DSV4CachePools, IndexerKeyCache, TokenCache
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.sglang_adapter.backend import shared_state
 
 

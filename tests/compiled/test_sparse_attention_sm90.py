@@ -17,7 +17,7 @@ import pytest
 from aot_reports import SASS_REPORT, compiled_reports
 from stress import STRESS
 
-from dsv4_backend.kernels import sparse_attention as sa
+from dsv4_backend.kernels.attention import triton as sa
 
 pytestmark = pytest.mark.compiled
 

@@ -16,8 +16,9 @@ import torch
 from attention_inputs import PAGE_TOKENS, make_cache, random_indices, random_keys
 
 from dsv4_backend.cache import TokenCache
-from dsv4_backend.kernels.attention_choice import ATTENTION_VARIANTS
-from dsv4_backend.kernels.sparse_attention import attention_tolerance, sparse_attention_torch
+from dsv4_backend.kernels.attention.common import attention_tolerance
+from dsv4_backend.kernels.attention.table import ATTENTION, variant_reason
+from dsv4_backend.kernels.attention.torch import sparse_attention_torch
 
 pytestmark = pytest.mark.gpu
 
@@ -51,13 +52,13 @@ def _inputs(ratio: int, lengths: list[int], extra_lengths: list[int], seed: int,
 def test_matches_torch_on_cuda(kernel, ratio, splits):
     fmt = "dense" if kernel == "ws-dense" else "fp8"
     args = _inputs(ratio, [128, 1, 77, 0, 128, 128], [512, 3, 0, 0, 100, 512], ratio, fmt)
-    variant = ATTENTION_VARIANTS[kernel.removesuffix("-dense")]
+    variant = ATTENTION[kernel.removesuffix("-dense")]
     q, window, extra = args[0], args[1], args[4]
     if kernel == "flashmla":  # a library: skipped where it is not installed, with its reason
-        reason = variant.unsupported(q.device, window, extra, q.shape[1], q.shape[2])
+        reason = variant_reason(variant, q.device, window, extra, q.shape[1], q.shape[2])
         if reason is not None:
             pytest.skip(reason)
-    out = variant.run(*args, num_splits=splits)
+    out = variant.entry(*args, num_splits=splits)
     expected = sparse_attention_torch(*args)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(

@@ -11,20 +11,21 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dsv4_backend.cache.state import ArrivalCounters
+from dsv4_backend.cache.state import ArrivalCounters, CompressorState
 from dsv4_backend.config import DSV4AttentionConfig, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
-from dsv4_backend.kernels import compressor, dispatch
-from dsv4_backend.kernels.compressor import (
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.compressor import fused
+from dsv4_backend.kernels.compressor.common import ring_write_is_safe
+from dsv4_backend.kernels.compressor.fused import (
     MAX_ENTRY_WORKERS,
-    CompressorState,
     channel_splits,
-    compress_forward,
     entry_workers,
     force_channel_splits,
     fused_tiles,
-    ring_write_is_safe,
 )
+from dsv4_backend.kernels.compressor.table import compress_forward
+from dsv4_backend.kernels.variants import force_unverified
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_ratio
 
@@ -273,7 +274,7 @@ def test_triton_interpreter_equals_torch(layer: Layer, bounded: bool) -> None:
         req = make_request(layer, 200, 1, seed=5)
         state = allocate(CONFIG, layer, 3)
         found: dict = {}
-        with dispatch.force_path(path), dispatch.force_unverified(bounded):
+        with dispatch.force_path(path), force_unverified(bounded):
             run_forward(state, layer, [Segment(req, 0, 126)], found)
             outs.append(run_forward(state, layer, [Segment(req, 126, 2)], found))
             for p in range(128, 133):  # decode: one row a request
@@ -367,7 +368,7 @@ def test_split_entries_equal_torch_and_leave_the_counters_zero(monkeypatch) -> N
     (record, split) items."""
     splits = channel_splits(C128.head_dim, 128, torch.device("cuda"))
     assert splits == 4
-    monkeypatch.setattr(compressor, "MAX_ENTRY_WORKERS", 3)
+    monkeypatch.setattr(fused, "MAX_ENTRY_WORKERS", 3)
     outs, rings = [], []
     for path in (TORCH, INTERP):
         requests = [make_request(C128, n, i, seed=6 + i) for i, n in enumerate((130, 140, 128))]
@@ -556,5 +557,5 @@ def test_any_multi_request_schedule_on_the_one_launch_kernel(data, layer: Layer)
     # c128 entries split as a GPU splits them, over few entry workers (several items each).
     splits = channel_splits(layer.head_dim, compress_span(layer.ratio), torch.device("cuda"))
     with force_channel_splits(splits), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(compressor, "MAX_ENTRY_WORKERS", 5)
+        patch.setattr(fused, "MAX_ENTRY_WORKERS", 5)
         run_schedule(layer, [sum(c) for c in chunks], chunks, INTERP)

@@ -22,9 +22,13 @@ from hypothesis import strategies as st
 from dsv4_backend.cache import IndexerKeyCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels import indexer
-from dsv4_backend.kernels.cache_store import store_rows
-from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path, force_unverified
+from dsv4_backend.kernels.cache_store.table import store_rows
+from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+from dsv4_backend.kernels.indexer import bounded as indexer_bounded
+from dsv4_backend.kernels.indexer import table as indexer
+from dsv4_backend.kernels.indexer import topk as indexer_topk
+from dsv4_backend.kernels.indexer.common import select_entries
+from dsv4_backend.kernels.variants import Target, choose, force_unverified
 from dsv4_backend.testing.op_counter import LaunchCounter
 from dsv4_backend.testing.reference import make_random_layer, reference_layer
 
@@ -196,7 +200,7 @@ def test_length_bounded_topk_splits_long_rows_over_programs(parts, monkeypatch):
     """Chunks' best then their merge select what the definition selects, however many
     programs a row takes (200 entries: 1 or 4 chunks; programs past a row's chunks exit at
     once); columns past each row's count hold garbage (NaN, huge)."""
-    monkeypatch.setattr(indexer, "INTERPRETER_TOPK_PARTS", parts)
+    monkeypatch.setattr(indexer_bounded, "INTERPRETER_TOPK_PARTS", parts)
     scores, num, topk = _long_rows()
     past = torch.arange(scores.shape[1])[None, :] >= num[:, None].long()
     garbage = scores.masked_fill(past, float("nan"))
@@ -214,7 +218,7 @@ def test_length_bounded_topk_work_of_a_long_row(monkeypatch):
     """One row of 150 entries at top-k 8: 3 chunk programs do work (64 + 64 + 22 entries)
     and the merge reads their 24 candidates, not the row; a 9-entry row is one chunk; rows
     of at most top-k leave the chunks' kernel nothing to do."""
-    monkeypatch.setattr(indexer, "INTERPRETER_TOPK_PARTS", 4)
+    monkeypatch.setattr(indexer_bounded, "INTERPRETER_TOPK_PARTS", 4)
     scores, num, topk = _long_rows()
     programs = {}
     for row in (3, 5, 6):
@@ -238,7 +242,7 @@ def test_ties_go_to_the_smaller_entry():
     indexer.select_topk(scores, b.num, b.page_table, TOPK, out)
     assert torch.equal(out, brute_select(scores, b.num, b.page_table, TOPK))
     zeros = torch.zeros(1, 40)
-    entries = indexer.select_entries(zeros, torch.tensor([40], dtype=torch.int32), TOPK)
+    entries = select_entries(zeros, torch.tensor([40], dtype=torch.int32), TOPK)
     assert entries.tolist() == [list(range(TOPK))]
 
 
@@ -260,7 +264,7 @@ def test_select_entries_is_the_definition(case):
     scores, num, topk = case
     rows = scores.shape[0]
     identity = torch.arange(64, dtype=torch.int32).expand(rows, 64)  # slot = entry
-    got = indexer.select_entries(scores, num, topk)
+    got = select_entries(scores, num, topk)
     assert got.shape == (rows, topk) and got.dtype == torch.int64
     assert torch.equal(got.int(), brute_select(scores, num, identity, topk))
 
@@ -275,7 +279,7 @@ def test_length_bounded_topk_is_the_definition(case, parts):
     identity = torch.arange(3, dtype=torch.int32).expand(rows, 3)  # slot = entry
     out = torch.full((rows, topk), -7, dtype=torch.int32)
     with force_path(TRITON_INTERPRETER), pytest.MonkeyPatch.context() as patch:
-        patch.setattr(indexer, "INTERPRETER_TOPK_PARTS", parts)
+        patch.setattr(indexer_bounded, "INTERPRETER_TOPK_PARTS", parts)
         indexer.select_topk(scores, num, identity, topk, out)
     assert torch.equal(out, brute_select(scores, num, identity, topk))
 
@@ -417,7 +421,7 @@ def test_flashinfer_branch_passes_arguments_flashinfer_accepts(monkeypatch):
 
     fake = types.SimpleNamespace(top_k=fake_top_k, TopKTieBreak=types.SimpleNamespace(SMALL=1))
     monkeypatch.setitem(sys.modules, "flashinfer", fake)
-    monkeypatch.setattr(indexer, "_use_flashinfer_topk", lambda device: True)
+    _choose_as_on_a_cuda_host(monkeypatch)
     b = make_batch(11)
     scores = torch.randn(len(SEQ_LENS), 64)
     out = torch.empty(len(SEQ_LENS), TOPK, dtype=torch.int32)
@@ -431,12 +435,20 @@ def test_warm_up_topk_runs_flashinfer_once_before_capture(monkeypatch):
     """On a flashinfer device the warm-up runs one top-k (JIT build, workspace); elsewhere
     nothing."""
     calls = []
-    monkeypatch.setattr(indexer, "_best_columns", lambda x, k: calls.append((x.shape, k)))
-    indexer.warm_up_topk("cpu", 8)
+    monkeypatch.setattr(indexer_topk, "best_columns", lambda x, k: calls.append((x.shape, k)))
+    indexer_topk.warm_up_topk("cpu", 8)
     assert calls == []
-    monkeypatch.setattr(indexer, "_use_flashinfer_topk", lambda device: True)
-    indexer.warm_up_topk("cpu", 8)
+    _choose_as_on_a_cuda_host(monkeypatch)
+    indexer_topk.warm_up_topk("cpu", 8)
     assert calls == [((1, 9), 8)]
+
+
+def _choose_as_on_a_cuda_host(monkeypatch):
+    """The top-k's variant as a CUDA host with flashinfer chooses it (the CPU tensors stay)."""
+    hopper = Target.cuda_host((9, 0))
+    chosen = choose(indexer_topk.INDEXER_TOPK, hopper, None)
+    assert chosen.variant is indexer_topk.FLASHINFER
+    monkeypatch.setattr(indexer_topk, "resolve", lambda table, device: chosen)
 
 
 # ---------------------------------------------------------------------- deep_gemm bench

@@ -11,7 +11,7 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.kernels.indexer_fp8 import E4M3_MAX, hadamard, quantised_view
+from dsv4_backend.kernels.indexer.fp8 import E4M3_MAX, hadamard, quantised_view
 from dsv4_backend.sglang_adapter.backend import INDEXER_SELECTION_ENV, DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
@@ -124,5 +124,5 @@ def test_environment_setting_switches_the_adapter_to_fp8_keys(monkeypatch) -> No
         _backend(pool)
     monkeypatch.setenv(INDEXER_SELECTION_ENV, "exact")
     monkeypatch.setenv("DSV4_ATTENTION_KERNEL", "ws9")  # refused when built, too
-    with pytest.raises(ConfigError, match="DSV4_ATTENTION_KERNEL='ws9'"):
+    with pytest.raises(ConfigError, match="DSV4_ATTENTION_KERNEL=ws9: unknown attention variant"):
         _backend(pool)

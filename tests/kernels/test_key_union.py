@@ -1,5 +1,5 @@
-"""The union key lists of row groups (``kernels/key_union.py``): Triton (interpreter) == torch
-twin, every row sees exactly its own keys, and rows that share keys share columns.
+"""The union key lists of row groups (``kernels/attention/key_union.py``): Triton (interpreter)
+== torch twin, every row sees exactly its own keys, and rows that share keys share columns.
 
 Row lists come in the shapes serving produces: newest-first windows of consecutive positions
 (verify / extend rows of one request), one list at growing lengths (c128 entries), unrelated
@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from marks import needs_interpreter
 
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.key_union import (
+from dsv4_backend.kernels.attention.key_union import (
     MAX_GROUP,
     KeyUnion,
     key_union,

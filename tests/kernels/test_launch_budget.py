@@ -21,9 +21,10 @@ from planning_spec import BatchSpec, make_batch
 from dsv4_backend.compute import AttentionState, compress_and_store, select_c4_entries
 from dsv4_backend.compute.layer import attend
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.cache_store import store_rows
-from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path, force_unverified
-from dsv4_backend.kernels.sparse_attention import force_num_splits
+from dsv4_backend.kernels.attention.common import force_num_splits
+from dsv4_backend.kernels.cache_store.table import store_rows
+from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
+from dsv4_backend.kernels.variants import force_unverified
 from dsv4_backend.planning import ForwardKind, GraphMetadataBuffers, PlanWidths, checks, plan
 from dsv4_backend.testing.op_counter import LaunchCounter
 from dsv4_backend.testing.simulation import PagedRequestPool
@@ -100,7 +101,7 @@ def test_compressor_call_within_budget(setup: tuple, mode: str, layer: int, inde
         )
     )
     # Extend and verify without the speculative rings too: the writes that replace ring rows
-    # an entry reads wait for it in the same launch (compressor.ring_write_is_safe).
+    # an entry reads wait for it in the same launch (compressor.common.ring_write_is_safe).
     assert launches.kernels == {"triton:_compress_fused_kernel": 1}, launches.summary()
     assert launches.total <= COMPRESSOR_BUDGET, (launches.summary(), launches.torch_ops)
     assert not launches.syncs

@@ -32,23 +32,25 @@ from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels import attention_flashmla, dispatch, indexer_deep_gemm
-from dsv4_backend.kernels.attention_flashmla import (
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.attention import flashmla
+from dsv4_backend.kernels.attention.flashmla import (
     flashmla_arguments,
     flashmla_unsupported_reason,
     sparse_attention_flashmla,
 )
-from dsv4_backend.kernels.cache_store import store_rows
-from dsv4_backend.kernels.indexer import index_scores
-from dsv4_backend.kernels.indexer_deep_gemm import (
+from dsv4_backend.kernels.attention.torch import sparse_attention_torch
+from dsv4_backend.kernels.cache_store.table import store_rows
+from dsv4_backend.kernels.indexer import deep_gemm as indexer_deep_gemm
+from dsv4_backend.kernels.indexer.deep_gemm import (
     deep_gemm_arguments,
     deep_gemm_unsupported_reason,
     index_scores_deep_gemm,
     paged_mqa_schedule,
     quantise_queries,
 )
-from dsv4_backend.kernels.indexer_fp8 import e4m3_round_trip, quantised_view
-from dsv4_backend.kernels.sparse_attention import sparse_attention_torch
+from dsv4_backend.kernels.indexer.fp8 import e4m3_round_trip, quantised_view
+from dsv4_backend.kernels.indexer.table import index_scores
 
 CUDA = torch.device("cuda")  # only named: no test touches a GPU
 D, ROPE = 512, 64
@@ -197,7 +199,7 @@ def test_flashmla_matches_the_torch_path(flash_mla, monkeypatch, heads, layer):
     """Through the stand-in FlashMLA, the variant's output is the torch path's (bf16 output
     rounding apart) for 16 (padded to 64), 64 and 128 heads, window-only and both extra
     caches, lengths of 0, past the width and negative, -1 holes."""
-    monkeypatch.setattr(attention_flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
     args = _attention_args(heads, layer, torch.Generator().manual_seed(heads + len(layer)))
     out = sparse_attention_flashmla(*args)
     expected = sparse_attention_torch(*args)
@@ -210,9 +212,9 @@ def test_flashmla_matches_the_torch_path(flash_mla, monkeypatch, heads, layer):
 def test_flashmla_schedule_is_shared_and_splits_are_checked(flash_mla, monkeypatch):
     """A given schedule is the one FlashMLA fills (and reuses); a fresh one otherwise; a bad
     ``num_splits`` is refused; no rows give an empty result without a call."""
-    monkeypatch.setattr(attention_flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
     args = _attention_args(64, "c4", torch.Generator().manual_seed(1))
-    schedule = attention_flashmla.flashmla_schedule()
+    schedule = flashmla.flashmla_schedule()
     first = sparse_attention_flashmla(*args, schedule=schedule, num_splits=4)
     assert schedule.have_initialized
     torch.testing.assert_close(sparse_attention_flashmla(*args, schedule=schedule), first)
@@ -227,12 +229,12 @@ def test_flashmla_schedule_is_shared_and_splits_are_checked(flash_mla, monkeypat
 def test_flashmla_reads_a_one_page_cache(flash_mla, monkeypatch):
     """A cache of one page still hands FlashMLA the layout's page stride (``view`` alone
     would give that size-1 dim another stride, which FlashMLA checks)."""
-    monkeypatch.setattr(attention_flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
+    monkeypatch.setattr(flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
     g = torch.Generator().manual_seed(9)
     window = _token_cache(200, PAGES["window"], "fp8", g)
     assert window.storage.shape[0] == 1
     assert window.layout is not None
-    view = attention_flashmla.flashmla_cache(window)
+    view = flashmla.flashmla_cache(window)
     assert view.stride() == (window.layout.page_bytes, 584, 584, 1)
     q = torch.randn(2, 64, D, generator=g).bfloat16().float()
     idx, lens = _slots([3, 200], 64, 200, g)
@@ -370,7 +372,7 @@ def deep_gemm(monkeypatch) -> FakeDeepGemm:
 def _indexer_args(g: torch.Generator, fp8_selection: bool = True) -> IndexerArgs:
     """``index_scores``' arguments for 6 rows: keys of 8 pages stored in an fp8 cache, pages
     permuted per row, candidate counts across page edges, 0, and past ``N = 200``. With
-    ``fp8_selection`` queries and keys are ``indexer_fp8.quantised_view`` values."""
+    ``fp8_selection`` queries and keys are ``indexer.fp8.quantised_view`` values."""
     keys = IndexerKeyCache(8 * 64, DI, "fp8")
     rows = torch.randn(keys.num_slots, DI, generator=g)
     q = torch.randn(6, HI, DI, generator=g)

@@ -26,9 +26,9 @@ import triton
 from attention_inputs import make_cache, random_indices, random_keys
 
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels import sparse_attention_ws as wa
+from dsv4_backend.kernels.attention import ws as wa
+from dsv4_backend.kernels.attention.common import key_spans
 from dsv4_backend.kernels.device import precompiled
-from dsv4_backend.kernels.sparse_attention import key_spans
 
 #: The configuration compiled: fp8 caches, a compressed layer, 5 ... 8 splits.
 CONFIG = "ws-fp8-extra-bs8"

@@ -36,17 +36,17 @@ from stress import STRESS, sized
 from dsv4_backend.cache import TokenCache
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.sparse_attention import (
+from dsv4_backend.kernels.attention.common import (
     MAX_SPLITS,
     attention_tolerance,
     default_num_splits,
     dot_operand_dtype,
     force_num_splits,
     group_rows,
-    sparse_attention_torch,
-    sparse_attention_triton,
-    sparse_attention_with_sink,
 )
+from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
+from dsv4_backend.kernels.attention.torch import sparse_attention_torch
+from dsv4_backend.kernels.attention.triton import sparse_attention_triton
 from dsv4_backend.testing.reference import reference_attention, sink_attention
 
 pytestmark = needs_interpreter
@@ -363,7 +363,7 @@ def test_merge_takes_any_heads_a_program(heads_per_program: int, monkeypatch) ->
     """The merge of key splits gives the same output whether a program takes one head (the
     GPU's), all of them (the interpreter's) or a block that does not divide them; empty rows
     and splits without a key included."""
-    from dsv4_backend.kernels import sparse_attention as sa
+    from dsv4_backend.kernels.attention import triton as sa
 
     g = torch.Generator().manual_seed(3)
     win, ext = (

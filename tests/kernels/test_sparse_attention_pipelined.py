@@ -15,22 +15,20 @@ import torch
 from attention_inputs import REQUEST_ROWS, make_cache, random_indices, random_keys, request_inputs
 from marks import needs_interpreter
 
+from dsv4_backend.compute.kernel_choice import describe
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.attention_choice import sparse_attention_with_kernel_choice
-from dsv4_backend.kernels.report import describe_paths
-from dsv4_backend.kernels.sparse_attention import (
-    force_num_splits,
-    sparse_attention_torch,
-    sparse_attention_triton,
-    sparse_attention_with_sink,
-)
-from dsv4_backend.kernels.sparse_attention_pipelined import sparse_attention_pipelined
-from dsv4_backend.kernels.sparse_attention_ws import (
+from dsv4_backend.kernels.attention.common import force_num_splits
+from dsv4_backend.kernels.attention.pipelined import sparse_attention_pipelined
+from dsv4_backend.kernels.attention.table import ATTENTION, sparse_attention_with_sink
+from dsv4_backend.kernels.attention.torch import sparse_attention_torch
+from dsv4_backend.kernels.attention.triton import sparse_attention_triton
+from dsv4_backend.kernels.attention.ws import (
     sparse_attention_ws,
     ws_arch_reason,
     ws_inputs_reason,
 )
+from dsv4_backend.kernels.variants import force_variant, resolve
 
 pytestmark = needs_interpreter
 
@@ -111,41 +109,40 @@ def test_refuses_dense_caches():
 
 
 def test_selection(monkeypatch):
-    """``sparse_attention_with_kernel_choice`` (what compute/layer.py calls) runs the pipelined
-    kernel when selected (a bf16-rounded answer) and today's kernel otherwise or for dense
-    caches, and the Gluon ws kernel falls back to the default on the CPU; an unknown name is a
-    ConfigError; ``info``'s table says which kernel runs."""
+    """``sparse_attention_with_sink`` (what compute/layer.py calls) runs the pipelined variant
+    when named (a bf16-rounded answer) and the triton one otherwise; named on dense caches it
+    refuses them (no other kernel runs in its place), and the Gluon ws variant is refused in
+    the interpreter; ``info``'s description says which variant runs."""
     args, _ = request_inputs(4, 40, [20, 39], "fp8", seed=62)
     with dispatch.force_path("triton-interpreter"), force_num_splits(2):
-        default = sparse_attention_with_kernel_choice(*args)
-        assert torch.equal(default, sparse_attention_with_sink(*args))
-        monkeypatch.setenv(dispatch.ATTENTION_KERNEL_ENV, "pipelined")
-        assert dispatch.attention_kernel()[0] == "pipelined"
-        chosen = sparse_attention_with_kernel_choice(*args)
+        default = sparse_attention_with_sink(*args)
+        assert torch.equal(default, sparse_attention_triton(*args))
+        monkeypatch.setenv(ATTENTION.env, "pipelined")
+        assert resolve(ATTENTION, "cpu").name == "pipelined"
+        chosen = sparse_attention_with_sink(*args)
         dense, _ = request_inputs(4, 40, [39], "dense", seed=62)
-        via_choice = sparse_attention_with_kernel_choice(*dense)
-        assert torch.equal(via_choice, sparse_attention_triton(*dense))
+        with pytest.raises(BatchError, match="the window cache is dense"):
+            sparse_attention_with_sink(*dense)
+        ops = describe("cpu")["ops"]["attention"]
+        assert ops["chosen"]["here"] == {
+            "variant": "pipelined",
+            "why": "DSV4_ATTENTION_KERNEL=pipelined",
+        }
     torch.testing.assert_close(chosen, default, atol=ATOL, rtol=RTOL)
     assert chosen.dtype == torch.float32
     assert torch.equal(chosen, chosen.bfloat16().float()) and not torch.equal(chosen, default)
-    rows = {op: (path, why) for op, path, why in describe_paths("cpu")}
-    kernel, why = rows["attention_kernel"]
-    assert kernel == "pipelined" and "never run on a GPU" in why
-    with dispatch.force_attention_kernel("ws"), dispatch.force_path("triton-interpreter"):
-        # Gluon has no interpreter: the default kernel runs, and info says why.
-        with force_num_splits(2):
-            assert torch.equal(sparse_attention_with_kernel_choice(*args), default)
-        rows = {op: (path, why) for op, path, why in describe_paths("cpu")}
-        assert rows["attention_kernel"][0] == "ws" and "CUDA only" in rows["attention_kernel"][1]
-    monkeypatch.setenv(dispatch.ATTENTION_KERNEL_ENV, "fastest")
-    with pytest.raises(ConfigError, match="DSV4_ATTENTION_KERNEL='fastest'"):
-        dispatch.attention_kernel()
-    monkeypatch.delenv(dispatch.ATTENTION_KERNEL_ENV)
-    with dispatch.force_attention_kernel("pipelined"):
-        assert dispatch.attention_kernel() == ("pipelined", "pinned by force_attention_kernel")
-    assert dispatch.attention_kernel()[0] == "triton"
-    with pytest.raises(ConfigError, match="unknown attention kernel"):
-        dispatch.force_attention_kernel("ws2").__enter__()
+    with force_variant(ATTENTION, "ws"), dispatch.force_path("triton-interpreter"):
+        with pytest.raises(ConfigError, match="the ws attention variant cannot run on cpu"):
+            sparse_attention_with_sink(*args)
+        here = describe("cpu")["ops"]["attention"]["chosen"]["here"]
+        assert here["variant"] is None and "runs on the triton path" in here["error"]
+    monkeypatch.setenv(ATTENTION.env, "fastest")
+    with pytest.raises(ConfigError, match="DSV4_ATTENTION_KERNEL=fastest: unknown attention"):
+        resolve(ATTENTION, "cpu")
+    monkeypatch.delenv(ATTENTION.env)
+    with force_variant(ATTENTION, "pipelined"):
+        assert resolve(ATTENTION, "cpu").reason == "pinned by force_variant"
+    assert resolve(ATTENTION, "cpu").name in ("triton", "torch")
 
 
 def test_ws_takes_fp8_or_dense_bf16_caches_of_one_format_on_hopper_or_blackwell() -> None:

@@ -1,9 +1,10 @@
-"""The shipped CUDA source of the compress / write plan kernel (``planning/kernels/compress_plan_cuda.cu``).
+"""The shipped CUDA source of the compress / write plan kernel
+(``planning/kernels/compress_plan_cuda.cu``).
 
-It is TVM's CUDA C for ``planning/kernels/compress_plan_tvm.py`` plus the tvm-ffi launcher; GPU hosts
-build it with nvcc through tvm-ffi at run time. Here: the shipped file is what the generator
+It is TVM's CUDA C for ``planning/kernels/compress_plan_tvm.py`` plus the tvm-ffi launcher; GPU
+hosts build it with nvcc through tvm-ffi at run time. Here: the shipped file is what the generator
 writes today (needs apache-tvm), it compiles for sm_90a (needs nvcc, not a GPU), and the
-dispatcher reports the CUDA path or the reason it cannot run.
+variant table reports the CUDA path or the reason it cannot run.
 """
 
 from __future__ import annotations
@@ -14,20 +15,22 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4_backend.kernels import report
+from dsv4_backend.kernels.variants import Target, choose
 from dsv4_backend.planning.kernels import compress_plan_tvm as cpt
+from dsv4_backend.planning.kernels import table
 
 
 def test_shipped_cuda_source_is_regenerated_unchanged() -> None:
     pytest.importorskip("tvm")
     assert cpt.CUDA_SOURCE.read_text() == cpt.generate_cuda_source(), (
-        "compress_plan_cuda.cu is stale: run python -m dsv4_backend.planning.kernels.compress_plan_tvm"
+        "compress_plan_cuda.cu is stale: run "
+        "python -m dsv4_backend.planning.kernels.compress_plan_tvm"
     )
 
 
 def test_shipped_cuda_source_is_package_data() -> None:
     pyproject = (Path(__file__).parents[2] / "pyproject.toml").read_text()
-    assert '"dsv4_backend.kernels" = ["*.cu"]' in pyproject
+    assert '"dsv4_backend.planning.kernels" = ["*.cu"]' in pyproject
     source = cpt.CUDA_SOURCE.read_text()
     assert source.count("__syncthreads()") == 3  # count | scan rounds (read, write) | emit
     assert f"void {cpt.CUDA_ENTRY}(" in source
@@ -59,18 +62,23 @@ def test_shipped_cuda_source_compiles_for_sm90a(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_cuda_path_or_reason(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``tvm-cuda`` exactly when tvm-ffi, nvcc and a CUDA device are there; else torch, with
-    the reason (here, and with the toolkit and the device faked present or absent)."""
+    """The table's ``tvm`` variant runs on CUDA exactly when tvm-ffi, nvcc and a CUDA device
+    are there; else ``torch`` runs and the ``tvm`` row says why (here, and with the toolkit and
+    the device faked present or absent)."""
     reason = cpt.cuda_unavailable_reason()
-    path, why = report._tvm_path(torch.device("cuda"))
-    assert (path, why) == (("torch", reason) if reason else ("tvm-cuda", why))
-    assert cpt.tvm_available("cuda") == (reason is None)
+    assert cpt.tvm_unavailable_reason("cuda") == reason
+    hopper = Target.cuda_host((9, 0))
+    tvm = table.COMPRESS_PLANS["tvm"]
+    # the live check, not the process's cached one, so the fakes below take effect
+    monkeypatch.setattr(table, "tvm_unavailable_reason", lambda kind: cpt.cuda_unavailable_reason())
+    assert tvm.unmet(hopper) == reason
+    assert choose(table.COMPRESS_PLANS, hopper, None).name == ("torch" if reason else "tvm")
     pytest.importorskip("tvm_ffi")
     monkeypatch.setenv("CUDA_HOME", "/opt/cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert report._tvm_path(torch.device("cuda"))[0] == "tvm-cuda"
+    assert choose(table.COMPRESS_PLANS, hopper, None).name == "tvm"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert report._tvm_path(torch.device("cuda")) == ("torch", "no CUDA device")
+    assert tvm.unmet(hopper) == "no CUDA device"
 
 
 def test_cuda_tensors_use_the_shipped_kernel(monkeypatch: pytest.MonkeyPatch) -> None:

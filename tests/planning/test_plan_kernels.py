@@ -20,8 +20,11 @@ from marks import needs_interpreter
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.variants import Target, choose
+from dsv4_backend.planning.kernels import table
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
-from dsv4_backend.planning.kernels.row_fields import row_fields, row_fields_torch
+from dsv4_backend.planning.kernels.row_fields import row_fields_torch
+from dsv4_backend.planning.kernels.table import build_compress_plans, row_fields
 
 tvm = pytest.importorskip("tvm")
 
@@ -110,7 +113,7 @@ def test_tvm_plans_edge_sizes(reqs: list[tuple[int, int]], ratio: int) -> None:
     got = cpt.compress_plans_tvm(*inputs, ratio)
     assert got[0].shape == (len(reqs), 4)
     assert_plans_equal(got, compute_compress_plans(*inputs, ratio))
-    assert_plans_equal(cpt.build_compress_plans(*inputs, ratio), got)
+    assert_plans_equal(build_compress_plans(*inputs, ratio), got)
 
 
 def test_tvm_plan_records_by_hand() -> None:
@@ -169,17 +172,16 @@ def test_tvm_kernel_refusal_is_a_contract_error(bad: str, tvm_says: str) -> None
     assert f"positions {tuple(pos.shape)}" in message
 
 
-def test_dispatcher_picks_tvm_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert cpt.tvm_available("cpu")
-    assert cpt.tvm_available("cuda") == (cpt.cuda_unavailable_reason() is None)
-    inputs = plan_inputs([1], [9])
-    calls: list[str] = []
-    monkeypatch.setattr(cpt, "compress_plans_tvm", lambda *a: calls.append("tvm"))
-    monkeypatch.setattr(cpt, "compute_compress_plans", lambda *a: calls.append("torch"))
-    cpt.build_compress_plans(*inputs, 4)
-    monkeypatch.setattr(cpt, "tvm_available", lambda device_type: False)
-    cpt.build_compress_plans(*inputs, 4)
-    assert calls == ["tvm", "torch"]
+def test_table_picks_tvm_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cpt.tvm_unavailable_reason("cpu") is None
+    assert cpt.tvm_unavailable_reason("cuda") == cpt.cuda_unavailable_reason()
+    cpu = Target.of("cpu")
+    assert choose(table.COMPRESS_PLANS, cpu, None).name == "tvm"
+    monkeypatch.setattr(table, "tvm_unavailable_reason", lambda device_type: "no tvm here")
+    chosen = choose(table.COMPRESS_PLANS, cpu, None)
+    assert chosen.name == "torch"
+    with pytest.raises(ConfigError, match=r"the tvm compress_plans variant cannot run.*no tvm"):
+        choose(table.COMPRESS_PLANS, cpu, ("tvm", "DSV4_COMPRESS_PLANS_KERNEL=tvm"))
 
 
 def test_cuda_kernel_builds() -> None:

@@ -32,8 +32,8 @@ import torch
 from stress import sized
 
 from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.kernels.attention.common import force_num_splits
 from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.kernels.sparse_attention import force_num_splits
 from dsv4_backend.planning import per_step_draft_out_cache_loc
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend

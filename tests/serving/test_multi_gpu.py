@@ -27,9 +27,9 @@ from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
+from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.kernels.sparse_attention import sparse_attention_with_sink
 from dsv4_backend.planning import ForwardKind, plan
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.dispatch import force_path, force_unverified
-from dsv4_backend.kernels.sparse_attention import force_num_splits
+from dsv4_backend.kernels.attention.common import force_num_splits
+from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.kernels.variants import force_unverified
 from dsv4_backend.planning import BatchView
 from dsv4_backend.testing.gpu_verdict import judge_serving_modes
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
@@ -142,7 +143,7 @@ def test_every_kernel_in_the_interpreter(splits: int) -> None:
 def test_compiled_kernels_on_cuda(new: bool, fmt: str) -> None:
     """Every mode with the compiled Triton kernels (GPU machines; ``scripts/gpu_check.sh`` runs
     the same verdict in its steps), the CUDA defaults and (``unverified-kernels``) the ones not
-    yet the default (``dispatch.UNVERIFIED_OPS``), fp8 caches with bf16 queries as a
+    yet the default (``kernels.variants.force_unverified``), fp8 caches with bf16 queries as a
     deployment runs them, and dense fp32 caches.
 
     Judged step by step against the torch path (``testing/gpu_verdict.py``): the indexer's

@@ -9,7 +9,7 @@ import torch
 from dsv4_backend.cache import TokenCache
 from dsv4_backend.config import WINDOW_PAGE_TOKENS, DSV4AttentionConfig
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.cache_store.table import store_rows
 
 TINY = DSV4AttentionConfig.tiny()
 ROPE = TINY.rope_dim

@@ -176,5 +176,45 @@ def test_find_cycle(graph: dict[str, set[str]], cyclic: bool) -> None:
 
 def test_the_graph_is_read() -> None:
     # The checks above would pass vacuously on an empty graph.
-    assert f"{PACKAGE}.kernels.cache_store" in GRAPH[f"{PACKAGE}.compute.layer"]
+    assert f"{PACKAGE}.kernels.cache_store.table" in GRAPH[f"{PACKAGE}.compute.layer"]
     assert f"{PACKAGE}.testing.ab.sglang_backend" in GRAPH[f"{PACKAGE}.testing.ab.backends"]
+
+
+def _reach(module: str) -> set[str]:
+    """Every package module ``module`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [module]
+    while todo:
+        for target in GRAPH.get(todo.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def _variant_module(entry: object) -> str:
+    """The module that defines a variant's entry (an indexer variant's: its scores)."""
+    function = getattr(entry, "scores", entry)
+    return function.__module__  # type: ignore[attr-defined]
+
+
+def test_variants_of_one_op_do_not_import_each_other() -> None:
+    """Read from the tables themselves: retiring a variant never needs another one moved."""
+    from dsv4_backend.compute.kernel_choice import TABLES
+
+    offenders = []
+    for table in TABLES:
+        modules = {v.name: _variant_module(v.entry) for v in table.variants}
+        for name, module in modules.items():
+            reached = _reach(module)
+            offenders += [
+                f"{table.op}: {name} ({module}) imports {other} ({modules[other]})"
+                for other in modules
+                if modules[other] != module and modules[other] in reached
+            ]
+    assert not offenders, "\n".join(offenders)
+    for op in ("attention", "indexer", "compressor", "cache_store"):  # one file per variant
+        table = next(t for t in TABLES if t.op == op)
+        files = {_variant_module(v.entry) for v in table.variants}
+        assert len(files) == len(table.variants), (op, files)
+        assert all(f.startswith(f"{PACKAGE}.kernels.{op}.") for f in files), (op, files)

@@ -9,11 +9,12 @@ with some forty torch ops (field definitions: ``planning/metadata.py``):
   per-request starts and prefixes, uploaded as one ``[3, B]`` tensor);
 * ``page_table``, ``swa_page_indices`` (through ``full_to_swa``), the write slots, causal
   lengths, window lengths;
-* per compress ratio, the per-row fields of ``planning/kernels/row_fields.py`` (c4 ``page_indices``
-  filled with ``-1``, c128 indices from the page table) and the compress / write plans of
-  ``planning/kernels/compress_plan_torch.py``. The plans need no scan: a request's rows are consecutive
-  positions, so the number of rows it contributes to each plan has a closed form, and a row's
-  record index is the sum over earlier requests plus its rank inside its own.
+* per compress ratio, the per-row fields of ``planning/kernels/row_fields.py`` (c4
+  ``page_indices`` filled with ``-1``, c128 indices from the page table) and the compress /
+  write plans of ``planning/kernels/compress_plan_torch.py``. The plans need no scan: a
+  request's rows are consecutive positions, so the number of rows it contributes to each plan
+  has a closed form, and a row's record index is the sum over earlier requests plus its rank
+  inside its own.
 
 ``check_rows`` runs first, one program looping over the rows: the batch checks of
 ``planning/planner.py``'s ``_checked_rows`` (its torch twin; the record layout of

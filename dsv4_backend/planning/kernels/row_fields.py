@@ -10,10 +10,10 @@ docs/design.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 
   entry ``j``; 2 c128 entries per 256-token page) for ``j < raw`` with ``j // 2 < Pw``, ``-1``
   elsewhere.
 
-The Triton kernel, its launcher, the torch twin :func:`row_fields_torch` (the kernel matches it
-exactly: floor division and modulo, as torch's, also for negative values) and the dispatching
-:func:`row_fields`. Shapes: ``T`` rows, ``Pw`` page-table width, ``N128`` c128 index width,
-``K`` ``index_topk``.
+The Triton kernel, its launcher :func:`row_fields_triton` and the torch twin
+:func:`row_fields_torch` (the kernel matches it exactly: floor division and modulo, as torch's,
+also for negative values); ``planning/kernels/table.py`` chooses between them. Shapes: ``T``
+rows, ``Pw`` page-table width, ``N128`` c128 index width, ``K`` ``index_topk``.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ import triton.language as tl
 
 from dsv4_backend.config import check_compressed_ratio, entries_per_page
 from dsv4_backend.errors import ConfigError, ContractError
-from dsv4_backend.kernels import dispatch
 
 #: Rows per program.
 BLOCK_T = 64
@@ -121,7 +120,7 @@ def _row_fields_kernel(
 
 
 # ------------------------------------------------------------------------------- launcher
-def _check_inputs(
+def check_row_field_inputs(
     positions: torch.Tensor,
     raw_out_loc: torch.Tensor,
     page_table: torch.Tensor,
@@ -155,14 +154,16 @@ def _check_inputs(
         raise ContractError("page_table has width 0; c128 page indices need Pw >= 1 when T > 0")
 
 
-def _row_fields_triton(
+def row_fields_triton(
     positions: torch.Tensor,
     raw_out_loc: torch.Tensor,
     page_table: torch.Tensor,
+    *,
     ratio: int,
     index_topk: int,
     c128_width: int,
 ) -> RowFields:
+    """Triton path: :func:`row_fields_torch`'s arguments and result, one launch."""
     rows, device = positions.shape[0], positions.device
     out_loc = torch.empty(rows, dtype=torch.int64, device=device)
     raw, clamp1, sparse = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(3))
@@ -201,7 +202,7 @@ def row_fields_torch(
     index_topk: int,
     c128_width: int,
 ) -> RowFields:
-    """Torch path of :func:`row_fields`: the per-row fields of ``ratio`` for ``T`` query rows.
+    """The per-row fields of ``ratio`` for ``T`` query rows.
 
     Parameters
     ----------
@@ -239,27 +240,3 @@ def row_fields_torch(
         slots = pages * per_page + entry % per_page
         page_indices = torch.where((entry < raw[:, None]) & known, slots, -1).to(torch.int32)
     return RowFields(out_loc, raw, clamp1, sparse, page_indices)
-
-
-# ---------------------------------------------------------------------------- dispatcher
-def row_fields(
-    positions: torch.Tensor,
-    raw_out_loc: torch.Tensor,
-    page_table: torch.Tensor,
-    *,
-    ratio: int,
-    index_topk: int,
-    c128_width: int,
-) -> RowFields:
-    """The per-row fields of ``ratio``: the Triton kernel or the torch implementation.
-
-    Arguments, shapes and result as :func:`row_fields_torch` (the reference). Runs the Triton
-    kernel when ``dispatch.use_triton(positions.device)``; both paths give identical tensors.
-    """
-    _check_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
-    if dispatch.use_triton(positions.device):
-        return _row_fields_triton(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
-    return row_fields_torch(
-        positions, raw_out_loc, page_table, ratio=ratio, index_topk=index_topk,
-        c128_width=c128_width,
-    )  # fmt: skip

@@ -38,6 +38,7 @@ from dataclasses import fields
 
 import torch
 
+from dsv4_backend.compute.kernel_choice import kernel_choice
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.dispatch import force_path, select_path
@@ -244,15 +245,17 @@ def _truncate(inputs: LayerInputs, length: int) -> LayerInputs:
 def make_backend(name: str, device: torch.device) -> Backend:
     """The backend called ``name`` (module table) for tensors on ``device``.
 
-    Raises ``ConfigError`` naming the problem for an unknown name, and for an sglang backend
-    that cannot run here (no CUDA device, not registered).
+    Raises ``ConfigError`` naming the problem for an unknown name, for a kernel variant named
+    in the environment that cannot run here (``compute/kernel_choice.py``), and for an sglang
+    backend that cannot run here (no CUDA device, not registered).
     """
-    if name == "dsv4":
-        return DSV4Backend(name)
-    if name == "dsv4-torch":
-        return DSV4Backend(name, path="torch")
-    if name == "dsv4-fp8":
-        return DSV4Backend(name, fmt="fp8")
+    dsv4 = {"dsv4": (None, "dense"), "dsv4-torch": ("torch", "dense"), "dsv4-fp8": (None, "fp8")}
+    if name in dsv4:
+        path, fmt = dsv4[name]
+        backend = DSV4Backend(name, path=path, fmt=fmt)
+        with backend._paths():
+            kernel_choice(device)  # ConfigError for an explicit kernel that cannot run here
+        return backend
     if name == "reference":
         return ReferenceBackend(name)
     if name.startswith(SGLANG_PREFIX) and name != SGLANG_PREFIX:

@@ -5,7 +5,7 @@ Outputs are attention rows of order 1 (random model). Three cases:
 * same cache format on the CPU: float32 everywhere, the two sides differ by summation order
   only: ``max |A - B| <= 1e-4``;
 * same format on CUDA: the attention dots take bf16 operands, so the bound follows from that
-  dtype (``sparse_attention.attention_tolerance``: 12 roundoffs of bf16, 0.047);
+  dtype (``attention.common.attention_tolerance``: 12 roundoffs of bf16, 0.047);
 * one side FP8, the other dense (``--a dsv4-fp8 --b dsv4``): every key (which serves as key and
   value) is rounded to e4m3 at its 64-channel group's ue8m0 (power-of-two) scale. Round to
   nearest moves an element by at most half an ulp, ``u |x|`` with ``u = 2^-4`` (3 mantissa
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_backend.kernels.sparse_attention import attention_tolerance
+from dsv4_backend.kernels.attention.common import attention_tolerance
 
 #: Unit roundoff of e4m3 (3 mantissa bits): half an ulp is at most this fraction of a value.
 E4M3_ROUNDOFF = 2.0**-4

@@ -22,12 +22,18 @@ from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 from dsv4_backend.config import WINDOW_PAGE_TOKENS
-from dsv4_backend.kernels import compressor, indexer
-from dsv4_backend.kernels import key_union as ku
-from dsv4_backend.kernels import sparse_attention as sa
-from dsv4_backend.kernels import sparse_attention_pipelined as pa
-from dsv4_backend.kernels import sparse_attention_ws as wa
-from dsv4_backend.kernels.cache_store import STORE_FP8_INDEXER, STORE_FP8_TOKEN
+from dsv4_backend.kernels.attention import common as ac
+from dsv4_backend.kernels.attention import key_union as ku
+from dsv4_backend.kernels.attention import pipelined as pa
+from dsv4_backend.kernels.attention import triton as sa
+from dsv4_backend.kernels.attention import ws as wa
+from dsv4_backend.kernels.compressor import entries as compressor_entries
+from dsv4_backend.kernels.compressor import fused as compressor_fused
+from dsv4_backend.kernels.device.cache_rows import STORE_FP8_INDEXER, STORE_FP8_TOKEN
+from dsv4_backend.kernels.indexer import bounded as indexer_bounded
+from dsv4_backend.kernels.indexer import slots as indexer_slots
+from dsv4_backend.kernels.indexer import triton as indexer_triton
+from dsv4_backend.kernels.indexer.common import BLOCK_N as INDEXER_BLOCK_N
 from dsv4_backend.planning.kernels import plan_fields
 from dsv4_backend.testing.aot_compile.toolchain import TARGETS
 from dsv4_backend.testing.precompile import DIM, ROPE
@@ -62,8 +68,8 @@ def attention_source(
     ``heads`` heads a rank (fewer than 64 under attention TP), packing up to ``rows_per_group``
     rows a program (verify / draft extend)."""
     fp8 = fmt == "fp8"
-    group = sa.group_rows(heads, rows_per_group)
-    block_h = sa.program_heads(heads, group)
+    group = ac.group_rows(heads, rows_per_group)
+    block_h = ac.program_heads(heads, group)
     block_g = triton.next_power_of_2(group)
     block_n, num_warps, num_stages = sa._launch_config(DIM, fp8, block_h * block_g)
     cache = "*u8" if fp8 else "*bf16"
@@ -159,14 +165,14 @@ def fused_configurations() -> list[Configuration]:
     (top-k 512), the length-bounded indexer, the compressors (c4 and c128, D = 512) and the
     fused planner."""
     scores = _source(
-        indexer._indexer_scores_kernel,
+        indexer_triton._indexer_scores_kernel,
         dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
              num_ptr="*i32", out_ptr="*fp32"),
         dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
-             BLOCK_N=indexer.BLOCK_N, FP8=True, DOT_BF16=True),
+             BLOCK_N=INDEXER_BLOCK_N, FP8=True, DOT_BF16=True),
     )  # fmt: skip
     slots = _source(
-        indexer._selected_slots_kernel,
+        indexer_slots._selected_slots_kernel,
         dict(picked_ptr="*i64", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
@@ -180,24 +186,24 @@ def _bounded_indexer() -> list[Configuration]:
     out = []
     for fmt, key in (("fp8", "*u8"), ("dense", "*bf16")):
         rows = _source(
-            indexer._row_scores_kernel,
+            indexer_bounded._row_scores_kernel,
             dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr=key, page_table_ptr="*i32",
                  num_ptr="*i32", out_ptr="*fp32"),
             dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
-                 BLOCK_N=indexer.BLOCK_N, FP8=fmt == "fp8", GPU=True),
+                 BLOCK_N=INDEXER_BLOCK_N, FP8=fmt == "fp8", GPU=True),
         )  # fmt: skip
         out.append((f"indexer-rows-{fmt}", *rows))
     chunks = _source(
-        indexer._topk_chunks_kernel,
+        indexer_bounded._topk_chunks_kernel,
         dict(scores_ptr="*fp32", num_ptr="*i32", cand_scores_ptr="*fp32", cand_cols_ptr="*i32"),
-        dict(BLOCK_C=indexer.TOPK_BLOCK_C),
+        dict(BLOCK_C=indexer_bounded.TOPK_BLOCK_C),
     )
     out.append(("indexer-topk-chunks", *chunks))
     merge = _source(
-        indexer._merge_topk_slots_kernel,
+        indexer_bounded._merge_topk_slots_kernel,
         dict(cand_scores_ptr="*fp32", cand_cols_ptr="*i32", num_ptr="*i32",
              page_table_ptr="*i32", out_ptr="*i32"),
-        dict(E=64, BLOCK_K=512, BLOCK_C=indexer.TOPK_BLOCK_C),
+        dict(E=64, BLOCK_K=512, BLOCK_C=indexer_bounded.TOPK_BLOCK_C),
     )  # fmt: skip
     out.append(("indexer-topk-merge-k512", *merge))
     return out
@@ -208,7 +214,7 @@ def _compressors() -> list[Configuration]:
     out = []
     for ratio, span, ovl in ((4, 8, 2), (128, 128, 1)):
         entry = _source(
-            compressor._compress_entry_kernel,
+            compressor_entries._compress_entry_kernel,
             dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
                  pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", norm_ptr="*fp32",
                  cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32", eps="fp32"),
@@ -225,10 +231,11 @@ def _compressors() -> list[Configuration]:
         out.append((f"compress-fused-c{ratio}-extend", *extend))
     for ratio in (4, 128):  # the ring write of the replaced kernels
         write = _source(
-            compressor._ring_write_kernel,
+            compressor_entries._ring_write_kernel,
             dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
                  pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32"),
-            dict(RATIO=ratio, WINDOW_PAGE=256 if ratio == 4 else 0, BLOCK=compressor.WRITE_BLOCK),
+            dict(RATIO=ratio, WINDOW_PAGE=256 if ratio == 4 else 0,
+                 BLOCK=compressor_entries.WRITE_BLOCK),
         )  # fmt: skip
         out.append((f"compress-ring-write-c{ratio}", *write))
     # The indexer's compressor (DI = 128) storing fp8 indexer keys.
@@ -242,21 +249,21 @@ def _fused_compressor(
     ratio: int, dim: int, store: dict, defer_writes: bool
 ) -> tuple[ASTSource, dict]:
     """``_compress_fused_kernel`` of ``ratio`` and head dim ``dim`` storing with ``store``
-    (``cache_store.store_row``'s constexprs), ``DEFER_WRITES`` (extend), warps as launched."""
+    (``cache_rows.store_row``'s constexprs), ``DEFER_WRITES`` (extend), warps as launched."""
     span = 8 if ratio == 4 else 128
-    splits = compressor.channel_splits(dim, span, torch.device("cuda"))  # as a GPU launches
+    splits = compressor_fused.channel_splits(dim, span, torch.device("cuda"))  # as a GPU launches
     src, _ = _source(
-        compressor._compress_fused_kernel,
+        compressor_fused._compress_fused_kernel,
         dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
              pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
              norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
              out_loc_ptr="*i64", cache_ptr="*u8", arrivals_ptr="*i32", eps="fp32"),
         dict(RATIO=ratio, SPAN=span, OVERLAP=2 if ratio == 4 else 1,
              WINDOW_PAGE=256 if ratio == 4 else 0, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
-             BLOCK_D=dim, **compressor.fused_tiles(dim, span, splits), DEFER_WRITES=defer_writes,
-             BF16_BITS=False, **store),
+             BLOCK_D=dim, **compressor_fused.fused_tiles(dim, span, splits),
+             DEFER_WRITES=defer_writes, BF16_BITS=False, **store),
     )  # fmt: skip
-    return src, dict(num_warps=compressor.fused_warps(dim))
+    return src, dict(num_warps=compressor_fused.fused_warps(dim))
 
 
 def _planner() -> list[Configuration]:
@@ -330,9 +337,9 @@ def pipelined_attention_source(
 ) -> tuple[ASTSource, dict]:
     """The kernel as launched for a layer of compress ``ratio`` (0: window only) with
     ``heads`` heads a rank, up to ``rows_per_group`` rows a program and ``splits`` splits."""
-    group = sa.group_rows(heads, rows_per_group)
+    group = ac.group_rows(heads, rows_per_group)
     constexprs = dict(
-        D=DIM, NOPE_DIM=DIM - ROPE, BLOCK_H=sa.program_heads(heads, group), GROUP=group,
+        D=DIM, NOPE_DIM=DIM - ROPE, BLOCK_H=ac.program_heads(heads, group), GROUP=group,
         BLOCK_G=triton.next_power_of_2(group), BLOCK_N=pa._block_n(DIM),
         BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0,
         NUM_STAGES=pa.NUM_STAGES, MERGE_D=pa.MERGE_D, INTERPRETER=False,

@@ -28,7 +28,7 @@ from dsv4_backend import ops
 from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.compute import forward_layer
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.kernels.cache_store import store_rows
+from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.planning import (
     AttentionMetadata,
     BatchView,

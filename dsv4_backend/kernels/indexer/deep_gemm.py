@@ -1,22 +1,21 @@
 """DeepGEMM's paged MQA logits as a variant of the lightning indexer's scores.
 
-:func:`index_scores_deep_gemm` takes the arguments of ``indexer.index_scores`` and returns its
+:func:`index_scores_deep_gemm` takes the arguments of ``table.index_scores`` and returns its
 ``[T, N]`` fp32 scores from ``deep_gemm.fp8_paged_mqa_logits`` (the ``deep_gemm`` package
 sglang 0.5.23 pins, :data:`DISTRIBUTION`), called as sglang's DeepSeek-V4 indexer calls it
 (``srt/layers/attention/dsv4/indexer.py``, ``C4IndexerBackendMixin``'s paged branch,
 ``run_paged_indexer``; the schedule as ``dsv4/metadata.py``'s ``PagedIndexerMetadata`` builds
-it). The variant is not dispatched here: :func:`deep_gemm_unsupported_reason` says where it
-runs, and the variant table registers it under :data:`VARIANT`.
+it). :func:`deep_gemm_unsupported_reason` says where it runs (``table.py`` declares it).
 
 Queries. DeepGEMM scores e4m3 queries: ``logits = sum_h w'_h relu(code_h . code_k) scale_k``.
 The variant quantises ``q_idx`` per (row, head) by sglang's rule (``max(amax, 1e-4) / 448``,
 :func:`quantise_queries`: the last step of sglang's ``fused_q_indexer_rope_hadamard_quant``,
-whose rotation is ``indexer_fp8.quantised_view``'s) and folds the scale into the weights,
+whose rotation is ``fp8.quantised_view``'s) and folds the scale into the weights,
 ``w' = w * scale_q``, as that kernel does. Since the scales are positive this is
 ``sum_h w_h relu(deq(q_h) . deq(k))``: ``index_scores`` of the e4m3 round trip of ``q_idx``.
 
 * ``indexer_selection="fp8"`` (:data:`EXACT_FOR_SELECTIONS`): the queries reaching the op are
-  ``indexer_fp8.quantised_view`` values, already e4m3 codes times that per-(row, head) scale;
+  ``fp8.quantised_view`` values, already e4m3 codes times that per-(row, head) scale;
   quantising them again gives the same codes and the scale within an fp32 rounding, so the
   variant computes the op's scores (up to fp32 summation order).
 * ``indexer_selection="exact"`` (the default): the queries are full precision; their e4m3
@@ -29,7 +28,7 @@ layout is DeepGEMM's: 64 keys of e4m3 bytes, then their fp32 scales, 132 B a key
 ``weights`` ``[T, HI]`` fp32; ``context_lens`` ``[T, 1]`` int32, ``num_candidates`` clamped to
 ``[0, N]`` (the op clamps; DeepGEMM would write past ``N``); ``block_table`` the page table
 (``[T, Pw]`` int32: a row's c4 entry ``s`` is key page ``page_table[t, s // 64]``, slot
-``s % 64``, as ``indexer.c4_entry_slots`` has it); ``max_context_len = N``;
+``s % 64``, as ``common.c4_entry_slots`` has it); ``max_context_len = N``;
 ``clean_logits=False`` (sglang's): DeepGEMM leaves columns past a row's length unwritten and the
 variant sets them to ``-inf``, the op's contract.
 
@@ -47,11 +46,9 @@ import torch
 from dsv4_backend.cache.fp8_format import INDEXER_PAGE_TOKENS
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.indexer import _check_inputs
-from dsv4_backend.kernels.indexer_fp8 import E4M3_MAX, MIN_AMAX
+from dsv4_backend.kernels.indexer.common import _check_inputs
+from dsv4_backend.kernels.indexer.fp8 import E4M3_MAX, MIN_AMAX
 
-#: This variant's name in the indexer-scores variant table.
-VARIANT = "deep_gemm"
 #: The module it calls and the distribution (as sglang 0.5.23 pins it) that provides it.
 PACKAGE = "deep_gemm"
 DISTRIBUTION = "sgl-deep-gemm==0.2.3.post2"
@@ -134,7 +131,7 @@ def deep_gemm_call_reason(
 def quantise_queries(q_idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``q_idx`` ``[T, HI, DI]`` float as ``(codes [T, HI, DI] float8_e4m3fn, scale [T, HI]
     fp32)``, one scale per (row, head): ``max(amax, 1e-4) / 448``, codes ``e4m3(x * (1 /
-    scale))`` -- ``indexer_fp8.e4m3_round_trip``'s rule, so ``codes * scale`` is that round
+    scale))`` -- ``fp8.e4m3_round_trip``'s rule, so ``codes * scale`` is that round
     trip."""
     x = q_idx.float()
     scale = x.abs().amax(dim=-1).clamp(min=MIN_AMAX) / E4M3_MAX
@@ -194,7 +191,7 @@ def index_scores_deep_gemm(
     *,
     schedule: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``indexer.index_scores`` on DeepGEMM: the same arguments (``[T, HI, DI]`` float
+    """``table.index_scores`` on DeepGEMM: the same arguments (``[T, HI, DI]`` float
     queries, ``[T, HI]`` float weights, the fp8 key cache, ``[T, Pw]`` int32 page table,
     ``[T]`` int32 candidates, ``N``) and ``[T, N]`` fp32 scores, ``-inf`` at columns ``>=
     num_candidates`` -- of the queries' e4m3 round trip, equal to the op's for

@@ -1,5 +1,5 @@
-"""What both ``ws`` attention kernels share (``kernels/sparse_attention_ws.py``: Hopper;
-``kernels/sparse_attention_ws_sm100.py``: Blackwell), in Gluon.
+"""What both ``ws`` attention kernels share (``kernels/attention/ws.py``: Hopper;
+``kernels/attention/ws_sm100.py``: Blackwell), in Gluon.
 
 * :func:`producer_partition`: each 64-key block's keys into a ring of ``NUM_BUF`` bf16 key
   buffers in shared memory with their validity beside them (``ready`` / ``empty``
@@ -9,7 +9,7 @@
   exponent rebias; dense bf16 caches copy whole rows straight into the ring;
 * :func:`q_to_shared`, :func:`ring_buffers`: a program's q as the MMA's A operand and the
   shared memory the partitions hand blocks through (its share of its row's key blocks is the
-  pipelined kernel's ``split_blocks``: no split without a block);
+  ``device.split_blocks``, the pipelined kernel's: no split without a block);
 * :func:`final_scale`, :func:`finish_splits`: the sink and the merge of a row's key splits
   in the split that finishes last (an acquire-release counter), bf16 out.
 """
@@ -21,8 +21,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
+from dsv4_backend.kernels.attention.device import LOG2E, _e4m3_rebiased_bf16
 from dsv4_backend.kernels.device.fp8 import pow2_of_biased
-from dsv4_backend.kernels.sparse_attention import LOG2E, _e4m3_rebiased_bf16
 
 #: Keys a block (the N of ``q k^T``).
 BLOCK_N = 64

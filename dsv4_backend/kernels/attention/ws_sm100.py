@@ -1,6 +1,6 @@
 """The ``ws`` attention kernel for Blackwell (sm_100a): tcgen05 MMAs into tensor memory.
 
-The Hopper kernel's producer partition (``kernels/sparse_attention_ws_parts.py``: cp.async
+The Hopper kernel's producer partition (``kernels/attention/ws_parts.py``: cp.async
 gather and dequantisation into a ring of bf16 key buffers), with Blackwell consumers:
 
 * an MMA partition (one warp) issues ``s = q k^T`` (tcgen05 m64n64 from shared memory into
@@ -29,9 +29,8 @@ from triton.experimental.gluon.language.nvidia.blackwell import (
     tcgen05_mma,
 )
 
-from dsv4_backend.kernels.sparse_attention import LOG2E
-from dsv4_backend.kernels.sparse_attention_pipelined import split_blocks
-from dsv4_backend.kernels.sparse_attention_ws_parts import (
+from dsv4_backend.kernels.attention.device import LOG2E, split_blocks
+from dsv4_backend.kernels.attention.ws_parts import (
     final_scale,
     finish_splits,
     producer_partition,
@@ -156,7 +155,7 @@ def _ws_attention_kernel_sm100(
     NUM_STAGES: gl.constexpr, PRODUCER_WARPS: gl.constexpr, PRODUCER_REGS: gl.constexpr,
     MMA_REGS: gl.constexpr,
 ):  # fmt: skip
-    """The arguments of the Hopper kernel (``sparse_attention_ws._ws_attention_kernel``)."""
+    """The arguments of the Hopper kernel (``ws._ws_attention_kernel``)."""
     BLOCK_M: gl.constexpr = 64
     row = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)

@@ -35,9 +35,9 @@ The table takes twice the bytes of the index tensors it unites, for the duration
 attention call.
 
 One Triton launch for both spans (grid ``(NG, spans)``; a program makes one pass over its
-group's column blocks, all rows at once), its torch twin, and the dispatching
-:func:`key_union`. Shapes depend only on tensor shapes, so the op can be captured in a CUDA
-graph.
+group's column blocks, all rows at once), its torch twin, their table :data:`KEY_UNION` and
+the op's entry :func:`key_union`. Shapes depend only on tensor shapes, so the op can be
+captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ import triton.language as tl
 
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.variants import OpTable, Variant, on_paths, resolve
 
 #: Most rows a group (the row bits are an int32; eight covers 64-row programs of 8 heads).
 MAX_GROUP = 8
@@ -287,5 +288,18 @@ def key_union(
     extra_lengths : ``[T]`` int32 valid leading columns of ``extra_indices``, or None.
     group : rows per group, 1 ... ``MAX_GROUP``.
     """
-    impl = key_union_triton if dispatch.use_triton(swa_indices.device) else key_union_torch
-    return impl(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
+    entry = resolve(KEY_UNION, swa_indices.device).variant.entry
+    return entry(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
+
+
+KEY_UNION = OpTable(
+    "attention_key_union",
+    "the union key list of a group of rows (the triton attention variant's grouping)",
+    (
+        Variant(
+            "triton", key_union_triton, (on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER),),
+            "window and extra spans in one launch", baseline=True,
+        ),
+        Variant("torch", key_union_torch, (), "window and extra spans", baseline=True),
+    ),
+)  # fmt: skip

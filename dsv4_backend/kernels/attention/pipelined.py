@@ -1,11 +1,11 @@
 """FP8 sparse attention with sink, gathers in flight: the ``pipelined`` attention kernel.
 
-Same op, inputs and result as ``sparse_attention.sparse_attention_with_sink`` (its torch path is
+Same op, inputs and result as ``table.sparse_attention_with_sink`` (its torch path is
 this kernel's twin, ``testing.reference`` its reference), but bf16, for fp8 window and
 compressed caches (``cache/fp8_format.py``: 584 bytes a Flash token), every row kind (decode,
 verify, draft extend, prefill) and layer kind (window-only, c4, c128), on the same cache bytes
-and metadata. ``kernels/attention_choice.py`` runs it where ``DSV4_ATTENTION_KERNEL=pipelined``
-or ``dispatch.force_attention_kernel`` selects it; NOT the GPU default: it has never run on a
+and metadata. ``kernels/attention/table.py`` runs it where ``DSV4_ATTENTION_KERNEL=pipelined``
+or ``variants.force_variant`` selects it; NOT the GPU default: it has never run on a
 GPU.
 
 Plain Triton 3.8, so it compiles ahead of time on the CPU and runs in ``TRITON_INTERPRET=1``
@@ -28,7 +28,7 @@ against the reference. What it takes from FlashMLA's SM90 sparse FP8 decode:
   split: each split writes an fp32 partial and bumps a per-(row, head block) counter, the one
   that bumps it last combines the partials with the sink. bf16 output.
 * M = 64 lines: the 64 heads of one row, or (fewer heads a rank) the heads of ``G`` rows of one
-  request over their union key list (``kernels/key_union.py``), as today's kernel.
+  request over their union key list (``kernels/attention/key_union.py``), as today's kernel.
 
 * The accumulator's rescale (128 multiplies a thread a block at D = 512) runs only when a
   line's block max passes the reference max by more than 2^``RESCALE_SLACK``.
@@ -58,16 +58,17 @@ import triton.language as tl
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.device.fp8 import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
-from dsv4_backend.kernels.sparse_attention import (
-    LOG2E,
-    _check_inputs,
+from dsv4_backend.kernels.attention.common import (
+    ROPE_DIM,
+    check_inputs,
     key_spans,
     launch_num_splits,
+    page_geometry,
+    pipelined_unsupported_reason,
 )
+from dsv4_backend.kernels.attention.device import LOG2E, split_blocks
+from dsv4_backend.kernels.device.fp8 import bf16_bits_to_fp32, e4m3_to_fp32, pow2_of_biased
 
-#: Rope channels the kernel takes (the last 64 of the head, bf16 in the cache).
-ROPE_DIM = 64
 #: Warps: two warpgroups hold a ``[64, 512]`` fp32 accumulator (128 registers a thread).
 NUM_WARPS = 8
 #: Pipeline depth of the gather: the block being multiplied plus 2 in flight.
@@ -121,25 +122,6 @@ def _gather_dequant(
     is_nope = (offs_g < NOPE_DIM // 64)[None, :, None]
     k = tl.where(is_nope, nope, rope_val[:, None, :])
     return tl.reshape(k, [slots.shape[0], D]).to(tl.float32 if INTERPRETER else tl.bfloat16)
-
-
-@triton.jit
-def split_blocks(win_len_ptr, ext_len_ptr, prog, split, grid_splits, win_width, ext_width,
-                 HAS_EXTRA: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """Program row ``prog``'s window and extra key counts, its window blocks (``cdiv(n_win,
-    BLOCK_N)``, then the extra blocks), its splits (whole blocks a split: of the grid's
-    ``grid_splits`` only those that get one run, at least one, which finalises a row without
-    keys) and this ``split``'s first block and block count. Shared with the ws kernels."""
-    n_win = tl.minimum(tl.maximum(tl.load(win_len_ptr + prog), 0), win_width)
-    win_blocks = tl.cdiv(n_win, BLOCK_N)
-    n_ext = 0
-    if HAS_EXTRA:
-        n_ext = tl.minimum(tl.maximum(tl.load(ext_len_ptr + prog), 0), ext_width)
-    all_blocks = win_blocks + tl.cdiv(n_ext, BLOCK_N)
-    per_split = tl.maximum(tl.cdiv(all_blocks, grid_splits), 1)
-    splits = tl.maximum(tl.cdiv(all_blocks, per_split), 1)
-    first = split * per_split
-    return n_win, n_ext, win_blocks, splits, first, tl.minimum(per_split, all_blocks - first)
 
 
 @triton.jit
@@ -326,29 +308,6 @@ def _merge_splits(
 
 
 # ------------------------------------------------------------------------------ launcher
-def pipelined_unsupported_reason(
-    window: TokenCache, extra: TokenCache | None, dim: int
-) -> str | None:
-    """Why the pipelined kernel cannot take these caches (None when it can): fp8 caches only, a
-    power-of-two head dim of 128 ... 512 whose last 64 channels are rope."""
-    for name, cache in (("window", window), ("extra", extra)):
-        if cache is not None and cache.fmt != "fp8":
-            return f"the {name} cache is {cache.fmt}; the pipelined kernel reads fp8 caches"
-    if dim not in (128, 256, 512) or window.rope_dim != ROPE_DIM:
-        return (
-            f"head_dim {dim} with rope_dim {window.rope_dim}; the pipelined kernel takes head_dim "
-            f"128, 256 or 512 with rope_dim {ROPE_DIM}"
-        )
-    return None
-
-
-def _page_geometry(cache: TokenCache) -> tuple[int, int, int]:
-    """``(page_shift, page_bytes, scale_region)`` of an fp8 token cache."""
-    layout = cache.layout
-    assert layout is not None and layout.page_tokens & (layout.page_tokens - 1) == 0
-    return layout.page_tokens.bit_length() - 1, layout.page_bytes, layout.scale_base
-
-
 def _block_n(dim: int) -> int:
     """Keys a block. At D = 512 the consumers hold the fp32 accumulator (128 registers a
     thread) and the dequantised block: 16 keys compile without spills (245 registers, sm_90a),
@@ -375,7 +334,7 @@ def sparse_attention_pipelined(
     ``num_splits`` and ``rows_per_group`` as for ``sparse_attention_triton``. Raises
     ``BatchError`` for caches the kernel does not read (:func:`pipelined_unsupported_reason`).
     """
-    extra_span = _check_inputs(
+    extra_span = check_inputs(
         q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
     )  # fmt: skip
@@ -407,7 +366,7 @@ def sparse_attention_pipelined(
         q.stride(0), q.stride(1), win_idx.stride(0), ext_idx.stride(0),
         out.stride(0), out.stride(1), part.stride(0), part.stride(1), ml.stride(0),
         ml.stride(1), heads, rows, win_idx.shape[1], ext_idx.shape[1], spans.bits_offset,
-        *_page_geometry(window), *_page_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
+        *page_geometry(window), *page_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
         D=dim, NOPE_DIM=dim - ROPE_DIM, BLOCK_H=spans.block_h, GROUP=spans.group,
         BLOCK_G=triton.next_power_of_2(spans.group), BLOCK_N=block_n, BLOCK_S=block_s,
         HAS_EXTRA=spans.has_extra, NUM_STAGES=NUM_STAGES,

@@ -1,12 +1,11 @@
 """FlashMLA's sparse FP8 decode as a variant of the ``sparse_attention`` op.
 
 :func:`sparse_attention_flashmla` takes the arguments of
-``sparse_attention.sparse_attention_with_sink`` and computes the same attention with the
+``table.sparse_attention_with_sink`` and computes the same attention with the
 ``flash_mla`` package sglang 0.5.23 pins (:data:`DISTRIBUTION`), called as sglang's built-in
 DeepSeek-V4 backend calls it (``srt/layers/attention/deepseek_v4_backend.py``,
-``DeepseekV4AttnBackend._forward_attention``, the ``flash_mla_with_kvcache`` branch). The
-variant is not dispatched here: :func:`flashmla_unsupported_reason` says where it runs, and the
-variant table registers it under :data:`VARIANT`.
+``DeepseekV4AttnBackend._forward_attention``, the ``flash_mla_with_kvcache`` branch).
+:func:`flashmla_unsupported_reason` says where it runs (``table.py`` declares it).
 
 How the op's tensors become FlashMLA's arguments (:func:`flashmla_arguments`):
 
@@ -29,7 +28,7 @@ How the op's tensors become FlashMLA's arguments (:func:`flashmla_arguments`):
   ``flash_mla.get_mla_metadata()`` that the first call fills (:func:`flashmla_schedule`).
 
 FlashMLA returns ``[T, 1, Hk, D]`` bf16; the variant returns its first ``H`` heads, ``[T, H, D]``
-bf16 (``sparse_attention.output_dtype`` for bf16 queries on a GPU, how the backend calls the op;
+bf16 (``common.output_dtype`` for bf16 queries on a GPU, how the backend calls the op;
 for fp32 queries the op's other paths give fp32 and the caller casts). ``num_splits`` is
 accepted (and checked) so the variant is called like the other kernels; FlashMLA's scheduler
 picks its own splits, which do not change the result.
@@ -57,10 +56,8 @@ import torch.nn.functional as F
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.sparse_attention import ExtraSpan, _check_inputs, checked_num_splits
+from dsv4_backend.kernels.attention.common import ExtraSpan, check_inputs, checked_num_splits
 
-#: This variant's name in the ``sparse_attention`` variant table.
-VARIANT = "flashmla"
 #: The module it calls and the distribution (as sglang 0.5.23 pins it) that provides it.
 PACKAGE = "flash_mla"
 DISTRIBUTION = "sgl-flash-mla==1.0.0"
@@ -181,7 +178,7 @@ def flashmla_arguments(
     schedule: Any,
 ) -> dict[str, Any]:
     """Keyword arguments of ``flash_mla.flash_mla_with_kvcache`` for the op's inputs (already
-    checked by ``_check_inputs``, which returned ``extra_span``; the caches accepted by
+    checked by ``check_inputs``, which returned ``extra_span``; the caches accepted by
     :func:`flashmla_unsupported_reason`); the module docstring maps them. Pure torch: runs on
     any device."""
     _, heads, dim = q.shape
@@ -232,18 +229,20 @@ def sparse_attention_flashmla(
     *,
     num_splits: int | None = None,
     schedule: Any = None,
+    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """``sparse_attention_with_sink`` on FlashMLA's sparse FP8 decode: the same arguments
     (``[T, H, D]`` queries, window and extra caches with their ``[T, W]`` int32 slots and
     ``[T]`` int32 lengths, ``[H]`` fp32 sink) and result, ``[T, H, D]`` bf16; rows without a
     valid key are 0.
 
-    ``num_splits``: checked, else unused (FlashMLA schedules its own splits). ``schedule``: a
+    ``num_splits``: checked, else unused (FlashMLA schedules its own splits);
+    ``rows_per_group``, the op's argument, is not used (one row a query). ``schedule``: a
     :func:`flashmla_schedule` shared with calls of the same shapes and lengths; None makes a
     fresh one. Raises ``BatchError`` / ``ContractError`` for bad inputs (the op's checks) and
     ``BatchError`` naming :func:`flashmla_unsupported_reason`'s reason.
     """
-    extra_span = _check_inputs(
+    extra_span = check_inputs(
         q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
     )  # fmt: skip

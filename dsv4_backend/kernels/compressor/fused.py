@@ -1,54 +1,14 @@
-"""Compressor: softmax-gated pooling of tokens into c4 / c128 entries, prefill and decode alike.
+"""The compressor's ``fused`` variant, one launch (the interpreter's default; on CUDA named or
+with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``).
 
-docs/design.md §2 (pooling and finish: :mod:`dsv4_backend.ops.compress`). Shapes use
-``T`` ragged rows, ``B`` requests, ``D`` the compressed head dim (``config.head_dim`` for a layer,
-``index_head_dim`` for the indexer's compressor), ``c`` the overlap (2 for ratio 4, else 1),
-``r`` the ratio, ``span`` the tokens per entry (8 for ratio 4, 128 for ratio 128) and ``R``
-``ring_rows``.
-
-State: rings of ``R`` rows ``[kv | score + ape]`` (``2 * c * D`` fp32); position ``p`` lives in
-ring row ``p % R`` of its ring slot. Like sglang's ``CompressStatePool``, c128 rings are
-request-scoped (slot = the request's pool index) and c4 rings are page-scoped (slot = the window
-page holding ``p``: ``window_slot(p) // page_size``). A c4 entry reaches at most one block back,
-so the state of a page-aligned prefix (its last block, which the write plan always keeps) lives
-with the prefix's own window page, where a request that starts from that cached prefix finds it.
-One forward:
-
-1. **pool** (reads only): for each compress-plan record ``(ragged_id, batch_id, position p,
-   window_len L)`` the entry ending at ``p`` pools the ``span`` tokens ``p - span + 1 ... p``:
-   the last ``L`` are this forward's ragged rows ``ragged_id - L + 1 ... ragged_id`` (score plus
-   ``ape[q % r]``), the earlier ones come from the ring, and negative positions are missing
-   slots (kv 0, score -inf). Ratio 4 slots 0-3 use projection dims ``[:D]``, slots 4-7
-   ``[D:]``.
-2. **write**: each write-plan record stores its row ``[kv | score + ape]`` at ring row
-   ``p % R``. A write that replaces ring state an entry of the same forward still needs (only
-   a request's first entries read the ring) happens after that entry is pooled.
-3. **finish**: RMSNorm and RoPE at the entry's position ``p + 1 - r``; rows that complete no
-   entry are exactly 0.
-
-Positions are int32 (the plans'): every modulo by the runtime ``R`` is taken in int32, which
-the GPU computes inline; an int64 one is a subroutine call.
-
-The output is **aligned to rows**: ``entries[i]`` is the entry completed by ragged row ``i``,
-zeros where row ``i`` completes none. Nothing reads a tensor value on the host, so a forward
-can be captured in a CUDA graph (warm up first: the first call compiles).
-
-Paths (``dispatch.use_triton``):
-
-* **one launch** (``dispatch.use_unverified("compressor")``: the interpreter's default, CUDA
-  with ``DSV4_UNVERIFIED_KERNELS=1`` until it passes ``scripts/gpu_check.sh``):
-  ``_compress_fused_kernel``, one program per record (ratio 128 on a GPU: the entry as
-  items of 32 channels, ``channel_splits``, taken by entry workers past the records'
-  programs; the last item to arrive normalises for all), pools over contiguous
-  ``[BLOCK_S, channels]`` tiles in a pipelined loop, normalises, ropes, stores the entry in
-  the cache (``store=``) and writes the ring row of the write record of the same index, in
-  every mode. Where a write can replace a ring row an entry of the forward reads (extend,
-  verify without the speculative rings: ``ring_write_is_safe``), the program of the
-  request's first entry pools its ring-reading entries and then does those writes
-  (``DEFER_WRITES``).
-* **replaced** (the CUDA default): ``_compress_entry_kernel`` (pool, norm, RoPE and the zero
-  rows, even / odd channel tiles), ``_ring_write_kernel``, then the cache store: 3 launches.
-* **torch**: the same gathers, finished with ``ops.compress.finish_entries``.
+``_compress_fused_kernel``, one program per record (ratio 128 on a GPU: the entry as items of
+32 channels, ``channel_splits``, taken by entry workers past the records' programs; the last
+item to arrive normalises for all), pools over contiguous ``[BLOCK_S, channels]`` tiles in a
+pipelined loop, normalises, ropes, stores the entry in the cache (``store=``) and writes the
+ring row of the write record of the same index, in every mode. Where a write can replace a
+ring row an entry of the forward reads (extend, verify without the speculative rings:
+``ring_write_is_safe``), the program of the request's first entry pools its ring-reading
+entries and then does those writes (``DEFER_WRITES``). Launcher: :func:`fused_triton`.
 """
 
 from __future__ import annotations
@@ -62,15 +22,24 @@ import triton.language as tl
 
 from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.cache.token_cache import SlotCache
-from dsv4_backend.config import check_compressed_ratio, compress_overlap, compress_span
-from dsv4_backend.errors import ConfigError, ContractError
-from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.cache_store import row_store_constexprs, store_row, store_rows
-from dsv4_backend.ops.compress import finish_entries, pool_slots
+from dsv4_backend.config import compress_overlap, compress_span
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.kernels.compressor.common import (
+    POOL_TILE,
+    check_store,
+    entry_cos_sin,
+    ring_write_is_safe,
+)
+from dsv4_backend.kernels.compressor.device import (
+    _online_softmax_step,
+    _ring_write_row,
+    _slot_tile,
+    _span_sources,
+    _zero_gaps,
+)
+from dsv4_backend.kernels.device.cache_rows import row_store_constexprs, store_row
 from dsv4_backend.ops.rope import CosSin, RopeTable
 
-#: Upper bound on the ``[BLOCK_S, 2 * BLOCK_P]`` elements of one pooling step.
-POOL_TILE = 4096
 #: On a GPU the one-launch kernel pools an entry of at least ``SPLIT_SPAN`` tokens (ratio
 #: 128) in programs of ``SPLIT_CHANNELS`` channels each, so its span's loads spread over SMs.
 SPLIT_SPAN = 128
@@ -78,275 +47,12 @@ SPLIT_CHANNELS = 32
 #: The most entry workers (programs pooling split entries) a launch takes: about two an SM
 #: (132 on an H200, 148 on a B200), so a forward with few entries wakes few programs.
 MAX_ENTRY_WORKERS = 256
-#: Columns per ring-write program.
-WRITE_BLOCK = 256
 
 #: Channel splits pinned by :func:`force_channel_splits`.
 _forced_channel_splits: list[int] = []
 
 
 # --------------------------------------------------------------------------------- kernels
-@triton.jit
-def _slot_tile(
-    kv_ptr,
-    score_ptr,
-    ape_ptr,
-    ring_base,  # [BLOCK_S] pointers to each slot's ring row (masked where not from the ring)
-    rows,  # [BLOCK_S] int64 ragged row of each slot (masked where not from this forward)
-    ape_row,  # [BLOCK_S] int64
-    col,  # [BLOCK_S, BLOCK_P] projection column of each (slot, channel)
-    m_rows,  # [BLOCK_S, BLOCK_P] bool: from this forward's rows
-    m_ring,  # [BLOCK_S, BLOCK_P] bool: from the ring
-    stride_kv,
-    stride_score,
-    stride_ape,
-    CD,  # offset of the score half in a ring row
-):
-    """``(kv, score)`` ``[BLOCK_S, BLOCK_P]`` fp32 of a span chunk; missing slots kv 0, -inf."""
-    kv = tl.load(kv_ptr + rows[:, None] * stride_kv + col, mask=m_rows, other=0.0)
-    kv = kv.to(tl.float32) + tl.load(ring_base[:, None] + col, mask=m_ring, other=0.0)
-    score = tl.load(score_ptr + rows[:, None] * stride_score + col, mask=m_rows, other=0.0)
-    score = score.to(tl.float32) + tl.load(
-        ape_ptr + ape_row[:, None] * stride_ape + col, mask=m_rows, other=0.0
-    ).to(tl.float32)
-    score_ring = tl.load(ring_base[:, None] + CD + col, mask=m_ring, other=0.0)
-    score = tl.where(m_rows, score, tl.where(m_ring, score_ring, float("-inf")))
-    return kv, score
-
-
-@triton.jit
-def _online_softmax_step(m, l, acc, kv, score):
-    """Fold a ``[BLOCK_S, BLOCK_P]`` chunk into the per-channel running max / sum / kv sum."""
-    m_new = tl.maximum(m, tl.max(score, axis=0))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all slots so far missing
-    alpha = tl.exp(m - m_safe)
-    p = tl.exp(score - m_safe[None, :])
-    return m_new, l * alpha + tl.sum(p, axis=0), acc * alpha + tl.sum(p * kv, axis=0)
-
-
-@triton.jit
-def _zero_rows(out_ptr, start, stop, D, stride_out, BLOCK_D: tl.constexpr, ZERO_ROWS: tl.constexpr):
-    """Zero output rows ``start ... stop - 1``, ``[ZERO_ROWS, BLOCK_D]`` a step."""
-    r = tl.arange(0, ZERO_ROWS).to(tl.int64)
-    d = tl.arange(0, BLOCK_D)
-    zeros = tl.zeros([ZERO_ROWS, BLOCK_D], tl.float32)
-    for r0 in range(start, stop, ZERO_ROWS):
-        rows = r0 + r
-        mask = (rows < stop)[:, None] & (d < D)[None, :]
-        tl.store(out_ptr + rows[:, None] * stride_out + d[None, :], zeros, mask=mask)
-
-
-@triton.jit
-def _zero_gaps(
-    plan_ptr,
-    out_ptr,
-    rec,
-    num_rows,
-    D,
-    stride_plan,
-    stride_out,
-    BLOCK_D: tl.constexpr,
-    ZERO_ROWS: tl.constexpr,
-):
-    """Zero the output rows that complete no entry around compress record ``rec``: the gap
-    before it and (last record, or record 0 of an empty plan) the rows up to ``T``. Returns
-    the record's ragged row (``< 0``: padding)."""
-    ragged = tl.load(plan_ptr + rec * stride_plan)
-    valid = ragged >= 0
-    if valid | (rec == 0):  # padding records past the first have nothing to zero
-        prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
-        nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
-        gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
-        _zero_rows(out_ptr, gap_from, tl.where(valid, ragged, 0).to(tl.int64), D, stride_out,
-                   BLOCK_D, ZERO_ROWS)  # fmt: skip
-        tail_to = tl.where(~valid | (nxt < 0), num_rows, 0).to(tl.int64)  # ~valid: record 0
-        _zero_rows(out_ptr, tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to, D, stride_out,
-                   BLOCK_D, ZERO_ROWS)  # fmt: skip
-    return ragged
-
-
-@triton.jit
-def _span_sources(
-    j,  # [BLOCK_S] span slots
-    pos,  # int64 the entry's last position
-    window_len,  # int64 the span's rows from this forward
-    row,  # int64 the entry's ragged row
-    request_ring,  # the request's ring (request-scoped) or the ring storage (page-scoped)
-    window_ptr,
-    ring_rows,
-    stride_ring_slot,
-    stride_ring_row,
-    stride_window,
-    SPAN: tl.constexpr,
-    RATIO: tl.constexpr,
-    WINDOW_PAGE: tl.constexpr,
-):
-    """Where span slots ``j`` come from: ``(from_rows, from_ring, rows, ring_base, ape_row)``,
-    the slot's ragged row (this forward) or ring row pointer, and its ``ape`` row.
-    ``ring_rows >= SPAN``."""
-    q = pos - SPAN + 1 + j  # [BLOCK_S] token position of each slot
-    from_rows = q > pos - window_len
-    from_ring = (q >= 0) & ~from_rows
-    rows = tl.where(from_rows, row - (pos - q), 0)
-    # Ring row q % R from the entry's last row: a lag below SPAN <= R wraps at most once
-    # (one int32 modulo, not one a slot).
-    ring_row = (pos.to(tl.int32) % ring_rows).to(tl.int64) - (pos - q)
-    ring_row = tl.where(ring_row < 0, ring_row + ring_rows, ring_row)
-    ring_base = request_ring + tl.where(from_ring, ring_row, 0) * stride_ring_row
-    if WINDOW_PAGE > 0:
-        # Each slot's ring is the window page of its own position (lag pos - q).
-        window = tl.load(window_ptr + row * stride_window + (pos - q), mask=from_ring)
-        ring_base += (tl.where(from_ring, window, 0).to(tl.int64) // WINDOW_PAGE) * (
-            stride_ring_slot
-        )
-    return from_rows, from_ring, rows, ring_base, tl.where(from_rows, q, 0) % RATIO
-
-
-@triton.jit
-def _compress_entry_kernel(
-    kv_ptr,  # [T, C*D] float kv projection
-    score_ptr,  # [T, C*D] float score projection (without ape)
-    ape_ptr,  # [RATIO, C*D] float
-    ring_ptr,  # [num_slots, ring_rows, 2*C*D] fp32 [kv | score + ape]
-    pool_ptr,  # [B] int request pool index of each batch id (request-scoped rings)
-    window_ptr,  # [T, >= SPAN] int window slot of positions p, p-1, ... (page-scoped rings)
-    plan_ptr,  # [T, 4] int32 compress plan records
-    norm_ptr,  # [D] float RMSNorm weight
-    cos_ptr,  # [N, ROPE_PAIRS] fp32 RoPE cos: rows by position (a RopeTable) or by ragged row
-    sin_ptr,  # [N, ROPE_PAIRS] fp32 RoPE sin, same rows
-    out_ptr,  # [T, D] fp32 finished entries aligned to rows
-    num_rows,
-    D,
-    ring_rows,
-    eps,
-    stride_kv,
-    stride_score,
-    stride_ape,
-    stride_ring_slot,
-    stride_ring_row,
-    stride_window,
-    stride_plan,
-    stride_out,
-    stride_rope,
-    RATIO: tl.constexpr,
-    SPAN: tl.constexpr,
-    OVERLAP: tl.constexpr,
-    WINDOW_PAGE: tl.constexpr,  # > 0: ring slot = window slot // WINDOW_PAGE; 0: pool index
-    ROPE_PAIRS: tl.constexpr,
-    ROPE_BY_ROW: tl.constexpr,  # cos / sin rows are ragged rows, not positions
-    BLOCK_P: tl.constexpr,  # channel pairs per program (>= D / 2)
-    BLOCK_S: tl.constexpr,  # span slots per pooling step
-):
-    """One compress-plan record: pool its entry, RMSNorm, RoPE, store at its row.
-
-    Channels are handled as pairs ``(2i, 2i + 1)`` (even and odd tiles), the layout the
-    interleaved RoPE rotates. Rows that complete no entry are zeroed by the record before
-    them (the gap up to its own row, and after the last record, up to ``T``), so every output
-    row is written exactly once without a separate fill.
-    """
-    rec = tl.program_id(0)
-    ragged = _zero_gaps(
-        plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, 2 * BLOCK_P, 1
-    )
-    pair = tl.arange(0, BLOCK_P)
-    pair_ok = pair < D // 2
-    zeros = tl.zeros([BLOCK_P], tl.float32)
-    if ragged >= 0:
-        row = ragged.to(tl.int64)
-        batch = tl.load(plan_ptr + rec * stride_plan + 1)
-        pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
-        window_len = tl.load(plan_ptr + rec * stride_plan + 3).to(tl.int64)
-        request_ring = ring_ptr
-        if WINDOW_PAGE == 0:
-            request_ring += tl.load(pool_ptr + batch).to(tl.int64) * stride_ring_slot
-        m_e = tl.full([BLOCK_P], float("-inf"), tl.float32)
-        m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
-        for j0 in range(0, SPAN, BLOCK_S):
-            j = j0 + tl.arange(0, BLOCK_S)
-            from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
-                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
-                stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
-            )  # fmt: skip
-            # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
-            col = (j >= RATIO).to(tl.int64)[:, None] * D + 2 * pair[None, :]
-            m_rows = from_rows[:, None] & pair_ok[None, :]
-            m_ring = from_ring[:, None] & pair_ok[None, :]
-            args = (stride_kv, stride_score, stride_ape, OVERLAP * D)
-            kv, score = _slot_tile(
-                kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring, *args
-            )
-            score = tl.where(pair_ok[None, :], score, 0.0)  # padded channels: finite, unused
-            m_e, l_e, acc_e = _online_softmax_step(m_e, l_e, acc_e, kv, score)
-            kv, score = _slot_tile(
-                kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col + 1, m_rows, m_ring,
-                *args,
-            )  # fmt: skip
-            score = tl.where(pair_ok[None, :], score, 0.0)
-            m_o, l_o, acc_o = _online_softmax_step(m_o, l_o, acc_o, kv, score)
-        even, odd = acc_e / l_e, acc_o / l_o
-        # RMSNorm over the D channels (padded pairs pooled to 0).
-        inv = tl.math.rsqrt((tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D + eps)
-        even *= inv * tl.load(norm_ptr + 2 * pair, mask=pair_ok, other=0.0).to(tl.float32)
-        odd *= inv * tl.load(norm_ptr + 2 * pair + 1, mask=pair_ok, other=0.0).to(tl.float32)
-        # RoPE of the trailing ROPE_PAIRS pairs at the entry's first position.
-        rope_pair = pair - (D // 2 - ROPE_PAIRS)
-        is_rope = (rope_pair >= 0) & pair_ok
-        rope_row = row if ROPE_BY_ROW else pos + 1 - RATIO
-        cos = tl.load(cos_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=1.0)
-        sin = tl.load(sin_ptr + rope_row * stride_rope + rope_pair, mask=is_rope, other=0.0)
-        rot_e = tl.where(is_rope, even * cos - odd * sin, even)
-        rot_o = tl.where(is_rope, even * sin + odd * cos, odd)
-        tl.store(out_ptr + row * stride_out + 2 * pair, rot_e, mask=pair_ok)
-        tl.store(out_ptr + row * stride_out + 2 * pair + 1, rot_o, mask=pair_ok)
-
-
-@triton.jit
-def _ring_write_row(
-    kv_ptr,
-    score_ptr,
-    ape_ptr,
-    ring_ptr,
-    pool_ptr,
-    window_ptr,
-    plan_ptr,
-    rec,  # write-plan record
-    col0,  # the first column of the ring row's kv half written
-    CD,
-    ring_rows,
-    stride_kv,
-    stride_score,
-    stride_ape,
-    stride_ring_slot,
-    stride_ring_row,
-    stride_window,
-    stride_plan,
-    RATIO: tl.constexpr,
-    WINDOW_PAGE: tl.constexpr,
-    COLUMNS: tl.constexpr,  # columns written from col0 (a multiple of BLOCK_W)
-    BLOCK_W: tl.constexpr,
-):
-    """``ring[slot, p % R, cols] = [kv | score + ape[p % RATIO]]`` of one write record,
-    ``cols`` ``col0 ... col0 + COLUMNS - 1`` (those ``< CD``), ``BLOCK_W`` a step."""
-    ragged = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
-    if ragged >= 0:  # not a padding record
-        batch = tl.load(plan_ptr + rec * stride_plan + 1)
-        pos = tl.load(plan_ptr + rec * stride_plan + 2)  # int32: an inline modulo (module doc)
-        if WINDOW_PAGE > 0:
-            slot = tl.load(window_ptr + ragged * stride_window).to(tl.int64) // WINDOW_PAGE
-        else:
-            slot = tl.load(pool_ptr + batch).to(tl.int64)
-        row = ring_ptr + slot * stride_ring_slot + (pos % ring_rows).to(tl.int64) * stride_ring_row
-        ape_row = ape_ptr + (pos % RATIO).to(tl.int64) * stride_ape
-        for c0 in range(0, COLUMNS, BLOCK_W):
-            cols = col0 + c0 + tl.arange(0, BLOCK_W)
-            ok = cols < CD
-            kv = tl.load(kv_ptr + ragged * stride_kv + cols, mask=ok, other=0.0)
-            score = tl.load(score_ptr + ragged * stride_score + cols, mask=ok, other=0.0)
-            ape = tl.load(ape_row + cols, mask=ok, other=0.0)
-            tl.store(row + cols, kv.to(tl.float32), mask=ok)
-            tl.store(row + CD + cols, score.to(tl.float32) + ape.to(tl.float32), mask=ok)
-
-
 @triton.jit
 def _pool_channels(
     kv_ptr,
@@ -845,7 +551,7 @@ def _compress_fused_kernel(
     BLOCK_W: tl.constexpr,  # ring-row columns per write step (>= C*D / steps)
     ZERO_ROWS: tl.constexpr,  # output rows zeroed per step (rows that complete no entry)
     DEFER_WRITES: tl.constexpr,  # a write may replace a ring row an entry reads (extend)
-    STORE: tl.constexpr,  # cache_store.STORE_*: the format entries are stored in
+    STORE: tl.constexpr,  # cache_rows.STORE_*: the format entries are stored in
     BF16_BITS: tl.constexpr,
     NOPE_DIM: tl.constexpr,
     ROPE_DIM: tl.constexpr,
@@ -916,91 +622,7 @@ def _compress_fused_kernel(
             go = tl.load(plan_ptr + rec * stride_plan, mask=rec < num_rows, other=-1) >= 0
 
 
-@triton.jit
-def _ring_write_kernel(
-    kv_ptr,  # [T, C*D] float kv projection
-    score_ptr,  # [T, C*D] float score projection (without ape)
-    ape_ptr,  # [RATIO, C*D] float
-    ring_ptr,  # [num_slots, ring_rows, 2*C*D] fp32
-    pool_ptr,  # [B] int request pool index of each batch id (request-scoped rings)
-    window_ptr,  # [T, >= 1] int window slot of each row's position (page-scoped rings)
-    plan_ptr,  # [T, 4] int32 write plan records
-    CD,
-    ring_rows,
-    stride_kv,
-    stride_score,
-    stride_ape,
-    stride_ring_slot,
-    stride_ring_row,
-    stride_window,
-    stride_plan,
-    RATIO: tl.constexpr,
-    WINDOW_PAGE: tl.constexpr,  # > 0: ring slot = window slot // WINDOW_PAGE; 0: pool index
-    BLOCK: tl.constexpr,
-):
-    """One (record, column block): ``ring[slot, p % R] = [kv | score + ape[p % RATIO]]``."""
-    _ring_write_row(
-        kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
-        tl.program_id(0), tl.program_id(1) * BLOCK, CD, ring_rows,
-        stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
-        stride_window, stride_plan, RATIO, WINDOW_PAGE, BLOCK, BLOCK,
-    )  # fmt: skip
-
-
 # ------------------------------------------------------------------------------- launchers
-def _entry_cos_sin(
-    rope: CosSin, positions: torch.Tensor, ratio: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The RoPE tables the entry kernels read: a ``RopeTable``'s own (row = entry position),
-    or any other ``CosSin`` evaluated at the entry position of each row (``positions``
-    ``[T]``; torch ops, tests only)."""
-    if isinstance(rope, RopeTable):
-        return rope.cos, rope.sin
-    entry_positions = (positions.long() + 1) // ratio * ratio - ratio
-    cos, sin = (x.contiguous() for x in rope.cos_sin(entry_positions))
-    return cos, sin
-
-
-def _entries_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-) -> torch.Tensor:
-    """Launch ``_compress_entry_kernel``: ``[T, D]`` fp32 finished entries aligned to rows.
-
-    A ``RopeTable`` is read in place (row = entry position); any other ``CosSin`` is first
-    evaluated at the entry position of each row (``positions`` ``[T]``; torch ops, tests only).
-    """
-    d, ratio, ring = state.head_dim, state.ratio, state.ring
-    rows = kv_proj.shape[0]
-    out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
-    if rows == 0:
-        return out
-    cos, sin = _entry_cos_sin(rope, positions, ratio)
-    span = compress_span(ratio)
-    block_p = triton.next_power_of_2(max(d // 2, 1))
-    block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
-    _compress_entry_kernel[(rows,)](
-        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
-        norm_weight, cos, sin, out,
-        rows, d, ring.shape[1], norm_eps,
-        kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
-        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
-        ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
-        BLOCK_P=block_p, BLOCK_S=block_s,
-    )  # fmt: skip
-    return out
-
-
 @contextlib.contextmanager
 def force_channel_splits(splits: int) -> Iterator[None]:
     """Inside the block the one-launch kernel pools each entry of at least ``SPLIT_SPAN``
@@ -1058,19 +680,7 @@ def fused_warps(block_d: int) -> int:
     return 8 if block_d >= 512 else 4
 
 
-def ring_write_is_safe(state: CompressorState, max_rows_per_request: int | None) -> bool:
-    """Whether no ring row a forward writes can replace one its entries read: a row written
-    at ``p' = p + k`` (``k < n``, ``n`` rows a request) replaces position ``p' - R``, which an
-    entry ending at ``p`` reads from the ring only if ``p' - R > p - span``; so never while
-    ``n <= R - span + 1`` (decode, draft steps, verify with the doubled speculative rings).
-    ``None``: not known (extend), not safe. Where it is not safe, ``_compress_fused_kernel``
-    defers the writes that wait for a read (``DEFER_WRITES``)."""
-    if max_rows_per_request is None:
-        return False
-    return max_rows_per_request <= state.ring_rows - compress_span(state.ratio) + 1
-
-
-def _fused_triton(
+def fused_triton(
     state: CompressorState,
     kv_proj: torch.Tensor,
     score_proj: torch.Tensor,
@@ -1094,7 +704,7 @@ def _fused_triton(
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
     if rows == 0:
         return out
-    cos, sin = _entry_cos_sin(rope, positions, ratio)
+    cos, sin = entry_cos_sin(rope, positions, ratio)
     span = compress_span(ratio)
     block_d = triton.next_power_of_2(max(d, 2))
     cache, out_loc = store if store is not None else (None, out)  # out: an unread pointer
@@ -1118,48 +728,7 @@ def _fused_triton(
     return out
 
 
-def _write_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    write_plan: torch.Tensor,
-) -> None:
-    """Launch ``_ring_write_kernel`` for every write-plan record."""
-    ring, cd = state.ring, kv_proj.shape[1]
-    grid = (write_plan.shape[0], triton.cdiv(cd, WRITE_BLOCK))
-    _ring_write_kernel[grid](
-        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, write_plan,
-        cd, ring.shape[1],
-        kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        window_slots.stride(0), write_plan.stride(0),
-        RATIO=state.ratio, WINDOW_PAGE=state.window_page, BLOCK=WRITE_BLOCK,
-    )  # fmt: skip
-
-
-def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
-# ------------------------------------------------------------------------------ torch path
-def _ring_slots(
-    state: CompressorState,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    ragged: torch.Tensor,
-    batch: torch.Tensor,
-    lags: torch.Tensor,
-) -> torch.Tensor:
-    """Ring slot of position ``p - lag`` of each record ``[n, lags]`` (``ragged``, ``batch``
-    ``[n]``; ``lags`` ``[n, k]`` in ``[0, SPAN)``, clamped by the caller where unused)."""
-    if state.window_page:
-        return window_slots.long()[ragged[:, None], lags] // state.window_page
-    return req_pool_indices.long()[batch][:, None].expand_as(lags)
-
-
-def _pool_torch(
+def compress_fused(
     state: CompressorState,
     kv_proj: torch.Tensor,
     score_proj: torch.Tensor,
@@ -1167,201 +736,20 @@ def _pool_torch(
     req_pool_indices: torch.Tensor,
     window_slots: torch.Tensor,
     compress_plan: torch.Tensor,
-) -> torch.Tensor:
-    """Torch implementation of the pooling kernel (same gathers, vectorised over records)."""
-    d, ratio, ring = state.head_dim, state.ratio, state.ring
-    span, rows = compress_span(ratio), kv_proj.shape[0]
-    out = torch.zeros(rows, d, dtype=torch.float32, device=kv_proj.device)
-    plan = compress_plan.long()
-    plan = plan[plan[:, 0] >= 0]
-    ragged, batch, pos, window_len = plan.unbind(1)
-    j = torch.arange(span, device=plan.device)
-    q = pos[:, None] - span + 1 + j  # [n, span] token position of each slot
-    from_rows = q > (pos - window_len)[:, None]
-    from_ring = (q >= 0) & ~from_rows
-    src = torch.where(from_rows, ragged[:, None] - (pos[:, None] - q), 0)
-    lags = torch.where(from_ring, pos[:, None] - q, 0)
-    slots = _ring_slots(state, req_pool_indices, window_slots, ragged, batch, lags)
-    slot_rows = ring[slots, q.clamp(min=0) % ring.shape[1]]
-    cd = kv_proj.shape[1]
-    in_rows, present = from_rows[..., None], (from_rows | from_ring)[..., None]
-    kv = torch.where(in_rows, kv_proj.float()[src], slot_rows[..., :cd])
-    score = score_proj.float()[src] + ape.float()[q.clamp(min=0) % ratio]
-    score = torch.where(in_rows, score, slot_rows[..., cd:])
-    # Negative positions (ratio 4, first entry) are missing slots: kv 0, score -inf.
-    kv = torch.where(present, kv, 0.0)
-    score = torch.where(present, score, float("-inf"))
-    # Ratio 4: slots 0-3 (previous block) use dims [:D], slots 4-7 (current block) [D:].
-    second = (j >= ratio)[None, :, None]
-    if compress_overlap(ratio) == 2:
-        kv = torch.where(second, kv[..., d:], kv[..., :d])
-        score = torch.where(second, score[..., d:], score[..., :d])
-    out[ragged] = pool_slots(kv, score)
-    return out
-
-
-def _write_torch(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
     write_plan: torch.Tensor,
-) -> None:
-    """Torch implementation of the ring-write kernel."""
-    plan = write_plan.long()
-    ragged, batch, pos, _ = plan[plan[:, 0] >= 0].unbind(1)
-    score = score_proj[ragged].float() + ape.float()[pos % state.ratio]
-    rows = torch.cat([kv_proj[ragged].float(), score], dim=1)
-    lag0 = torch.zeros(ragged.shape[0], 1, dtype=torch.long, device=ragged.device)
-    slots = _ring_slots(state, req_pool_indices, window_slots, ragged, batch, lag0)[:, 0]
-    state.ring[slots, pos % state.ring_rows] = rows
-
-
-# ---------------------------------------------------------------------------------- public
-def _check(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    positions: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-) -> None:
-    ratio, d = state.ratio, state.head_dim
-    check_compressed_ratio(ratio, "compressor")
-    t, cd = kv_proj.shape[0], compress_overlap(ratio) * d
-    want = {
-        "kv_proj": (t, cd),
-        "score_proj": (t, cd),
-        "ape": (ratio, cd),
-        "norm_weight": (d,),
-        "positions": (t,),
-        "compress_plan": (t, 4),
-        "write_plan": (t, 4),
-        "state.ring": (state.ring.shape[0], state.ring.shape[1], 2 * cd),
-    }
-    got = {
-        "kv_proj": kv_proj,
-        "score_proj": score_proj,
-        "ape": ape,
-        "norm_weight": norm_weight,
-        "positions": positions,
-        "compress_plan": compress_plan,
-        "write_plan": write_plan,
-        "state.ring": state.ring,
-    }
-    for name, tensor in got.items():
-        if tuple(tensor.shape) != want[name]:
-            raise ContractError(
-                f"compressor (ratio {ratio}, D={d}): {name} has shape {tuple(tensor.shape)}, "
-                f"expected {want[name]}"
-            )
-    for name in ("compress_plan", "write_plan"):
-        if got[name].dtype != torch.int32:
-            raise ContractError(f"compressor: {name} has dtype {got[name].dtype}, expected int32")
-    if state.ring.dtype != torch.float32:
-        raise ContractError(f"compressor: state.ring has dtype {state.ring.dtype}, expected fp32")
-    if req_pool_indices.dim() != 1:
-        raise ContractError(
-            f"compressor: req_pool_indices has shape {tuple(req_pool_indices.shape)}, expected [B]"
-        )
-    lags = compress_span(ratio) if state.window_page else 0  # columns the kernels read
-    if window_slots.dim() != 2 or window_slots.shape[0] != t or window_slots.shape[1] < lags:
-        raise ContractError(
-            f"compressor: window_slots has shape {tuple(window_slots.shape)}, expected "
-            f"({t}, >= {lags}) (window slots of positions p, p - 1, ...)"
-        )
-    devices = {x.device for x in (*got.values(), req_pool_indices, window_slots)}
-    if len(devices) != 1:
-        raise ContractError(f"compressor: tensors on several devices {sorted(map(str, devices))}")
-
-
-def _check_store(
-    state: CompressorState, rows: int, cache: SlotCache, out_loc: torch.Tensor
-) -> None:
-    cache.check_slots(out_loc, "out_loc")
-    if cache.dim != state.head_dim or tuple(out_loc.shape) != (rows,):
-        raise ContractError(
-            f"compressor (D={state.head_dim}): store into a cache of dim {cache.dim} at "
-            f"out_loc {tuple(out_loc.shape)}; expected dim {state.head_dim} and ({rows},)"
-        )
-
-
-def compress_forward(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
     norm_weight: torch.Tensor,
     rope: CosSin,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
+    norm_eps: float,
     positions: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-    *,
-    norm_eps: float = 1e-6,
-    store: tuple[SlotCache, torch.Tensor] | None = None,
-    max_rows_per_request: int | None = None,
+    store: tuple[SlotCache, torch.Tensor] | None,
+    max_rows_per_request: int | None,
 ) -> torch.Tensor:
-    """Entries completed by this forward's rows, then the ring updated for the next forward.
-
-    Parameters
-    ----------
-    state : the layer's (or indexer's) rings; ``state.ring`` is updated in place.
-    kv_proj, score_proj : ``[T, c*D]`` float — this forward's projections (scores without ape).
-    ape : ``[r, c*D]`` float.
-    norm_weight : ``[D]`` float RMSNorm weight.
-    rope : the compressed layers' RoPE cos/sin (``AttentionState.rope``, a ``RopeTable``).
-    req_pool_indices : ``[B]`` int — ring slot of each batch id (request-scoped c128 rings).
-    window_slots : ``[T, >= span]`` int — window slot of positions ``p, p - 1, ...`` of each row
-        (``AttentionMetadata.swa_page_indices``); a page-scoped (c4) ring slot is a position's
-        ``window_slot // state.window_page``. Only columns ``< span`` of rows with records
-        are read.
-    positions : ``[T]`` int — absolute position of each row.
-    compress_plan, write_plan : ``[T, 4]`` int32 plan records of this ratio (planning/metadata.py).
-    norm_eps : the RMSNorm epsilon (sglang: the compressor's ``norm.variance_epsilon``).
-    store : ``(cache, out_loc)``: also store each row's entry in ``cache`` at ``out_loc``
-        ``[T]`` (``-1``: none), as ``store_rows`` does.
-    max_rows_per_request : the most rows a request has in this forward when known (uniform
-        kinds); where ``ring_write_is_safe`` says so, the one-launch kernel skips the check
-        for writes that must wait for an entry's ring reads (``DEFER_WRITES``).
-
-    Returns ``[T, D]`` float32 aligned to rows: the finished (normed, roped) entry completed by
-    each row, zeros for rows that complete none. Decode is the same call with one row per
-    request.
-    """
-    _check(state, kv_proj, score_proj, ape, norm_weight, req_pool_indices, window_slots,
-           positions, compress_plan, write_plan)  # fmt: skip
-    # The kernels step channels and batch ids with unit stride (rows may be strided: the
-    # kv and score halves of one projection are used in place).
-    args = (state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
-            ape.contiguous(), req_pool_indices.contiguous(),
-            _unit_channel_stride(window_slots))  # fmt: skip
-    device = kv_proj.device
-    if dispatch.use_triton(device) and dispatch.use_unverified("compressor", device):
-        if store is not None:
-            _check_store(state, kv_proj.shape[0], *store)
-            store = (store[0], store[1].contiguous())
-        return _fused_triton(
-            *args, compress_plan.contiguous(), write_plan.contiguous(), norm_weight.contiguous(),
-            rope, norm_eps, positions, store, not ring_write_is_safe(state, max_rows_per_request),
-        )  # fmt: skip
-    if dispatch.use_triton(device):
-        entries = _entries_triton(
-            *args, compress_plan.contiguous(), norm_weight.contiguous(), rope, norm_eps, positions
-        )
-        _write_triton(*args, write_plan.contiguous())
-    else:
-        pooled = _pool_torch(*args, compress_plan)
-        _write_torch(*args, write_plan)
-        entry_ids = torch.div(positions.long() + 1, state.ratio, rounding_mode="floor") - 1
-        entries = finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope, norm_eps)
+    """``table.compress_forward`` (inputs checked, channels of unit stride) in one launch."""
     if store is not None:
-        store_rows(store[0], entries, store[1])
-    return entries
+        check_store(state, kv_proj.shape[0], *store)
+        store = (store[0], store[1].contiguous())
+    return fused_triton(
+        state, kv_proj, score_proj, ape, req_pool_indices, window_slots,
+        compress_plan.contiguous(), write_plan.contiguous(), norm_weight.contiguous(),
+        rope, norm_eps, positions, store, not ring_write_is_safe(state, max_rows_per_request),
+    )  # fmt: skip

@@ -1,11 +1,11 @@
 """FP8 sparse attention with sink, warp-specialised in Gluon: the ``ws`` attention kernel.
 
-The design plain Triton cannot express (``kernels/sparse_attention_pipelined.py``), after
+The design plain Triton cannot express (``kernels/attention/pipelined.py``), after
 FlashMLA's SM90 sparse FP8 decode, for H = 64 heads a program row and D = 512 (448 e4m3 + 64
 bf16 channels, 584-byte tokens; or dense bf16 rows). Three one-warpgroup partitions on
 Hopper (sm_90a, this module):
 
-* the producer (``kernels/sparse_attention_ws_parts.py``, shared with Blackwell's kernel)
+* the producer (``kernels/attention/ws_parts.py``, shared with Blackwell's kernel)
   streams each 64-key block into a ring of ``NUM_BUF`` bf16 key buffers with cp.async,
   dequantising fp8 units as they land, and leaves the keys' validity beside them;
 * warpgroup 0 (``_softmax_partition``) runs ``s = q k^T`` once a block over all 64 keys
@@ -18,14 +18,15 @@ Hopper (sm_90a, this module):
   dequantised block never share registers; no empty splits, the merge in the last split and
   bf16 output.
 
-On Blackwell (sm_100a) :func:`sparse_attention_ws` runs ``kernels/sparse_attention_ws_sm100.py``
+On Blackwell (sm_100a) :func:`sparse_attention_ws` runs ``kernels/attention/ws_sm100.py``
 (tcgen05 into tensor memory) instead. Gluon does not run in the Triton interpreter: both are
 compiled ahead of time on the CPU (``python -m dsv4_backend.testing.aot_compile``) and have
 never run, so they are checked from their SASS only.
 
 Both use Gluon APIs of Triton 3.8 (:data:`GLUON_APIS`). Under an older Triton the launcher runs
-a kernel precompiled with 3.8 (``kernels/device/precompiled.py``, from ``DSV4_PRECOMPILED_DIR``; built
-by ``python -m dsv4_backend.testing.precompile``) where one exists for the launch, and
+a kernel precompiled with 3.8 (``kernels/device/precompiled.py``, from
+``DSV4_PRECOMPILED_DIR``; built by ``python -m dsv4_backend.testing.precompile``) where one
+exists for the launch, and
 :func:`ws_unsupported_reason` names the missing kernel where none does.
 """
 
@@ -49,22 +50,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels import sparse_attention_ws_sm100 as sm100
-from dsv4_backend.kernels.device import precompiled
-from dsv4_backend.kernels.sparse_attention import (
-    LOG2E,
+from dsv4_backend.kernels.attention import ws_sm100 as sm100
+from dsv4_backend.kernels.attention.common import (
     MAX_SPLITS,
     KeySpans,
-    _check_inputs,
+    check_inputs,
     key_spans,
     launch_num_splits,
-)
-from dsv4_backend.kernels.sparse_attention_pipelined import (
-    _page_geometry,
+    page_geometry,
     pipelined_unsupported_reason,
-    split_blocks,
 )
-from dsv4_backend.kernels.sparse_attention_ws_parts import (
+from dsv4_backend.kernels.attention.device import LOG2E, split_blocks
+from dsv4_backend.kernels.attention.ws_parts import (
     BLOCK_M,
     BLOCK_N,
     HEAD_DIM,
@@ -78,6 +75,7 @@ from dsv4_backend.kernels.sparse_attention_ws_parts import (
     q_to_shared,
     ring_buffers,
 )
+from dsv4_backend.kernels.device import precompiled
 
 #: Warps of each consumer partition (one warpgroup each).
 CONSUMER_WARPS = 4
@@ -437,8 +435,8 @@ def ws_inputs_reason(
 
 
 def _geometry(cache: TokenCache) -> tuple[int, int, int]:
-    """The fp8 page geometry (``_page_geometry``); zeros for a dense cache (rows of D)."""
-    return _page_geometry(cache) if cache.fmt == "fp8" else (0, 0, 0)
+    """The fp8 page geometry (``page_geometry``); zeros for a dense cache (rows of D)."""
+    return page_geometry(cache) if cache.fmt == "fp8" else (0, 0, 0)
 
 
 def sparse_attention_ws(
@@ -453,11 +451,13 @@ def sparse_attention_ws(
     softmax_scale: float,
     *,
     num_splits: int | None = None,
+    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """The ws kernel's path of ``sparse_attention_with_sink``: ``[T, H, D]`` bf16, one row
-    a program (heads padded to 64 M lines). Raises ``BatchError`` where
+    a program (heads padded to 64 M lines; ``rows_per_group``, the op's argument, is not
+    used). Raises ``BatchError`` where
     :func:`ws_unsupported_reason` names a reason."""
-    extra_span = _check_inputs(
+    extra_span = check_inputs(
         q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
     )  # fmt: skip

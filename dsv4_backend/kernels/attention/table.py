@@ -1,0 +1,151 @@
+"""The sparse-attention op: its variants (:data:`ATTENTION`, ``kernels/variants.py``) and its
+entry point :func:`sparse_attention_with_sink`.
+
+``triton`` (``triton.py``, the CUDA baseline and the interpreter's default) and ``torch``
+(``torch.py``, the torch path) serve every cache and shape; ``pipelined`` (``pipelined.py``),
+``ws`` (``ws.py``, Gluon, compiled GPUs only) and ``flashmla`` (``flashmla.py``, FlashMLA's
+sparse FP8 decode) have never run on a GPU and run only when named
+(``DSV4_ATTENTION_KERNEL``). A named variant that cannot take a backend's caches is refused
+when the backend is built (:func:`explicit_choice_reason`); at a forward the variant's own
+checks raise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_backend.cache.token_cache import TokenCache
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.attention.common import output_dtype, pipelined_unsupported_reason
+from dsv4_backend.kernels.attention.flashmla import (
+    flashmla_unsupported_reason,
+    sparse_attention_flashmla,
+)
+from dsv4_backend.kernels.attention.pipelined import sparse_attention_pipelined
+from dsv4_backend.kernels.attention.torch import sparse_attention_torch
+from dsv4_backend.kernels.attention.triton import sparse_attention_triton
+from dsv4_backend.kernels.attention.ws import sparse_attention_ws, ws_unsupported_reason
+from dsv4_backend.kernels.variants import (
+    OpTable,
+    Target,
+    Variant,
+    on_cuda,
+    on_paths,
+    resolve,
+    with_library,
+)
+
+TRITON_PATHS = on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER)
+
+
+def _pipelined_rejects(
+    device: torch.device, window: TokenCache, extra: TokenCache | None, heads: int, dim: int
+) -> str | None:
+    return pipelined_unsupported_reason(window, extra, dim)
+
+
+#: The variants; each ``rejects(device, window, extra, heads, dim)`` says why it cannot take
+#: these caches and ``[T, heads, dim]`` queries on ``device``.
+ATTENTION = OpTable(
+    "attention",
+    "sparse attention with sink over window keys plus compressed keys",
+    (
+        Variant(
+            "triton", sparse_attention_triton, (TRITON_PATHS,),
+            "every cache format and shape; rows of a request grouped below 64 heads",
+            baseline=True,
+        ),
+        Variant(
+            "pipelined", sparse_attention_pipelined, (TRITON_PATHS,),
+            "fp8 caches, head dim 128 / 256 / 512 with 64 rope channels",
+            rejects=_pipelined_rejects,
+        ),
+        Variant(
+            "ws", sparse_attention_ws, (on_paths(dispatch.TRITON), on_cuda(9, 10)),
+            "Gluon (Triton 3.8, or a precompiled cubin), fp8 or dense bf16 caches, <= 64 heads "
+            "of dim 512", rejects=ws_unsupported_reason,
+        ),
+        Variant(
+            "flashmla", sparse_attention_flashmla,
+            (on_paths(dispatch.TRITON), on_cuda(9, 10), with_library("flash_mla")),
+            "FlashMLA's sparse FP8 decode (sgl-flash-mla): fp8 caches, heads of dim 512",
+            rejects=flashmla_unsupported_reason,
+        ),
+        Variant("torch", sparse_attention_torch, (), "every cache format and shape",
+                baseline=True),
+    ),
+)  # fmt: skip
+
+
+def sparse_attention_with_sink(
+    q: torch.Tensor,
+    window: TokenCache,
+    swa_indices: torch.Tensor,
+    swa_lengths: torch.Tensor,
+    extra: TokenCache | None,
+    extra_indices: torch.Tensor | None,
+    extra_lengths: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    *,
+    rows_per_group: int = 1,
+) -> torch.Tensor:
+    """Attention of each query row over its window keys plus its compressed keys, with sink.
+
+    Parameters
+    ----------
+    q : ``[T, H, D]`` float32 or bfloat16, already normed and roped.
+    window : this layer's window cache (dense or fp8), addressed by window slot.
+    swa_indices : ``[T, Ws]`` int32 window slots (-1 = none).
+    swa_lengths : ``[T]`` int32 valid leading columns of ``swa_indices``.
+    extra : this layer's c4 or c128 cache, or None for a window-only layer.
+    extra_indices : ``[T, Ke]`` int32 compressed slots (-1 = none): c4 top-k or c128 entries;
+        None with ``extra``.
+    extra_lengths : ``[T]`` int32 valid leading columns of ``extra_indices``; None with
+        ``extra``.
+    sink : ``[H]`` float32 finite per-head sink logit (adds ``exp(sink)`` to the denominator).
+    softmax_scale : logit scale, ``head_dim ** -0.5``.
+    rows_per_group : how many consecutive rows mostly share keys (the rows of one verify or
+        draft-extend request; 1 for decode). The Triton path packs up to that many rows into
+        one program (``common.group_rows``) and gathers their union of keys once
+        (``kernels/attention/key_union.py``); the result does not depend on it.
+
+    Returns
+    -------
+    ``[T, H, D]`` in ``common.output_dtype`` (bf16 for bf16 queries on a GPU, else float32; the
+    caller casts). Rows without a valid key are 0.
+    """
+    args = (q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink)
+    variant = resolve(ATTENTION, q.device).variant
+    out = variant.entry(*args, softmax_scale, rows_per_group=rows_per_group)
+    return out.to(output_dtype(q))  # opt-in variants write bf16
+
+
+def variant_reason(
+    variant: Variant,
+    device: torch.device,
+    window: TokenCache,
+    extra: TokenCache | None,
+    heads: int,
+    dim: int,
+) -> str | None:
+    """Why ``variant`` cannot run on ``device`` (its needs) or take these caches and ``heads``
+    queries of ``dim`` (its ``rejects``); None when it can."""
+    reason = variant.unmet(Target.of(device))
+    if reason is None and variant.rejects is not None:
+        reason = variant.rejects(device, window, extra, heads, dim)
+    return reason
+
+
+def explicit_choice_reason(
+    device: torch.device, window: TokenCache, extra: TokenCache | None, heads: int, dim: int
+) -> str | None:
+    """Why the variant named for ``device`` (``DSV4_ATTENTION_KERNEL`` or ``force_variant``)
+    cannot take these caches and ``heads`` queries of ``dim``; None for a default or a named
+    variant that takes them. ``ConfigError`` for a name that is unknown or cannot run there."""
+    chosen = resolve(ATTENTION, device)
+    rejects = chosen.variant.rejects
+    reason = None if rejects is None else rejects(device, window, extra, heads, dim)
+    if not chosen.explicit or reason is None:
+        return None
+    return f"{chosen.reason}: the {chosen.name} attention variant cannot run here: {reason}"

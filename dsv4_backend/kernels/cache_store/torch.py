@@ -1,0 +1,17 @@
+"""The cache store's torch path: :func:`store_rows_torch`."""
+
+from __future__ import annotations
+
+import torch
+
+from dsv4_backend.cache.token_cache import SlotCache
+
+
+def store_rows_torch(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """Torch implementation of the store (same bytes as the kernels)."""
+    keep = slots >= 0
+    rows, slots = rows[keep], slots[keep]
+    if cache.layout is None:
+        cache.storage[slots] = rows.to(cache.storage.dtype)
+    else:
+        cache.layout.write_tokens(cache.storage, slots, *cache.layout.pack_tokens(rows))

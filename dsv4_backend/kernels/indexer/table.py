@@ -1,0 +1,199 @@
+"""Lightning indexer: score a row's visible c4 entries and keep the top-k as c4 cache slots.
+
+docs/design.md §2. For query row ``t`` (position ``p``) and c4 entry ``s``::
+
+    score[t, s] = sum_h w[t, h] * relu(q_idx[t, h] . K[s])      for s < num_candidates[t]
+
+``num_candidates = c4.topk_lengths_raw = (p + 1) // 4``; ``K[s]`` is the indexer key cache row
+at the c4 slot of entry ``s``: ``page_table[t, s * 4 // 256] * 64 + s % 64``. The selection keeps
+every candidate when there are at most ``topk``, else the ``topk`` best scores; equal scores at
+the boundary go to the smaller entry index, so every path selects the same set. Selected
+entries are written in ascending entry order, as c4 slots, ``-1`` padded
+(``c4.page_indices``).
+
+Shapes: ``T`` rows, ``HI`` indexer heads, ``DI`` indexer head dim, ``Pw`` page-table width,
+``N`` score columns (``max_candidates``), ``K`` ``topk``. Every output shape depends only on
+``(T, N, K)`` and nothing reads a tensor value on the host, so the indexer can be captured in
+a CUDA graph (warm it up first: the first call compiles).
+
+The entry points here (:func:`index_scores`, :func:`select_topk`, :func:`run_indexer`) run
+the variant :data:`INDEXER` chooses (``kernels/variants.py``); every one selects the same set
+(ties go to the smaller index):
+
+* ``bounded`` (``bounded.py``; the interpreter's default, opt-in on CUDA until it passes
+  ``scripts/gpu_check.sh``): three launches whose work follows each row's own candidate count.
+* ``triton`` (``triton.py``; the CUDA baseline): scores over the page table's width, then the
+  top-k of the whole matrix and the slots (``slots.py``, ``topk.py``).
+* ``deep_gemm`` (``deep_gemm.py``; opt-in): DeepGEMM's fp8 paged MQA logits, then the same
+  selection; exact for ``indexer_selection="fp8"`` only.
+* ``torch`` (``torch.py``): the plain implementation (the torch path).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.indexer.bounded import (
+    index_scores_bounded,
+    run_indexer_bounded,
+    select_topk_bounded,
+)
+from dsv4_backend.kernels.indexer.common import (
+    C4_ENTRIES_PER_PAGE,
+    IndexerKernels,
+    _check_inputs,
+    _check_selection,
+)
+from dsv4_backend.kernels.indexer.deep_gemm import (
+    deep_gemm_unsupported_reason,
+    index_scores_deep_gemm,
+)
+from dsv4_backend.kernels.indexer.slots import select_padded_slots, select_slots
+from dsv4_backend.kernels.indexer.torch import _index_scores_torch, _select_topk_torch
+from dsv4_backend.kernels.indexer.triton import _index_scores_triton
+from dsv4_backend.kernels.variants import (
+    OpTable,
+    Variant,
+    on_cuda,
+    on_paths,
+    resolve,
+    with_library,
+)
+
+if TYPE_CHECKING:
+    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+
+TRITON_PATHS = on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER)
+
+#: The variants; each entry is an :class:`~dsv4_backend.kernels.indexer.common.IndexerKernels`,
+#: ``deep_gemm``'s ``rejects(device, keys, heads, dim, indexer_selection)`` says why it cannot
+#: take a layer's key cache and ``[T, heads, dim]`` queries.
+INDEXER = OpTable(
+    "indexer",
+    "the lightning indexer: scores of each row's c4 candidates and their top-k as slots",
+    (
+        Variant(
+            "bounded",
+            IndexerKernels(index_scores_bounded, select_topk_bounded, select_topk_bounded,
+                           run_indexer_bounded),
+            (TRITON_PATHS,), "dense or fp8 keys; work follows each row's candidate count",
+        ),
+        Variant(
+            "triton",
+            IndexerKernels(_index_scores_triton, select_slots, select_padded_slots),
+            (TRITON_PATHS,), "dense or fp8 keys; work follows the page table's width",
+            baseline=True,
+        ),
+        Variant(
+            "deep_gemm",
+            IndexerKernels(index_scores_deep_gemm, select_slots, select_padded_slots),
+            (on_paths(dispatch.TRITON), on_cuda(9, 10, 12), with_library("deep_gemm")),
+            "DeepGEMM's fp8 paged MQA logits: fp8 keys, 32 / 64 heads of dim 128, "
+            "indexer_selection='fp8'", rejects=deep_gemm_unsupported_reason,
+        ),
+        Variant(
+            "torch", IndexerKernels(_index_scores_torch, _select_topk_torch, _select_topk_torch),
+            (), "dense or fp8 keys", baseline=True,
+        ),
+    ),
+)  # fmt: skip
+
+
+def _kernels(device: torch.device) -> IndexerKernels:
+    return resolve(INDEXER, device).variant.entry
+
+
+def index_scores(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_candidates: int,
+) -> torch.Tensor:
+    """Indexer scores of every row's candidate c4 entries.
+
+    Parameters
+    ----------
+    q_idx : ``[T, HI, DI]`` fp32 / bf16 indexer queries, already roped.
+    weights : ``[T, HI]`` float head weights, already scaled by ``DI^-0.5 * HI^-0.5``.
+    keys : the layer's indexer key cache (dense or fp8), addressed by c4 slot.
+    page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
+    num_candidates : ``[T]`` int32 visible entries, ``c4.topk_lengths_raw`` (``(p+1)//4``);
+        values above ``max_candidates`` are clamped to it.
+    max_candidates : ``N``, the score columns; static under CUDA graphs.
+
+    Returns ``[T, N]`` fp32 scores, ``-inf`` at columns ``>= num_candidates``.
+    """
+    _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    return _kernels(q_idx.device).scores(
+        q_idx, weights, keys, page_table, num_candidates, max_candidates
+    )
+
+
+def select_topk(
+    scores: torch.Tensor,
+    num_candidates: torch.Tensor,
+    page_table: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+) -> None:
+    """Write the c4 slots of each row's selected entries into ``out``.
+
+    Parameters
+    ----------
+    scores : ``[T, N]`` float (``index_scores``).
+    num_candidates : ``[T]`` int32 candidates per row.
+    page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
+    topk : ``K``, entries kept per row (``index_topk``).
+    out : ``[T, K]`` int32, e.g. ``c4.page_indices``; receives the slots of the selected
+        entries in ascending entry order, then ``-1`` (rows with 0 candidates are all ``-1``).
+    """
+    _check_selection(scores, num_candidates, page_table, topk, out)
+    _kernels(scores.device).select(scores, num_candidates, page_table, topk, out)
+
+
+def run_indexer(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+    max_candidates: int | None = None,
+) -> None:
+    """Score and select: fill ``out`` (``[T, topk]`` int32, ``c4.page_indices``) with slots.
+
+    ``max_candidates`` defaults to every entry the page table can address (``Pw * 64``); pass
+    a smaller static bound for long prefills (the score matrix is ``[T, max_candidates]``).
+    Other arguments as in ``index_scores`` and ``select_topk``.
+    """
+    if max_candidates is None:
+        max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
+    _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    kernels = _kernels(q_idx.device)
+    if kernels.run is not None:
+        kernels.run(q_idx, weights, keys, page_table, num_candidates, topk, out, max_candidates)
+        return
+    scores = kernels.scores(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    _check_selection(scores, num_candidates, page_table, topk, out)
+    kernels.select_padded(scores, num_candidates, page_table, topk, out)
+
+
+def explicit_choice_reason(
+    device: torch.device, keys: IndexerKeyCache, heads: int, dim: int, indexer_selection: str
+) -> str | None:
+    """Why the variant named for ``device`` (``DSV4_INDEXER_KERNEL`` or ``force_variant``)
+    cannot take this key cache and ``heads`` queries of ``dim`` under ``indexer_selection``;
+    None for a default or a named variant that takes them. ``ConfigError`` for a name that is
+    unknown or cannot run there."""
+    chosen = resolve(INDEXER, device)
+    rejects = chosen.variant.rejects
+    reason = None if rejects is None else rejects(device, keys, heads, dim, indexer_selection)
+    if not chosen.explicit or reason is None:
+        return None
+    return f"{chosen.reason}: the {chosen.name} indexer variant cannot run here: {reason}"

@@ -1,0 +1,41 @@
+"""The lightning indexer's torch variant: the plain implementation (CPU without the
+interpreter, meta tensors) of its scores and its selection."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from dsv4_backend.kernels.indexer.common import c4_entry_slots, select_entries
+
+if TYPE_CHECKING:
+    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+
+
+def _index_scores_torch(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_candidates: int,
+) -> torch.Tensor:
+    cols = torch.arange(max_candidates, device=q_idx.device)
+    valid = cols[None, :] < num_candidates[:, None]
+    k = keys.gather(c4_entry_slots(page_table, torch.where(valid, cols, -1)))  # [T, N, DI]
+    dots = torch.einsum("thd,tnd->thn", q_idx.float(), k)
+    scores = torch.einsum("th,thn->tn", weights.float(), dots.relu())
+    return scores.masked_fill(~valid, float("-inf"))
+
+
+def _select_topk_torch(
+    scores: torch.Tensor,
+    num_candidates: torch.Tensor,
+    page_table: torch.Tensor,
+    topk: int,
+    out: torch.Tensor,
+) -> None:
+    """``select_topk`` off the Triton paths: ``out`` receives the c4 slots of the entries
+    ``select_entries`` selects."""
+    out.copy_(c4_entry_slots(page_table, select_entries(scores, num_candidates, topk)))

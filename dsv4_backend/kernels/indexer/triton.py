@@ -1,0 +1,114 @@
+"""The lightning indexer's Triton variant (the CUDA baseline): ``_indexer_scores_kernel``
+with one program per 64 columns of the width; its selection is ``slots.py``'s (the top-k of the
+whole ``[T, N]`` matrix, then the slots).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from dsv4_backend.kernels.device.fp8 import load_dense_block, load_fp8_indexer_block
+from dsv4_backend.kernels.indexer.common import BLOCK_N, C4_ENTRIES_PER_PAGE
+from dsv4_backend.kernels.indexer.device import _candidate_slots, _row_queries
+
+if TYPE_CHECKING:
+    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+
+
+@triton.jit
+def _indexer_scores_kernel(
+    q_ptr,  # [T, HI, DIM] fp32 / bf16
+    w_ptr,  # [T, HI] float
+    key_ptr,  # dense [num_slots, DIM] float, or fp8 [num_pages, PAGE_TOKENS * (DIM + 4)] uint8
+    page_table_ptr,  # [T, Pw] int32
+    num_ptr,  # [T] int32 candidates per row
+    out_ptr,  # [T, N] fp32
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_wt,
+    stride_wh,
+    stride_key_slot,  # dense only: elements between slots
+    stride_pt_t,
+    stride_pt_p,
+    stride_out_t,
+    num_cols,  # N
+    HI: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,  # fp8 layout: entries per key page
+    E: tl.constexpr,  # c4 entries per full-cache page
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    FP8: tl.constexpr,
+    DOT_BF16: tl.constexpr,  # bf16 tensor-core dots (GPU); fp32 in the interpreter
+):
+    """One program: row ``program_id(0)``, candidate columns ``[n0, n0 + BLOCK_N)``: the
+    ``[BLOCK_N, DIM]`` gathered keys (dequantised in registers) times the row's ``[DIM, HI]``
+    queries on tensor cores, then ReLU, the head weights and the head sum."""
+    row = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    cols = n0 + tl.arange(0, BLOCK_N)
+    in_matrix = cols < num_cols
+    num = tl.minimum(tl.load(num_ptr + row), num_cols)
+    out_ptrs = out_ptr + row * stride_out_t + cols
+    if n0 < num:
+        valid = cols < num
+        d = tl.arange(0, BLOCK_D)
+        q, w = _row_queries(
+            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
+            HI, DIM, BLOCK_H, BLOCK_D,
+        )  # fmt: skip
+        q = q.to(tl.float32)  # [BLOCK_H, BLOCK_D]
+        slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
+        if FP8:
+            keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
+        else:
+            keys = load_dense_block(key_ptr, stride_key_slot, slots, d, valid, DIM)
+        if DOT_BF16:
+            dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
+        else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
+            dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
+        scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
+        tl.store(out_ptrs, tl.where(valid, scores, float("-inf")), mask=in_matrix)
+    else:
+        tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_matrix)
+
+
+def _index_scores_triton(
+    q_idx: torch.Tensor,
+    weights: torch.Tensor,
+    keys: IndexerKeyCache,
+    page_table: torch.Tensor,
+    num_candidates: torch.Tensor,
+    max_candidates: int,
+) -> torch.Tensor:
+    rows, heads, dim = q_idx.shape
+    out = torch.empty(rows, max_candidates, dtype=torch.float32, device=q_idx.device)
+    if rows == 0 or max_candidates == 0:
+        return out
+    num_candidates = num_candidates.contiguous()  # read with unit stride
+    grid = (rows, triton.cdiv(max_candidates, BLOCK_N))
+    _indexer_scores_kernel[grid](
+        q_idx, weights, keys.storage, page_table, num_candidates, out,
+        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
+        weights.stride(0), weights.stride(1),
+        keys.storage.stride(0),
+        page_table.stride(0), page_table.stride(1),
+        out.stride(0),
+        max_candidates,
+        HI=heads,
+        DIM=dim,
+        PAGE_TOKENS=keys.page_tokens,  # fp8 layout only
+        E=C4_ENTRIES_PER_PAGE,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=BLOCK_N,
+        FP8=keys.fmt == "fp8",
+        DOT_BF16=q_idx.device.type == "cuda",
+    )  # fmt: skip
+    return out

@@ -1,0 +1,322 @@
+"""Every op's implementations declared once, as an :class:`OpTable` of :class:`Variant` records,
+and the one rule that picks a variant for the tensors of a device (docs/kernels.md).
+
+A variant records its entry point, what it needs of the host (:class:`Requirement`: dispatch
+paths, a CUDA capability, an installed library), what inputs it takes, and the evidence that
+lets it be a CUDA default: ``gpu_verified`` (the ``scripts/gpu_check.sh`` run it passed) or
+``baseline`` (the CUDA default since before the GPU check existed; it stays one until a
+verified variant replaces it). A table lists its variants in order of preference.
+
+:func:`choose` picks, for a :class:`Target` (the dispatch path, device, capability and
+libraries of the tensors' host):
+
+1. the variant pinned by :func:`force_variant`, else the one named by the op's environment
+   variable (``DSV4_<OP>_KERNEL``); it must run on the target, or the choice is a
+   ``ConfigError`` naming the variant and why (never a silent fallback);
+2. else the first variant that runs on the target and may be its default: off CUDA any that
+   runs (the interpreter therefore runs the newest kernels the tests cover); on CUDA one that
+   is ``gpu_verified`` or ``baseline``, or any with ``DSV4_UNVERIFIED_KERNELS=1``
+   (:func:`force_unverified` pins either rule on every device, for tests).
+
+:func:`resolve` is :func:`choose` for a device, read once per (table, target, settings): every
+call of an op with the same settings gets the same frozen :class:`Chosen`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.kernels import dispatch
+
+#: Set to ``1`` to let variants that have not passed the GPU check be CUDA defaults.
+UNVERIFIED_ENV = "DSV4_UNVERIFIED_KERNELS"
+#: Libraries a variant may need (module names); an sglang GPU host installs all of them.
+LIBRARIES = ("flashinfer", "flash_mla", "deep_gemm", "tvm", "tvm_ffi")
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where an op's tensors are: the dispatch ``path`` (``dispatch.PATHS``), the device type,
+    the CUDA ``capability`` (``None`` off CUDA) and the installed :data:`LIBRARIES`."""
+
+    path: str
+    device_type: str
+    capability: tuple[int, int] | None
+    libraries: frozenset[str]
+
+    @classmethod
+    def of(cls, device: torch.device | str) -> Target:
+        """The target of tensors on ``device`` under the current ``dispatch.force_path``."""
+        device = torch.device(device)
+        capability = _capability(device.index or 0) if device.type == "cuda" else None
+        return cls(dispatch.select_path(device), device.type, capability, installed_libraries())
+
+    @classmethod
+    def cuda_host(cls, capability: tuple[int, int]) -> Target:
+        """A CUDA host of ``capability`` with every library sglang installs (what ``info``
+        shows a CPU host would run on such a GPU)."""
+        path = dispatch.TRITON if dispatch.triton_installed() else dispatch.TORCH
+        return cls(path, "cuda", capability, frozenset(LIBRARIES))
+
+    def describe(self) -> str:
+        where = self.device_type
+        if self.capability is not None:
+            where += f" (compute capability {self.capability[0]}.{self.capability[1]})"
+        return f"{where}, {self.path} path"
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return major, minor
+
+
+@functools.cache
+def installed_libraries() -> frozenset[str]:
+    """The :data:`LIBRARIES` this process can import (by module spec; nothing is imported)."""
+    return frozenset(name for name in LIBRARIES if importlib.util.find_spec(name) is not None)
+
+
+@dataclass(frozen=True)
+class Requirement:
+    """One thing a variant needs of its :class:`Target`: ``unmet`` says why a target lacks it
+    (``None``: it has it); ``text`` is how ``info`` lists it."""
+
+    text: str
+    unmet: Callable[[Target], str | None]
+
+
+def on_paths(*paths: str) -> Requirement:
+    """Runs on the dispatch ``paths`` only."""
+
+    def unmet(target: Target) -> str | None:
+        if target.path in paths:
+            return None
+        return f"runs on the {' / '.join(paths)} path, not {target.path}"
+
+    return Requirement(" / ".join(paths), unmet)
+
+
+def on_cuda(*majors: int) -> Requirement:
+    """Needs a CUDA device (of one of the compute capability ``majors``, when given)."""
+
+    def unmet(target: Target) -> str | None:
+        if target.device_type != "cuda" or target.capability is None:
+            return f"needs a CUDA device (tensors are on {target.device_type})"
+        if majors and target.capability[0] not in majors:
+            have = f"{target.capability[0]}.{target.capability[1]}"
+            return f"needs compute capability {' / '.join(f'{m}.x' for m in majors)}, not {have}"
+        return None
+
+    arch = f" {' / '.join(f'{m}.x' for m in majors)}" if majors else ""
+    return Requirement(f"CUDA{arch}", unmet)
+
+
+def with_library(module: str) -> Requirement:
+    """Needs the library ``module`` installed (one of :data:`LIBRARIES`)."""
+    if module not in LIBRARIES:
+        raise ConfigError(f"unknown library {module!r}; expected one of {LIBRARIES}")
+
+    def unmet(target: Target) -> str | None:
+        return None if module in target.libraries else f"{module} is not installed"
+
+    return Requirement(module, unmet)
+
+
+def custom(text: str, unmet: Callable[[Target], str | None]) -> Requirement:
+    """A requirement a variant states itself (a toolchain, a runtime probe)."""
+    return Requirement(text, unmet)
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One implementation of an op.
+
+    ``entry``: the function the op calls (its signature is the op's, see the op's
+    ``table.py``); ``needs``: what it needs of the host; ``takes``: which inputs it serves,
+    as ``info`` prints it; ``rejects``: for a variant whose inputs are limited, why it cannot
+    take given ones (its arguments are the op's, see its ``table.py``); ``gpu_verified``: the
+    ``scripts/gpu_check.sh`` run it passed (date and figure), ``None`` if it never has;
+    ``baseline``: the CUDA default from before the GPU check, kept until a verified variant
+    replaces it.
+    """
+
+    name: str
+    entry: Any
+    needs: tuple[Requirement, ...]
+    takes: str
+    gpu_verified: str | None = None
+    baseline: bool = False
+    rejects: Callable[..., str | None] | None = None
+
+    def unmet(self, target: Target) -> str | None:
+        """Why this variant cannot run on ``target`` (``None``: it can)."""
+        for requirement in self.needs:
+            reason = requirement.unmet(target)
+            if reason is not None:
+                return reason
+        return None
+
+    def may_default(self, target: Target, unverified: bool | None) -> bool:
+        """Whether the variant may be chosen on ``target`` without being named: ``unverified``
+        True / False lets variants that have not passed the GPU check be defaults or not on
+        every device; ``None`` off CUDA only."""
+        if unverified is None:
+            unverified = target.device_type != "cuda"
+        return unverified or self.gpu_verified is not None or self.baseline
+
+
+@dataclass(frozen=True)
+class OpTable:
+    """The variants of one op in order of preference; ``env`` names one explicitly."""
+
+    op: str
+    summary: str
+    variants: tuple[Variant, ...]
+    env: str = field(default="")
+
+    def __post_init__(self) -> None:
+        if not self.env:
+            object.__setattr__(self, "env", f"DSV4_{self.op.upper()}_KERNEL")
+        names = [v.name for v in self.variants]
+        if len(set(names)) != len(names) or not names:
+            raise ConfigError(f"op {self.op!r}: variant names {names} must be unique, non-empty")
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(v.name for v in self.variants)
+
+    def __getitem__(self, name: str) -> Variant:
+        for variant in self.variants:
+            if variant.name == name:
+                return variant
+        raise ConfigError(f"unknown {self.op} variant {name!r}; expected one of {self.names}")
+
+
+@dataclass(frozen=True)
+class Chosen:
+    """The variant an op runs on a target, and why (``explicit``: named, not defaulted)."""
+
+    op: str
+    variant: Variant
+    reason: str
+    explicit: bool
+
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+
+_forced: dict[str, list[str]] = {}
+_forced_unverified: list[bool] = []
+
+
+@contextlib.contextmanager
+def force_variant(table: OpTable, name: str) -> Iterator[None]:
+    """Run ``table``'s op with variant ``name`` inside the block (tests, A/B)."""
+    table[name]  # ConfigError for an unknown name
+    pins = _forced.setdefault(table.op, [])
+    pins.append(name)
+    try:
+        yield
+    finally:
+        pins.pop()
+
+
+def explicit_choice(table: OpTable) -> tuple[str, str] | None:
+    """``(name, why)`` of the variant pinned or named by the environment, or ``None``."""
+    pins = _forced.get(table.op)
+    if pins:
+        return pins[-1], "pinned by force_variant"
+    name = os.environ.get(table.env, "")
+    return (name, f"{table.env}={name}") if name else None
+
+
+def choose(
+    table: OpTable,
+    target: Target,
+    override: tuple[str, str] | None,
+    unverified: bool | None = None,
+) -> Chosen:
+    """The variant of ``table`` for ``target`` (the module docstring's rule); ``override`` is
+    ``(name, why)`` of an explicit choice; ``unverified`` as in ``Variant.may_default``.
+    ``ConfigError`` for an explicit choice that is unknown or cannot run on ``target``, or a
+    target no variant runs on."""
+    if override is not None:
+        name, why = override
+        if name not in table.names:
+            raise ConfigError(f"{why}: unknown {table.op} variant; expected one of {table.names}")
+        variant = table[name]
+        reason = variant.unmet(target)
+        if reason is not None:
+            raise ConfigError(
+                f"{why}: the {name} {table.op} variant cannot run on {target.describe()}: {reason}"
+            )
+        return Chosen(table.op, variant, why, explicit=True)
+    skipped = []
+    for variant in table.variants:
+        reason = variant.unmet(target)
+        if reason is None and variant.may_default(target, unverified):
+            return Chosen(table.op, variant, _why_default(variant, target, unverified), False)
+        skipped.append(f"{variant.name}: {reason or 'has not passed scripts/gpu_check.sh'}")
+    raise ConfigError(f"no {table.op} variant runs on {target.describe()} ({'; '.join(skipped)})")
+
+
+def _why_default(variant: Variant, target: Target, unverified: bool | None) -> str:
+    if variant.gpu_verified is not None:
+        return f"GPU-verified ({variant.gpu_verified})"
+    if not variant.baseline and unverified is None:
+        return "the first variant that runs here (off CUDA)"
+    if not variant.baseline:
+        return f"unverified variants allowed ({UNVERIFIED_ENV}=1 or force_unverified)"
+    if target.device_type == "cuda" or unverified is False:
+        return "the baseline"
+    return "the first variant that runs here"
+
+
+@functools.cache
+def _choose_cached(
+    table: OpTable, target: Target, override: tuple[str, str] | None, unverified: bool | None
+) -> Chosen:
+    return choose(table, target, override, unverified)
+
+
+def resolve(table: OpTable, device: torch.device | str) -> Chosen:
+    """The variant ``table``'s op runs for tensors on ``device`` under the current settings
+    (``force_path``, ``force_variant``, the environment); the same object for the same ones."""
+    return _choose_cached(table, Target.of(device), explicit_choice(table), unverified_enabled())
+
+
+def unverified_enabled() -> bool | None:
+    """Whether variants that have not passed the GPU check may be defaults: as pinned by
+    :func:`force_unverified`, else True with ``DSV4_UNVERIFIED_KERNELS=1``, else ``None`` (off
+    CUDA only)."""
+    if _forced_unverified:
+        return _forced_unverified[-1]
+    return True if os.environ.get(UNVERIFIED_ENV) == "1" else None
+
+
+@contextlib.contextmanager
+def force_unverified(enabled: bool) -> Iterator[None]:
+    """Inside the block, let variants that have not passed the GPU check be defaults on every
+    device (``True``: the interpreter's choice on CUDA too) or on none (``False``: the
+    baselines they would replace, in the interpreter too). Tests and the GPU check use it."""
+    _forced_unverified.append(enabled)
+    try:
+        yield
+    finally:
+        _forced_unverified.pop()
+
+
+def candidates(table: OpTable, target: Target) -> list[tuple[Variant, str | None]]:
+    """Every variant of ``table`` with why it cannot run on ``target`` (``None``: it can)."""
+    return [(v, v.unmet(target)) for v in table.variants]
