@@ -18,12 +18,10 @@ import torch
 from dsv4_backend.cache.pools import DSV4CachePools
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.kernels.attention import table as attention
 from dsv4_backend.kernels.attention.key_union import KEY_UNION
 from dsv4_backend.kernels.attention.table import ATTENTION
 from dsv4_backend.kernels.cache_store.table import CACHE_STORE
 from dsv4_backend.kernels.compressor.table import COMPRESSOR
-from dsv4_backend.kernels.indexer import table as indexer
 from dsv4_backend.kernels.indexer.table import INDEXER
 from dsv4_backend.kernels.indexer.topk import INDEXER_TOPK
 from dsv4_backend.kernels.variants import (
@@ -33,6 +31,7 @@ from dsv4_backend.kernels.variants import (
     candidates,
     choose,
     explicit_choice,
+    named_rejection,
     resolve,
     unverified_enabled,
 )
@@ -87,16 +86,14 @@ def explicit_choice_refusal(
     """Why a variant named for ``device`` cannot take a backend's caches (``pools``) and
     ``heads`` query heads a rank (None: every named variant can); the backend raises it when it
     is built, not at the first forward. ``ConfigError`` for a name that cannot run there."""
-    kernel_choice(device)
     extra = next(iter(pools.compressed_caches.values()), None)
-    reason = attention.explicit_choice_reason(
-        device, pools.window(0), extra, heads, config.head_dim
-    )
+    reason = named_rejection(ATTENTION, device, pools.window(0), extra, heads, config.head_dim)
     keys = next(iter(pools.indexer_caches.values()), None)
     if reason is None and keys is not None:
-        reason = indexer.explicit_choice_reason(
-            device, keys, config.index_n_heads, config.index_head_dim, config.indexer_selection
-        )
+        reason = named_rejection(
+            INDEXER, device, keys, config.index_n_heads, config.index_head_dim,
+            config.indexer_selection,
+        )  # fmt: skip
     return reason
 
 

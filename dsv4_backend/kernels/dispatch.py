@@ -71,10 +71,6 @@ def select_path(device: torch.device | str) -> str:
     return default_path(device)[0]
 
 
-def use_triton(device: torch.device | str) -> bool:
-    return select_path(device) != TORCH
-
-
 @contextlib.contextmanager
 def force_path(path: str) -> Iterator[None]:
     """Run every op on ``path`` inside the block."""

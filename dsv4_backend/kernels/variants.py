@@ -57,8 +57,7 @@ class Target:
     def of(cls, device: torch.device | str) -> Target:
         """The target of tensors on ``device`` under the current ``dispatch.force_path``."""
         device = torch.device(device)
-        capability = _capability(device.index or 0) if device.type == "cuda" else None
-        return cls(dispatch.select_path(device), device.type, capability, installed_libraries())
+        return _target(dispatch.select_path(device), device.type, device.index)
 
     @classmethod
     def cuda_host(cls, capability: tuple[int, int]) -> Target:
@@ -75,9 +74,13 @@ class Target:
 
 
 @functools.cache
-def _capability(index: int) -> tuple[int, int]:
-    major, minor = torch.cuda.get_device_capability(index)
-    return major, minor
+def _target(path: str, device_type: str, index: int | None) -> Target:
+    """One ``Target`` object per (path, device): what an op resolves on every call."""
+    capability = None
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability(index or 0)
+        capability = (major, minor)
+    return Target(path, device_type, capability, installed_libraries())
 
 
 @functools.cache
@@ -104,6 +107,10 @@ def on_paths(*paths: str) -> Requirement:
         return f"runs on the {' / '.join(paths)} path, not {target.path}"
 
     return Requirement(" / ".join(paths), unmet)
+
+
+#: Runs on compiled Triton and in the interpreter (the Triton kernels' requirement).
+TRITON_PATHS = on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER)
 
 
 def on_cuda(*majors: int) -> Requirement:
@@ -137,7 +144,7 @@ def custom(text: str, unmet: Callable[[Target], str | None]) -> Requirement:
     return Requirement(text, unmet)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one record a variant
 class Variant:
     """One implementation of an op.
 
@@ -175,7 +182,7 @@ class Variant:
         return unverified or self.gpu_verified is not None or self.baseline
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared and hashed by identity: one table an op
 class OpTable:
     """The variants of one op in order of preference; ``env`` names one explicitly."""
 
@@ -320,3 +327,15 @@ def force_unverified(enabled: bool) -> Iterator[None]:
 def candidates(table: OpTable, target: Target) -> list[tuple[Variant, str | None]]:
     """Every variant of ``table`` with why it cannot run on ``target`` (``None``: it can)."""
     return [(v, v.unmet(target)) for v in table.variants]
+
+
+def named_rejection(table: OpTable, device: torch.device, *inputs: object) -> str | None:
+    """Why the variant named for ``device`` (``table.env`` or ``force_variant``) cannot take
+    these inputs (its ``rejects(device, *inputs)``); None for a default or a named variant that
+    takes them. ``ConfigError`` for a name that is unknown or cannot run there."""
+    chosen = resolve(table, device)
+    rejects = chosen.variant.rejects
+    reason = None if rejects is None else rejects(device, *inputs)
+    if not chosen.explicit or reason is None:
+        return None
+    return f"{chosen.reason}: the {chosen.name} {table.op} variant cannot run here: {reason}"

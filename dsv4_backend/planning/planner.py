@@ -36,8 +36,7 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
-from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.variants import OpTable, Variant, on_paths, resolve
+from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning import checks
 from dsv4_backend.planning.batch import BatchView, ForwardKind
@@ -618,7 +617,7 @@ def _plan_fused(
 
 
 FUSED = Variant(
-    "triton", _plan_fused, (on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER),),
+    "triton", _plan_fused, (TRITON_PATHS,),
     "every kind: the batch checks, then every field in one launch", baseline=True,
 )  # fmt: skip
 #: The planner's variants: the fused Triton kernels, then the torch planner.

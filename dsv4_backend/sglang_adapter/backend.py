@@ -456,13 +456,15 @@ class DSV4AttentionBackend(AttentionBackend):
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.state = shared_state(model_runner, self.config, cache_format, settings.region_copying)
+        #: What every op runs here (``compute/kernel_choice.py``), logged once per process;
+        #: a variant named in the environment that cannot run or take these caches is refused
+        #: when built, not at the first forward.
+        self.kernels = kernel_choice(self.device)
         reason = explicit_choice_refusal(
             self.device, self.state.pools, self.config, self.local_heads
         )
-        if reason is not None:  # refused when built, not at the first forward
+        if reason is not None:
             raise ConfigError(reason)
-        #: What every op runs here (``compute/kernel_choice.py``), logged once per process.
-        self.kernels = kernel_choice(self.device)
         _log_kernels(self.kernels)
         sizes = state_sizes(model_runner, self.config)
         self.num_cache_slots = sizes["num_full_slots"]

@@ -10,8 +10,8 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.attention.table import ATTENTION, explicit_choice_reason
-from dsv4_backend.kernels.variants import Target, choose, force_variant
+from dsv4_backend.kernels.attention.table import ATTENTION
+from dsv4_backend.kernels.variants import Target, choose, force_variant, named_rejection
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool
@@ -67,8 +67,8 @@ def test_the_reason_names_what_is_missing() -> None:
     cpu = torch.device("cpu")
     with force_variant(ATTENTION, "pipelined"), dispatch.force_path(dispatch.TRITON_INTERPRETER):
         # tiny: head dim 128 with 64 rope channels on fp8 caches is what pipelined takes
-        assert explicit_choice_reason(cpu, window, extra, 8, 128) is None
-        assert "head_dim 96" in (explicit_choice_reason(cpu, window, extra, 8, 96) or "")
+        assert named_rejection(ATTENTION, cpu, window, extra, 8, 128) is None
+        assert "head_dim 96" in (named_rejection(ATTENTION, cpu, window, extra, 8, 96) or "")
     with force_variant(ATTENTION, "ws"), pytest.raises(ConfigError, match="triton path"):
-        explicit_choice_reason(cpu, window, extra, 8, 128)
-    assert explicit_choice_reason(cpu, window, extra, 8, 96) is None  # the default
+        named_rejection(ATTENTION, cpu, window, extra, 8, 128)
+    assert named_rejection(ATTENTION, cpu, window, extra, 8, 96) is None  # the default

@@ -49,8 +49,7 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.variants import OpTable, Variant, on_paths, resolve
+from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 
 #: Most rows a group (the row bits are an int32; eight covers 64-row programs of 8 heads).
 MAX_GROUP = 8
@@ -297,7 +296,7 @@ KEY_UNION = OpTable(
     "the union key list of a group of rows (the triton attention variant's grouping)",
     (
         Variant(
-            "triton", key_union_triton, (on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER),),
+            "triton", key_union_triton, (TRITON_PATHS,),
             "window and extra spans in one launch", baseline=True,
         ),
         Variant("torch", key_union_torch, (), "window and extra spans", baseline=True),

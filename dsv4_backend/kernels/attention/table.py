@@ -6,7 +6,7 @@ entry point :func:`sparse_attention_with_sink`.
 ``ws`` (``ws.py``, Gluon, compiled GPUs only) and ``flashmla`` (``flashmla.py``, FlashMLA's
 sparse FP8 decode) have never run on a GPU and run only when named
 (``DSV4_ATTENTION_KERNEL``). A named variant that cannot take a backend's caches is refused
-when the backend is built (:func:`explicit_choice_reason`); at a forward the variant's own
+when the backend is built (``variants.named_rejection``); at a forward the variant's own
 checks raise.
 """
 
@@ -26,6 +26,7 @@ from dsv4_backend.kernels.attention.torch import sparse_attention_torch
 from dsv4_backend.kernels.attention.triton import sparse_attention_triton
 from dsv4_backend.kernels.attention.ws import sparse_attention_ws, ws_unsupported_reason
 from dsv4_backend.kernels.variants import (
+    TRITON_PATHS,
     OpTable,
     Target,
     Variant,
@@ -34,8 +35,6 @@ from dsv4_backend.kernels.variants import (
     resolve,
     with_library,
 )
-
-TRITON_PATHS = on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER)
 
 
 def _pipelined_rejects(
@@ -135,17 +134,3 @@ def variant_reason(
     if reason is None and variant.rejects is not None:
         reason = variant.rejects(device, window, extra, heads, dim)
     return reason
-
-
-def explicit_choice_reason(
-    device: torch.device, window: TokenCache, extra: TokenCache | None, heads: int, dim: int
-) -> str | None:
-    """Why the variant named for ``device`` (``DSV4_ATTENTION_KERNEL`` or ``force_variant``)
-    cannot take these caches and ``heads`` queries of ``dim``; None for a default or a named
-    variant that takes them. ``ConfigError`` for a name that is unknown or cannot run there."""
-    chosen = resolve(ATTENTION, device)
-    rejects = chosen.variant.rejects
-    reason = None if rejects is None else rejects(device, window, extra, heads, dim)
-    if not chosen.explicit or reason is None:
-        return None
-    return f"{chosen.reason}: the {chosen.name} attention variant cannot run here: {reason}"

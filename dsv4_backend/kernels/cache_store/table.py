@@ -8,16 +8,15 @@ import torch
 
 from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.cache_store.torch import store_rows_torch
 from dsv4_backend.kernels.cache_store.triton import launch_store
-from dsv4_backend.kernels.variants import OpTable, Variant, on_paths, resolve
+from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 
 CACHE_STORE = OpTable(
     "cache_store",
     "rows written into a dense, fp8 token or fp8 indexer cache at their slots",
     (
-        Variant("triton", launch_store, (on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER),),
+        Variant("triton", launch_store, (TRITON_PATHS,),
                 "every cache format; one launch", baseline=True),
         Variant("torch", store_rows_torch, (), "every cache format", baseline=True),
     ),

@@ -33,7 +33,7 @@ The output is **aligned to rows**: ``entries[i]`` is the entry completed by ragg
 zeros where row ``i`` completes none. Nothing reads a tensor value on the host, so a forward
 can be captured in a CUDA graph (warm up first: the first call compiles).
 
-Files (the path is ``dispatch.use_triton``'s):
+Files:
 
 * ``table.py``: the variant table ``COMPRESSOR`` (``DSV4_COMPRESSOR_KERNEL`` names one) and
   the entry point ``compress_forward``, which checks the inputs and runs one of the variants

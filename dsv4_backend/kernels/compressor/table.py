@@ -10,15 +10,13 @@ import torch
 
 from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.cache.token_cache import SlotCache
-from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.compressor.common import check
 from dsv4_backend.kernels.compressor.entries import compress_entries
 from dsv4_backend.kernels.compressor.fused import compress_fused
 from dsv4_backend.kernels.compressor.torch import compress_torch
-from dsv4_backend.kernels.variants import OpTable, Variant, on_paths, resolve
+from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 from dsv4_backend.ops.rope import CosSin
 
-TRITON_PATHS = on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER)
 COMPRESSOR = OpTable(
     "compressor",
     "softmax-gated pooling of tokens into c4 / c128 entries, the rings, the entry store",

@@ -55,6 +55,7 @@ from dsv4_backend.kernels.indexer.slots import select_padded_slots, select_slots
 from dsv4_backend.kernels.indexer.torch import _index_scores_torch, _select_topk_torch
 from dsv4_backend.kernels.indexer.triton import _index_scores_triton
 from dsv4_backend.kernels.variants import (
+    TRITON_PATHS,
     OpTable,
     Variant,
     on_cuda,
@@ -66,7 +67,6 @@ from dsv4_backend.kernels.variants import (
 if TYPE_CHECKING:
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 
-TRITON_PATHS = on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER)
 
 #: The variants; each entry is an :class:`~dsv4_backend.kernels.indexer.common.IndexerKernels`,
 #: ``deep_gemm``'s ``rejects(device, keys, heads, dim, indexer_selection)`` says why it cannot
@@ -182,18 +182,3 @@ def run_indexer(
     scores = kernels.scores(q_idx, weights, keys, page_table, num_candidates, max_candidates)
     _check_selection(scores, num_candidates, page_table, topk, out)
     kernels.select_padded(scores, num_candidates, page_table, topk, out)
-
-
-def explicit_choice_reason(
-    device: torch.device, keys: IndexerKeyCache, heads: int, dim: int, indexer_selection: str
-) -> str | None:
-    """Why the variant named for ``device`` (``DSV4_INDEXER_KERNEL`` or ``force_variant``)
-    cannot take this key cache and ``heads`` queries of ``dim`` under ``indexer_selection``;
-    None for a default or a named variant that takes them. ``ConfigError`` for a name that is
-    unknown or cannot run there."""
-    chosen = resolve(INDEXER, device)
-    rejects = chosen.variant.rejects
-    reason = None if rejects is None else rejects(device, keys, heads, dim, indexer_selection)
-    if not chosen.explicit or reason is None:
-        return None
-    return f"{chosen.reason}: the {chosen.name} indexer variant cannot run here: {reason}"

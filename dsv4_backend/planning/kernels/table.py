@@ -12,8 +12,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE
-from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.variants import OpTable, Variant, custom, on_paths, resolve
+from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, custom, resolve
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.planning.kernels.compress_plan_tvm import (
     compress_plans_tvm,
@@ -31,7 +30,7 @@ ROW_FIELDS = OpTable(
     "per-row compression fields of one ratio (the torch planner)",
     (
         Variant(
-            "triton", row_fields_triton, (on_paths(dispatch.TRITON, dispatch.TRITON_INTERPRETER),),
+            "triton", row_fields_triton, (TRITON_PATHS,),
             "every ratio; one launch", baseline=True,
         ),
         Variant("torch", row_fields_torch, (), "every ratio", baseline=True),
