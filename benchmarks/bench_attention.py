@@ -293,7 +293,7 @@ def flashmla_call(args: tuple) -> Callable[[], torch.Tensor]:
 def compare_flashmla(opts, shapes: dict, device: str, g: torch.Generator) -> None:
     """The ``--against flashmla`` table (module docstring)."""
     print("against flashmla (sparse fp8 decode, use_legacy=True): ratio = ours / flashmla")
-    print(f"{'layer':>8} {'batch':>5} {'kernel':>9} {'ours us':>9} {'flashmla us':>11} "
+    print(f"{'layer':>8} {'batch':>5} {'kernel':>16} {'ours us':>9} {'flashmla us':>11} "
           f"{'ratio':>6} {'max|ours-fm|':>12} {'max|fm-ref|':>11}")  # fmt: skip
     for layer in opts.layer:
         for batch in opts.batch or [8, 64, 128]:
@@ -301,7 +301,7 @@ def compare_flashmla(opts, shapes: dict, device: str, g: torch.Generator) -> Non
             q, window, extra = args[0], args[1], args[4]
             why = flashmla_unsupported_reason(q.device, window, extra, q.shape[1], q.shape[2])
             if why is not None:
-                print(f"{layer:>8} {batch:>5} {'flashmla':>9}  skipped: {why}")
+                print(f"{layer:>8} {batch:>5} {'flashmla':>16}  skipped: {why}")
                 continue
             theirs = flashmla_call(args)
             fm = theirs().float()
@@ -310,11 +310,11 @@ def compare_flashmla(opts, shapes: dict, device: str, g: torch.Generator) -> Non
             for kernel in opts.kernel:
                 ours, why = kernel_call(kernel, args, opts.splits)
                 if ours is None:
-                    print(f"{layer:>8} {batch:>5} {kernel:>9}  skipped: {why}")
+                    print(f"{layer:>8} {batch:>5} {kernel:>16}  skipped: {why}")
                     continue
                 diff = (ours().float() - fm).abs().max().item()
                 t_ours = time_call(ours, opts.reps)
-                print(f"{layer:>8} {batch:>5} {kernel:>9} {t_ours * 1e6:9.1f} {t_fm * 1e6:11.1f} "
+                print(f"{layer:>8} {batch:>5} {kernel:>16} {t_ours * 1e6:9.1f} {t_fm * 1e6:11.1f} "
                       f"{t_ours / t_fm:6.2f} {diff:12.2e} {ref_diff:11.2e}")  # fmt: skip
 
 
@@ -366,7 +366,7 @@ def main() -> None:
     if table_peaks:
         print_verify_table(table_peaks[1], table_peaks[2], opts.fmt)
     print(f"measured: shapes {shapes}, window {WINDOW}; dense caches are bf16")
-    print(f"{'layer':>8} {'fmt':>5} {'batch':>5} {'path':>9} {'time us':>10} {'GB/s':>9} "
+    print(f"{'layer':>8} {'fmt':>5} {'batch':>5} {'path':>16} {'time us':>10} {'GB/s':>9} "
           f"{'TFLOP/s':>8} {'roofline':>8}  max|diff|")  # fmt: skip
     g = torch.Generator().manual_seed(0)
     for layer in opts.layer:
@@ -379,10 +379,10 @@ def main() -> None:
                 calls += [(k, *kernel_call(k, args, opts.splits)) for k in opts.kernel]
                 for path, fn, why in calls:
                     if fn is None:
-                        print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>9}  skipped: {why}")
+                        print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>16}  skipped: {why}")
                         continue
                     sec, frac, diff = measure(fn, reference, opts.reps, moved, fl, matched)
-                    print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>9} {sec * 1e6:10.1f} "
+                    print(f"{layer:>8} {fmt:>5} {batch:>5} {path:>16} {sec * 1e6:10.1f} "
                           f"{moved / sec / 1e9:9.3g} {fl / sec / 1e12:8.3g} {frac:>8}  "
                           f"{diff:.2e}")  # fmt: skip
     if opts.verify:

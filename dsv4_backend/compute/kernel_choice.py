@@ -35,13 +35,12 @@ from dsv4_backend.kernels.variants import (
     resolve,
     unverified_enabled,
 )
-from dsv4_backend.planning.kernels.table import COMPRESS_PLANS, ROW_FIELDS
+from dsv4_backend.planning.kernels.table import COMPRESS_PLANS
 from dsv4_backend.planning.planner import PLAN
 
 #: Every op table, in the order a forward meets them.
 TABLES: tuple[OpTable, ...] = (
     PLAN,
-    ROW_FIELDS,
     COMPRESS_PLANS,
     CACHE_STORE,
     COMPRESSOR,

@@ -28,6 +28,7 @@ import contextlib
 import functools
 import importlib.util
 import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -46,12 +47,15 @@ LIBRARIES = ("flashinfer", "flash_mla", "deep_gemm", "tvm", "tvm_ffi")
 @dataclass(frozen=True)
 class Target:
     """Where an op's tensors are: the dispatch ``path`` (``dispatch.PATHS``), the device type,
-    the CUDA ``capability`` (``None`` off CUDA) and the installed :data:`LIBRARIES`."""
+    the CUDA ``capability`` (``None`` off CUDA) and the installed :data:`LIBRARIES`.
+    ``hypothetical``: a host described, not this one (:meth:`cuda_host`); a requirement that
+    probes this machine (a toolchain, a device) answers from the description instead."""
 
     path: str
     device_type: str
     capability: tuple[int, int] | None
     libraries: frozenset[str]
+    hypothetical: bool = False
 
     @classmethod
     def of(cls, device: torch.device | str) -> Target:
@@ -61,10 +65,10 @@ class Target:
 
     @classmethod
     def cuda_host(cls, capability: tuple[int, int]) -> Target:
-        """A CUDA host of ``capability`` with every library sglang installs (what ``info``
-        shows a CPU host would run on such a GPU)."""
+        """A CUDA host of ``capability`` with every library sglang installs, and the ``nvcc``
+        its JIT kernels build with (what ``info`` shows a CPU host would run on such a GPU)."""
         path = dispatch.TRITON if dispatch.triton_installed() else dispatch.TORCH
-        return cls(path, "cuda", capability, frozenset(LIBRARIES))
+        return cls(path, "cuda", capability, frozenset(LIBRARIES), hypothetical=True)
 
     def describe(self) -> str:
         where = self.device_type
@@ -83,10 +87,19 @@ def _target(path: str, device_type: str, index: int | None) -> Target:
     return Target(path, device_type, capability, installed_libraries())
 
 
+def _importable(name: str) -> bool:
+    """Whether module ``name`` imports, by its spec (nothing is imported). One already in
+    ``sys.modules`` counts as it stands there: ``find_spec`` raises for a module without a spec
+    (a stand-in) and for a ``None`` entry (an import that is made to fail)."""
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    return importlib.util.find_spec(name) is not None
+
+
 @functools.cache
 def installed_libraries() -> frozenset[str]:
-    """The :data:`LIBRARIES` this process can import (by module spec; nothing is imported)."""
-    return frozenset(name for name in LIBRARIES if importlib.util.find_spec(name) is not None)
+    """The :data:`LIBRARIES` this process can import (:func:`_importable`)."""
+    return frozenset(name for name in LIBRARIES if _importable(name))
 
 
 @dataclass(frozen=True)

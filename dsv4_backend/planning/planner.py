@@ -43,7 +43,8 @@ from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.checks import Check, PendingChecks, run_checks
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
-from dsv4_backend.planning.kernels.table import build_compress_plans, row_fields
+from dsv4_backend.planning.kernels.row_fields import row_fields
+from dsv4_backend.planning.kernels.table import build_compress_plans
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.tag import BatchTag
 

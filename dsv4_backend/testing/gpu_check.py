@@ -85,7 +85,8 @@ STEPS: tuple[Step, ...] = (
          "their CUDA-graph capture and replay", UNVERIFIED),
     Step("opt-in-attention", 45, ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
          "-m", "gpu", "tests/kernels/test_attention_kernels_cuda.py"), False,
-         "the pipelined, ws and flashmla attention kernels against the torch path on fp8 bytes"),
+         "the pipelined, ws, flashmla and flashmla_prefill attention kernels against the torch "
+         "path on fp8 bytes"),
     Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "all",
          "--against", "flashmla", "--batch", "8", "64", "128"), False,
          "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes"),

@@ -1,7 +1,8 @@
 """The opt-in FP8 attention kernels on a GPU (skipped without one; ``scripts/gpu_check.sh``).
 
-None of ``pipelined``, ``ws`` and ``flashmla`` (FlashMLA's sparse FP8 decode, where
-``flash_mla`` is installed) has run on a GPU yet: this is the check that decides it. At
+None of ``pipelined``, ``ws``, ``flashmla`` (FlashMLA's sparse FP8 decode, where ``flash_mla``
+is installed) and ``flashmla_prefill`` (its sparse prefill over gathered bf16 keys) has run on
+a GPU yet: this is the check that decides it. At
 DeepSeek-V4-Flash shapes (64 heads, D = 512, fp8 caches with 584-byte tokens; ``ws-dense``:
 the ws kernel on dense bf16 caches) for every layer kind, rows of several lengths (one split
 and several, a row without keys), each kernel's bf16 output equals the torch path on the same
@@ -10,6 +11,8 @@ rounding).
 """
 
 from __future__ import annotations
+
+import inspect
 
 import pytest
 import torch
@@ -46,19 +49,27 @@ def _inputs(ratio: int, lengths: list[int], extra_lengths: list[int], seed: int,
     return (q, win, idx.cuda(), lens.cuda(), *extra, sink, 512**-0.5)
 
 
-@pytest.mark.parametrize("kernel", ["pipelined", "ws", "ws-dense", "flashmla"])
+LIBRARIES = ("flashmla", "flashmla_prefill", "flashmla_prefill-dense")
+
+
+@pytest.mark.parametrize("kernel", ["pipelined", "ws", "ws-dense", *LIBRARIES])
 @pytest.mark.parametrize("ratio", [0, 4, 128])
 @pytest.mark.parametrize("splits", [None, 1, 5])
 def test_matches_torch_on_cuda(kernel, ratio, splits):
-    fmt = "dense" if kernel == "ws-dense" else "fp8"
+    fmt = "dense" if kernel.endswith("-dense") else "fp8"
     args = _inputs(ratio, [128, 1, 77, 0, 128, 128], [512, 3, 0, 0, 100, 512], ratio, fmt)
     variant = ATTENTION[kernel.removesuffix("-dense")]
     q, window, extra = args[0], args[1], args[4]
-    if kernel == "flashmla":  # a library: skipped where it is not installed, with its reason
+    if kernel in LIBRARIES:  # a library: skipped where it is not installed, with its reason
         reason = variant_reason(variant, q.device, window, extra, q.shape[1], q.shape[2])
         if reason is not None:
             pytest.skip(reason)
-    out = variant.entry(*args, num_splits=splits)
+    if "num_splits" in inspect.signature(variant.entry).parameters:
+        out = variant.entry(*args, num_splits=splits)
+    elif splits is None:
+        out = variant.entry(*args)
+    else:
+        pytest.skip(f"{variant.name} schedules its own splits")
     expected = sparse_attention_torch(*args)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(

@@ -33,12 +33,13 @@ from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.attention import flashmla
+from dsv4_backend.kernels.attention import flashmla, flashmla_prefill
 from dsv4_backend.kernels.attention.flashmla import (
     flashmla_arguments,
     flashmla_unsupported_reason,
     sparse_attention_flashmla,
 )
+from dsv4_backend.kernels.attention.flashmla_prefill import sparse_attention_flashmla_prefill
 from dsv4_backend.kernels.attention.torch import sparse_attention_torch
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.indexer import deep_gemm as indexer_deep_gemm
@@ -146,12 +147,47 @@ def fake_flash_mla_with_kvcache(
     return out.bfloat16()[:, None], torch.zeros(b, h_q, s_q)
 
 
+def fake_flash_mla_sparse_fwd(
+    q, kv, indices, sm_scale, d_v=512, attn_sink=None, topk_length=None, use_legacy=False,
+    return_log2_lse=None,
+):  # fmt: skip
+    """``flash_mla.flash_mla_sparse_fwd`` (legacy kernels, no statistics): ``(out [s_q, h_q,
+    512] bf16, None, None)``, computed here from its documented definition (the keys
+    ``kv[indices[i, 0, :topk_length[i]]]`` that are in ``[0, s_kv)``, the sink added to the
+    softmax denominator); rows without a key are NaN (the variant must not rely on them)."""
+    assert q.dtype == torch.bfloat16 and q.dim() == 3 and q.stride(-1) == 1, q.dtype
+    s_q, h_q, d_qk = q.shape
+    assert h_q in (64, 128) and d_qk == 512 and d_v == 512, q.shape
+    assert kv.dtype == torch.bfloat16 and kv.dim() == 3 and kv.stride(-1) == 1, kv.dtype
+    s_kv, h_kv, _ = kv.shape
+    assert h_kv == 1 and kv.shape[2] == d_qk and s_kv >= 1, kv.shape
+    assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, h_kv), indices.shape
+    assert indices.shape[2] % 64 == 0 and indices.stride(-1) == 1, indices.shape
+    assert int(indices.min()) >= -1 and int(indices.max()) < s_kv
+    assert attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,)
+    assert topk_length.dtype == torch.int32 and topk_length.shape == (s_q,)
+    assert int(topk_length.min()) >= 0 and int(topk_length.max()) <= indices.shape[2]
+    assert isinstance(sm_scale, float) and use_legacy is True and return_log2_lse is False
+    out = torch.full((s_q, h_q, d_v), float("nan"))
+    for i in range(s_q):
+        cols = indices[i, 0, : int(topk_length[i])].long()
+        keys = kv[cols[cols >= 0], 0].float()  # [n, 512]
+        if keys.shape[0]:
+            logits = (q[i].float() @ keys.T) * sm_scale  # [h_q, n]
+            m = logits.amax(-1)
+            p = torch.exp(logits - m[:, None])
+            denom = p.sum(-1) + torch.exp(attn_sink - m)
+            out[i] = (p @ keys[:, :d_v]) / denom[:, None]
+    return out.bfloat16(), None, None
+
+
 def _fake_flash_mla(legacy: bool = True) -> types.ModuleType:
     module = types.ModuleType("flash_mla")
     module.__version__ = "1.0.0"  # type: ignore[attr-defined]
     module.has_legacy = lambda: legacy  # type: ignore[attr-defined]
     module.get_mla_metadata = lambda *a, **k: (FakeSchedMeta(), None)  # type: ignore[attr-defined]
     module.flash_mla_with_kvcache = fake_flash_mla_with_kvcache  # type: ignore[attr-defined]
+    module.flash_mla_sparse_fwd = fake_flash_mla_sparse_fwd  # type: ignore[attr-defined]
     return module
 
 
@@ -178,14 +214,16 @@ def _slots(lengths: list[int], width: int, num: int, g: torch.Generator):
     return idx, torch.tensor(lengths, dtype=torch.int32)
 
 
-def _attention_args(heads: int, layer: str, g: torch.Generator) -> AttentionArgs:
+def _attention_args(
+    heads: int, layer: str, g: torch.Generator, fmt: CacheFormat = "fp8"
+) -> AttentionArgs:
     """The op's arguments for 5 rows: bf16-valued queries (FlashMLA's dtype loses nothing),
-    sinks large enough to matter, widths that are not multiples of 64."""
-    window = _token_cache(300, PAGES["window"], "fp8", g)
+    sinks large enough to matter, widths that are not multiples of 64; ``fmt`` caches."""
+    window = _token_cache(300, PAGES["window"], fmt, g)
     swa_idx, swa_len = _slots([100, 1, 0, 130, 37], 100, 300, g)
     extra: tuple[TokenCache | None, torch.Tensor | None, torch.Tensor | None] = (None,) * 3
     if layer != "window":
-        cache = _token_cache(90, PAGES[layer], "fp8", g)
+        cache = _token_cache(90, PAGES[layer], fmt, g)
         extra = (cache, *_slots([70, 0, 5, -3, 90], 70, 90, g))
     q = torch.randn(5, heads, D, generator=g).bfloat16().float()
     sink = torch.randn(heads, generator=g) + 2.0
@@ -306,6 +344,108 @@ def test_flashmla_reasons(monkeypatch):
     assert "flash_mla does not import (import of flash_mla halted" in reason()
     with pytest.raises(BatchError, match="CUDA devices only"):
         sparse_attention_flashmla(*_attention_args(8, "window", g))
+
+
+# ------------------------------------------------------------- FlashMLA prefill tests
+@pytest.mark.parametrize("fmt", ["fp8", "dense"])
+@pytest.mark.parametrize("layer", ["window", "c4", "c128"])
+@pytest.mark.parametrize("heads", [16, 64, 128])
+def test_flashmla_prefill_matches_the_torch_path(flash_mla, monkeypatch, heads, layer, fmt):
+    """Through the stand-in sparse prefill, the variant's output is the torch path's (bf16
+    output rounding apart) for padded and full head counts, both cache formats, window-only and
+    both extra caches, lengths of 0, past the width and negative, -1 holes; a row without a
+    key is 0 although the stand-in leaves NaN there."""
+    monkeypatch.setattr(flashmla_prefill, "library_unsupported_reason", lambda *a, **k: None)
+    args = _attention_args(heads, layer, torch.Generator().manual_seed(heads + len(layer)), fmt)
+    out = sparse_attention_flashmla_prefill(*args)
+    expected = sparse_attention_torch(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == expected.shape and out.is_contiguous()
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+    if layer == "window":  # row 2 has no key: 0
+        assert (out[2] == 0).all()
+
+
+def test_flashmla_prefill_workspace_holds_each_referenced_key_once():
+    """The gather: each valid slot once (window then compressed), every row's valid keys
+    packed to the front in workspace rows, -1 after them, ``topk_length`` the count, the
+    width the op's widths rounded up to 64; keys bit-equal to the cache's rows."""
+    g = torch.Generator().manual_seed(6)
+    q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = _attention_args(16, "c4", g)
+    assert ext is not None and ext_idx is not None and ext_len is not None
+    kw = flashmla_prefill.prefill_arguments(
+        q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale
+    )
+    indices, lengths, kv = kw["indices"][:, 0], kw["topk_length"], kw["kv"][:, 0]
+    assert indices.shape == (5, 192) and kw["q"].shape == (5, 64, D)  # 100 + 70 -> 192
+    seen = []
+    for row in range(5):
+        n = int(lengths[row])
+        assert (indices[row, :n] >= 0).all() and (indices[row, n:] == -1).all()
+        expected = []
+        for cache, idx, length in ((window, swa_idx, swa_len), (ext, ext_idx, ext_len)):
+            slots = idx[row, : max(0, min(int(length[row]), idx.shape[1]))]
+            expected.append(cache.gather(slots[slots >= 0]))
+        torch.testing.assert_close(kv[indices[row, :n].long()].float(), torch.cat(expected))
+        seen.append(indices[row, :n])
+    assert torch.cat(seen).unique().numel() == kv.shape[0]  # no unreferenced row
+
+
+#: One wrong argument each: the stand-in refuses them all (its checks can fail).
+PREFILL_MISTAKES = {
+    "int64 indices": lambda kw: kw.update(indices=kw["indices"].long()),
+    "unpadded indices": lambda kw: kw.update(indices=kw["indices"][..., :100]),
+    "index past the workspace": lambda kw: kw.update(kv=kw["kv"][:1]),
+    "lengths past the width": lambda kw: kw.update(topk_length=kw["topk_length"] + 1000),
+    "fp32 keys": lambda kw: kw.update(kv=kw["kv"].float()),
+    "unpadded heads": lambda kw: kw.update(q=kw["q"][:, :16].contiguous()),
+    "short sink": lambda kw: kw.update(attn_sink=kw["attn_sink"][:16]),
+    "current kernels": lambda kw: kw.update(use_legacy=False),
+}
+
+
+@pytest.mark.parametrize("mistake", PREFILL_MISTAKES)
+def test_flashmla_prefill_stand_in_refuses_wrong_arguments(mistake):
+    q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = _attention_args(
+        16, "c4", torch.Generator().manual_seed(7)
+    )
+    assert ext is not None and ext_idx is not None and ext_len is not None
+    kwargs = flashmla_prefill.prefill_arguments(
+        q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale
+    )
+    fake_flash_mla_sparse_fwd(**kwargs)  # as built: accepted
+    PREFILL_MISTAKES[mistake](kwargs)
+    with pytest.raises(AssertionError):
+        fake_flash_mla_sparse_fwd(**kwargs)
+
+
+def test_flashmla_prefill_reasons_and_edges(flash_mla, monkeypatch):
+    """Dense caches are taken (the keys are gathered); the library's reasons stand (device,
+    heads, capability, legacy kernels); no rows give an empty result without a call; an
+    unsupported input at a forward is a BatchError naming the reason."""
+    g = torch.Generator().manual_seed(8)
+    dense = _token_cache(8, 256, "dense", g)
+
+    def reason(device=CUDA, heads=64, dim=D, capability=(9, 0)):
+        return flashmla_prefill.flashmla_prefill_unsupported_reason(
+            device, dense, dense, heads, dim, capability=capability
+        )
+
+    assert reason() is None and reason(heads=128, capability=(10, 0)) is None
+    assert "CUDA devices only" in reason(device=torch.device("cpu"))
+    assert "100 query heads" in reason(heads=100)
+    assert "head_dim 128" in reason(dim=128)
+    assert "compute capability 8.9" in reason(capability=(8, 9))
+    monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla(legacy=False))
+    assert "no legacy kernels" in reason()
+    with pytest.raises(BatchError, match="CUDA devices only"):
+        sparse_attention_flashmla_prefill(*_attention_args(8, "window", g))
+    monkeypatch.setattr(flashmla_prefill, "library_unsupported_reason", lambda *a, **k: None)
+    q, window, swa_idx, swa_len, *_, sink, scale = _attention_args(8, "window", g)
+    empty = (q[:0], window, swa_idx[:0], swa_len[:0], None, None, None, sink, scale)
+    assert sparse_attention_flashmla_prefill(*empty).shape == (0, 8, D)
+    none = torch.zeros_like(swa_len)  # no row has a key: a one-row zero workspace
+    out = sparse_attention_flashmla_prefill(q, window, swa_idx, none, None, None, None, sink, scale)
+    assert (out == 0).all()
 
 
 # ----------------------------------------------------------------- stand-in deep_gemm

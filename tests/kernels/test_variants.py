@@ -4,6 +4,9 @@ GPU-verified or the baseline, or any with ``DSV4_UNVERIFIED_KERNELS=1``)."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -137,3 +140,17 @@ def test_unverified_variants_need_the_opt_in_on_cuda_only(monkeypatch: pytest.Mo
     assert unverified_enabled() is True
     with force_unverified(False):
         assert unverified_enabled() is False
+
+
+def test_a_stand_in_module_counts_as_installed(monkeypatch):
+    """A library is read from ``sys.modules`` where it stands there: a stand-in without a
+    module spec is importable, a ``None`` entry is not (``find_spec`` raises for both), and
+    elsewhere its spec decides."""
+    from dsv4_backend.kernels import variants
+
+    monkeypatch.setitem(sys.modules, "flash_mla", types.ModuleType("flash_mla"))
+    assert variants._importable("flash_mla")
+    monkeypatch.setitem(sys.modules, "flash_mla", None)
+    assert not variants._importable("flash_mla")
+    assert variants._importable("torch")
+    assert not variants._importable("no_such_dsv4_library")

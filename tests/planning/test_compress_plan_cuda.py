@@ -9,6 +9,7 @@ variant table reports the CUDA path or the reason it cannot run.
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 from pathlib import Path
 
@@ -67,7 +68,8 @@ def test_cuda_path_or_reason(monkeypatch: pytest.MonkeyPatch) -> None:
     the device faked present or absent)."""
     reason = cpt.cuda_unavailable_reason()
     assert cpt.tvm_unavailable_reason("cuda") == reason
-    hopper = Target.cuda_host((9, 0))
+    # A CUDA device of this process, as Target.of gives it (not info's described host)
+    hopper = dataclasses.replace(Target.cuda_host((9, 0)), hypothetical=False)
     tvm = table.COMPRESS_PLANS["tvm"]
     # the live check, not the process's cached one, so the fakes below take effect
     monkeypatch.setattr(table, "tvm_unavailable_reason", lambda kind: cpt.cuda_unavailable_reason())

@@ -1,13 +1,12 @@
 """The planning kernels against their torch implementations, exactly.
 
-* ``planning/kernels/compress_plan_tvm.py`` (TVM, symbolic ``num_rows``) vs
-  ``planning.kernels.compress_plan_torch.compute_compress_plans``;
-* ``planning/kernels/row_fields.py``: the Triton kernel (run by the interpreter here) vs its torch
-  twin ``row_fields_torch``.
+``planning/kernels/compress_plan_tvm.py`` (TVM, symbolic ``num_rows``) vs
+``planning.kernels.compress_plan_torch.compute_compress_plans``; the forced dispatch paths.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
@@ -15,7 +14,6 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from marks import needs_interpreter
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, compress_span
 from dsv4_backend.errors import ConfigError, ContractError
@@ -23,8 +21,7 @@ from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.variants import Target, choose
 from dsv4_backend.planning.kernels import table
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
-from dsv4_backend.planning.kernels.row_fields import row_fields_torch
-from dsv4_backend.planning.kernels.table import build_compress_plans, row_fields
+from dsv4_backend.planning.kernels.table import build_compress_plans
 
 tvm = pytest.importorskip("tvm")
 
@@ -184,6 +181,19 @@ def test_table_picks_tvm_where_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
         choose(table.COMPRESS_PLANS, cpu, ("tvm", "DSV4_COMPRESS_PLANS_KERNEL=tvm"))
 
 
+def test_a_described_cuda_host_is_not_probed_here(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``info``'s CUDA columns describe a host with sglang's libraries: the TVM variant runs
+    there whatever this machine's nvcc says, and not without tvm-ffi; a real CUDA target is
+    still probed."""
+    monkeypatch.setattr(table, "tvm_unavailable_reason", lambda device_type: "no nvcc here")
+    hopper = Target.cuda_host((9, 0))
+    assert choose(table.COMPRESS_PLANS, hopper, None).name == "tvm"
+    without_ffi = dataclasses.replace(hopper, libraries=hopper.libraries - {"tvm_ffi"})
+    assert choose(table.COMPRESS_PLANS, without_ffi, None).name == "torch"
+    real = dataclasses.replace(hopper, hypothetical=False)
+    assert choose(table.COMPRESS_PLANS, real, None).name == "torch"
+
+
 def test_cuda_kernel_builds() -> None:
     """The CUDA variant lowers (one block of 1024 threads, explicit barriers) and TVM emits its
     CUDA C (shipped and compiled in ``tests/planning/test_compress_plan_cuda.py``)."""
@@ -195,97 +205,6 @@ def test_cuda_kernel_builds() -> None:
     source = cpt.compiled_kernel(CUDA_SM90, cpt.CUDA_THREADS).mod.imports[0].inspect_source()
     assert "__launch_bounds__(1024)" in source
     assert source.count("__syncthreads()") == 3
-
-
-# -------------------------------------------------------------------- Triton row metadata
-def assert_fields_equal(got: tuple, want: tuple) -> None:
-    for g, w, name in zip(got, want, got._fields, strict=True):
-        if w is None:
-            assert g is None, name
-            continue
-        assert g.dtype == w.dtype and g.shape == w.shape, name
-        assert torch.equal(g, w), f"{name} differs:\n{g}\nvs torch\n{w}"
-
-
-def row_inputs(
-    rows: int, page_width: int, seed: int, ratio: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    positions = torch.randint(0, page_width * 256 + 300, (rows,), generator=g)
-    # A third of the rows complete an entry; a few sit on either side of a boundary.
-    boundary = torch.randint(1, page_width * 256 // ratio + 3, (rows,), generator=g) * ratio - 1
-    pick = torch.randint(0, 3, (rows,), generator=g)
-    positions = torch.where(pick == 0, boundary, positions)
-    positions = torch.where(
-        pick == 1, boundary + torch.randint(-1, 2, (rows,), generator=g), positions
-    ).clamp(min=0)
-    raw_out_loc = torch.randint(0, 1 << 40, (rows,), generator=g)
-    page_table = torch.randperm(1 << 16, generator=g)[: rows * page_width]
-    return positions, raw_out_loc, page_table.reshape(rows, page_width).to(torch.int32)
-
-
-@needs_interpreter
-@settings(max_examples=20, deadline=None)
-@given(
-    rows=st.integers(0, 300),
-    page_width=st.integers(1, 5),
-    c128_width=st.integers(0, 140),
-    index_topk=st.sampled_from([1, 16, 512]),
-    ratio=st.sampled_from([4, 128]),
-    seed=st.integers(0, 2**16),
-)
-def test_triton_row_fields_equal_torch(
-    rows: int, page_width: int, c128_width: int, index_topk: int, ratio: int, seed: int
-) -> None:
-    inputs = row_inputs(rows, page_width, seed, ratio)
-    kw = {"ratio": ratio, "index_topk": index_topk, "c128_width": c128_width}
-    with dispatch.force_path(dispatch.TRITON_INTERPRETER):
-        got = row_fields(*inputs, **kw)
-    assert_fields_equal(got, row_fields_torch(*inputs, **kw))
-
-
-@needs_interpreter
-@pytest.mark.parametrize("ratio", [4, 128])
-def test_triton_row_fields_strided_and_negative_inputs(ratio: int) -> None:
-    """Non-contiguous inputs; negative positions and slots use floor division like torch."""
-    g = torch.Generator().manual_seed(1)
-    positions = torch.randint(-300, 600, (150, 2), generator=g)[:, 0]
-    raw_out_loc = torch.randint(-1000, 1000, (150, 3), generator=g)[:, 1]
-    page_table = torch.randint(0, 500, (3, 150), generator=g, dtype=torch.int32).t()
-    kw = {"ratio": ratio, "index_topk": 16, "c128_width": 70}
-    with dispatch.force_path(dispatch.TRITON_INTERPRETER):
-        got = row_fields(positions, raw_out_loc, page_table, **kw)
-    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
-
-
-@needs_interpreter
-@pytest.mark.parametrize("ratio", [4, 128])
-@pytest.mark.parametrize("position", [None, 0, 126, 127, 511])
-def test_triton_row_fields_edge_sizes(ratio: int, position: int | None) -> None:
-    """T = 0 (``None``) and T = 1 rows at and around entry boundaries."""
-    positions = torch.tensor([] if position is None else [position], dtype=torch.int64)
-    raw_out_loc = positions + 1000
-    page_table = torch.tensor([[7, 9]] * positions.shape[0], dtype=torch.int32).reshape(-1, 2)
-    kw = {"ratio": ratio, "index_topk": 16, "c128_width": 6}
-    with dispatch.force_path(dispatch.TRITON_INTERPRETER):
-        got = row_fields(positions, raw_out_loc, page_table, **kw)
-    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
-
-
-def test_row_fields_torch_path_and_contract_errors() -> None:
-    positions, raw_out_loc, page_table = row_inputs(9, 2, 0, 128)
-    kw = {"ratio": 128, "index_topk": 16, "c128_width": 5}
-    with dispatch.force_path(dispatch.TORCH):
-        got = row_fields(positions, raw_out_loc, page_table, **kw)
-    assert_fields_equal(got, row_fields_torch(positions, raw_out_loc, page_table, **kw))
-    with pytest.raises(ContractError, match=r"raw_out_loc has shape \(8,\).*expected \[T\]"):
-        row_fields(positions, raw_out_loc[:8], page_table, **kw)
-    with pytest.raises(ContractError, match=r"page_table has shape \(9, 2\) and dtype torch.int64"):
-        row_fields(positions, raw_out_loc, page_table.long(), **kw)
-    with pytest.raises(ContractError, match="width 0"):
-        row_fields(positions, raw_out_loc, page_table[:, :0], **kw)
-    with pytest.raises(ConfigError, match="ratio=2"):
-        row_fields(positions, raw_out_loc, page_table, ratio=2, index_topk=16, c128_width=5)
 
 
 def test_forced_paths_and_their_refusals() -> None:

@@ -24,7 +24,7 @@ from dsv4_backend.planning import (
     compute_compress_plans,
     per_step_draft_out_cache_loc,
     plan,
-    row_fields_torch,
+    row_fields,
 )
 from dsv4_backend.testing.op_counter import OpCounter
 
@@ -178,22 +178,20 @@ def test_row_fields_by_hand() -> None:
     positions = torch.tensor([0, 3, 127, 255, 300])
     raw_out_loc = torch.tensor([1000, 1003, 2047, 4095, 5000])
     page_table = torch.tensor([[7, 2, -1]] * 5, dtype=torch.int32)
-    c4 = row_fields_torch(positions, raw_out_loc, page_table, ratio=4, index_topk=16, c128_width=3)
+    c4 = row_fields(positions, raw_out_loc, page_table, ratio=4, index_topk=16, c128_width=3)
     assert c4.out_loc.tolist() == [-1, 1003 // 4, 2047 // 4, 4095 // 4, -1]
     assert c4.topk_lengths_raw.tolist() == [0, 1, 32, 64, 75]
     assert c4.topk_lengths_clamp1.tolist() == [1, 1, 32, 64, 75]
     assert c4.sparse_topk_lengths.tolist() == [1, 1, 16, 16, 16]
     assert c4.page_indices is None
-    c128 = row_fields_torch(
-        positions, raw_out_loc, page_table, ratio=128, index_topk=16, c128_width=3
-    )
+    c128 = row_fields(positions, raw_out_loc, page_table, ratio=128, index_topk=16, c128_width=3)
     assert c128.out_loc.tolist() == [-1, -1, 2047 // 128, 4095 // 128, -1]
     assert c128.topk_lengths_raw.tolist() == [0, 0, 1, 2, 2]
     assert c128.sparse_topk_lengths.tolist() == [1, 1, 1, 2, 2]
     assert c128.page_indices.tolist() == [[-1, -1, -1]] * 2 + [[14, -1, -1]] + [[14, 15, -1]] * 2
     assert c128.page_indices.dtype == torch.int32 and c128.out_loc.dtype == torch.int64
     # Entries whose page lies beyond the table's columns have no known slot.
-    beyond = row_fields_torch(
+    beyond = row_fields(
         torch.tensor([600]),
         torch.tensor([0]),
         page_table[:1, :1],
@@ -384,6 +382,21 @@ def test_unknown_kind() -> None:
         plan(CONFIG, _decode(kind="mixed", out_cache_loc=torch.zeros(0, dtype=torch.int64)))
 
 
+def test_row_fields_contract_errors() -> None:
+    positions = torch.arange(9) * 40
+    raw_out_loc = positions + 1000
+    page_table = torch.arange(18, dtype=torch.int32).reshape(9, 2)
+    kw = {"ratio": 128, "index_topk": 16, "c128_width": 5}
+    with pytest.raises(ContractError, match=r"raw_out_loc has shape \(8,\).*expected \[T\]"):
+        row_fields(positions, raw_out_loc[:8], page_table, **kw)
+    with pytest.raises(ContractError, match=r"page_table has shape \(9, 2\) and dtype torch.int64"):
+        row_fields(positions, raw_out_loc, page_table.long(), **kw)
+    with pytest.raises(ContractError, match="width 0"):
+        row_fields(positions, raw_out_loc, page_table[:, :0], **kw)
+    with pytest.raises(ConfigError, match="index_topk=0"):
+        row_fields(positions, raw_out_loc, page_table, ratio=4, index_topk=0, c128_width=5)
+
+
 def test_bad_widths_and_ratios() -> None:
     with pytest.raises(ConfigError, match=r"PlanWidths\(page_table=0, c128=1\); both must be >= 1"):
         PlanWidths(page_table=0, c128=1)
@@ -391,7 +404,7 @@ def test_bad_widths_and_ratios() -> None:
     with pytest.raises(ConfigError, match=r"compress plan ratio=8; expected one of \(4, 128\)"):
         compute_compress_plans(one.int(), one, one, one.int() + 1, 8)
     with pytest.raises(ConfigError, match=r"row fields ratio=0; expected one of \(4, 128\)"):
-        row_fields_torch(one, one, one.int()[None], ratio=0, index_topk=16, c128_width=1)
+        row_fields(one, one, one.int()[None], ratio=0, index_topk=16, c128_width=1)
 
 
 def test_idle_plans_eagerly_on_any_device() -> None:

@@ -23,7 +23,7 @@ VARIANT_KEYS = {"name", "takes", "needs", "runs_here", "reason", "gpu_verified",
 def test_every_table_is_chosen_once_and_the_ops_use_that_choice() -> None:
     choice = kernel_choice("cpu")
     assert [c.op for c in choice.chosen] == [t.op for t in TABLES]
-    assert len({t.op for t in TABLES}) == len(TABLES) and len(TABLES) == 9
+    assert len({t.op for t in TABLES}) == len(TABLES) == 8
     for table in TABLES:  # the very objects the ops resolve at a forward
         assert choice[table.op] is resolve(table, "cpu")
     assert choice.lines()[0].startswith("plan: ")
@@ -109,3 +109,24 @@ def test_the_backend_logs_its_choice_once(caplog: pytest.LogCaptureFixture) -> N
     lines = [r.getMessage() for r in caplog.records if "dsv4 kernels" in r.getMessage()]
     assert len(lines) == 1 and "attention: triton" in lines[0]
     assert first.kernels == kernel_choice("cpu")
+
+
+def test_the_docs_table_lists_every_variant() -> None:
+    """docs/kernels.md's variant table has one row per variant of every table, in the
+    tables' order, each naming its file and whether it is the op's baseline."""
+    from pathlib import Path
+
+    text = (Path(__file__).parents[2] / "docs" / "kernels.md").read_text()
+    rows = [
+        [cell.strip() for cell in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ") and line.count("|") == 8 and "`" in line.split("|")[2]
+    ]
+    listed = [(op, name.strip("`")) for op, name, *_ in rows]
+    assert listed == [(t.op, v.name) for t in TABLES for v in t.variants]
+    for (_, name, *_, verified, file), (table, variant) in zip(
+        rows, [(t, v) for t in TABLES for v in t.variants], strict=True
+    ):
+        module = getattr(variant.entry, "scores", variant.entry).__module__  # indexer: scores
+        assert file.strip("`") == module.replace(".", "/").removeprefix("dsv4_backend/") + ".py"
+        assert ("baseline" in verified) == variant.baseline, (table.op, name, verified)

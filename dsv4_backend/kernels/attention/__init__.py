@@ -13,6 +13,8 @@
 * ``ws.py``: ``ws``, opt-in warp-specialised Gluon kernel (Hopper); its Blackwell kernel is
   ``ws_sm100.py`` (tcgen05), their shared producer and merge ``ws_parts.py``;
 * ``flashmla.py``: ``flashmla``, FlashMLA's sparse fp8 decode (the ``flash_mla`` package);
+* ``flashmla_prefill.py``: ``flashmla_prefill``, FlashMLA's sparse prefill over a bf16 gather
+  of the keys; ``flashmla_library.py``: the library contract both FlashMLA variants share;
 * ``key_union.py``: the union key list of a group of rows, which the variants that group rows
   walk (``triton``, ``pipelined``), built in one launch before the attention launch (its own
   two-variant table, ``KEY_UNION``);

@@ -2,7 +2,7 @@
 
 :func:`sparse_attention_flashmla` takes the arguments of
 ``table.sparse_attention_with_sink`` and computes the same attention with the
-``flash_mla`` package sglang 0.5.23 pins (:data:`DISTRIBUTION`), called as sglang's built-in
+``flash_mla`` package sglang 0.5.23 pins (``flashmla_library.py``), called as sglang's built-in
 DeepSeek-V4 backend calls it (``srt/layers/attention/deepseek_v4_backend.py``,
 ``DeepseekV4AttnBackend._forward_attention``, the ``flash_mla_with_kvcache`` branch).
 :func:`flashmla_unsupported_reason` says where it runs (``table.py`` declares it).
@@ -11,16 +11,14 @@ How the op's tensors become FlashMLA's arguments (:func:`flashmla_arguments`):
 
 * queries ``[T, H, D]`` -> ``q`` ``[T, 1, Hk, D]`` bf16: one query token per batch entry (as
   sglang's decode, verify and small extends pass them), heads zero-padded to ``Hk`` = 64 when
-  ``H <= 64`` (FlashMLA takes 64 or 128 heads; sglang's ``DeepseekV4Attention`` pads a TP rank's
-  heads to 64 the same way, ``_kernel_num_heads`` / ``_local_attn_sink``); fp32 queries are
-  rounded to bf16, which the Triton kernel's dot operands on a GPU are too;
+  ``H <= 64`` (``flashmla_library.kernel_queries``);
 * each fp8 cache -> ``[pages, page_tokens, 1, 584]`` uint8 over its first ``page_tokens * 584``
   bytes a page, page stride the layout's ``page_bytes``: FlashMLA detects sglang's V4 layout
   (:mod:`dsv4_backend.cache.fp8_format`) from that last dim, as sglang views its pool;
   the window cache is FlashMLA's main cache, the c4 / c128 cache its extra cache;
 * slots -> ``indices`` ``[T, 1, W]`` int32 unchanged (both number a slot ``page * page_tokens +
-  offset``), ``-1`` padded to a multiple of 64 columns (sglang's ``_pad_last_dim``; FlashMLA
-  needs ``topk % 64 == 0``); lengths -> ``topk_length`` ``[T]`` int32, clamped to ``[0, W]``
+  offset``), ``-1`` padded to a multiple of 64 columns (``flashmla_library.aligned_columns``);
+  lengths -> ``topk_length`` ``[T]`` int32, clamped to ``[0, W]``
   (the op ignores columns past the width; FlashMLA reads ``topk_length`` columns);
 * ``sink`` -> ``attn_sink`` ``[Hk]`` fp32 (zero-padded); ``softmax_scale`` as given;
   ``is_fp8_kvcache=True``, ``use_legacy=True`` (the V4 layout is not token-interleaved:
@@ -34,13 +32,9 @@ accepted (and checked) so the variant is called like the other kernels; FlashMLA
 picks its own splits, which do not change the result.
 
 Prefill: sglang runs a non-speculative extend of more than 11673 query rows (or any with
-``SGLANG_OPT_FLASHMLA_SPARSE_PREFILL``) through ``flash_mla_sparse_fwd`` instead
-(``_forward_prefill_sparse``): it first dequantises each request's window and compressed
-entries into a bf16 workspace (``dequantize_k_cache_paged_dsv4``) and rebases every row's
-indices into it. This variant does not cover that path: it runs every row, extend rows
-included, through the decode kernel, as sglang does below that threshold. Adding the prefill
-call needs that gather workspace (an extra kernel and ``T``-sized bf16 scratch), so it is left
-out.
+``SGLANG_OPT_FLASHMLA_SPARSE_PREFILL``) through ``flash_mla_sparse_fwd`` instead; that call is
+the ``flashmla_prefill`` variant (``flashmla_prefill.py``). This one runs every row, extend
+rows included, through the decode kernel, as sglang does below that threshold.
 
 Not run here: ``flash_mla`` needs CUDA; the tests check the arguments against its documented
 signature with a stand-in module and compare the result with ``sparse_attention_torch``.
@@ -48,26 +42,20 @@ signature with a stand-in module and compare the result with ``sparse_attention_
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.attention.common import ExtraSpan, check_inputs, checked_num_splits
-
-#: The module it calls and the distribution (as sglang 0.5.23 pins it) that provides it.
-PACKAGE = "flash_mla"
-DISTRIBUTION = "sgl-flash-mla==1.0.0"
-#: Query heads FlashMLA's sparse decode takes; fewer than the first are padded to it.
-KERNEL_HEADS = (64, 128)
-#: Head dim and rope channels of the V4 layout FlashMLA reads (448 e4m3 + 64 bf16 rope, 584 B).
-HEAD_DIM = 512
-ROPE_DIM = 64
-#: FlashMLA's indices are read in blocks of this many columns (``topk % 64 == 0``).
-INDEX_ALIGN = 64
+from dsv4_backend.kernels.attention.flashmla_library import (
+    aligned_columns,
+    fp8_cache_unsupported_reason,
+    kernel_queries,
+    library,
+    library_unsupported_reason,
+)
 
 
 def flashmla_unsupported_reason(
@@ -82,56 +70,15 @@ def flashmla_unsupported_reason(
     """Why :func:`sparse_attention_flashmla` cannot run on these inputs (None when it can).
 
     ``heads`` / ``dim``: the queries' ``H`` and ``D``. ``capability``: the device's compute
-    capability; None reads it from ``device`` (tests pass one). Checked in order: a CUDA
-    device; fp8 caches of FlashMLA's geometry (head dim 512 with 64 rope channels, contiguous
-    16-byte aligned pages); 64 heads or fewer, or 128; ``flash_mla`` importable, with its
-    legacy kernels (the V4 layout's); Hopper (sm_90) or Blackwell (sm_100 family), the legacy
-    sparse decode's targets (``is_sm90a || is_sm100f``; sglang takes sm_120 elsewhere).
+    capability; None reads it from ``device`` (tests pass one). Checked in order: fp8 caches
+    FlashMLA reads in place (``flashmla_library.fp8_cache_unsupported_reason``), then the
+    device, heads, package and capability (``flashmla_library.library_unsupported_reason``).
     """
-    if device.type != "cuda":
-        return f"FlashMLA runs on CUDA devices only; the tensors are on {device}"
     for name, cache in (("window", window), ("extra", extra)):
-        if cache is None:
-            continue
-        if cache.fmt != "fp8":
-            return (
-                f"the {name} cache is {cache.fmt}; FlashMLA's sparse decode reads fp8 caches "
-                "(sglang's 584-byte V4 layout)"
-            )
-        if cache.dim != HEAD_DIM or cache.rope_dim != ROPE_DIM:
-            return (
-                f"the {name} cache holds head_dim {cache.dim} with rope_dim {cache.rope_dim}; "
-                f"FlashMLA's V4 layout is head_dim {HEAD_DIM} with rope_dim {ROPE_DIM}"
-            )
-        if not cache.storage.is_contiguous() or cache.storage.data_ptr() % 16:
-            return (
-                f"the {name} cache's pages are not one contiguous 16-byte aligned buffer; "
-                "FlashMLA addresses every page from its base"
-            )
-    if dim != HEAD_DIM:
-        return f"head_dim {dim}; FlashMLA's sparse decode takes {HEAD_DIM}"
-    if not (0 < heads <= KERNEL_HEADS[0] or heads == KERNEL_HEADS[1]):
-        return (
-            f"{heads} query heads; FlashMLA takes {KERNEL_HEADS[0]} or {KERNEL_HEADS[1]} "
-            f"(1 ... {KERNEL_HEADS[0]} are padded to {KERNEL_HEADS[0]})"
-        )
-    try:
-        flash_mla = importlib.import_module(PACKAGE)
-    except ImportError as error:  # the wheel, or its CUDA extension against this torch
-        return f"{PACKAGE} does not import ({error}); install {DISTRIBUTION}"
-    has_legacy = getattr(flash_mla, "has_legacy", None)
-    if has_legacy is None or not has_legacy():
-        return (
-            f"{PACKAGE} {getattr(flash_mla, '__version__', '?')} has no legacy kernels, which "
-            f"read the V4 layout ({DISTRIBUTION} ships them)"
-        )
-    major, minor = capability or torch.cuda.get_device_capability(device)
-    if (major, minor) != (9, 0) and major != 10:
-        return (
-            f"compute capability {major}.{minor}; FlashMLA's legacy sparse decode runs on "
-            "sm_90 and the sm_100 family"
-        )
-    return None
+        reason = None if cache is None else fp8_cache_unsupported_reason(name, cache)
+        if reason is not None:
+            return reason
+    return library_unsupported_reason(device, heads, dim, capability)
 
 
 def flashmla_schedule() -> Any:
@@ -139,7 +86,7 @@ def flashmla_schedule() -> Any:
     call fills. Calls may share one only with the same shapes and the same lengths (FlashMLA
     does not check the lengths): sglang shares one per compress ratio across a forward's
     layers (``DSV4AttnMetadata.get_flashmla_metadata``)."""
-    return importlib.import_module(PACKAGE).get_mla_metadata()[0]
+    return library().get_mla_metadata()[0]
 
 
 def flashmla_cache(cache: TokenCache) -> torch.Tensor:
@@ -160,11 +107,9 @@ def flashmla_cache(cache: TokenCache) -> torch.Tensor:
 def _indices_and_lengths(
     indices: torch.Tensor, lengths: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([T, 1, W'] int32, [T] int32)``: ``indices`` ``[T, W]`` -1 padded to ``W'``, a
-    multiple of :data:`INDEX_ALIGN`, and ``lengths`` clamped to ``[0, W]``."""
-    pad = -indices.shape[1] % INDEX_ALIGN
-    padded = F.pad(indices, (0, pad), value=-1) if pad else indices.contiguous()
-    return padded[:, None, :], lengths.clamp(0, indices.shape[1]).contiguous()
+    """``([T, 1, W'] int32, [T] int32)``: ``indices`` ``[T, W]`` -1 padded to ``W'``
+    (``flashmla_library.aligned_columns``) and ``lengths`` clamped to ``[0, W]``."""
+    return aligned_columns(indices)[:, None, :], lengths.clamp(0, indices.shape[1]).contiguous()
 
 
 def flashmla_arguments(
@@ -181,12 +126,8 @@ def flashmla_arguments(
     checked by ``check_inputs``, which returned ``extra_span``; the caches accepted by
     :func:`flashmla_unsupported_reason`); the module docstring maps them. Pure torch: runs on
     any device."""
-    _, heads, dim = q.shape
-    kernel_heads = KERNEL_HEADS[0] if heads <= KERNEL_HEADS[0] else heads
-    q = q.to(torch.bfloat16)
-    if kernel_heads != heads:  # zero heads: they add nothing and are sliced off
-        q = F.pad(q, (0, 0, 0, kernel_heads - heads))
-        sink = F.pad(sink, (0, kernel_heads - heads))
+    dim = q.shape[2]
+    q, sink = kernel_queries(q, sink)
     indices, topk_length = _indices_and_lengths(swa_indices, swa_lengths)
     extra: dict[str, torch.Tensor | None] = dict.fromkeys(
         ("extra_k_cache", "extra_indices_in_kvcache", "extra_topk_length")
@@ -200,7 +141,7 @@ def flashmla_arguments(
             extra_topk_length=ext_len,
         )
     return dict(
-        q=q.contiguous()[:, None],
+        q=q[:, None],
         k_cache=flashmla_cache(window),
         block_table=None,
         cache_seqlens=None,
@@ -210,7 +151,7 @@ def flashmla_arguments(
         is_fp8_kvcache=True,
         indices=indices,
         topk_length=topk_length,
-        attn_sink=sink.contiguous(),
+        attn_sink=sink,
         use_legacy=True,
         **extra,
     )
@@ -254,10 +195,9 @@ def sparse_attention_flashmla(
         raise BatchError(reason)
     if rows == 0:  # FlashMLA needs a batch
         return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
-    flash_mla = importlib.import_module(PACKAGE)
     kwargs = flashmla_arguments(
         q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale,
         flashmla_schedule() if schedule is None else schedule,
     )  # fmt: skip
-    out = flash_mla.flash_mla_with_kvcache(**kwargs)[0]  # [T, 1, Hk, D] bf16
+    out = library().flash_mla_with_kvcache(**kwargs)[0]  # [T, 1, Hk, D] bf16
     return out[:, 0, :heads].contiguous()

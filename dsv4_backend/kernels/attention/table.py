@@ -3,8 +3,9 @@ entry point :func:`sparse_attention_with_sink`.
 
 ``triton`` (``triton.py``, the CUDA baseline and the interpreter's default) and ``torch``
 (``torch.py``, the torch path) serve every cache and shape; ``pipelined`` (``pipelined.py``),
-``ws`` (``ws.py``, Gluon, compiled GPUs only) and ``flashmla`` (``flashmla.py``, FlashMLA's
-sparse FP8 decode) have never run on a GPU and run only when named
+``ws`` (``ws.py``, Gluon, compiled GPUs only), ``flashmla`` (``flashmla.py``, FlashMLA's
+sparse FP8 decode) and ``flashmla_prefill`` (``flashmla_prefill.py``, FlashMLA's sparse
+prefill over gathered bf16 keys) have never run on a GPU and run only when named
 (``DSV4_ATTENTION_KERNEL``). A named variant that cannot take a backend's caches is refused
 when the backend is built (``variants.named_rejection``); at a forward the variant's own
 checks raise.
@@ -20,6 +21,10 @@ from dsv4_backend.kernels.attention.common import output_dtype, pipelined_unsupp
 from dsv4_backend.kernels.attention.flashmla import (
     flashmla_unsupported_reason,
     sparse_attention_flashmla,
+)
+from dsv4_backend.kernels.attention.flashmla_prefill import (
+    flashmla_prefill_unsupported_reason,
+    sparse_attention_flashmla_prefill,
 )
 from dsv4_backend.kernels.attention.pipelined import sparse_attention_pipelined
 from dsv4_backend.kernels.attention.torch import sparse_attention_torch
@@ -69,6 +74,12 @@ ATTENTION = OpTable(
             (on_paths(dispatch.TRITON), on_cuda(9, 10), with_library("flash_mla")),
             "FlashMLA's sparse FP8 decode (sgl-flash-mla): fp8 caches, heads of dim 512",
             rejects=flashmla_unsupported_reason,
+        ),
+        Variant(
+            "flashmla_prefill", sparse_attention_flashmla_prefill,
+            (on_paths(dispatch.TRITON), on_cuda(9, 10), with_library("flash_mla")),
+            "FlashMLA's sparse prefill (sgl-flash-mla) over a bf16 gather of the keys: any "
+            "cache format, heads of dim 512", rejects=flashmla_prefill_unsupported_reason,
         ),
         Variant("torch", sparse_attention_torch, (), "every cache format and shape",
                 baseline=True),

@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.config import compress_span
-from dsv4_backend.planning.kernels.row_fields import _floor_div, _floor_mod
 
 
 @dataclass(frozen=True)
@@ -78,6 +77,19 @@ def plan_block_c(tiles: PlannerTiles, widest: int) -> int:
 def row_block(tiles: PlannerTiles, rows: int, block_b: int) -> int:
     """Rows a tile of ``rows`` at most, beside ``block_b`` requests in a request tile."""
     return max(1, min(rows, tiles.request_tile // block_b))
+
+
+@triton.jit
+def _floor_mod(a, D: tl.constexpr):
+    """``a mod D`` in ``[0, D)`` for ``D > 0`` (Triton's ``%`` truncates toward zero)."""
+    r = a % D
+    return tl.where(r < 0, r + D, r)
+
+
+@triton.jit
+def _floor_div(a, D: tl.constexpr):
+    """``floor(a / D)`` for ``D > 0``; ``a - mod`` is a multiple of ``D``, so ``//`` is exact."""
+    return (a - _floor_mod(a, D)) // D
 
 
 @triton.jit

@@ -10,10 +10,10 @@ docs/design.md §3-4: row ``t`` at position ``p`` (a decode row of length ``p + 
   entry ``j``; 2 c128 entries per 256-token page) for ``j < raw`` with ``j // 2 < Pw``, ``-1``
   elsewhere.
 
-The Triton kernel, its launcher :func:`row_fields_triton` and the torch twin
-:func:`row_fields_torch` (the kernel matches it exactly: floor division and modulo, as torch's,
-also for negative values); ``planning/kernels/table.py`` chooses between them. Shapes: ``T``
-rows, ``Pw`` page-table width, ``N128`` c128 index width, ``K`` ``index_topk``.
+:func:`row_fields` computes them in torch for the torch planner (``planning/planner.py``); the
+fused planner (``plan_fields.py``) computes the same fields inside its one launch on the
+Triton paths, so no serving mode needs a kernel of its own here. Shapes: ``T`` rows, ``Pw``
+page-table width, ``N128`` c128 index width, ``K`` ``index_topk``.
 """
 
 from __future__ import annotations
@@ -21,16 +21,9 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-import triton
-import triton.language as tl
 
 from dsv4_backend.config import check_compressed_ratio, entries_per_page
 from dsv4_backend.errors import ConfigError, ContractError
-
-#: Rows per program.
-BLOCK_T = 64
-#: c128 index columns per program.
-BLOCK_N = 64
 
 
 class RowFields(NamedTuple):
@@ -43,84 +36,7 @@ class RowFields(NamedTuple):
     page_indices: torch.Tensor | None  # ratio 128: [T, c128_width] int32; ratio 4: None
 
 
-# --------------------------------------------------------------------------------- kernel
-@triton.jit
-def _floor_mod(a, D: tl.constexpr):
-    """``a mod D`` in ``[0, D)`` for ``D > 0`` (Triton's ``%`` truncates toward zero)."""
-    r = a % D
-    return tl.where(r < 0, r + D, r)
-
-
-@triton.jit
-def _floor_div(a, D: tl.constexpr):
-    """``floor(a / D)`` for ``D > 0``; ``a - mod`` is a multiple of ``D``, so ``//`` is exact."""
-    return (a - _floor_mod(a, D)) // D
-
-
-@triton.jit
-def _row_fields_kernel(
-    positions_ptr,  # [T] int64
-    raw_out_loc_ptr,  # [T] int64
-    page_table_ptr,  # [T, Pw] int32 (read for ratio 128 only)
-    out_loc_ptr,  # [T] int64
-    raw_ptr,  # [T] int32
-    clamp1_ptr,  # [T] int32
-    sparse_ptr,  # [T] int32
-    page_indices_ptr,  # [T, N128] int32 (ratio 128 only)
-    num_rows,  # T
-    page_width,  # Pw
-    c128_width,  # N128
-    index_topk,  # K
-    stride_pos,
-    stride_loc,
-    stride_pt_t,
-    stride_pt_p,
-    stride_pi_t,
-    RATIO: tl.constexpr,
-    PER_PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-):
-    """Rows ``[t0, t0 + BLOCK_T)``; column block ``program_id(1)`` of the c128 indices.
-
-    Column block 0 also writes the per-row fields.
-    """
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_mask = rows < num_rows
-    next_len = tl.load(positions_ptr + rows * stride_pos, mask=row_mask, other=0) + 1  # p + 1
-    raw = _floor_div(next_len, RATIO)  # [BLOCK_T] int64
-    if tl.program_id(1) == 0:
-        loc = tl.load(raw_out_loc_ptr + rows * stride_loc, mask=row_mask, other=0)
-        completes = _floor_mod(next_len, RATIO) == 0
-        tl.store(out_loc_ptr + rows, tl.where(completes, _floor_div(loc, RATIO), -1), mask=row_mask)
-        raw32 = raw.to(tl.int32)
-        clamp1 = tl.maximum(raw32, 1)
-        sparse = tl.minimum(clamp1, index_topk) if RATIO == 4 else clamp1
-        tl.store(raw_ptr + rows, raw32, mask=row_mask)
-        tl.store(clamp1_ptr + rows, clamp1, mask=row_mask)
-        tl.store(sparse_ptr + rows, sparse, mask=row_mask)
-    if RATIO == 128:
-        cols = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
-        in_matrix = row_mask[:, None] & (cols < c128_width)[None, :]
-        column = cols // PER_PAGE
-        # Entries not yet complete, or on a page the table does not hold, get -1.
-        visible = in_matrix & (cols[None, :] < raw.to(tl.int32)[:, None])
-        visible &= (column < page_width)[None, :]
-        pages = tl.load(
-            page_table_ptr + rows[:, None] * stride_pt_t + column[None, :] * stride_pt_p,
-            mask=visible,
-            other=0,
-        )
-        slots = pages.to(tl.int64) * PER_PAGE + (cols % PER_PAGE)[None, :]
-        tl.store(
-            page_indices_ptr + rows[:, None] * stride_pi_t + cols[None, :],
-            tl.where(visible, slots, -1).to(tl.int32),
-            mask=in_matrix,
-        )
-
-
-# ------------------------------------------------------------------------------- launcher
-def check_row_field_inputs(
+def _check_inputs(
     positions: torch.Tensor,
     raw_out_loc: torch.Tensor,
     page_table: torch.Tensor,
@@ -154,46 +70,7 @@ def check_row_field_inputs(
         raise ContractError("page_table has width 0; c128 page indices need Pw >= 1 when T > 0")
 
 
-def row_fields_triton(
-    positions: torch.Tensor,
-    raw_out_loc: torch.Tensor,
-    page_table: torch.Tensor,
-    *,
-    ratio: int,
-    index_topk: int,
-    c128_width: int,
-) -> RowFields:
-    """Triton path: :func:`row_fields_torch`'s arguments and result, one launch."""
-    rows, device = positions.shape[0], positions.device
-    out_loc = torch.empty(rows, dtype=torch.int64, device=device)
-    raw, clamp1, sparse = (torch.empty(rows, dtype=torch.int32, device=device) for _ in range(3))
-    page_indices = None
-    width = 0
-    if ratio == 128:
-        width = c128_width
-        page_indices = torch.empty(rows, width, dtype=torch.int32, device=device)
-    if rows == 0:
-        return RowFields(out_loc, raw, clamp1, sparse, page_indices)
-    # Without c128 indices the output pointer is unused; any int32 tensor stands in.
-    indices_arg = page_indices if page_indices is not None else raw
-    grid = (triton.cdiv(rows, BLOCK_T), max(1, triton.cdiv(width, BLOCK_N)))
-    _row_fields_kernel[grid](
-        positions, raw_out_loc, page_table,
-        out_loc, raw, clamp1, sparse, indices_arg,
-        rows, page_table.shape[1], width, index_topk,
-        positions.stride(0), raw_out_loc.stride(0),
-        page_table.stride(0), page_table.stride(1),
-        indices_arg.stride(0),
-        RATIO=ratio,
-        PER_PAGE=entries_per_page(ratio),
-        BLOCK_T=BLOCK_T,
-        BLOCK_N=BLOCK_N,
-    )  # fmt: skip
-    return RowFields(out_loc, raw, clamp1, sparse, page_indices)
-
-
-# ---------------------------------------------------------------------------- torch path
-def row_fields_torch(
+def row_fields(
     positions: torch.Tensor,
     raw_out_loc: torch.Tensor,
     page_table: torch.Tensor,
@@ -221,8 +98,11 @@ def row_fields_torch(
     and ``clamp1`` for ratio 128; for ratio 128 ``page_indices[t, j]`` is the c128 slot of entry
     ``j``, ``page_table[t, j // 2] * 2 + j % 2``, for ``j < raw`` and -1 elsewhere (also where
     column ``j // 2`` lies beyond the table's ``Pw``: a page the table does not hold).
+
+    Raises ``ConfigError`` for a ratio other than 4 / 128 or bad sizes, ``ContractError`` for
+    tensors of other shapes, dtypes or devices.
     """
-    check_compressed_ratio(ratio, "row fields")
+    _check_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
     positions = positions.long()
     completes = (positions + 1) % ratio == 0
     out_loc = torch.where(completes, raw_out_loc.long() // ratio, -1)

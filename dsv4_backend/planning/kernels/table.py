@@ -1,10 +1,10 @@
-"""The torch planner's two kernel ops as variant tables (``kernels/variants.py``), and their
-entry points: the per-row compression fields (:data:`ROW_FIELDS`, :func:`row_fields`) and the
-compress / write plans (:data:`COMPRESS_PLANS`, :func:`build_compress_plans`).
+"""The torch planner's kernel op as a variant table (``kernels/variants.py``) and its entry
+point: the compress / write plans (:data:`COMPRESS_PLANS`, :func:`build_compress_plans`).
 
 The fused Triton planner (``plan_fields.py``) plans every kind on the Triton paths
-(``planning/planner.py``'s :data:`~dsv4_backend.planning.planner.PLAN` table), so these run
-where the torch planner does: on the torch path.
+(``planning/planner.py``'s :data:`~dsv4_backend.planning.planner.PLAN` table), so this runs
+where the torch planner does: on the torch path. The torch planner's per-row fields have one
+implementation (``row_fields.py``).
 """
 
 from __future__ import annotations
@@ -12,30 +12,23 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE
-from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, custom, resolve
+from dsv4_backend.kernels.variants import OpTable, Target, Variant, custom, resolve
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.planning.kernels.compress_plan_tvm import (
     compress_plans_tvm,
     tvm_unavailable_reason,
 )
-from dsv4_backend.planning.kernels.row_fields import (
-    RowFields,
-    check_row_field_inputs,
-    row_fields_torch,
-    row_fields_triton,
-)
 
-ROW_FIELDS = OpTable(
-    "row_fields",
-    "per-row compression fields of one ratio (the torch planner)",
-    (
-        Variant(
-            "triton", row_fields_triton, (TRITON_PATHS,),
-            "every ratio; one launch", baseline=True,
-        ),
-        Variant("torch", row_fields_torch, (), "every ratio", baseline=True),
-    ),
-)  # fmt: skip
+
+def _tvm_unmet(target: Target) -> str | None:
+    """Why the TVM kernel cannot run on ``target``: this machine's probe
+    (``compress_plan_tvm.tvm_unavailable_reason``), or for a described CUDA host
+    (``Target.cuda_host``: sglang's libraries and the nvcc its JIT kernels need) whether it
+    lists tvm-ffi."""
+    if target.hypothetical and target.device_type == "cuda":
+        return None if "tvm_ffi" in target.libraries else "apache-tvm-ffi is not installed"
+    return tvm_unavailable_reason(target.device_type)
+
 
 COMPRESS_PLANS = OpTable(
     "compress_plans",
@@ -43,35 +36,12 @@ COMPRESS_PLANS = OpTable(
     (
         Variant(
             "tvm", compress_plans_tvm,
-            (custom("apache-tvm llvm (CPU) or tvm-ffi + nvcc (CUDA)",
-                    lambda target: tvm_unavailable_reason(target.device_type)),),
+            (custom("apache-tvm llvm (CPU) or tvm-ffi + nvcc (CUDA)", _tvm_unmet),),
             "symbolic row count: one compiled kernel for every batch", baseline=True,
         ),
         Variant("torch", compute_compress_plans, (), "every batch", baseline=True),
     ),
 )  # fmt: skip
-
-
-def row_fields(
-    positions: torch.Tensor,
-    raw_out_loc: torch.Tensor,
-    page_table: torch.Tensor,
-    *,
-    ratio: int,
-    index_topk: int,
-    c128_width: int,
-) -> RowFields:
-    """The per-row fields of ``ratio`` on the :data:`ROW_FIELDS` variant for the device.
-
-    Arguments, shapes and result as ``row_fields.row_fields_torch`` (the reference); every
-    variant gives identical tensors.
-    """
-    check_row_field_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
-    entry = resolve(ROW_FIELDS, positions.device).variant.entry
-    return entry(
-        positions, raw_out_loc, page_table, ratio=ratio, index_topk=index_topk,
-        c128_width=c128_width,
-    )  # fmt: skip
 
 
 def build_compress_plans(

@@ -1,0 +1,121 @@
+"""What the two FlashMLA variants of the sparse-attention op share: the library's contract.
+
+``flashmla`` (``flashmla.py``, FlashMLA's sparse FP8 decode over the cache bytes) and
+``flashmla_prefill`` (``flashmla_prefill.py``, its sparse prefill over gathered bf16 keys) call
+the ``flash_mla`` package sglang 0.5.23 pins (:data:`DISTRIBUTION`) with ``use_legacy=True``,
+the kernels that read sglang's V4 layout. Both take 64 or 128 query heads of dim 512
+(:data:`KERNEL_HEADS`, :data:`HEAD_DIM`; fewer heads are zero-padded to 64, as sglang's
+``DeepseekV4Attention`` pads a TP rank's heads, ``_kernel_num_heads`` / ``_local_attn_sink``)
+and read indices in blocks of :data:`INDEX_ALIGN` columns. Neither variant imports the other
+(``tests/tool/test_import_graph.py``).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from dsv4_backend.cache.token_cache import TokenCache
+
+#: The module both variants call and the distribution (as sglang 0.5.23 pins it) that has it.
+PACKAGE = "flash_mla"
+DISTRIBUTION = "sgl-flash-mla==1.0.0"
+#: Query heads FlashMLA's sparse kernels take; fewer than the first are padded to it.
+KERNEL_HEADS = (64, 128)
+#: Head dim (``d_qk`` = ``d_v``) of DeepSeek-V4's keys; the V4 fp8 layout keeps the last
+#: :data:`ROPE_DIM` of them in bf16 (448 e4m3 + 64 bf16 rope, 584 B a token).
+HEAD_DIM = 512
+ROPE_DIM = 64
+#: FlashMLA reads indices in blocks of this many columns (``topk % 64 == 0``).
+INDEX_ALIGN = 64
+
+
+def library_unsupported_reason(
+    device: torch.device,
+    heads: int,
+    dim: int,
+    capability: tuple[int, int] | None,
+) -> str | None:
+    """Why FlashMLA's legacy sparse kernels cannot take ``heads`` query heads of ``dim`` on
+    ``device`` (None when they can). ``capability``: the device's compute capability; None
+    reads it from ``device`` (tests pass one). Checked in order: a CUDA device; head dim
+    :data:`HEAD_DIM`; 64 heads or fewer, or 128; ``flash_mla`` importable, with its legacy
+    kernels; Hopper (sm_90) or the Blackwell sm_100 family (``is_sm90a || is_sm100f``; sglang
+    takes sm_120 elsewhere)."""
+    if device.type != "cuda":
+        return f"FlashMLA runs on CUDA devices only; the tensors are on {device}"
+    if dim != HEAD_DIM:
+        return f"head_dim {dim}; FlashMLA's sparse kernels take {HEAD_DIM}"
+    if not (0 < heads <= KERNEL_HEADS[0] or heads == KERNEL_HEADS[1]):
+        return (
+            f"{heads} query heads; FlashMLA takes {KERNEL_HEADS[0]} or {KERNEL_HEADS[1]} "
+            f"(1 ... {KERNEL_HEADS[0]} are padded to {KERNEL_HEADS[0]})"
+        )
+    try:
+        flash_mla = importlib.import_module(PACKAGE)
+    except ImportError as error:  # the wheel, or its CUDA extension against this torch
+        return f"{PACKAGE} does not import ({error}); install {DISTRIBUTION}"
+    has_legacy = getattr(flash_mla, "has_legacy", None)
+    if has_legacy is None or not has_legacy():
+        return (
+            f"{PACKAGE} {getattr(flash_mla, '__version__', '?')} has no legacy kernels, which "
+            f"read the V4 layout ({DISTRIBUTION} ships them)"
+        )
+    major, minor = capability or torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0) and major != 10:
+        return (
+            f"compute capability {major}.{minor}; FlashMLA's legacy sparse kernels run on "
+            "sm_90 and the sm_100 family"
+        )
+    return None
+
+
+def fp8_cache_unsupported_reason(name: str, cache: TokenCache) -> str | None:
+    """Why FlashMLA cannot read ``cache``'s bytes (None when it can): an fp8 cache of the V4
+    geometry (:data:`HEAD_DIM` with :data:`ROPE_DIM` rope channels) in one contiguous 16-byte
+    aligned buffer, which FlashMLA addresses from its base. ``name`` names it in the reason."""
+    if cache.fmt != "fp8":
+        return (
+            f"the {name} cache is {cache.fmt}; FlashMLA's sparse decode reads fp8 caches "
+            "(sglang's 584-byte V4 layout)"
+        )
+    if cache.dim != HEAD_DIM or cache.rope_dim != ROPE_DIM:
+        return (
+            f"the {name} cache holds head_dim {cache.dim} with rope_dim {cache.rope_dim}; "
+            f"FlashMLA's V4 layout is head_dim {HEAD_DIM} with rope_dim {ROPE_DIM}"
+        )
+    if not cache.storage.is_contiguous() or cache.storage.data_ptr() % 16:
+        return (
+            f"the {name} cache's pages are not one contiguous 16-byte aligned buffer; "
+            "FlashMLA addresses every page from its base"
+        )
+    return None
+
+
+def kernel_queries(q: torch.Tensor, sink: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q [T, Hk, D] bf16 contiguous, sink [Hk] fp32 contiguous)``: the op's ``[T, H, D]``
+    queries and ``[H]`` sink with ``H <= 64`` zero-padded to ``Hk = 64`` heads (zero heads add
+    nothing and are sliced off the output); fp32 queries are rounded to bf16, which the Triton
+    kernel's dot operands on a GPU are too."""
+    heads = q.shape[1]
+    kernel_heads = KERNEL_HEADS[0] if heads <= KERNEL_HEADS[0] else heads
+    q = q.to(torch.bfloat16)
+    if kernel_heads != heads:
+        q = F.pad(q, (0, 0, 0, kernel_heads - heads))
+        sink = F.pad(sink, (0, kernel_heads - heads))
+    return q.contiguous(), sink.contiguous()
+
+
+def aligned_columns(indices: torch.Tensor) -> torch.Tensor:
+    """``indices`` ``[T, W]`` int32, -1 padded to ``W'`` columns, a multiple of
+    :data:`INDEX_ALIGN` (sglang's ``_pad_last_dim``), contiguous."""
+    pad = -indices.shape[1] % INDEX_ALIGN
+    return F.pad(indices, (0, pad), value=-1) if pad else indices.contiguous()
+
+
+def library() -> ModuleType:
+    """The ``flash_mla`` module (imported where :func:`library_unsupported_reason` found it)."""
+    return importlib.import_module(PACKAGE)

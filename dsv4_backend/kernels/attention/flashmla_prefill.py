@@ -1,0 +1,146 @@
+"""FlashMLA's sparse prefill (``flash_mla_sparse_fwd``) as a variant of the ``sparse_attention``
+op.
+
+sglang 0.5.23 runs a non-speculative extend of more than 11673 query rows (or any, with
+``SGLANG_OPT_FLASHMLA_SPARSE_PREFILL``) through this kernel instead of the sparse decode
+(``srt/layers/attention/deepseek_v4_backend.py``, ``_use_sparse_prefill`` /
+``_forward_prefill_sparse``): it dequantises each request's window and compressed entries into
+a flat bf16 workspace and hands the kernel per-row indices rebased into it. This variant does
+the same from the op's arguments (:func:`prefill_arguments`):
+
+* workspace ``kv`` ``[U, 1, D]`` bf16: the distinct slots the rows reference (valid columns
+  only: below the row's length and not -1), window slots first, then the compressed cache's,
+  each read with ``TokenCache.gather`` (exact: an fp8 cache's e4m3 x power-of-two values and
+  bf16 rope fit bf16); any cache format, so dense bf16 caches are taken too;
+* ``indices`` ``[T, 1, W']`` int32: each row's valid window keys, then its valid compressed
+  keys, as workspace rows, packed to the front (the order does not change a softmax), -1
+  after them, ``W'`` the op's window + compressed widths rounded up to a multiple of 64;
+  ``topk_length`` ``[T]`` int32 the row's valid key count, so the kernel skips the -1 tail;
+* queries and sink zero-padded to 64 heads as for the decode (``flashmla_library``);
+  ``sm_scale`` as given, ``d_v = D``; ``use_legacy=True`` as sglang's wrapper
+  (``sglang/kernels/ops/attention/flash_mla_interface.py``) calls it; ``return_log2_lse=False``:
+  the op needs no statistics, and the legacy kernel then skips writing them.
+
+FlashMLA returns ``[T, Hk, D]`` bf16; the variant returns its first ``H`` heads, rows without
+a valid key set to 0 (the op's contract, whatever the kernel leaves there). The workspace has
+a data-dependent size (``torch.unique``), so the variant synchronises once a call and is not
+CUDA-graph safe; sglang runs the same path eagerly (DSv4 has no prefill graph).
+
+Not run here: ``flash_mla`` needs CUDA; the tests check the arguments against its documented
+signature with a stand-in module and compare the result with ``sparse_attention_torch``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from dsv4_backend.cache.token_cache import TokenCache
+from dsv4_backend.errors import BatchError
+from dsv4_backend.kernels.attention.common import ExtraSpan, check_inputs
+from dsv4_backend.kernels.attention.flashmla_library import (
+    INDEX_ALIGN,
+    kernel_queries,
+    library,
+    library_unsupported_reason,
+)
+
+
+def flashmla_prefill_unsupported_reason(
+    device: torch.device,
+    window: TokenCache,
+    extra: TokenCache | None,
+    heads: int,
+    dim: int,
+    *,
+    capability: tuple[int, int] | None = None,
+) -> str | None:
+    """Why :func:`sparse_attention_flashmla_prefill` cannot run on these inputs (None when it
+    can): ``flashmla_library.library_unsupported_reason`` for ``heads`` queries of ``dim`` on
+    ``device``. The caches are read through ``TokenCache.gather``, so any format serves."""
+    return library_unsupported_reason(device, heads, dim, capability)
+
+
+def prefill_arguments(
+    q: torch.Tensor,
+    window: TokenCache,
+    swa_indices: torch.Tensor,
+    swa_lengths: torch.Tensor,
+    extra_span: ExtraSpan | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+) -> dict[str, Any]:
+    """Keyword arguments of ``flash_mla.flash_mla_sparse_fwd`` for the op's inputs (already
+    checked by ``check_inputs``, which returned ``extra_span``); the module docstring maps
+    them. Pure torch: runs on any device (one host synchronisation, ``torch.unique``)."""
+    rows, _, dim = q.shape
+    spans = [(window, swa_indices, swa_lengths)]
+    if extra_span is not None:
+        spans.append(extra_span)
+    width = sum(idx.shape[1] for _, idx, _ in spans)
+    width += -width % INDEX_ALIGN
+    # One spare column takes every invalid key's scatter, then is cut off.
+    indices = torch.full((rows, width + 1), -1, dtype=torch.int32, device=q.device)
+    packed = torch.zeros(rows, dtype=torch.int64, device=q.device)  # keys placed per row
+    keys = []
+    first_row = 0  # workspace row of the span's first distinct slot
+    for cache, idx, lengths in spans:
+        columns = torch.arange(idx.shape[1], device=idx.device)
+        valid = (columns[None, :] < lengths[:, None]) & (idx >= 0)
+        slots, rank = torch.unique(idx[valid], return_inverse=True)
+        keys.append(cache.gather(slots))
+        workspace_rows = torch.full_like(idx, -1)
+        workspace_rows[valid] = rank.to(torch.int32) + first_row
+        target = torch.where(valid, packed[:, None] + valid.cumsum(1) - 1, width)
+        indices.scatter_(1, target, workspace_rows)
+        packed += valid.sum(1)
+        first_row += slots.numel()
+    kv = torch.cat(keys) if first_row else torch.zeros((1, dim), device=q.device)
+    q, sink = kernel_queries(q, sink)
+    return dict(
+        q=q,
+        kv=kv.to(torch.bfloat16)[:, None, :],
+        indices=indices[:, :width].contiguous()[:, None, :],
+        sm_scale=softmax_scale,
+        d_v=dim,
+        attn_sink=sink,
+        topk_length=packed.to(torch.int32),
+        use_legacy=True,
+        return_log2_lse=False,
+    )
+
+
+def sparse_attention_flashmla_prefill(
+    q: torch.Tensor,
+    window: TokenCache,
+    swa_indices: torch.Tensor,
+    swa_lengths: torch.Tensor,
+    extra: TokenCache | None,
+    extra_indices: torch.Tensor | None,
+    extra_lengths: torch.Tensor | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+    *,
+    rows_per_group: int = 1,
+) -> torch.Tensor:
+    """``sparse_attention_with_sink`` on FlashMLA's sparse prefill: the same arguments
+    (``[T, H, D]`` queries, window and extra caches with their ``[T, W]`` int32 slots and
+    ``[T]`` int32 lengths, ``[H]`` fp32 sink) and result, ``[T, H, D]`` bf16; rows without a
+    valid key are 0. ``rows_per_group``, the op's argument, is not used (FlashMLA tiles the
+    rows itself). Raises ``BatchError`` / ``ContractError`` for bad inputs (the op's checks)
+    and ``BatchError`` naming :func:`flashmla_prefill_unsupported_reason`'s reason.
+    """
+    extra_span = check_inputs(
+        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
+        softmax_scale,
+    )  # fmt: skip
+    rows, heads, dim = q.shape
+    reason = flashmla_prefill_unsupported_reason(q.device, window, extra, heads, dim)
+    if reason is not None:
+        raise BatchError(reason)
+    if rows == 0:  # FlashMLA needs a query
+        return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
+    kwargs = prefill_arguments(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)
+    out = library().flash_mla_sparse_fwd(**kwargs)[0][:, :heads]  # [T, H, D] bf16
+    return out.masked_fill((kwargs["topk_length"] == 0)[:, None, None], 0).contiguous()
