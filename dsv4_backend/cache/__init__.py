@@ -7,7 +7,7 @@ Byte layouts: :mod:`.fp8_format`; the kernels that write and read them are in
 
 from dsv4_backend.cache.fp8_format import Fp8IndexerLayout, Fp8TokenLayout
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
-from dsv4_backend.cache.pools import DSV4CachePools
+from dsv4_backend.cache.pools import DSV4CachePools, stage_layers
 from dsv4_backend.cache.state import AttentionState, CompressorState
 from dsv4_backend.cache.token_cache import CacheFormat, SlotCache, TokenCache
 
@@ -21,4 +21,5 @@ __all__ = [
     "IndexerKeyCache",
     "SlotCache",
     "TokenCache",
+    "stage_layers",
 ]

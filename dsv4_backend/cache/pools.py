@@ -14,11 +14,15 @@ a multiple of 256. Window pages are sglang's SWA pages (``WINDOW_PAGE_TOKENS``, 
 149,760 bytes in the Flash fp8 layout). ``build`` allocates; ``over`` builds fp8 caches over given
 per-layer storages (e.g. a host's KV pool buffers). Compressor state rings live in
 ``kernels/compressor/``.
+
+A pipeline-parallel stage holds the caches of its own layers only (``layers``, a range of the
+model's layer ids, as sglang's stage pool holds ``[start_layer, end_layer)``); every accessor
+takes the model's (global) layer id and refuses one outside the stage.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -29,12 +33,30 @@ from dsv4_backend.config import WINDOW_PAGE_TOKENS, DSV4AttentionConfig, entries
 from dsv4_backend.errors import ConfigError, ContractError
 
 
+def stage_layers(config: DSV4AttentionConfig, layers: range | None) -> range:
+    """``layers`` (a pipeline stage's), checked to be a non-empty step-1 range of the model's
+    layer ids; None: every layer."""
+    every = range(len(config.compress_ratios))
+    if layers is None:
+        return every
+    if not (
+        layers.step == 1 and 0 <= layers.start < layers.stop <= every.stop
+    ):  # a stage is a contiguous, non-empty slice
+        raise ConfigError(
+            f"layers={layers}; expected a non-empty range(start, stop) within the model's "
+            f"{every.stop} layers (a pipeline stage's [start_layer, end_layer))"
+        )
+    return layers
+
+
 @dataclass(frozen=True)
 class DSV4CachePools:
-    """Window caches for every layer; compressed and indexer caches keyed by layer id."""
+    """Window caches of every layer of ``layers``; compressed and indexer caches of its
+    compressed / ratio-4 layers; all keyed by the model's layer id."""
 
     config: DSV4AttentionConfig
-    windows: tuple[TokenCache, ...]
+    layers: range
+    windows: dict[int, TokenCache]
     compressed_caches: dict[int, TokenCache]
     indexer_caches: dict[int, IndexerKeyCache]
 
@@ -48,8 +70,10 @@ class DSV4CachePools:
         fmt: CacheFormat,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layers: range | None = None,
     ) -> DSV4CachePools:
-        """Allocate every layer's caches (zero filled) in format ``fmt`` (``dense`` or ``fp8``)."""
+        """Allocate the caches (zero filled) of ``layers`` (default: every layer) in format
+        ``fmt`` (``dense`` or ``fp8``)."""
 
         def token_cache(kind: str, layer: int, num_slots: int, page_tokens: int) -> TokenCache:
             return TokenCache(
@@ -59,7 +83,9 @@ class DSV4CachePools:
         def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache:
             return IndexerKeyCache(num_slots, config.index_head_dim, fmt, dtype, device)
 
-        return cls._assemble(config, num_full_slots, num_swa_slots, token_cache, indexer_cache)
+        return cls._assemble(
+            config, num_full_slots, num_swa_slots, token_cache, indexer_cache, layers
+        )
 
     @classmethod
     def over(
@@ -68,17 +94,19 @@ class DSV4CachePools:
         *,
         num_full_slots: int,
         num_swa_slots: int,
-        windows: Sequence[torch.Tensor],
+        windows: Mapping[int, torch.Tensor],
         compressed: Mapping[int, torch.Tensor],
         indexers: Mapping[int, torch.Tensor],
         name: str = "storage",
+        layers: range | None = None,
     ) -> DSV4CachePools:
         """fp8 caches built over given per-layer uint8 storages (views, nothing allocated).
 
-        ``windows[layer]`` for every layer, ``compressed[layer]`` for ratio-4 / 128 layers,
-        ``indexers[layer]`` for ratio-4 layers; each contiguous and at least as large as the
-        layout of its slot count (slot counts as in :meth:`build`). ``ConfigError`` names the
-        missing or too small storage (``f"{name} window[3]"`` etc.) and both byte counts.
+        For each layer of ``layers`` (default: every layer): ``windows[layer]``,
+        ``compressed[layer]`` for ratio-4 / 128 layers, ``indexers[layer]`` for ratio-4 layers;
+        each contiguous and at least as large as the layout of its slot count (slot counts as
+        in :meth:`build`). ``ConfigError`` names the missing or too small storage
+        (``f"{name} window[3]"`` etc.) and both byte counts.
         """
 
         def given(kind: str, storages: Mapping[int, torch.Tensor], layer: int) -> torch.Tensor:
@@ -86,10 +114,8 @@ class DSV4CachePools:
                 raise ConfigError(f"{name}: no {kind} storage for layer {layer}")
             return storages[layer]
 
-        window_map = dict(enumerate(windows))
-
         def token_cache(kind: str, layer: int, num_slots: int, page_tokens: int) -> TokenCache:
-            storages = window_map if kind == "window" else compressed
+            storages = windows if kind == "window" else compressed
             return TokenCache.over(
                 given(kind, storages, layer),
                 num_slots,
@@ -107,7 +133,9 @@ class DSV4CachePools:
                 name=f"{name} indexer[{layer}]",
             )
 
-        return cls._assemble(config, num_full_slots, num_swa_slots, token_cache, indexer_cache)
+        return cls._assemble(
+            config, num_full_slots, num_swa_slots, token_cache, indexer_cache, layers
+        )
 
     @classmethod
     def _assemble(
@@ -117,8 +145,9 @@ class DSV4CachePools:
         num_swa_slots: int,
         token_cache: Callable[[str, int, int, int], TokenCache],
         indexer_cache: Callable[[int, int], IndexerKeyCache],
+        layers: range | None,
     ) -> DSV4CachePools:
-        """Check the slot counts and make every layer's caches with the given factories:
+        """Check the slot counts and make the caches of ``layers`` with the given factories:
         ``token_cache(kind, layer, num_slots, page_tokens)`` (kind ``window`` / ``compressed``)
         and ``indexer_cache(layer, num_slots)``."""
         if num_full_slots <= 0 or num_full_slots % config.page_size:
@@ -128,12 +157,14 @@ class DSV4CachePools:
             )
         if num_swa_slots <= 0:
             raise ConfigError(f"num_swa_slots={num_swa_slots}; expected a positive integer")
-        windows = tuple(
-            token_cache("window", layer, num_swa_slots, WINDOW_PAGE_TOKENS)
-            for layer in range(len(config.compress_ratios))
-        )
+        stage = stage_layers(config, layers)
+        windows = {
+            layer: token_cache("window", layer, num_swa_slots, WINDOW_PAGE_TOKENS)
+            for layer in stage
+        }
         compressed, indexers = {}, {}
-        for layer, ratio in enumerate(config.compress_ratios):
+        for layer in stage:
+            ratio = config.compress_ratios[layer]
             if not ratio:
                 continue
             compressed[layer] = token_cache(
@@ -142,12 +173,12 @@ class DSV4CachePools:
             if ratio == 4:
                 indexers[layer] = indexer_cache(layer, num_full_slots // ratio)
         return cls(
-            config=config, windows=windows, compressed_caches=compressed, indexer_caches=indexers
+            config=config,
+            layers=stage,
+            windows=windows,
+            compressed_caches=compressed,
+            indexer_caches=indexers,
         )
-
-    @property
-    def num_layers(self) -> int:
-        return len(self.windows)
 
     def window(self, layer: int) -> TokenCache:
         """The window (SWA) cache of ``layer``, indexed by window slots."""
@@ -174,12 +205,22 @@ class DSV4CachePools:
             )
         return self.indexer_caches[layer]
 
+    def caches(self) -> list[TokenCache | IndexerKeyCache]:
+        """Every cache: the windows, then the compressed caches, then the indexer caches."""
+        return [
+            *self.windows.values(),
+            *self.compressed_caches.values(),
+            *self.indexer_caches.values(),
+        ]
+
     @property
     def nbytes(self) -> int:
         """Bytes of all storage tensors together."""
-        caches = [*self.windows, *self.compressed_caches.values(), *self.indexer_caches.values()]
-        return sum(c.nbytes for c in caches)
+        return sum(c.nbytes for c in self.caches())
 
     def _check_layer(self, layer: int) -> None:
-        if not 0 <= layer < self.num_layers:
-            raise ContractError(f"layer={layer}; expected 0 <= layer < {self.num_layers}")
+        if layer not in self.layers:
+            raise ContractError(
+                f"layer={layer}; these caches hold layers [{self.layers.start}, "
+                f"{self.layers.stop}) (every layer of the model, or a pipeline stage's)"
+            )

@@ -112,7 +112,8 @@ class AttentionState:
 
     Attributes
     ----------
-    pools : per-layer window, compressed and indexer caches.
+    pools : per-layer window, compressed and indexer caches of ``pools.layers`` (every layer,
+        or a pipeline stage's).
     compressor_states : compressor state rings of each compressed layer.
     indexer_states : the indexer compressor's rings of each ratio-4 layer.
     rope : cos/sin of the compressed layers' RoPE (compressed entries, indexer queries) for
@@ -143,9 +144,11 @@ class AttentionState:
         fmt: CacheFormat = "dense",
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        layers: range | None = None,
     ) -> AttentionState:
-        """Zeroed caches and reset rings: c4 rings for every window page of ``num_swa_slots``,
-        c128 rings for ``num_request_slots`` request pool rows.
+        """Zeroed caches and reset rings of ``layers`` (default: every layer): c4 rings for
+        every window page of ``num_swa_slots``, c128 rings for ``num_request_slots`` request
+        pool rows.
 
         ``max_positions``: the longest request (the RoPE table's rows); default
         ``num_full_slots``, which no request can outgrow.
@@ -157,10 +160,12 @@ class AttentionState:
             fmt=fmt,
             dtype=dtype,
             device=device,
+            layers=layers,
         )
         slots = ring_slots(config, num_swa_slots=num_swa_slots, num_request_slots=num_request_slots)
         core, index = {}, {}
-        for layer, ratio in enumerate(config.compress_ratios):
+        for layer in pools.layers:
+            ratio = config.compress_ratios[layer]
             if ratio:
                 core[layer] = CompressorState.allocate(
                     config, ratio, config.head_dim, slots[ratio], device
@@ -176,6 +181,17 @@ class AttentionState:
             indexer_states=index,
             rope=compressed_rope(config, max_positions or num_full_slots, device),
         )
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """``name -> tensor`` of every cache storage and compressor ring (``window3``,
+        ``c1``, ``indexer1``, ``ring1``, ``indexer_ring1``: the model's layer ids)."""
+        pools = self.pools
+        out = {f"window{i}": c.storage for i, c in pools.windows.items()}
+        out |= {f"c{i}": c.storage for i, c in pools.compressed_caches.items()}
+        out |= {f"indexer{i}": c.storage for i, c in pools.indexer_caches.items()}
+        out |= {f"ring{i}": s.ring for i, s in self.compressor_states.items()}
+        out |= {f"indexer_ring{i}": s.ring for i, s in self.indexer_states.items()}
+        return out
 
     def reserve_rows(self, max_rows: int) -> None:
         """Allocate what a forward of up to ``max_rows`` rows needs beyond the caches (the

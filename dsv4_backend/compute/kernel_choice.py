@@ -86,7 +86,8 @@ def explicit_choice_refusal(
     ``heads`` query heads a rank (None: every named variant can); the backend raises it when it
     is built, not at the first forward. ``ConfigError`` for a name that cannot run there."""
     extra = next(iter(pools.compressed_caches.values()), None)
-    reason = named_rejection(ATTENTION, device, pools.window(0), extra, heads, config.head_dim)
+    window = pools.window(pools.layers.start)
+    reason = named_rejection(ATTENTION, device, window, extra, heads, config.head_dim)
     keys = next(iter(pools.indexer_caches.values()), None)
     if reason is None and keys is not None:
         reason = named_rejection(

@@ -52,7 +52,7 @@ from sglang.srt.environ import envs
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.runtime_context import derive_attn_tp_size
 
-from dsv4_backend.cache.token_cache import CacheFormat
+from dsv4_backend.cache import CacheFormat, stage_layers
 from dsv4_backend.compute import (
     AttentionState,
     attend,
@@ -149,6 +149,9 @@ class RunnerSettings:
     attn_tp_size: int = 1
     #: The ``REGION_COPYING_OPTIONS`` set, as ``"option=value (flag)"``.
     region_copying: tuple[str, ...] = ()
+    #: The model layer ids this runner serves: its pipeline stage's ``[start_layer,
+    #: end_layer)`` (every layer without pipeline parallelism, and on a draft worker).
+    layers: range | None = None
 
     @property
     def local_heads(self) -> int:
@@ -159,7 +162,8 @@ class RunnerSettings:
     def from_runner(cls, runner: ModelRunner, topk: int = 0) -> RunnerSettings:
         """Read and validate ``runner``; ``ConfigError`` names the option that cannot be served.
 
-        Reads ``page_size``, ``device``, ``is_draft_worker``, ``model_config.hf_config`` and
+        Reads ``page_size``, ``device``, ``is_draft_worker``, ``layer_info`` (the pipeline
+        stage's ``start_layer`` / ``end_layer``), ``model_config.hf_config`` and
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
         ``speculative_num_draft_tokens``, ``tp_size``, ``attn_dp_size`` (or
         ``enable_dp_attention`` with ``dp_size``), every option of the refusal table
@@ -198,9 +202,13 @@ class RunnerSettings:
         config = DSV4AttentionConfig.from_hf_config(
             hf, {"window_size": window}, speculative=speculative, indexer_selection=selection
         )
+        layers = None
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))
+        elif getattr(runner, "layer_info", None) is not None:  # sglang's ModelLayerInfo
+            info = runner.layer_info
+            layers = stage_layers(config, range(info.start_layer, info.end_layer))
         attn_dp_size = int(getattr(args, "attn_dp_size", 1) or 1)
         if attn_dp_size == 1 and getattr(args, "enable_dp_attention", False):
             # The deprecated spelling, before sglang resolves it to attn_dp_size.
@@ -223,6 +231,7 @@ class RunnerSettings:
             device=torch.device(runner.device),
             attn_tp_size=attn_tp_size,
             region_copying=region_copying,
+            layers=layers,
         )
 
 
@@ -245,8 +254,10 @@ def shared_state(
     config: DSV4AttentionConfig,
     fmt: CacheFormat,
     region_copying: Sequence[str] = (),
+    layers: range | None = None,
 ) -> AttentionState:
-    """The runner's ``AttentionState``, built on first use and kept on its KV pool.
+    """The runner's ``AttentionState`` of ``layers`` (a pipeline stage's; None: every layer),
+    built on first use and kept on its KV pool.
 
     Sizes (``state_sizes``): full and window slots as sglang sizes its own buffers, c4 rings
     one per window page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is
@@ -258,19 +269,22 @@ def shared_state(
     """
     pool = runner.token_to_kv_pool
     state = getattr(pool, _STATE_ATTR, None)
+    layers = stage_layers(config, layers)
     if state is not None:
-        if state.config != config:
+        if state.config != config or state.pools.layers != layers:
             raise ConfigError(
                 "backends of one runner disagree on the attention configuration: "
-                f"{state.config} vs {config}"
+                f"{state.config} of layers {state.pools.layers} vs {config} of {layers}"
             )
         return state
     sizes = state_sizes(runner, config)
-    reason = unaliasable_reason(pool, config, fmt)
+    reason = unaliasable_reason(pool, config, fmt, layers)
     if reason is None:
-        state = aliased_state(pool, config, **sizes)
+        state = aliased_state(pool, config, **sizes, layers=layers)
     else:
-        state = AttentionState.allocate(config, **sizes, fmt=fmt, device=runner.device)
+        state = AttentionState.allocate(
+            config, **sizes, fmt=fmt, device=runner.device, layers=layers
+        )
     log_state_memory(state, pool, reason)
     unmovable = unmovable_reason(state, pool, reason)
     if region_copying and unmovable:
@@ -455,7 +469,9 @@ class DSV4AttentionBackend(AttentionBackend):
         )
         self.req_to_token_pool = model_runner.req_to_token_pool
         self.token_to_kv_pool = model_runner.token_to_kv_pool
-        self.state = shared_state(model_runner, self.config, cache_format, settings.region_copying)
+        self.state = shared_state(
+            model_runner, self.config, cache_format, settings.region_copying, settings.layers
+        )
         #: What every op runs here (``compute/kernel_choice.py``), logged once per process;
         #: a variant named in the environment that cannot run or take these caches is refused
         #: when built, not at the first forward.

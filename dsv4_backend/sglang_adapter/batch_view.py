@@ -10,6 +10,9 @@ DECODE (draft i)    DECODE + step   ``seq_lens = L`` on every step, ``positions 
                                     ``out_cache_loc`` = the whole ``[bs, topk, num_steps]``
                                     buffer; the planner takes row ``i`` (never slice here)
 EXTEND              EXTEND          host ``extend_prefix_lens_cpu`` / ``extend_seq_lens_cpu``
+MIXED               EXTEND          an extend whose running decode requests follow the new
+                                    chunks as 1-token extends after a prefix of ``L - 1``
+                                    (``ScheduleBatch.mix_with_running``)
 TARGET_VERIFY       TARGET_VERIFY   ``seq_lens = L``; ``num_draft_tokens`` rows per request
 DRAFT_EXTEND_V2     DRAFT_EXTEND    ``seq_lens = L + n`` with extend lens ``n`` (window only)
 ==================  ==============  =======================================================
@@ -52,6 +55,7 @@ KIND_OF_MODE = {
     ForwardMode.IDLE: ForwardKind.IDLE,
     ForwardMode.DECODE: ForwardKind.DECODE,
     ForwardMode.EXTEND: ForwardKind.EXTEND,
+    ForwardMode.MIXED: ForwardKind.EXTEND,
     ForwardMode.TARGET_VERIFY: ForwardKind.TARGET_VERIFY,
     ForwardMode.DRAFT_EXTEND_V2: ForwardKind.DRAFT_EXTEND,
 }

@@ -120,7 +120,9 @@ class DSparkDraftBackend(DSV4AttentionBackend):
                 f"speculative_num_draft_tokens={self.block_size + 1}; DSpark needs >= 2 "
                 "(the anchor and at least one draft)"
             )
-        reason = unaliasable_reason(model_runner.token_to_kv_pool, self.config, cache_format)
+        reason = unaliasable_reason(
+            model_runner.token_to_kv_pool, self.config, cache_format, self.state.pools.layers
+        )
         if cache_format == "fp8" and reason is not None:
             raise ConfigError(
                 "the DSpark draft's window keys are written by sglang's model straight into "

@@ -37,14 +37,17 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
 
 from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
 from dsv4_backend.cache.state import compressed_rope, ring_slots
-from dsv4_backend.cache.token_cache import CacheFormat, SlotCache
+from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import DSV4AttentionConfig
 
 logger = logging.getLogger(__name__)
 
 
-def unaliasable_reason(pool: object, config: DSV4AttentionConfig, fmt: CacheFormat) -> str | None:
-    """Why this package's caches cannot be views of ``pool``'s buffers, or None when they can."""
+def unaliasable_reason(
+    pool: object, config: DSV4AttentionConfig, fmt: CacheFormat, layers: range
+) -> str | None:
+    """Why this package's caches of ``layers`` (every layer, or a pipeline stage's) cannot be
+    views of ``pool``'s buffers, or None when they can."""
     if fmt != "fp8":
         return f"cache format {fmt!r} (only fp8 caches alias sglang's pool)"
     if not isinstance(pool, DeepSeekV4TokenToKVPool):
@@ -57,10 +60,10 @@ def unaliasable_reason(pool: object, config: DSV4AttentionConfig, fmt: CacheForm
         (pool.swa_kv_pool is not None, "it has no paged window pool"),
         (
             list(pool.compression_ratios) == list(config.compress_ratios)
-            and (pool._stage_start, pool._stage_end) == (0, len(config.compress_ratios)),
+            and (pool._stage_start, pool._stage_end) == (layers.start, layers.stop),
             f"its layers (ratios {list(pool.compression_ratios)}, stage "
             f"[{pool._stage_start}, {pool._stage_end})) are not the model's "
-            f"{list(config.compress_ratios)}",
+            f"{list(config.compress_ratios)} at [{layers.start}, {layers.stop})",
         ),
         (
             pool.qk_nope_head_dim + pool.qk_rope_head_dim == config.head_dim
@@ -92,20 +95,21 @@ def aliased_state(
     num_swa_slots: int,
     num_request_slots: int,
     max_positions: int,
+    layers: range,
 ) -> AttentionState:
-    """``AttentionState`` whose caches (and fitting rings) are views of ``pool``'s buffers.
+    """``AttentionState`` of ``layers`` whose caches (and fitting rings) are views of
+    ``pool``'s buffers (sglang's getters take the model's layer ids, also in a stage's pool).
 
     Call only when :func:`unaliasable_reason` is None. The views are not zeroed (every slot is
     written before it is read); aliased rings are reset. Raises ``ConfigError`` naming a buffer
     too small for its slot count.
     """
-    layers = range(len(config.compress_ratios))
     compressed = [layer for layer in layers if config.compress_ratios[layer]]
     pools = DSV4CachePools.over(
         config,
         num_full_slots=num_full_slots,
         num_swa_slots=num_swa_slots,
-        windows=[pool.get_swa_raw_buffer(layer) for layer in layers],
+        windows={layer: pool.get_swa_raw_buffer(layer) for layer in layers},
         compressed={
             layer: pool.get_extra_key_buffer(layer).view(torch.uint8) for layer in compressed
         },
@@ -115,8 +119,9 @@ def aliased_state(
             if config.compress_ratios[layer] == 4
         },
         name="sglang DeepSeekV4TokenToKVPool",
+        layers=layers,
     )
-    device = pool.get_swa_raw_buffer(0).device
+    device = pool.get_swa_raw_buffer(layers.start).device
     slots = ring_slots(config, num_swa_slots=num_swa_slots, num_request_slots=num_request_slots)
 
     def rings(states: CompressStatePool, ratio: int, head_dim: int) -> CompressorState:
@@ -200,7 +205,7 @@ def unmovable_reason(state: AttentionState, pool: object, reason: str | None) ->
 def log_state_memory(state: AttentionState, pool: object, reason: str | None) -> None:
     """One INFO line: bytes aliased from sglang's pool and bytes this package allocated."""
     rings = [*state.compressor_states.values(), *state.indexer_states.values()]
-    tensors = [c.storage for c in _caches(state.pools)] + [r.ring for r in rings]
+    tensors = [c.storage for c in state.pools.caches()] + [r.ring for r in rings]
     tensors += [state.rope.cos, state.rope.sin]
     owned = _owned_ranges(pool) if reason is None else []
     aliased = sum(t.nbytes for t in tensors if _inside(t, owned))
@@ -220,10 +225,6 @@ def log_state_memory(state: AttentionState, pool: object, reason: str | None) ->
             allocated,
             reason,
         )
-
-
-def _caches(pools: DSV4CachePools) -> list[SlotCache]:
-    return [*pools.windows, *pools.compressed_caches.values(), *pools.indexer_caches.values()]
 
 
 def _owned_ranges(pool: DeepSeekV4TokenToKVPool) -> list[tuple[int, int]]:

@@ -81,9 +81,6 @@ REFUSED: tuple[Refused, ...] = (
             "--speculative-algorithm (only EAGLE / NEXTN / DSPARK)",
             "its verify batches are draft trees or come from another draft model; the backend "
             "plans linear EAGLE drafts (topk 1)"),
-    Refused("enable_mixed_chunk", _set, "--enable-mixed-chunk",
-            "it forms MIXED batches (prefill and decode rows in one forward), which the "
-            "planner does not plan"),
     Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap",
             "it splits every batch into micro-batches planned by child backends, not verified"),
     Refused("cuda_graph_backend_prefill", _one_of("full", "breakable"),
@@ -129,9 +126,6 @@ REFUSED: tuple[Refused, ...] = (
             f"decode context parallelism {_SPLIT}"),
     Refused("enable_prefill_cp", _set, "--enable-prefill-cp",
             f"prefill context parallelism {_SPLIT}"),
-    Refused("pp_size", _above_one, "--pipeline-parallel-size",
-            "a pipeline stage's pool holds its own layers only; the backend keeps every "
-            "layer's caches"),
 )  # fmt: skip
 
 

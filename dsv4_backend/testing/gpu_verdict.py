@@ -52,7 +52,6 @@ import torch
 
 from dsv4_backend import ops
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
-from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.cache.token_cache import SlotCache, TokenCache
 from dsv4_backend.compute.layer import (
     attend,
@@ -179,17 +178,6 @@ def check_selection(
     )
 
 
-def state_tensors(state: AttentionState) -> dict[str, torch.Tensor]:
-    """Every cache storage and compressor ring of ``state``, by name."""
-    pools = state.pools
-    out = {f"window{i}": c.storage for i, c in enumerate(pools.windows)}
-    out |= {f"c{i}": c.storage for i, c in pools.compressed_caches.items()}
-    out |= {f"indexer{i}": c.storage for i, c in pools.indexer_caches.items()}
-    out |= {f"ring{i}": s.ring for i, s in state.compressor_states.items()}
-    out |= {f"indexer_ring{i}": s.ring for i, s in state.indexer_states.items()}
-    return out
-
-
 def differing_bytes(got: torch.Tensor, want: torch.Tensor) -> int:
     """Bytes at which two tensors of one shape and dtype differ."""
     return int((_as_bytes(got) != _as_bytes(want)).sum())
@@ -237,8 +225,8 @@ class StepwiseJudge:
         self.findings.append(Finding(mode, layer, step, excess, excess <= 1.0, detail))
 
     def _load_twin(self) -> None:
-        twin = state_tensors(self.twin)
-        for name, tensor in state_tensors(self.model.state).items():
+        twin = self.twin.named_tensors()
+        for name, tensor in self.model.state.named_tensors().items():
             twin[name].copy_(tensor)
 
     def _both(self, step: Callable[..., Any], *args: object, **kwargs: object) -> tuple[Any, Any]:
@@ -274,7 +262,7 @@ class StepwiseJudge:
             out = self._layer(
                 mode, layer, meta, batch.req_pool_indices, inputs, model.runtime_params[layer]
             )
-            dense = model.state.pools.windows[0].fmt == "dense"
+            dense = model.state.pools.window(0).fmt == "dense"
             if model.config.compress_ratios[layer] != 4 and dense:
                 self._reference(mode, layer, rows, rejected or {}, out)
 

@@ -135,7 +135,8 @@ class Step:
 
 
 #: The sglang forward mode of each planner kind (the inverse of ``batch_view``'s mapping).
-FORWARD_MODES = {kind: mode for mode, kind in KIND_OF_MODE.items()}
+#: The sglang mode each kind is built as (MIXED is an EXTEND kind too: ``BatchBuilder.mixed``).
+FORWARD_MODES = {kind: mode for mode, kind in KIND_OF_MODE.items() if mode is not ForwardMode.MIXED}
 
 
 def forward_batch(view: BatchView, rows: Sequence[Row]) -> Step:
@@ -181,6 +182,27 @@ class BatchBuilder:
         """EXTEND (prefill, chunked when ``prefix > 0``)."""
         rows = _extend_rows(requests, prefix, extend)
         return forward_batch(self.pool.extend(requests, prefix, extend), rows)
+
+    def mixed(
+        self,
+        requests: Sequence[int],
+        prefix: Sequence[int],
+        extend: Sequence[int],
+        running: Sequence[int],
+        running_seq_lens: Sequence[int],
+    ) -> Step:
+        """MIXED (``--enable-mixed-chunk``): the chunks of ``requests`` (as :meth:`extend`),
+        then the ``running`` decode requests as 1-token extends after a prefix of
+        ``seq_len - 1`` (``running_seq_lens`` include the decoded token), their write slots
+        after the chunks' -- the layout ``ScheduleBatch.mix_with_running``
+        (sglang/srt/managers/schedule_batch.py) gives the batch."""
+        step = self.extend(
+            [*requests, *running],
+            [*prefix, *(s - 1 for s in running_seq_lens)],
+            [*extend, *(1 for _ in running)],
+        )
+        step.batch.forward_mode = ForwardMode.MIXED
+        return step
 
     def draft_extend(self, requests: Sequence[int], seq_lens: Sequence[int], n: int) -> Step:
         """DRAFT_EXTEND_V2 after verify: ``n`` tokens each from committed ``seq_lens`` ``L``;

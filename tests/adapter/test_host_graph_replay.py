@@ -309,7 +309,7 @@ def assert_padding_plans_slot_zero(host: Host, graph: AttentionMetadata, live: i
 
 def cache_storages(backend: DSV4AttentionBackend) -> dict[str, torch.Tensor]:
     pools = backend.state.pools
-    out = {f"window{i}": cache.storage for i, cache in enumerate(pools.windows)}
+    out = {f"window{i}": cache.storage for i, cache in pools.windows.items()}
     out.update({f"c{i}": cache.storage for i, cache in pools.compressed_caches.items()})
     out.update({f"index{i}": cache.storage for i, cache in pools.indexer_caches.items()})
     return out

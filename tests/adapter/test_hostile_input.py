@@ -46,11 +46,7 @@ def host() -> SimpleNamespace:
 
 def snapshot(backend: DSV4AttentionBackend) -> list[torch.Tensor]:
     """Copies of every cache and ring the backend writes."""
-    state = backend.state
-    pools = state.pools
-    caches = [*pools.windows, *pools.compressed_caches.values(), *pools.indexer_caches.values()]
-    rings = [*state.compressor_states.values(), *state.indexer_states.values()]
-    return [c.storage.clone() for c in caches] + [r.ring.clone() for r in rings]
+    return [t.clone() for t in backend.state.named_tensors().values()]
 
 
 def assert_nothing_written(backend: DSV4AttentionBackend, before: list[torch.Tensor]) -> None:

@@ -4,6 +4,7 @@ lazy-init contract and the two seed failures (docs/design.md §5)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -153,7 +154,43 @@ def test_every_supported_mode_maps_to_its_kind(pool: PagedRequestPool) -> None:
     assert view(harness.Step(idle, [])).num_rows == 0
 
 
-@pytest.mark.parametrize("mode", [ForwardMode.MIXED, ForwardMode.SPLIT_PREFILL])
+def test_mixed_chunks_are_planned_as_the_extend_they_are() -> None:
+    """``--enable-mixed-chunk``: MIXED batches (a new request's chunks, then the running
+    decodes as 1-token extends, ``mix_with_running``'s layout) plan exactly as the same batch in
+    EXTEND mode; every layer's output equals the full causal pass, before and after, and the
+    caches and rings equal the EXTEND-mode backend's."""
+    pool = PagedRequestPool(CONFIG, [140, 270, 90], generator=torch.Generator().manual_seed(4))
+    model = RandomModel(CONFIG, pool, generator=torch.Generator().manual_seed(5))
+    mixed, extend = make_backend(pool), make_backend(pool)
+    sim, builder = harness.SimulatedModel(model), harness.BatchBuilder(pool)
+    steps = [
+        builder.extend([0, 1], [0, 0], [120, 250]),
+        builder.decode([0, 1], [121, 251]),
+        builder.mixed([2], [0], [40], [0, 1], [122, 252]),
+        builder.mixed([2], [40], [45], [0, 1], [123, 253]),
+        builder.decode([0, 1, 2], [124, 254, 86]),
+    ]
+    assert [s.batch.forward_mode for s in steps].count(ForwardMode.MIXED) == 2
+    for step in steps:
+        as_extend = dataclasses.replace(step.batch)
+        if step.batch.forward_mode is ForwardMode.MIXED:
+            as_extend.forward_mode = ForwardMode.EXTEND
+        mixed.init_forward_metadata(step.batch)
+        extend.init_forward_metadata(as_extend)
+        got, want = mixed.forward_metadata.named_tensors(), extend.forward_metadata.named_tensors()
+        assert got.keys() == want.keys()
+        for name in got:
+            torch.testing.assert_close(got[name], want[name], rtol=0, atol=0, msg=name)
+        for layer in range(len(CONFIG.compress_ratios)):
+            out = sim.layer(mixed, step, layer)
+            sim.layer(extend, harness.Step(as_extend, step.rows), layer)
+            assert sim.max_error(step.rows, layer, out) < 1e-4, (step.batch.forward_mode, layer)
+    want_state = extend.state.named_tensors()
+    for name, got_state in mixed.state.named_tensors().items():
+        torch.testing.assert_close(got_state, want_state[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.SPLIT_PREFILL, ForwardMode.DLLM_EXTEND])
 def test_unsupported_modes_are_refused_by_name(pool: PagedRequestPool, mode: ForwardMode) -> None:
     step = harness.BatchBuilder(pool).decode([0], [5])
     step.batch.forward_mode = mode

@@ -184,21 +184,6 @@ def _run_all_layers(backend: Any, model: RandomModel, step: harness.Step) -> lis
     return [sim.layer(backend, step, layer) for layer in range(len(CONFIG.compress_ratios))]
 
 
-def _state_tensors(backend: DSV4AttentionBackend) -> list[torch.Tensor]:
-    """Every cache and ring the backend writes."""
-    state, pools = backend.state, backend.state.pools
-    tensors = []
-    for layer, ratio in enumerate(CONFIG.compress_ratios):
-        tensors.append(pools.window(layer).storage)
-        if ratio:
-            tensors.append(pools.compressed(layer).storage)
-            tensors.append(state.compressor_states[layer].ring)
-        if ratio == 4:
-            tensors.append(pools.indexer(layer).storage)
-            tensors.append(state.indexer_states[layer].ring)
-    return tensors
-
-
 @pytest.mark.parametrize("extra_tokens", [1, 8])
 def test_extend_padded_with_whole_tokens(pool, extra_tokens: int) -> None:
     """EXTEND (chunked prefill) padded by sglang's ``_pad_inputs_to_size`` to more tokens than
@@ -224,9 +209,9 @@ def test_extend_padded_with_whole_tokens(pool, extra_tokens: int) -> None:
             assert out.shape[0] == real + extra_tokens
             assert sim.max_error(step.rows, layer, out) < 1e-4
             assert (out[real:] == 0).all()
-        pairs = zip(_state_tensors(padded_backend), _state_tensors(plain_backend), strict=True)
-        for got, want in pairs:
-            torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        want_state = plain_backend.state.named_tensors()
+        for name, got in padded_backend.state.named_tensors().items():
+            torch.testing.assert_close(got, want_state[name], rtol=0, atol=0, equal_nan=True)
 
 
 def test_draft_extend_padded_with_requests_and_tokens(pool) -> None:

@@ -409,7 +409,7 @@ def test_device_loaders_match_gather(name, fmt, dtype, kind, d0, block_d) -> Non
 def test_pools_tiny_sizes() -> None:
     config = DSV4AttentionConfig.tiny()  # ratios (0, 4, 128, 4)
     pools = DSV4CachePools.build(config, num_full_slots=1024, num_swa_slots=384, fmt="fp8")
-    assert pools.num_layers == 4
+    assert pools.layers == range(4)
     for layer in range(4):
         window = pools.window(layer)
         assert (window.num_slots, window.page_tokens, window.dim) == (384, 256, 128)
@@ -425,8 +425,36 @@ def test_pools_tiny_sizes() -> None:
         pools.compressed(0)
     with pytest.raises(ContractError, match="layer 2 has compress ratio 128 and no indexer"):
         pools.indexer(2)
-    with pytest.raises(ContractError, match="expected 0 <= layer < 4"):
+    with pytest.raises(ContractError, match=r"layer=4; these caches hold layers \[0, 4\)"):
         pools.window(4)
+
+
+def test_a_pipeline_stage_holds_its_own_layers() -> None:
+    """``layers``: a stage's caches only, keyed by the model's layer ids; other layers are
+    refused by name, and a range that is not a stage of the model is a ConfigError."""
+    config = DSV4AttentionConfig.tiny()  # ratios (0, 4, 128, 4)
+    stage = DSV4CachePools.build(
+        config, num_full_slots=1024, num_swa_slots=384, fmt="fp8", layers=range(1, 3)
+    )
+    assert sorted(stage.windows) == [1, 2] and sorted(stage.compressed_caches) == [1, 2]
+    assert sorted(stage.indexer_caches) == [1]
+    whole = DSV4CachePools.build(config, num_full_slots=1024, num_swa_slots=384, fmt="fp8")
+    assert (
+        stage.nbytes
+        == sum(c.nbytes for c in whole.caches()[1:3])
+        + sum(whole.compressed(layer).nbytes for layer in (1, 2))
+        + whole.indexer(1).nbytes
+    )
+    for layer in (0, 3):
+        with pytest.raises(
+            ContractError, match=rf"layer={layer}; these caches hold layers \[1, 3\)"
+        ):
+            stage.window(layer)
+    for bad in (range(2, 2), range(0, 5), range(0, 4, 2), range(-1, 2)):
+        with pytest.raises(ConfigError, match="a pipeline stage's"):
+            DSV4CachePools.build(
+                config, num_full_slots=1024, num_swa_slots=384, fmt="fp8", layers=bad
+            )
 
 
 def test_pools_flash_dense_and_errors() -> None:

@@ -20,6 +20,7 @@ from dsv4_backend.cache import DSV4CachePools, IndexerKeyCache, TokenCache
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.sglang_adapter.backend import shared_state
+from dsv4_backend.sglang_adapter.pool_alias import unaliasable_reason, unmovable_reason
 
 
 def make_runner(pool: DeepSeekV4TokenToKVPool) -> SimpleNamespace:
@@ -67,6 +68,27 @@ def test_caches_are_views_of_the_pool_buffers(pool, state) -> None:
             assert ring_state.ring.shape == (pages, CONFIG.ring_rows(4), 4 * dim)
             assert ring_state.window_page == states.swa_page_size == 256
             assert torch.all(ring_state.ring[..., : 2 * dim] == 0)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("stage", [range(0, 2), range(2, 4), range(1, 4)])
+def test_a_pipeline_stage_aliases_its_stage_pool(stage: range) -> None:
+    """sglang's pool of a pipeline stage holds that stage's layers (its getters take the
+    model's layer ids): the stage's caches and rings are views of it; a pool of another stage
+    is not aliased, and the reason names both ranges."""
+    stage_pool = make_pool(stage=stage)
+    state = shared_state(make_runner(stage_pool), CONFIG, "fp8", layers=stage)
+    assert state.pools.layers == stage and sorted(state.pools.windows) == list(stage)
+    assert unmovable_reason(state, stage_pool, None) is None  # every ring a view too
+    for layer in stage:
+        assert inside(state.pools.window(layer).storage, stage_pool.get_swa_raw_buffer(layer))
+        if CONFIG.compress_ratios[layer]:
+            buf = stage_pool.get_extra_key_buffer(layer)
+            assert inside(state.pools.compressed(layer).storage, buf)
+    other = range(0, stage.start) if stage.start else range(stage.stop, 4)
+    reason = unaliasable_reason(stage_pool, CONFIG, "fp8", other)
+    assert f"stage [{stage.start}, {stage.stop})" in (reason or "")
+    assert f"at [{other.start}, {other.stop})" in (reason or "")
 
 
 @pytest.mark.sglang
@@ -192,7 +214,7 @@ def test_pools_over_needs_every_layer() -> None:
             CONFIG,
             num_full_slots=512,
             num_swa_slots=256,
-            windows=[big] * 4,
+            windows=dict.fromkeys(range(4), big),
             compressed={1: big, 3: big},
             indexers={1: big, 3: big},
         )

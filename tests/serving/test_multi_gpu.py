@@ -8,6 +8,10 @@
 * DP attention: batches padded by sglang's own ``ForwardBatch._pad_inputs_to_size`` (requests at
   pool row 0, ``seq_lens`` 1, slot 0) plan and run on the eager and the graph path; real rows
   keep the reference's values.
+* Pipeline parallelism: a backend per stage, on a runner whose ``layer_info`` (sglang's
+  ``ModelLayerInfo``) owns layers ``[start_layer, end_layer)``, holds only those layers'
+  caches and rings; the model calls it with the model's layer ids. The stages together equal
+  one backend, output for output and byte for byte.
 * Start-up refusals with sglang's real ``ServerArgs``: options that move KV state outside this
   backend (PD disaggregation, HiCache, ...), context parallelism, heads the attention TP group
   does not divide.
@@ -37,7 +41,6 @@ from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
 from dsv4_backend.testing.ab.cli import main
 from dsv4_backend.testing.ab.runner import run_trace
 from dsv4_backend.testing.ab.trace import build_trace
-from dsv4_backend.testing.gpu_verdict import state_tensors
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 pytestmark = pytest.mark.usefixtures("torch_path")
@@ -144,9 +147,9 @@ def test_attention_tp_ranks_concatenate_to_the_single_rank_result(
                         single.forward_metadata.c4.page_indices,
                     )
             torch.testing.assert_close(torch.cat(got, dim=1), want, atol=1e-6, rtol=1e-6)
-    reference = state_tensors(single.state)
+    reference = single.state.named_tensors()
     for backend in ranks:
-        for name, tensor in state_tensors(backend.state).items():
+        for name, tensor in backend.state.named_tensors().items():
             assert torch.equal(tensor, reference[name]), name
 
 
@@ -232,6 +235,64 @@ def test_dp_padded_requests_plan_and_leave_real_rows_exact(graph: bool) -> None:
     for layer in range(len(CONFIG.compress_ratios)):
         assert torch.isfinite(sim.layer(backend, dummy, layer)).all()
     run(batches.decode(requests, [134, 258]), 1, 1)  # the real requests' caches are intact
+
+
+# ---------------------------------------------------------------------- pipeline parallelism
+def stage_backend(pool: PagedRequestPool, start: int, end: int) -> DSV4AttentionBackend:
+    """The backend of the pipeline stage that owns layers ``[start, end)``."""
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+
+    runner = harness.mock_runner(pool, HF, num_draft_tokens=NUM_DRAFT)
+    runner.layer_info = ModelLayerInfo(
+        start_layer=start, end_layer=end, num_effective_layers=end - start
+    )
+    backend = DSV4AttentionBackend(runner, cache_format="dense")
+    runner.attn_backend = backend
+    return backend
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_pipeline_stages_together_equal_one_backend(split: int) -> None:
+    """Two stages, layers ``[0, split)`` and ``[split, 4)``, each planning the batch (every
+    stage's runner plans its own): chunked prefill, verify, decode; each layer run on its
+    stage equals the one backend exactly; each stage holds its own layers' caches and rings
+    only, equal to the one backend's; a layer of the other stage is refused."""
+    pool, model = make_model([140, 270])
+    sim = harness.SimulatedModel(model)
+    batches = harness.BatchBuilder(pool)
+    single = make_backend(pool)
+    stages = [stage_backend(pool, 0, split), stage_backend(pool, split, 4)]
+    steps = [
+        batches.extend([0, 1], [0, 0], [100, 200]),
+        batches.extend([0, 1], [100, 200], [30, 60]),
+        batches.verify([0, 1], [130, 260], NUM_DRAFT),
+        batches.decode([0, 1], [135, 265]),
+    ]
+    for step in steps:
+        for backend in (single, *stages):
+            backend.init_forward_metadata(step.batch)
+        for layer in range(len(CONFIG.compress_ratios)):
+            feed = sim.feed(step.rows, layer)
+            want = sim.run_feed(single, step.batch, layer, feed)
+            got = sim.run_feed(stages[layer >= split], step.batch, layer, feed)
+            assert torch.equal(got, want), (step.batch.forward_mode, layer)
+    reference = single.state.named_tensors()
+    for stage, layers in zip(stages, (range(split), range(split, 4)), strict=True):
+        assert stage.state.pools.layers == layers
+        held = stage.state.named_tensors()
+        assert {int(name.lstrip("_cdeinrgowx")) for name in held} == set(layers)
+        for name, tensor in held.items():
+            assert torch.equal(tensor, reference[name]), name
+    with pytest.raises(ContractError, match=rf"layer=0; these caches hold layers \[{split}, 4\)"):
+        sim.run_feed(stages[1], steps[-1].batch, 0, sim.feed(steps[-1].rows, 0))
+
+
+@pytest.mark.sglang
+def test_a_stage_outside_the_model_is_refused() -> None:
+    pool, _ = make_model([40])
+    with pytest.raises(ConfigError, match=r"layers=range\(2, 6\).*within the model's 4 layers"):
+        stage_backend(pool, 2, 6)
 
 
 # --------------------------------------------------------------------------- start-up checks

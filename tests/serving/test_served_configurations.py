@@ -52,7 +52,8 @@ COMMANDS = [
     ("dspark", LOW_LATENCY.replace("EAGLE", "DSPARK"), {}, None),
     ("ngram", f"{FLASH} --tp 4 --speculative-algorithm NGRAM --speculative-num-draft-tokens 16 "
      "--speculative-ngram-max-bfs-breadth 10", {}, "--speculative-algorithm (only EAGLE"),
-    ("mixed-chunk", f"{LOW_LATENCY} --enable-mixed-chunk", {}, "--enable-mixed-chunk"),
+    ("mixed-chunk", f"{FLASH} --tp 4 --enable-mixed-chunk", {}, None),
+    ("mixed-chunk-eagle", f"{LOW_LATENCY} --enable-mixed-chunk", {}, None),  # sglang drops it
     ("trtllm", f"{LOW_LATENCY} --dsv4-attn-backend trtllm", {}, "--dsv4-attn-backend trtllm"),
     ("flashmla-mega", f"{LOW_LATENCY} --dsv4-attn-backend flashmla_mega", {},
      "--dsv4-attn-backend flashmla_mega"),
@@ -67,7 +68,8 @@ COMMANDS = [
     ("attention-cp", f"{FLASH} --tp 4 --attn-cp-size 2", {}, "--attention-context-parallel"),
     ("two-batch-overlap", f"{BALANCED} --enable-two-batch-overlap", {},
      "--enable-two-batch-overlap"),
-    ("pipeline", f"{FLASH} --tp 4 --pp-size 2", {}, "--pipeline-parallel-size"),
+    ("pipeline", f"{FLASH} --tp 4 --pp-size 2", {}, None),
+    ("pipeline-h20", f"{FLASH} --tp 1 --pp-size 8", {}, None),
     ("prefill-graph", f"{LOW_LATENCY} --cuda-graph-backend-prefill breakable", {},
      "--cuda-graph-backend-prefill"),
     ("v41-layout", LOW_LATENCY, {"SGLANG_DSV4_KV_LAYOUT": "v41"}, "SGLANG_DSV4_KV_LAYOUT"),

@@ -641,7 +641,7 @@ def state_tensors(backend: DSV4AttentionBackend) -> dict[str, tuple[torch.Tensor
     """Every cache and ring of the backend's state, by name, with the rows of sglang's padding
     page (full / window page 0, c4 ring slot 0, c128 ring row of pool row 0) at its start."""
     state, pools = backend.state, backend.state.pools
-    out = {f"window{i}": (c.storage, PAGE) for i, c in enumerate(pools.windows)}
+    out = {f"window{i}": (c.storage, PAGE) for i, c in pools.windows.items()}
     for i, cache in pools.compressed_caches.items():
         out[f"c{i}"] = (cache.storage, PAGE // CONFIG.compress_ratios[i])
     out |= {f"indexer{i}": (c.storage, PAGE // 4) for i, c in pools.indexer_caches.items()}

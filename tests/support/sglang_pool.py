@@ -18,10 +18,15 @@ REQUEST_SLOTS = 4
 
 
 def make_pool(
-    swa_size: int = 512, full_size: int = 1024, ratios: tuple[int, ...] = CONFIG.compress_ratios
+    swa_size: int = 512,
+    full_size: int = 1024,
+    ratios: tuple[int, ...] = CONFIG.compress_ratios,
+    stage: range | None = None,
 ) -> DeepSeekV4TokenToKVPool:
     """A pool as sglang's configurator builds it (page 256, paged window, offline c128), of
-    layers of compress ``ratios``."""
+    layers of compress ``ratios``; ``stage``: a pipeline stage's pool, of those layers only
+    (``layer_num``, ``start_layer`` / ``end_layer`` as ``kv_cache_configurator`` passes them)."""
+    stage = stage or range(len(ratios))
     with get_context().override_server_args(device="cpu"):
         return DeepSeekV4TokenToKVPool(
             max_num_reqs=REQUEST_SLOTS - 1,
@@ -39,7 +44,9 @@ def make_pool(
             qk_nope_head_dim=448,
             qk_rope_head_dim=64,
             indexer_head_dim=128,
-            layer_num=len(ratios),
+            layer_num=len(stage),
+            start_layer=stage.start,
+            end_layer=stage.stop,
             device="cpu",
             enable_memory_saver=False,
             compression_ratios=list(ratios),
