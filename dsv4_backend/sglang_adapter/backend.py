@@ -426,9 +426,9 @@ class DSV4AttentionBackend(AttentionBackend):
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, compress ratios other than
-    0 / 4 / 128, a configuration of the refusal table (``refusals.REFUSED``: MIXED batches,
-    other attention kernels' pool layouts, DeepSeek-V4.1, state moved outside the backend,
-    context and pipeline parallelism, ...), PD disaggregation or HiCache
+    0 / 4 / 128, a configuration of the refusal table (``refusals.REFUSED``: other attention
+    kernels' pool layouts, DeepSeek-V4.1, state moved outside the backend, context
+    parallelism, ...), PD disaggregation or HiCache
     (``REGION_COPYING_OPTIONS``) over caches that are not views of sglang's pool, or heads
     that the attention TP group does not divide.
 
@@ -442,6 +442,12 @@ class DSV4AttentionBackend(AttentionBackend):
     #: sglang's overlap scheduler publishes ``seq_lens_cpu`` only for backends that ask: eager
     #: plans size their fields from the host lengths (``planning.plan``).
     needs_cpu_seq_lens = True
+    #: Two-batch overlap: sglang's ``TboAttnBackend`` builds a primary and two child backends
+    #: of this class (one shared state) and plans each child on its own ``ForwardBatch``.
+    #: DeepSeek-V4 overlaps prefill only (``DeepseekV4Model._can_run_tbo``), so the children
+    #: are kept off the CUDA-graph paths, where the model never calls them
+    #: (``TboAttnBackend._children_use_cuda_graph``).
+    tbo_supports_cuda_graph = False
 
     def __init__(
         self,

@@ -37,6 +37,10 @@ EXTEND / DRAFT_EXTEND_V2 batch can also be padded with whole tokens that belong 
 (``out_cache_loc`` longer than the sum of the extend lengths, sglang's
 ``ForwardBatch._pad_inputs_to_size``): the view leaves them out (``padding_rows``) and the
 backend appends them to the plan as sentinel rows (``planning.pad_plan``: no write, output 0).
+A two-batch-overlap child (``TboForwardBatchPreparer.filter_batch``: a token range of the
+batch; a request cut in two continues in the second child as a chunked extend) is planned like
+any batch; sglang pads its hidden states to ``tbo_padded_len`` rows, which are sentinel rows
+the same way.
 """
 
 from __future__ import annotations
@@ -85,10 +89,14 @@ def readable_ints(name: str, values: Any, *, sync_ok: bool = False) -> list[int]
 
 
 def padding_rows(fb: Any, view: BatchView) -> int:
-    """Padding tokens of an extend-kind ``fb`` past its requests' rows (0 for other kinds)."""
+    """Padding tokens of an extend-kind ``fb`` past its requests' rows (0 for other kinds):
+    data-parallel padding (``out_cache_loc`` longer than the rows) or, on a two-batch-overlap
+    child, the rows sglang pads its hidden states to (``tbo_padded_len``, a multiple of the
+    attention TP size; ``_model_forward_filter_inputs``), whichever is more."""
     if view.kind not in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
         return 0
-    return fb.out_cache_loc.numel() - view.num_rows
+    rows = max(fb.out_cache_loc.numel(), int(getattr(fb, "tbo_padded_len", None) or 0))
+    return rows - view.num_rows
 
 
 def write_slots_per_request(

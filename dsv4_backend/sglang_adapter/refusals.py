@@ -81,8 +81,6 @@ REFUSED: tuple[Refused, ...] = (
             "--speculative-algorithm (only EAGLE / NEXTN / DSPARK)",
             "its verify batches are draft trees or come from another draft model; the backend "
             "plans linear EAGLE drafts (topk 1)"),
-    Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap",
-            "it splits every batch into micro-batches planned by child backends, not verified"),
     Refused("cuda_graph_backend_prefill", _one_of("full", "breakable"),
             "--cuda-graph-backend-prefill full|breakable",
             "prefill (EXTEND) batches run eagerly; the backend has no prefill CUDA graph"),

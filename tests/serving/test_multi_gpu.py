@@ -12,6 +12,10 @@
   ``ModelLayerInfo``) owns layers ``[start_layer, end_layer)``, holds only those layers'
   caches and rings; the model calls it with the model's layer ids. The stages together equal
   one backend, output for output and byte for byte.
+* Two-batch overlap: sglang's own ``TboAttnBackend`` over this backend's factory and its own
+  ``TboForwardBatchPreparer`` splitting each prefill into two children (a request cut in two
+  when the halves would be unbalanced; hidden states padded to a multiple of the attention TP
+  size); the children, run layer by layer in the overlap's order, equal the unsplit batch.
 * Start-up refusals with sglang's real ``ServerArgs``: options that move KV state outside this
   backend (PD disaggregation, HiCache, ...), context parallelism, heads the attention TP group
   does not divide.
@@ -21,6 +25,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -293,6 +298,99 @@ def test_a_stage_outside_the_model_is_refused() -> None:
     pool, _ = make_model([40])
     with pytest.raises(ConfigError, match=r"layers=range\(2, 6\).*within the model's 4 layers"):
         stage_backend(pool, 2, 6)
+
+
+# ------------------------------------------------------------------------ two-batch overlap
+def tbo_children(tbo: Any, step: harness.Step, attn_tp_size: int) -> list[harness.Step]:
+    """The two children sglang's ``TboForwardBatchPreparer.prepare`` splits ``step`` into
+    (``two_batch_overlap.py``, run here as the scheduler's batch preparation runs it), with
+    their rows: the parent's token range, then padding up to ``tbo_padded_len``."""
+    from sglang.srt.batch_overlap.two_batch_overlap import (
+        TboForwardBatchPreparer,
+        compute_split_seq_index,
+    )
+    from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+    from sglang.srt.runtime_context import get_context, get_parallel
+
+    batch = step.batch
+    batch.tbo_split_seq_index = compute_split_seq_index(
+        batch.forward_mode, batch.input_ids.shape[0], batch.extend_seq_lens_cpu, None
+    )
+    with (
+        get_parallel().override(attn_tp_size=attn_tp_size),
+        get_context().override_server_args(device="cpu"),
+        forward_context(ForwardContext(attn_backend=tbo)),
+    ):
+        TboForwardBatchPreparer.prepare(batch)
+    children = []
+    for child in batch.tbo_children:
+        lo, hi = child.tbo_parent_token_range
+        children.append(
+            harness.Step(child, step.rows[lo:hi] + [None] * (child.tbo_padded_len - hi + lo))
+        )
+    return children
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("extend", "attn_tp_size", "cut"),
+    [([10, 250, 30], 1, True), ([140, 20, 120], 1, False), ([10, 251, 30], 4, True)],
+    ids=["two-chunk", "at-a-request", "two-chunk-padded"],
+)
+def test_two_batch_overlap_children_equal_the_unsplit_batch(
+    extend: list[int], attn_tp_size: int, cut: bool
+) -> None:
+    """``--enable-two-batch-overlap``: sglang's ``TboAttnBackend.init_new`` builds the primary
+    and two children from this backend's factory (one shared state) and plans them
+    (``init_forward_metadata``); the children run layer by layer, the first child first (the
+    second runs ``tbo_delta_stages`` behind it), over two prefill chunks, then a decode on the
+    primary. Every real row equals the unsplit batch on one backend and the full causal pass;
+    padding rows output 0 and write nothing; the caches equal the unsplit run's. The children
+    stay off the graph paths."""
+    from sglang.srt.layers.attention.tbo_backend import TboAttnBackend
+
+    pool, model = make_model([300, 300, 300])
+    sim = harness.SimulatedModel(model)
+    batches = harness.BatchBuilder(pool)
+    runner = harness.mock_runner(pool, HF, num_draft_tokens=NUM_DRAFT)
+    tbo = TboAttnBackend.init_new(lambda: DSV4AttentionBackend(runner, cache_format="dense"))
+    assert all(child.state is tbo.primary.state for child in tbo.children)
+    assert not tbo._children_use_cuda_graph()
+    single = make_backend(pool)
+    requests = [0, 1, 2]
+    for step in (
+        batches.extend(requests, [0, 0, 0], extend),
+        batches.extend(requests, extend, [5, 10, 20]),
+    ):
+        single.init_forward_metadata(step.batch)
+        children = tbo_children(tbo, step, attn_tp_size)
+        if step.batch.extend_prefix_lens_cpu == [0, 0, 0]:  # the first chunk: the split's kind
+            second = children[1].batch
+            assert (second.extend_prefix_lens_cpu[0] > 0) == cut
+        tbo.init_forward_metadata(step.batch)
+        for layer in range(len(CONFIG.compress_ratios)):
+            want = sim.layer(single, step, layer)
+            for backend, child in zip(tbo.children, children, strict=True):
+                lo, hi = child.batch.tbo_parent_token_range
+                out = sim.layer(backend, child, layer)
+                assert out.shape[0] == child.batch.tbo_padded_len
+                torch.testing.assert_close(out[: hi - lo], want[lo:hi], atol=ATOL, rtol=0)
+                assert not out[hi - lo :].any()  # padding rows
+                assert sim.max_error(child.rows, layer, out) <= ATOL
+    # Decode runs unsplit on the primary (DeepSeek-V4 overlaps prefill only): it reads every
+    # ring row the children left for it. (Other ring rows may differ: a cut request keeps the
+    # first child's last rows, the unsplit run does not, and nothing reads them.)
+    decode = batches.decode(requests, [n + m + 1 for n, m in zip(extend, [5, 10, 20], strict=True)])
+    for backend in (single, tbo):
+        backend.init_forward_metadata(decode.batch)
+    for layer in range(len(CONFIG.compress_ratios)):
+        want = sim.layer(single, decode, layer)
+        torch.testing.assert_close(sim.layer(tbo.primary, decode, layer), want, atol=ATOL, rtol=0)
+        assert sim.max_error(decode.rows, layer, want) <= ATOL
+    reference = single.state.named_tensors()
+    for name, tensor in tbo.primary.state.named_tensors().items():
+        if "ring" not in name:  # the caches: every entry the same
+            torch.testing.assert_close(tensor, reference[name], atol=1e-6, rtol=0, msg=name)
 
 
 # --------------------------------------------------------------------------- start-up checks
