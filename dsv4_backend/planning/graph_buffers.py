@@ -23,6 +23,7 @@ fields                                      sentinel  why
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -276,3 +277,51 @@ def pad_plan(
         device=plan.row_batch_ids.device,
     )
     return dataclasses.replace(buffers.load(plan, num_rows=num_rows), batch_size=batch_size)
+
+
+#: The fields through which a plan writes (caches, compressor rings): sentinels in a read plan.
+_WRITE_FIELDS = frozenset({"swa_out_loc", "out_loc", "compress_plan", "write_plan"})
+
+
+def _read_rows(part: Any, rows: torch.Tensor) -> dict[str, Any]:
+    """``part``'s tensor fields at ``rows``; the write fields filled with their sentinel."""
+    out = {}
+    for f in dataclasses.fields(part):
+        value = getattr(part, f.name)
+        if isinstance(value, torch.Tensor):
+            kept = value.index_select(0, rows)
+            out[f.name] = kept.fill_(_sentinel(f.name)) if f.name in _WRITE_FIELDS else kept
+    return out
+
+
+def read_plan(
+    config: DSV4AttentionConfig, plan: AttentionMetadata, rows: torch.Tensor, *, num_rows: int
+) -> AttentionMetadata:
+    """The plan of some of ``plan``'s rows that only reads: rows ``rows`` (``[n]`` int64 row
+    indices of ``plan``, in the order given), then sentinel rows up to ``num_rows`` (they
+    attend to nothing; output 0).
+
+    For a prefill context-parallel rank, whose queries are its own rows of the batch while its
+    cache and compressor writes are the whole batch's: the rank reads (indexer, attention)
+    through this plan and writes through ``plan``. Every write field is a sentinel here (no
+    cache write, no plan record), so this plan cannot write; ``c4.page_indices`` is its own
+    tensor, which the rank's indexer top-k fills. Allocates new tensors (eager use only).
+    ``ContractError`` for a row index outside ``plan`` or more rows than ``num_rows``.
+    """
+    if rows.dim() != 1 or (
+        rows.numel() and not 0 <= int(rows.min()) <= int(rows.max()) < plan.num_rows
+    ):
+        raise ContractError(
+            f"read_plan rows {rows.tolist()[:8]}... of shape {tuple(rows.shape)}: expected [n] "
+            f"row indices of the plan's {plan.num_rows} rows"
+        )
+    rows = rows.to(device=plan.row_batch_ids.device, dtype=torch.int64)
+    c4, c128 = (
+        None if part is None else dataclasses.replace(part, **_read_rows(part, rows))
+        for part in (plan.c4, plan.c128)
+    )
+    subset = dataclasses.replace(
+        plan, num_rows=rows.numel(), c4=c4, c128=c128, pending_checks=None,
+        **_read_rows(plan, rows),
+    )  # fmt: skip
+    return pad_plan(config, subset, batch_size=plan.batch_size, num_rows=num_rows)

@@ -85,6 +85,7 @@ from dsv4_backend.planning import (
     PlanWidths,
     pad_plan,
     plan,
+    read_plan,
     seq_len_fill_value,
 )
 from dsv4_backend.planning.checks import PendingChecks, run_checks, strict_checks_enabled
@@ -92,6 +93,7 @@ from dsv4_backend.planning.draft_slots import draft_step_slots
 from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.sglang_adapter.batch_view import (
     batch_view,
+    cp_rank_rows,
     forward_kind,
     padding_rows,
     readable_ints,
@@ -213,9 +215,16 @@ class RunnerSettings:
         if attn_dp_size == 1 and getattr(args, "enable_dp_attention", False):
             # The deprecated spelling, before sglang resolves it to attn_dp_size.
             attn_dp_size = int(getattr(args, "dp_size", 1) or 1)
+        attn_cp_size = int(getattr(args, "attn_cp_size", 1) or 1)
+        if attn_cp_size > 1 and not getattr(args, "enable_prefill_cp", False):
+            raise ConfigError(
+                f"attn_cp_size={attn_cp_size} without --enable-prefill-cp: the dsv4 backend "
+                "serves context parallelism as sglang's DeepSeek-V4 prefill CP (--enable-prefill-"
+                "cp --cp-strategy interleave, --attention-context-parallel-size)"
+            )
         attn_tp_size = derive_attn_tp_size(
             tp_size=int(getattr(args, "tp_size", 1) or 1),
-            attn_cp_size=1,  # context parallelism is refused above
+            attn_cp_size=attn_cp_size,
             attn_dp_size=attn_dp_size,
         )
         if attn_tp_size < 1 or config.num_heads % attn_tp_size:
@@ -427,8 +436,8 @@ class DSV4AttentionBackend(AttentionBackend):
 
     Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, compress ratios other than
     0 / 4 / 128, a configuration of the refusal table (``refusals.REFUSED``: other attention
-    kernels' pool layouts, DeepSeek-V4.1, state moved outside the backend, context
-    parallelism, ...), PD disaggregation or HiCache
+    kernels' pool layouts, DeepSeek-V4.1, state moved outside the backend, decode context
+    parallelism, ...), attention CP without prefill CP, PD disaggregation or HiCache
     (``REGION_COPYING_OPTIONS``) over caches that are not views of sglang's pool, or heads
     that the attention TP group does not divide.
 
@@ -492,6 +501,9 @@ class DSV4AttentionBackend(AttentionBackend):
         self.num_cache_slots = sizes["num_full_slots"]
         self.num_swa_slots = sizes["num_swa_slots"]
         self.forward_metadata: AttentionMetadata | None = None
+        #: A prefill context-parallel rank's own rows of ``forward_metadata``, which its
+        #: indexer and attention read (``planning.read_plan``); None for any other batch.
+        self.cp_read_metadata: AttentionMetadata | None = None
         self.planned: PlannedBatch | None = None
         #: Device-side planning checks not read yet (CUDA without strict mode).
         self.pending_checks: list[PendingChecks] = []
@@ -525,7 +537,7 @@ class DSV4AttentionBackend(AttentionBackend):
         host (the next safe point after them, ``planning/checks.py``).
         """
         self.raise_pending_checks(wait=False)
-        self.forward_metadata = self.planned = None
+        self.forward_metadata = self.planned = self.cp_read_metadata = None
         view = batch_view(
             forward_batch,
             req_to_token=self.req_to_token_pool.req_to_token,
@@ -549,6 +561,10 @@ class DSV4AttentionBackend(AttentionBackend):
             )
         if metadata.pending_checks is not None:
             self.pending_checks.append(metadata.pending_checks)
+        cp_rows = cp_rank_rows(forward_batch, metadata.num_rows)
+        if cp_rows is not None:  # the batch's plan writes; the rank's rows of it read
+            rows, physical = cp_rows
+            self.cp_read_metadata = read_plan(self.config, metadata, rows, num_rows=physical)
         self.planned = self._planned_batch(forward_batch, view)
         return metadata
 
@@ -678,6 +694,19 @@ class DSV4AttentionBackend(AttentionBackend):
         metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=rows, where=where)
         return metadata
 
+    def _read_metadata(
+        self, forward_batch: ForwardBatch, num_rows: int, where: str
+    ) -> AttentionMetadata:
+        """The plan the query side reads (indexer queries and top-k, attention), checked as
+        ``_metadata`` checks it: the batch's plan, or on a prefill context-parallel rank its
+        own rows of it (``cp_read_metadata``: ``num_rows`` local query rows)."""
+        local = self.cp_read_metadata
+        metadata = self._metadata(forward_batch, None if local is not None else num_rows, where)
+        if local is None:
+            return metadata
+        local.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
+        return local
+
     def _match(
         self,
         fb: ForwardBatch,
@@ -805,21 +834,24 @@ class DSV4AttentionBackend(AttentionBackend):
         self._enter_layer(layer_id, where)
         if _is_idle(forward_batch, x, where):
             return
-        metadata = self._metadata(forward_batch, x.shape[0], where)
-        self._compress(metadata, x, forward_batch, layer_id, compressor)
+        self._compress(x, forward_batch, layer_id, compressor, where)
 
     forward_indexer_compressor = forward_core_compressor
 
     def _compress(
         self,
-        metadata: AttentionMetadata,
         x: torch.Tensor,
         forward_batch: ForwardBatch,
         layer_id: int,
         compressor: Compressor,
+        where: str,
     ) -> None:
-        """``forward_core_compressor``'s body, for a plan already checked against the batch."""
+        """``forward_core_compressor``'s body. The projections are the batch's rows: on a
+        prefill context-parallel rank ``x`` is the rank's rows and sglang's
+        ``compute_kv_score`` all-gathers the projections of every rank's, so the plan is
+        checked against ``kv_score``, which every rank writes whole."""
         kv_score = compressor.compute_kv_score(x, forward_batch).float()
+        metadata = self._metadata(forward_batch, kv_score.shape[0], where)
         half = kv_score.shape[-1] // 2
         compress_and_store(
             self.state,
@@ -872,7 +904,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: layer {layer_id} has compress ratio "
                 f"{self.config.compress_ratios[layer_id]}; the indexer runs on ratio-4 layers"
             )
-        metadata = self._metadata(forward_batch, x.shape[0], where)
+        metadata = self._read_metadata(forward_batch, x.shape[0], where)
         if not enable_multi_stream and q_lora_ready is not None:
             raise ContractError(
                 f"{where}: q_lora_ready given without enable_multi_stream; the event belongs to "
@@ -890,7 +922,7 @@ class DSV4AttentionBackend(AttentionBackend):
             stream_q.wait_stream(current)
             stream_weights.wait_stream(current)
             if not skip_compressor:
-                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+                self._compress(x, forward_batch, layer_id, c4_indexer.compressor, where)
             with streams.use(stream_weights):
                 weights = self._index_weights(c4_indexer, x)
                 weights_ready = stream_weights.record_event()
@@ -902,7 +934,7 @@ class DSV4AttentionBackend(AttentionBackend):
             current.wait_stream(stream_q)
         else:
             if not skip_compressor:
-                self._compress(metadata, x, forward_batch, layer_id, c4_indexer.compressor)
+                self._compress(x, forward_batch, layer_id, c4_indexer.compressor, where)
             weights = self._index_weights(c4_indexer, x)
             q = self._index_queries(c4_indexer, q_lora, metadata)
         select_c4_entries(self.state, layer_id, metadata, q, weights)
@@ -991,7 +1023,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{self.config.num_heads} / attention TP size {self.config.num_heads // heads}) "
                 f"but got a layer of {layer_heads} heads and q {tuple(q.shape)}"
             )
-        metadata = self._metadata(forward_batch, q.shape[0], where)
+        metadata = self._read_metadata(forward_batch, q.shape[0], where)
         out = attend(self.state, layer_id, metadata, q[:, :heads], attn_sink[:heads].float())
         if q.shape[1] == heads:
             return out.to(q.dtype)

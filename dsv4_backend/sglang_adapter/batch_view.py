@@ -41,6 +41,12 @@ A two-batch-overlap child (``TboForwardBatchPreparer.filter_batch``: a token ran
 batch; a request cut in two continues in the second child as a chunked extend) is planned like
 any batch; sglang pads its hidden states to ``tbo_padded_len`` rows, which are sentinel rows
 the same way.
+
+A prefill context-parallel batch (``--enable-prefill-cp``, the interleave strategy: sglang's
+``is_cp_active``, ``forward_batch.attn_cp_metadata`` from ``prepare_cp_forward``) is the whole
+batch (``out_cache_loc`` trimmed to its tokens), planned as usual; token ``i`` is rank
+``i % cp``'s, and every rank holds ``per_rank_actual_token[rank]`` rows (its tokens, then
+padding). ``cp_rank_rows`` gives a rank its rows of the plan.
 """
 
 from __future__ import annotations
@@ -97,6 +103,44 @@ def padding_rows(fb: Any, view: BatchView) -> int:
         return 0
     rows = max(fb.out_cache_loc.numel(), int(getattr(fb, "tbo_padded_len", None) or 0))
     return rows - view.num_rows
+
+
+def cp_rank_rows(fb: Any, num_rows: int) -> tuple[torch.Tensor, int] | None:
+    """``(rows [n] int64, physical rows)`` of this context-parallel rank in a batch of
+    ``num_rows`` planned rows: the rank's tokens ``rank, rank + cp, ...`` (sglang's interleave
+    shard, ``InterleaveCPStrategy._interleave_shard``) and how many rows its queries have
+    (``per_rank_actual_token[rank]``: the tokens, then padding). None when ``fb`` is not a
+    context-parallel prefill. ``BatchError`` for a layout this backend does not plan: another
+    strategy's metadata, a late-layer tail's ``local_index`` (DeepSeek-V4.1), or counts that do
+    not add up."""
+    # Imported at the first plan, not with the module: sglang's CP modules bring its
+    # distributed communicators (about 1.7 s of imports).
+    from sglang.srt.layers.cp.interleave import InterleaveContextParallelMetadata
+    from sglang.srt.layers.cp.utils import is_cp_active
+    from sglang.srt.runtime_context import get_parallel
+
+    if getattr(fb, "attn_cp_metadata", None) is None or not is_cp_active(fb):
+        return None
+    metadata = fb.attn_cp_metadata
+    if not isinstance(metadata, InterleaveContextParallelMetadata) or (
+        metadata.local_index is not None
+    ):
+        raise BatchError(
+            f"attn_cp_metadata {type(metadata).__name__} (local_index "
+            f"{'set' if getattr(metadata, 'local_index', None) is not None else 'None'}): the "
+            "dsv4 backend plans the interleave prefill layout only (no DeepSeek-V4.1 tail)"
+        )
+    parallel = get_parallel()
+    rank, size = parallel.attn_cp_rank, parallel.attn_cp_size
+    logical = metadata.per_rank_logical_token or metadata.per_rank_actual_token
+    rows = torch.arange(rank, num_rows, size, dtype=torch.int64)
+    if metadata.total_seq_lens != num_rows or rows.numel() != logical[rank]:
+        raise BatchError(
+            f"attn_cp_metadata of {metadata.total_seq_lens} tokens, {logical[rank]} on rank "
+            f"{rank} of {size}; the batch plans {num_rows} rows, {rows.numel()} of them the "
+            "rank's: prepare_cp_forward ran on another batch"
+        )
+    return rows, int(metadata.per_rank_actual_token[rank])
 
 
 def write_slots_per_request(

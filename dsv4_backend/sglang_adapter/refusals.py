@@ -118,12 +118,14 @@ REFUSED: tuple[Refused, ...] = (
     Refused("enable_session_radix_cache", _set, "--enable-session-radix-cache", _SESSION),
     Refused("enable_streaming_session", _set, "--enable-streaming-session", _SESSION),
     # Layers or sequences split over ranks.
-    Refused("attn_cp_size", _above_one, "--attention-context-parallel-size",
-            f"context parallelism {_SPLIT}"),
     Refused("dcp_size", _above_one, "--decode-context-parallel-size",
             f"decode context parallelism {_SPLIT}"),
-    Refused("enable_prefill_cp", _set, "--enable-prefill-cp",
-            f"prefill context parallelism {_SPLIT}"),
+    Refused("cp_strategy", _one_of("zigzag"), "--cp-strategy zigzag",
+            "the backend plans the interleave prefill CP layout (sglang runs zigzag on NPUs "
+            "only)"),
+    Refused("enable_cp_decode_attn_tp", _set, "--enable-cp-decode-attn-tp",
+            "it splits the heads of decode batches over the CP ranks while prefill keeps all "
+            "of them; the backend serves one head count per rank"),
 )  # fmt: skip
 
 

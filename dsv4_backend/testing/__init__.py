@@ -10,5 +10,7 @@
 * :mod:`.aot_compile`: the kernels compiled ahead of time for sm_90a / sm_100a on the CPU and
   read from their PTX and SASS (:mod:`.sass`), ``python -m dsv4_backend.testing.aot_compile``;
 * :mod:`.transfer`, :mod:`.hicache`: sglang's PD transfer and HiCache host tier over a
-  ``DeepSeekV4TokenToKVPool``'s regions.
+  ``DeepSeekV4TokenToKVPool``'s regions;
+* :mod:`.context_parallel`: prefill context-parallel ranks laid out by sglang's own CP code,
+  in one process or over gloo.
 """

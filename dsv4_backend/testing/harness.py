@@ -12,6 +12,7 @@ on refilled feeds.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -421,24 +422,38 @@ class SimulatedModel:
         return self.run_feed(backend, step.batch, layer, self.feed(step.rows, layer), tp)
 
     def run_feed(
-        self, backend: Any, fb: Any, layer: int, feed: Feed, tp: AttentionTPRank | None = None
+        self,
+        backend: Any,
+        fb: Any,
+        layer: int,
+        feed: Feed,
+        tp: AttentionTPRank | None = None,
+        local: Feed | None = None,
     ) -> torch.Tensor:
         """The backend calls of one layer on ``feed`` (graph-capturable: tensor work only);
         with ``tp``, as that attention TP rank (its heads of ``q`` and the sink; the indexer
-        and the compressors are replicated, as in sglang)."""
+        and the compressors are replicated, as in sglang).
+
+        ``local``: as a prefill context-parallel rank whose own rows (``x``, queries, indexer
+        queries and weights) are ``local``'s, while ``feed`` holds the whole batch's: sglang's
+        model all-gathers the window keys and the compressors' projections (``compute_kv_score``)
+        of every rank's rows, so those come from ``feed``."""
         ratio = self.model.config.compress_ratios[layer]
         backend.store_cache(layer_id=layer, swa_k=feed.kv, forward_batch=fb)
+        own = feed if local is None else local
+        # What the rank's modules see: its own x, queries and weights; every row's projections.
+        rank = dataclasses.replace(own, kv_score=feed.kv_score, index_kv_score=feed.index_kv_score)
         if ratio == 4:
             indexer = self.indexers[layer]
-            indexer.feed = indexer.compressor.feed = feed
+            indexer.feed = indexer.compressor.feed = rank
             backend.forward_c4_indexer(
-                x=feed.x, q_lora=feed.x, forward_batch=fb, c4_indexer=indexer
+                x=rank.x, q_lora=rank.x, forward_batch=fb, c4_indexer=indexer
             )
         if ratio:
             compressor = self.compressors[layer]
-            compressor.feed = feed
-            backend.forward_core_compressor(feed.x, fb, layer, compressor)
-        q, sink = feed.q, self.model.params[layer].sink
+            compressor.feed = rank
+            backend.forward_core_compressor(rank.x, fb, layer, compressor)
+        q, sink = own.q, self.model.params[layer].sink
         local_heads = q.shape[1]
         if tp is not None:
             local_heads //= tp.size

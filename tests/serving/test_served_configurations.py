@@ -64,7 +64,12 @@ COMMANDS = [
     ("hisparse", f"{HIGH_THROUGHPUT} --enable-hisparse --disable-radix-cache", {},
      "--enable-hisparse"),
     ("hicache", f"{LOW_LATENCY} --enable-hierarchical-cache", {}, "--enable-hierarchical-cache"),
-    ("prefill-cp", f"{FLASH} --tp 4 --enable-prefill-cp", {}, "--enable-prefill-cp"),
+    ("prefill-cp", f"{FLASH} --tp 8 --enable-prefill-cp --cp-strategy interleave", {}, None),
+    ("prefill-cp-mtp", f"{LOW_LATENCY} --enable-prefill-cp --cp-strategy interleave", {}, None),
+    ("prefill-cp-zigzag", f"{FLASH} --tp 4 --enable-prefill-cp --cp-strategy zigzag", {},
+     "zigzag"),
+    ("cp-decode-attn-tp", f"{FLASH} --tp 4 --enable-prefill-cp --cp-strategy interleave "
+     "--enable-cp-decode-attn-tp", {}, "--enable-cp-decode-attn-tp"),
     ("attention-cp", f"{FLASH} --tp 4 --attn-cp-size 2", {}, "--attention-context-parallel"),
     ("two-batch-overlap", f"{BALANCED} --enable-two-batch-overlap", {}, None),
     ("two-batch-overlap-megamoe", f"{HIGH_THROUGHPUT} --enable-two-batch-overlap", {}, None),

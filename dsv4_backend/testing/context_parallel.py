@@ -1,0 +1,206 @@
+"""Prefill context-parallel ranks of the simulated sglang host (``--enable-prefill-cp
+--cp-strategy interleave``), laid out by sglang 0.5.23's own CP code.
+
+* :func:`interleave_cp` binds sglang's interleave strategy (``init_cp_strategy``, as
+  ``ServerArgs`` resolution binds it) and :func:`as_rank` enters a rank's parallel context
+  (``get_parallel().override``: ``attn_cp_rank`` of ``attn_cp_size``, attention TP 1);
+* :class:`CPRank` is one rank's backend: :meth:`CPRank.plan` runs sglang's
+  ``prepare_cp_forward`` on the rank's copy of a batch (``attn_cp_metadata``, ``out_cache_loc``
+  trimmed to the batch's tokens), plans it, and gives the rank's query rows
+  (``InterleaveCPStrategy.shard_hidden_states``: tokens ``rank, rank + cp, ...``, then padding
+  to the physical count); :meth:`CPRank.layer` runs a layer as the rank, the window keys and
+  the compressors' projections whole (what sglang's model all-gathers) and the rest the rank's;
+* :func:`gloo_rank` is one rank in a process of its own: the window keys and projections are
+  the rank's rows, all-gathered by sglang's ``cp_materialize_global_token_order`` over a gloo
+  group (sglang's ``attn_cp_group`` needs its distributed init; :class:`GlooCPGroup` is its
+  ``all_gather_into_tensor`` on ``torch.distributed``), then handed to the backend.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.kernels import dispatch
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+
+
+@contextlib.contextmanager
+def interleave_cp(size: int) -> Iterator[None]:
+    """sglang's interleave strategy bound for ``size`` ranks; the process's strategy restored
+    after."""
+    from sglang.srt.layers.cp import base
+
+    saved = base._STRATEGY
+    base.init_cp_strategy(enable_prefill_cp=True, cp_size=size, cp_strategy="interleave")
+    try:
+        yield
+    finally:
+        base._STRATEGY = saved
+
+
+def as_rank(rank: int, size: int, **parallel: Any) -> contextlib.AbstractContextManager[object]:
+    """sglang's parallel context of CP rank ``rank`` of ``size`` (attention TP 1), with
+    further ``parallel`` fields (e.g. ``attn_cp_group``)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    return get_parallel().override(
+        tp_size=size, attn_tp_size=1, attn_dp_size=1, attn_cp_size=size, attn_cp_rank=rank,
+        enable_prefill_cp=True, cp_strategy="interleave", enable_cp_tp_group_sharing=False,
+        **parallel,
+    )  # fmt: skip
+
+
+@dataclasses.dataclass
+class CPRank:
+    """Rank ``rank`` of ``size``: its own backend (its runner: ``tp_size = attn_cp_size =
+    size``, prefill CP on) over the pool."""
+
+    backend: DSV4AttentionBackend
+    rank: int
+    size: int
+    parallel: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @classmethod
+    def build(
+        cls, pool: PagedRequestPool, hf: dict[str, Any], rank: int, size: int, **parallel: Any
+    ) -> CPRank:
+        runner = harness.mock_runner(pool, hf, tp_size=size, attn_cp_size=size)
+        runner.server_args.enable_prefill_cp = True
+        backend = DSV4AttentionBackend(runner, cache_format="dense")
+        return cls(backend, rank, size, parallel)
+
+    def context(self) -> contextlib.AbstractContextManager[object]:
+        return as_rank(self.rank, self.size, **self.parallel)
+
+    def plan(self, step: harness.Step) -> harness.Step:
+        """The rank's copy of ``step``, through sglang's ``prepare_cp_forward`` when it is a
+        CP prefill, planned; its rows are the rank's query rows (``None``: padding), or
+        ``step.rows`` itself for a batch that is not split (decode)."""
+        from sglang.srt.layers.cp.base import get_cp_strategy
+        from sglang.srt.layers.cp.utils import is_cp_active, prepare_cp_forward
+
+        batch = dataclasses.replace(step.batch)
+        with self.context():
+            if not is_cp_active(batch):
+                self.backend.init_forward_metadata(batch)
+                return harness.Step(batch, step.rows)
+            prepare_cp_forward(batch)
+            self.backend.init_forward_metadata(batch)
+            ids = torch.arange(1, len(step.rows) + 1)
+            local = get_cp_strategy().shard_hidden_states(ids, batch) - 1  # padding: -1
+        rows = [step.rows[i] if i >= 0 else None for i in local.tolist()]
+        return harness.Step(batch, rows)
+
+    def layer(
+        self,
+        sim: harness.SimulatedModel,
+        step: harness.Step,
+        local: harness.Step,
+        layer: int,
+        whole: harness.Feed | None = None,
+    ) -> torch.Tensor:
+        """Layer ``layer`` as this rank on its planned ``local`` step: its own rows, and the
+        batch's window keys and projections (``whole``; default: ``step``'s feed)."""
+        with self.context():
+            if local.rows is step.rows:  # not split: the whole batch on every rank
+                return sim.layer(self.backend, local, layer)
+            own = sim.feed(local.rows, layer)
+            whole = whole or sim.feed(step.rows, layer)
+            return sim.run_feed(self.backend, local.batch, layer, whole, local=own)
+
+
+def own_rows(rank: int, size: int, num_rows: int) -> list[int]:
+    """The rows of the batch that are rank ``rank``'s (interleave: ``i % size == rank``)."""
+    return list(range(rank, num_rows, size))
+
+
+class GlooCPGroup:
+    """sglang's ``attn_cp_group.all_gather_into_tensor`` over the default (gloo) process
+    group: the ranks' equal shards, rank-major."""
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        import torch.distributed as dist
+
+        dist.all_gather(list(output.chunk(dist.get_world_size())), input_.contiguous())
+
+
+#: The gloo run's configuration, pool and batches (every process builds the same).
+GLOO_CONFIG = DSV4AttentionConfig.tiny(speculative=True)
+GLOO_LENS = ([0, 0, 0], [100, 131, 1])
+
+
+def gloo_rank(rank: int, size: int, port: int, out_dir: str) -> None:
+    """One CP rank in a process (``torch.multiprocessing.spawn``'s entry): a prefill of three
+    requests, each layer's window keys and compressor projections computed from the rank's
+    own rows and all-gathered by sglang's ``cp_materialize_global_token_order`` over gloo.
+    Writes ``rank<r>.json``: the largest differences of the gathered tensors to the batch's,
+    of the rank's rows to the full causal pass and to a single backend's rows, and whether
+    the padding rows are 0; with a hash of every cache and ring."""
+    import torch.distributed as dist
+    from sglang.srt.layers.cp.utils import cp_materialize_global_token_order
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=size)
+    try:
+        with dispatch.force_path(dispatch.TORCH), interleave_cp(size):
+            hf = harness.tiny_hf_config(GLOO_CONFIG)
+            pool = PagedRequestPool(GLOO_CONFIG, [140, 300, 40], generator=_seeded(3))
+            model = RandomModel(GLOO_CONFIG, pool, generator=_seeded(4))
+            sim = harness.SimulatedModel(model)
+            single = DSV4AttentionBackend(harness.mock_runner(pool, hf), cache_format="dense")
+            me = CPRank.build(pool, hf, rank, size, attn_cp_group=GlooCPGroup())
+            step = harness.BatchBuilder(pool).extend([0, 1, 2], *GLOO_LENS)
+            single.init_forward_metadata(step.batch)
+            local = me.plan(step)
+            mine = own_rows(rank, size, len(step.rows))
+            result: dict[str, float | bool | str] = {"gather": 0.0, "single": 0.0}
+            result.update(reference=0.0, padding_zero=True)
+            for layer in range(len(GLOO_CONFIG.compress_ratios)):
+                want = sim.layer(single, step, layer)
+                whole, own = sim.feed(step.rows, layer), sim.feed(local.rows, layer)
+                gathered = {}
+                with me.context():
+                    for name in ("kv", "kv_score", "index_kv_score"):
+                        if getattr(own, name) is not None:
+                            gathered[name] = cp_materialize_global_token_order(
+                                getattr(own, name), local.batch
+                            )
+                            diff = (gathered[name] - getattr(whole, name)).abs().max()
+                            result["gather"] = max(float(result["gather"]), float(diff))
+                out = me.layer(sim, step, local, layer, dataclasses.replace(whole, **gathered))
+                diff = (out[: len(mine)] - want[mine]).abs().max()
+                result["single"] = max(float(result["single"]), float(diff))
+                err = sim.max_error(local.rows, layer, out)
+                result["reference"] = max(float(result["reference"]), err)
+                result["padding_zero"] = bool(result["padding_zero"]) and not out[len(mine) :].any()
+            result["state"] = _state_digest(me.backend)
+            result["single_state"] = _state_digest(single)
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _state_digest(backend: DSV4AttentionBackend) -> str:
+    """A hash of every cache and ring's bytes (equal digests: equal state)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name, tensor in sorted(backend.state.named_tensors().items()):
+        digest.update(name.encode())
+        digest.update(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
