@@ -57,8 +57,10 @@ FP8_BOUND = {0: 0.15, 4: 1.0, 128: 1.0}
 LAYERS = range(len(CONFIG.compress_ratios))
 
 
-def sglang_pool(paged: PagedRequestPool) -> DeepSeekV4TokenToKVPool:
-    """sglang's pool for ``paged``'s slots, as its configurator builds it under EAGLE."""
+def sglang_pool(paged: PagedRequestPool, stage: range | None = None) -> DeepSeekV4TokenToKVPool:
+    """sglang's pool for ``paged``'s slots, as its configurator builds it under EAGLE
+    (``stage``: a pipeline stage's pool, of those layers only)."""
+    stage = stage or range(len(CONFIG.compress_ratios))
     full = paged.num_full_slots
     slots = paged.num_requests + 1
     with get_context().override_server_args(
@@ -81,11 +83,13 @@ def sglang_pool(paged: PagedRequestPool) -> DeepSeekV4TokenToKVPool:
             qk_nope_head_dim=CONFIG.nope_dim,
             qk_rope_head_dim=CONFIG.rope_dim,
             indexer_head_dim=CONFIG.index_head_dim,
-            layer_num=len(CONFIG.compress_ratios),
+            layer_num=len(stage),
             device="cpu",
             enable_memory_saver=False,
             compression_ratios=list(CONFIG.compress_ratios),
             full_size=full,
+            start_layer=stage.start,
+            end_layer=stage.stop,
         )
     pool.register_mapping(paged.full_to_swa)
     return pool
@@ -290,3 +294,36 @@ def test_region_copying_modes_need_the_aliased_layout(option: dict) -> None:
         state.pools.window(0).storage.data_ptr()
         == runner.token_to_kv_pool.get_swa_raw_buffer(0).data_ptr()
     )
+
+
+def test_pd_prefill_with_pipeline_and_context_parallelism_is_served() -> None:
+    """A PD prefill server with two pipeline stages, prefill CP over two ranks and MTP (the
+    launch of sglang PR 27831, DeepSeek-V4 widths), parsed by sglang's ``prepare_server_args``
+    (``attn_cp_size`` resolved to the TP size, as its DeepSeek-V4 hook ``validate_deepseek_v4_cp``
+    does): each stage's backend builds over its stage pool, every cache and ring a view of it,
+    so the regions PD transfers carry all of its state."""
+    from sglang.srt.model_executor.model_runner_components.layer_setup import ModelLayerInfo
+    from sglang.srt.server_args import prepare_server_args
+
+    from dsv4_backend.sglang_adapter.pool_alias import unmovable_reason
+
+    command = (
+        "--trust-remote-code --model-path deepseek-ai/DeepSeek-V4-Flash --tp 2 --pp-size 2 "
+        "--enable-prefill-cp --cp-strategy interleave --disaggregation-mode prefill "
+        f"--speculative-algorithm EAGLE --speculative-num-steps {NUM_STEPS} "
+        f"--speculative-eagle-topk 1 --speculative-num-draft-tokens {NUM_DRAFT}"
+    )
+    args = prepare_server_args(command.split())
+    args.attn_cp_size = args.tp_size
+    paged = PagedRequestPool(CONFIG, [40], generator=torch.Generator().manual_seed(3))
+    for stage in (range(0, 2), range(2, 3)):
+        runner = harness.mock_runner(paged, HF)
+        runner.server_args = args
+        runner.token_to_kv_pool = sglang_pool(paged, stage)
+        runner.layer_info = ModelLayerInfo(
+            start_layer=stage.start, end_layer=stage.stop, num_effective_layers=len(stage)
+        )
+        backend = DSV4AttentionBackend(runner)  # fp8 over the stage pool
+        assert backend.state.pools.layers == stage
+        assert backend.local_heads == CONFIG.num_heads  # CP: attention TP 1
+        assert unmovable_reason(backend.state, runner.token_to_kv_pool, None) is None
