@@ -27,6 +27,9 @@ from typing import Any
 from dsv4_backend.errors import ConfigError
 
 SUPPORTED_RATIOS = (0, 4, 128)
+#: DeepSeek-V4.1's ratios: window only, and its low-ratio compressed layers (1: every token an
+#: entry; 2: token pairs), which share the caches of their kv-source layers (``V41Sources``).
+V41_RATIOS = (0, 1, 2)
 #: ``DSV4AttentionConfig.indexer_selection`` values (exact scores, or sglang's fp8 ones).
 INDEXER_SELECTIONS = ("exact", "fp8")
 #: Ratios with compressed caches, state rings and per-ratio metadata (0 is window only).
@@ -67,12 +70,38 @@ def entries_per_page(ratio: int) -> int:
 
 
 @dataclass(frozen=True, kw_only=True)
+class V41Sources:
+    """DeepSeek-V4.1's cache sharing (``config.json``: ``kv_source_layer_ids``,
+    ``index_source_layer_ids``, ``candidate_source_layer_id``, ``candidate_topk_blocks``,
+    ``candidate_block_size``), checked against the layers' ratios by ``DSV4AttentionConfig``.
+
+    * kv sources: the ratio-1 / ratio-2 layers that compress; every other layer of that ratio
+      reads the compressed cache of the nearest kv source at or before it, of its own ratio;
+    * index sources: the low-ratio layers that run the indexer (their own queries); the
+      ones that are kv sources also write the index keys their later index sources score;
+    * the candidate source (-1: none): an index source that also publishes, per row, its
+      ``candidate_topk_blocks`` best blocks of ``candidate_block_size`` entries; the index
+      sources after it that read its kv source (the candidate consumers) select among those
+      blocks' entries only.
+    """
+
+    kv_source_layers: tuple[int, ...]
+    index_source_layers: tuple[int, ...]
+    candidate_source_layer: int = -1
+    candidate_topk_blocks: int = 0
+    candidate_block_size: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class DSV4AttentionConfig:
     """The attention-relevant part of a DeepSeek-V4 ``config.json``.
 
-    ``compress_ratios`` holds one ratio per attention layer (0 = window only; 1 and 2 are
-    DeepSeek-V4.1's low ratios, refused). Every value is checked here, so an unsupported
-    configuration is refused when the backend is built, never at the first forward.
+    ``compress_ratios`` holds one ratio per attention layer (0 = window only; 4 and 128 for
+    DeepSeek-V4). DeepSeek-V4.1 (``v41`` set: its cache sharing) has the low ratios 1 and 2
+    instead; its layers are checked here and described by the reference
+    (``testing.reference.low_ratio``), but the backend does not serve them yet. Every value is
+    checked here, so an unsupported configuration is refused when the backend is built, never
+    at the first forward.
     """
 
     compress_ratios: tuple[int, ...]
@@ -97,6 +126,8 @@ class DSV4AttentionConfig:
     indexer_selection: str = "exact"
     #: Speculative decoding doubles the compressor state rings.
     speculative: bool = False
+    #: DeepSeek-V4.1's cache sharing; None for DeepSeek-V4.
+    v41: V41Sources | None = None
     softmax_scale: float = field(init=False)
 
     def __post_init__(self) -> None:
@@ -105,13 +136,20 @@ class DSV4AttentionConfig:
         object.__setattr__(self, "softmax_scale", self.head_dim**-0.5)
         if not ratios:
             raise ConfigError("compress_ratios is empty; expected one ratio per layer")
-        bad = sorted({r for r in ratios if r not in SUPPORTED_RATIOS})
+        allowed = SUPPORTED_RATIOS if self.v41 is None else V41_RATIOS
+        bad = sorted({r for r in ratios if r not in allowed})
         if bad:
             raise ConfigError(
                 f"compress_ratios contains {bad}; this backend supports ratios "
-                f"{SUPPORTED_RATIOS} (DeepSeek-V4). Low ratios belong to DeepSeek-V4.1, "
-                "which is not supported"
+                f"{SUPPORTED_RATIOS} (DeepSeek-V4)"
+                + (
+                    ". Low ratios belong to DeepSeek-V4.1, which is not supported"
+                    if self.v41 is None
+                    else f", and {V41_RATIOS} for DeepSeek-V4.1 (kv_source_layer_ids given)"
+                )
             )
+        if self.v41 is not None:
+            _check_v41_sources(ratios, self.v41)
         if self.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
                 f"page_size={self.page_size}; DeepSeek-V4 caches need page_size "
@@ -155,6 +193,31 @@ class DSV4AttentionConfig:
         """``D - R``: the head dims without RoPE (448 for Flash, 64 tiny)."""
         return self.head_dim - self.rope_dim
 
+    def kv_source_of(self, layer: int) -> int:
+        """DeepSeek-V4.1: the kv-source layer whose compressed cache ``layer`` (ratio 1 or 2)
+        reads, the nearest at or before it (``ConfigError`` for a V4 config or another
+        layer)."""
+        if self.v41 is None or self.compress_ratios[layer] not in (1, 2):
+            raise ConfigError(
+                f"layer {layer} (ratio {self.compress_ratios[layer]}) reads no shared "
+                "compressed cache; only DeepSeek-V4.1's ratio-1 / ratio-2 layers do"
+            )
+        return max(s for s in self.v41.kv_source_layers if s <= layer)
+
+    @property
+    def candidate_consumers(self) -> tuple[int, ...]:
+        """DeepSeek-V4.1: the index sources after the candidate source that read its kv
+        source; they select among its candidate blocks (empty without a candidate source)."""
+        v41 = self.v41
+        if v41 is None or v41.candidate_source_layer < 0:
+            return ()
+        source = self.kv_source_of(v41.candidate_source_layer)
+        return tuple(
+            layer
+            for layer in v41.index_source_layers
+            if layer > v41.candidate_source_layer and self.kv_source_of(layer) == source
+        )
+
     def ring_rows(self, ratio: int) -> int:
         """Rows of a compressor state ring: one span, c4 8 (16 speculative), c128 128 (256)."""
         span = compress_span(ratio)
@@ -190,6 +253,38 @@ class DSV4AttentionConfig:
         values = read_hf_config(hf, fallbacks)
         values.update(overrides)
         return cls(**values)
+
+
+def _check_v41_sources(ratios: tuple[int, ...], v41: V41Sources) -> None:
+    """``ConfigError`` naming the first of DeepSeek-V4.1's source fields that does not fit the
+    layers' ``ratios`` (``V41Sources``' rules)."""
+    low = [layer for layer, r in enumerate(ratios) if r in (1, 2)]
+    for name in ("kv_source_layers", "index_source_layers"):
+        layers = getattr(v41, name)
+        if list(layers) != sorted(set(layers)) or not set(layers) <= set(low):
+            raise ConfigError(
+                f"{name}={list(layers)}; expected increasing ids of ratio-1 / ratio-2 layers "
+                f"(those are {low})"
+            )
+    for layer in low:
+        earlier = [s for s in v41.kv_source_layers if s <= layer]
+        if not earlier or ratios[earlier[-1]] != ratios[layer]:
+            raise ConfigError(
+                f"layer {layer} has compress ratio {ratios[layer]} but its nearest kv source "
+                f"at or before it is {earlier[-1] if earlier else None} (kv_source_layers="
+                f"{list(v41.kv_source_layers)}); a layer reads the cache of a source of its ratio"
+            )
+    source, blocks, size = (
+        v41.candidate_source_layer, v41.candidate_topk_blocks, v41.candidate_block_size
+    )  # fmt: skip
+    if source >= 0 and (source not in v41.index_source_layers or blocks < 1 or size < 1):
+        raise ConfigError(
+            f"candidate_source_layer_id={source} with candidate_topk_blocks={blocks}, "
+            f"candidate_block_size={size}; expected an index source layer "
+            f"({list(v41.index_source_layers)}) and positive block counts"
+        )
+    if source < -1:
+        raise ConfigError(f"candidate_source_layer_id={source}; expected -1 (none) or a layer id")
 
 
 #: Fields only compressed layers, their compressors and the indexer read (see ``read_hf_config``).
@@ -240,8 +335,9 @@ def _layer_ratios(hf: Any) -> list[int]:
         )
     ratios = [_integer(f"compress_ratios[{i}]", r) for i, r in enumerate(ratios)]
     layers = _field(hf, "num_hidden_layers")
-    if layers is not None and len(ratios) == _integer("num_hidden_layers", layers) + 1:
-        ratios = ratios[:-1]  # the MTP (draft) layer's slot
+    if layers is not None and len(ratios) > _integer("num_hidden_layers", layers):
+        # The draft layers' slots: V4's MTP layer, V4.1's DSpark stages.
+        ratios = ratios[: _integer("num_hidden_layers", layers)]
     return ratios
 
 
@@ -278,8 +374,9 @@ def read_hf_config(hf: Any, fallbacks: Mapping[str, Any] | None = None) -> dict[
     field                        source
     ===========================  =================================================================
     compress_ratios              ``compress_ratios``; else ``layer_types`` mapped through
-                                 ``compress_rates`` (``sliding_attention`` = 0). One ratio more
-                                 than ``num_hidden_layers``: the last (MTP) slot is dropped
+                                 ``compress_rates`` (``sliding_attention`` = 0). Ratios past
+                                 ``num_hidden_layers`` (the draft layers' slots: V4's MTP
+                                 layer, V4.1's DSpark stages) are dropped
     num_heads                    ``num_attention_heads``
     head_dim                     ``head_dim``
     rope_dim                     ``qk_rope_head_dim``
@@ -292,6 +389,10 @@ def read_hf_config(hf: Any, fallbacks: Mapping[str, Any] | None = None) -> dict[
                                  ``rope_theta``
     compress_rope_theta          ``rope_parameters["compress"]["rope_theta"]``, else
                                  ``compress_rope_theta``
+    v41                          ``kv_source_layer_ids`` (non-empty: DeepSeek-V4.1),
+                                 ``index_source_layer_ids``, ``candidate_source_layer_id``
+                                 (default -1), ``candidate_topk_blocks``,
+                                 ``candidate_block_size`` (default 0)
     yarn_*                       the compressed layers' scaling: ``rope_parameters["compress"]``,
                                  else flat ``rope_parameters``, else ``rope_scaling``. YaRN is on
                                  when it has ``original_max_position_embeddings`` > 0 (sglang's
@@ -344,7 +445,31 @@ def read_hf_config(hf: Any, fallbacks: Mapping[str, Any] | None = None) -> dict[
             yarn_beta_fast=_real("beta_fast", compress.get("beta_fast", 32.0)),
             yarn_beta_slow=_real("beta_slow", compress.get("beta_slow", 1.0)),
         )
+    kv_sources = _field(hf, "kv_source_layer_ids")
+    if kv_sources:  # DeepSeek-V4.1 (sglang's DeepseekV41Config defaults it to ())
+        values["v41"] = V41Sources(
+            kv_source_layers=_layer_ids("kv_source_layer_ids", kv_sources),
+            index_source_layers=_layer_ids(
+                "index_source_layer_ids", _field(hf, "index_source_layer_ids") or ()
+            ),
+            candidate_source_layer=_integer(
+                "candidate_source_layer_id", _field(hf, "candidate_source_layer_id") or -1
+            ),
+            candidate_topk_blocks=_integer(
+                "candidate_topk_blocks", _field(hf, "candidate_topk_blocks") or 0
+            ),
+            candidate_block_size=_integer(
+                "candidate_block_size", _field(hf, "candidate_block_size") or 0
+            ),
+        )
     return values
+
+
+def _layer_ids(name: str, values: Any) -> tuple[int, ...]:
+    """``values`` (a list of layer ids) as a tuple of ints; ``ConfigError`` naming ``name``."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        raise ConfigError(f"{name}={values!r}; expected a list of layer ids")
+    return tuple(_integer(f"{name}[{i}]", v) for i, v in enumerate(values))
 
 
 def _integer(name: str, value: Any) -> int:

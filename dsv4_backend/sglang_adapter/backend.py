@@ -205,6 +205,12 @@ class RunnerSettings:
             hf, {"window_size": window}, speculative=speculative, indexer_selection=selection
         )
         layers = None
+        if config.v41 is not None:  # also refused by model type (refusals.REFUSED)
+            raise ConfigError(
+                "kv_source_layer_ids is set: a DeepSeek-V4.1 model, whose ratio-1 / ratio-2 "
+                "layers the dsv4 backend does not serve yet; serve it with "
+                "--attention-backend dsv4_builtin"
+            )
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))

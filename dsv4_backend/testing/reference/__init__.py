@@ -1,4 +1,5 @@
-"""Plain float32 torch reference of DeepSeek-V4 attention (docs/design.md §2-3).
+"""Plain float32 torch reference of DeepSeek-V4 attention (docs/design.md §2-3), and of
+DeepSeek-V4.1's low-ratio compressors and fp4 rounding (§8; not served yet).
 
 One request at a time, tokens at positions ``0 ... S-1``; small loops, no cleverness. Every
 kernel test compares against these functions.
@@ -17,6 +18,7 @@ from dsv4_backend.testing.reference.compressor import (
     pool_slots,
 )
 from dsv4_backend.testing.reference.dspark import reference_dspark_block
+from dsv4_backend.testing.reference.fp4 import fake_quant_e4m3, fake_quant_ue8m0, round_e2m1
 from dsv4_backend.testing.reference.indexer import indexer_scores, indexer_select
 from dsv4_backend.testing.reference.layer import (
     LayerInputs,
@@ -25,6 +27,7 @@ from dsv4_backend.testing.reference.layer import (
     make_random_layer,
     reference_layer,
 )
+from dsv4_backend.testing.reference.low_ratio import low_ratio_entries
 from dsv4_backend.testing.reference.norm import rms_norm
 from dsv4_backend.testing.reference.rope import (
     RopeParams,
@@ -43,9 +46,12 @@ __all__ = [
     "apply_rope",
     "compress_entries",
     "entry_slots",
+    "fake_quant_e4m3",
+    "fake_quant_ue8m0",
     "finish_entries",
     "indexer_scores",
     "indexer_select",
+    "low_ratio_entries",
     "make_random_layer",
     "overlap",
     "pool_slots",
@@ -55,6 +61,7 @@ __all__ = [
     "rms_norm",
     "rope_cos_sin",
     "rope_for_ratio",
+    "round_e2m1",
     "sink_attention",
     "visible_entries",
 ]

@@ -1,8 +1,8 @@
 """Interleaved-pair RoPE on the trailing ``R`` dims: the project's single RoPE implementation.
 
 Pairs ``(2i, 2i+1)`` of the last ``R = rope_dim`` channels rotate by ``position * freq[i]``.
-Window-only layers (ratio 0) use ``rope_theta`` without YaRN; compressed layers (ratio 4 or 128),
-their compressors and the indexer use ``compress_rope_theta`` with YaRN.
+Window-only layers (ratio 0) use ``rope_theta`` without YaRN; compressed layers (ratio 4 or 128,
+DeepSeek-V4.1's 1 or 2), their compressors and the indexer use ``compress_rope_theta`` with YaRN.
 
 YaRN here blends ``freq / factor`` and ``freq`` with a linear ramp between the correction dims
 of ``beta_fast`` and ``beta_slow`` (DeepSeek's formula) and never rescales cos/sin magnitudes.
@@ -82,11 +82,12 @@ def _correction_range(yarn: Yarn, dim: int, theta: float) -> tuple[float, float]
 
 
 def rope_for_ratio(config: DSV4AttentionConfig, ratio: int) -> RopeParams:
-    """The RoPE of a layer with compress ``ratio`` (0: window only; 4 or 128: compressed)."""
+    """The RoPE of a layer with compress ``ratio`` (0: window only; 4 or 128, and
+    DeepSeek-V4.1's 1 or 2: compressed)."""
     if ratio == 0:
         return RopeParams(rope_dim=config.rope_dim, theta=config.rope_theta)
-    if ratio not in (4, 128):
-        raise ConfigError(f"ratio={ratio}; expected 0, 4 or 128")
+    if ratio not in (1, 2, 4, 128):
+        raise ConfigError(f"ratio={ratio}; expected 0, 1, 2, 4 or 128")
     yarn = None
     if config.yarn_original_max_position > 0:
         yarn = Yarn(
