@@ -18,11 +18,18 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig, V41Sources
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.testing.reference import (
+    candidate_blocks,
     fake_quant_e4m3,
     fake_quant_ue8m0,
+    index_head_weights,
+    index_keys,
+    index_queries,
+    index_scores,
     low_ratio_entries,
     rope_for_ratio,
     round_e2m1,
+    select_entries,
+    select_from_candidates,
 )
 from dsv4_backend.testing.reference.fp4 import E2M1_VALUES, e4m3_scales, ue8m0_scales
 
@@ -187,3 +194,80 @@ def test_low_ratio_latents_equal_sglangs_compressor(ratio: int) -> None:
     )  # fmt: skip
     assert got.shape == (tokens // ratio, head_dim)
     assert torch.equal(got.bfloat16(), want)
+
+
+# ---------------------------------------------------------------------------- the indexer
+def _indexer(layer: int = 20) -> tuple[Any, DSV4AttentionConfig]:
+    """sglang's ``DeepseekV41Indexer`` of a V4.1-Flash kv-source layer (hidden 96, q_lora 48;
+    Flash's indexer widths), random bf16 weights."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.attention.dsv4.dsv41_sparse import DeepseekV41Indexer
+
+    config = DSV4AttentionConfig.from_hf_config(FLASH_V41)
+    hf = SimpleNamespace(**FLASH_V41, q_lora_rank=48, hidden_size=96)
+    module = DeepseekV41Indexer(hf, layer, config.head_dim, None, "indexer")
+    g = torch.Generator().manual_seed(layer)
+    with torch.no_grad():
+        for parameter in module.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=g) * 0.1)
+    return module, config
+
+
+def test_index_keys_queries_and_weights_equal_sglangs_indexer() -> None:
+    """``index_keys`` (of sglang's own ``wk`` projections), ``index_queries`` (of its ``wq_b``
+    projections) and the head weights equal ``DeepseekV41Indexer.index_keys`` / ``queries`` /
+    ``head_weights`` bit for bit (its torch path); the scores equal its ``scores`` within
+    its bf16 arithmetic."""
+    module, config = _indexer()
+    assert module.owns_k and module.is_candidate_source
+    g = torch.Generator().manual_seed(5)
+    rope = rope_for_ratio(config, 1)
+    positions = torch.arange(0, 300, 7)
+    cos, sin = rope.cos_sin(positions)
+    freqs = torch.complex(cos, sin)
+    latents = torch.randn(len(positions), config.head_dim, generator=g).bfloat16()
+    q_lora = torch.randn(len(positions), 48, generator=g).bfloat16()
+    x = torch.randn(len(positions), 96, generator=g).bfloat16()
+    with torch.no_grad():
+        keys = module.index_keys(latents, freqs)
+        queries = module.queries(q_lora, freqs)
+        weights = module.head_weights(x)
+        scores = module.scores(queries, keys, weights)
+        k_proj, q_proj = module.forward_wk(latents), module.wq_b(q_lora)[0]
+        raw = module.head_weights_raw(x)
+    k_norm = module.k_norm.weight.detach()
+    got_keys = index_keys(k_proj, k_norm, rope, positions, config.rms_norm_eps)
+    assert torch.equal(got_keys.bfloat16(), keys)
+    got_queries = index_queries(q_proj.view(-1, 32, 128), rope, positions)
+    assert torch.equal(got_queries.bfloat16(), queries)
+    got_weights = index_head_weights(raw, config.index_head_dim)
+    assert torch.equal(got_weights.bfloat16(), weights)
+    got = index_scores(got_queries, got_keys, got_weights)
+    scale = got.abs().amax()
+    assert float((got - scores).abs().max()) <= 2e-2 * float(scale)  # sglang sums in bf16
+
+
+def test_the_full_and_the_two_level_top_k() -> None:
+    """The full top-k keeps each row's best visible entries (ties: the lower id; ``-1`` past a
+    short row). The two-level top-k: with blocks enough to cover a row it is the full top-k;
+    otherwise its entries come from the candidate blocks only, which hold the newest block and
+    the blocks of the best keys, and an entry of a dropped block is lost."""
+    g = torch.Generator().manual_seed(9)
+    scores = torch.randn(3, 64, generator=g)
+    scores[0, 5] = scores[0, 6] = 10.0  # a tie: 5 before 6
+    visible = torch.tensor([64, 20, 3])
+    full = select_entries(scores, visible, 8)
+    assert full[0, :2].tolist() == [5, 6] and full[2, 3:].tolist() == [-1] * 5
+    assert torch.equal(full[1], scores[1, :20].topk(8).indices)
+    covering = candidate_blocks(scores, visible, block_size=8, num_blocks=8)
+    assert torch.equal(select_from_candidates(scores, visible, covering, 8, 8), full)
+    blocks = candidate_blocks(scores, visible, block_size=8, num_blocks=2)
+    assert [b[0] for b in blocks] == [7, 2, 0]  # the newest block first
+    keys = scores[0].unflatten(0, (8, 8)).amax(dim=1)
+    assert blocks[0][1] == int(keys[:7].argmax())
+    two_level = select_from_candidates(scores, visible, blocks, 8, 8)
+    allowed = {e for b in blocks[0] for e in range(8 * b, 8 * b + 8)}
+    assert set(two_level[0].tolist()) <= allowed
+    lost = [e for e in full[0].tolist() if e not in allowed]
+    assert lost and not set(lost) & set(two_level[0].tolist())

@@ -1,5 +1,5 @@
 """Plain float32 torch reference of DeepSeek-V4 attention (docs/design.md §2-3), and of
-DeepSeek-V4.1's low-ratio compressors and fp4 rounding (§8; not served yet).
+DeepSeek-V4.1's low-ratio compressors, indexer and fp4 rounding (§8; not served yet).
 
 One request at a time, tokens at positions ``0 ... S-1``; small loops, no cleverness. Every
 kernel test compares against these functions.
@@ -27,7 +27,16 @@ from dsv4_backend.testing.reference.layer import (
     make_random_layer,
     reference_layer,
 )
-from dsv4_backend.testing.reference.low_ratio import low_ratio_entries
+from dsv4_backend.testing.reference.low_ratio import (
+    candidate_blocks,
+    index_head_weights,
+    index_keys,
+    index_queries,
+    index_scores,
+    low_ratio_entries,
+    select_entries,
+    select_from_candidates,
+)
 from dsv4_backend.testing.reference.norm import rms_norm
 from dsv4_backend.testing.reference.rope import (
     RopeParams,
@@ -44,11 +53,16 @@ __all__ = [
     "RopeParams",
     "Yarn",
     "apply_rope",
+    "candidate_blocks",
     "compress_entries",
     "entry_slots",
     "fake_quant_e4m3",
     "fake_quant_ue8m0",
     "finish_entries",
+    "index_head_weights",
+    "index_keys",
+    "index_queries",
+    "index_scores",
     "indexer_scores",
     "indexer_select",
     "low_ratio_entries",
@@ -62,6 +76,8 @@ __all__ = [
     "rope_cos_sin",
     "rope_for_ratio",
     "round_e2m1",
+    "select_entries",
+    "select_from_candidates",
     "sink_attention",
     "visible_entries",
 ]
