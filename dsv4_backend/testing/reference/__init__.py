@@ -45,12 +45,15 @@ from dsv4_backend.testing.reference.rope import (
     rope_cos_sin,
     rope_for_ratio,
 )
+from dsv4_backend.testing.reference.v41_model import V41LayerInputs, V41Result, reference_v41
 
 __all__ = [
     "LayerInputs",
     "LayerParams",
     "ReferenceResult",
     "RopeParams",
+    "V41LayerInputs",
+    "V41Result",
     "Yarn",
     "apply_rope",
     "candidate_blocks",
@@ -72,6 +75,7 @@ __all__ = [
     "reference_attention",
     "reference_dspark_block",
     "reference_layer",
+    "reference_v41",
     "rms_norm",
     "rope_cos_sin",
     "rope_for_ratio",

@@ -45,6 +45,29 @@ def pool_pairs(kv: torch.Tensor, score: torch.Tensor) -> torch.Tensor:
     return (torch.softmax(score2, dim=1) * kv2).sum(dim=1)
 
 
+def low_ratio_latents(
+    kv_proj: torch.Tensor,
+    score_proj: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    ratio: int,
+    eps: float,
+) -> torch.Tensor:
+    """Every complete entry's latent before RoPE, ``RMSNorm(bf16(pooled))`` rounded to bf16
+    (module docstring; what the index keys project): ``[S // ratio, D]`` float32.
+
+    ``kv_proj``: ``[S, D]`` float32 ``wkv x`` of the request's tokens; ``score_proj``: ``[S,
+    D]`` float32 ``wgate x`` (ratio 2), None for ratio 1; ``norm_weight`` ``[D]`` and ``eps``:
+    the compressor's RMSNorm.
+    """
+    if ratio not in (1, 2) or (score_proj is None) != (ratio == 1):
+        raise ContractError(
+            f"ratio={ratio} with score_proj {'None' if score_proj is None else 'given'}; "
+            "expected ratio 1 without scores or ratio 2 with them"
+        )
+    pooled = kv_proj.float() if score_proj is None else pool_pairs(kv_proj, score_proj)
+    return rms_norm(pooled.bfloat16(), norm_weight, eps).bfloat16().float()
+
+
 def low_ratio_entries(
     kv_proj: torch.Tensor,
     score_proj: torch.Tensor | None,
@@ -53,28 +76,14 @@ def low_ratio_entries(
     rope: RopeParams,
     eps: float,
 ) -> torch.Tensor:
-    """Every complete entry of one request (module docstring).
-
-    Parameters
-    ----------
-    kv_proj : ``[S, D]`` float32 ``wkv x`` of the request's tokens.
-    score_proj : ``[S, D]`` float32 ``wgate x`` (ratio 2); None for ratio 1.
-    norm_weight : ``[D]`` the compressor's RMSNorm weight; ``eps`` its epsilon.
-    ratio : 1 or 2.
-    rope : the compressed layers' RoPE (``rope_for_ratio(config, ratio)``).
-
-    Returns ``[S // ratio, D]`` float32 (values on the fp4 grid times their scales).
-    """
-    if ratio not in (1, 2) or (score_proj is None) != (ratio == 1):
-        raise ContractError(
-            f"ratio={ratio} with score_proj {'None' if score_proj is None else 'given'}; "
-            "expected ratio 1 without scores or ratio 2 with them"
-        )
-    pooled = kv_proj.float() if score_proj is None else pool_pairs(kv_proj, score_proj)
-    normed = rms_norm(pooled.bfloat16(), norm_weight, eps).bfloat16()
-    positions = torch.arange(pooled.shape[0], device=pooled.device) * ratio
+    """Every complete entry of one request (module docstring): the latents
+    (:func:`low_ratio_latents`, the same arguments) roped at ``w * ratio`` with ``rope`` (the
+    compressed layers' RoPE, ``rope_for_ratio(config, ratio)``) and rounded to bf16, then fp4
+    with e4m3 scales. Returns ``[S // ratio, D]`` float32."""
+    latents = low_ratio_latents(kv_proj, score_proj, norm_weight, ratio, eps)
+    positions = torch.arange(latents.shape[0], device=latents.device) * ratio
     cos, sin = rope.cos_sin(positions)
-    return fake_quant_e4m3(apply_rope(normed, cos, sin).bfloat16())
+    return fake_quant_e4m3(apply_rope(latents, cos, sin).bfloat16())
 
 
 # ----------------------------------------------------------------------------- the indexer
