@@ -154,11 +154,20 @@ class RunnerSettings:
     #: The model layer ids this runner serves: its pipeline stage's ``[start_layer,
     #: end_layer)`` (every layer without pipeline parallelism, and on a draft worker).
     layers: range | None = None
+    #: ``--enable-cp-decode-attn-tp``: the prefill-CP ranks split the query heads of every
+    #: batch that is not a CP prefill over themselves (sglang's ``CpDecodeAttnTpContext``).
+    decode_attn_tp_size: int = 1
 
     @property
     def local_heads(self) -> int:
         """Query heads of this rank (sglang's ``n_local_heads``)."""
         return self.config.num_heads // self.attn_tp_size
+
+    @property
+    def split_heads(self) -> int:
+        """Query heads of this rank in a batch that is not a CP prefill: ``local_heads``, or
+        a ``decode_attn_tp_size``-th of them under ``--enable-cp-decode-attn-tp``."""
+        return self.local_heads // self.decode_attn_tp_size
 
     @classmethod
     def from_runner(cls, runner: ModelRunner, topk: int = 0) -> RunnerSettings:
@@ -233,11 +242,20 @@ class RunnerSettings:
             attn_cp_size=attn_cp_size,
             attn_dp_size=attn_dp_size,
         )
-        if attn_tp_size < 1 or config.num_heads % attn_tp_size:
+        decode_attn_tp_size = (
+            attn_cp_size if getattr(args, "enable_cp_decode_attn_tp", False) else 1
+        )
+        if attn_tp_size < 1 or config.num_heads % (attn_tp_size * decode_attn_tp_size):
             raise ConfigError(
                 f"num_attention_heads={config.num_heads} cannot be split over an attention "
-                f"tensor-parallel group of {attn_tp_size} ranks (tp_size / attn_dp_size); "
-                "choose --tp-size / --attention-data-parallel-size so that it divides the heads"
+                f"tensor-parallel group of {attn_tp_size} ranks (tp_size / attn_dp_size)"
+                + (
+                    f" and then over {decode_attn_tp_size} CP ranks (--enable-cp-decode-attn-tp)"
+                    if decode_attn_tp_size > 1
+                    else ""
+                )
+                + "; choose --tp-size / --attention-data-parallel-size so that it divides the "
+                "heads"
             )
         return cls(
             config=config,
@@ -247,6 +265,7 @@ class RunnerSettings:
             attn_tp_size=attn_tp_size,
             region_copying=region_copying,
             layers=layers,
+            decode_attn_tp_size=decode_attn_tp_size,
         )
 
 
@@ -480,6 +499,8 @@ class DSV4AttentionBackend(AttentionBackend):
         self.device = settings.device
         self.num_draft_tokens = settings.num_draft_tokens
         self.local_heads = settings.local_heads
+        #: The heads of a batch that is not a CP prefill (``RunnerSettings.split_heads``).
+        self.split_heads = settings.split_heads
         self.topk = settings.draft_topk
         self.speculative_step_id = speculative_step_id
         self.speculative_num_steps = speculative_num_steps
@@ -497,11 +518,10 @@ class DSV4AttentionBackend(AttentionBackend):
         #: a variant named in the environment that cannot run or take these caches is refused
         #: when built, not at the first forward.
         self.kernels = kernel_choice(self.device)
-        reason = explicit_choice_refusal(
-            self.device, self.state.pools, self.config, self.local_heads
-        )
-        if reason is not None:
-            raise ConfigError(reason)
+        for heads in sorted({self.local_heads, self.split_heads}):
+            reason = explicit_choice_refusal(self.device, self.state.pools, self.config, heads)
+            if reason is not None:
+                raise ConfigError(reason)
         _log_kernels(self.kernels)
         sizes = state_sizes(model_runner, self.config)
         self.num_cache_slots = sizes["num_full_slots"]
@@ -1021,15 +1041,17 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: attn_sink has shape {tuple(attn_sink.shape)}; expected one logit per "
                 f"query head, ({q.shape[1]},)"
             )
-        heads = self.local_heads
+        metadata = self._read_metadata(forward_batch, q.shape[0], where)
+        # A CP prefill keeps every head of the rank; other batches may split them further.
+        heads = self.local_heads if self.cp_read_metadata is not None else self.split_heads
         layer_heads = getattr(layer, "tp_q_head_num", heads)
         if layer_heads != heads or q.shape[1] < heads:
             raise ContractError(
-                f"{where}: this rank serves {heads} query heads (num_attention_heads "
-                f"{self.config.num_heads} / attention TP size {self.config.num_heads // heads}) "
-                f"but got a layer of {layer_heads} heads and q {tuple(q.shape)}"
+                f"{where}: this rank serves {heads} query heads in this batch "
+                f"(num_attention_heads {self.config.num_heads} / {self.config.num_heads // heads}"
+                " ranks of attention TP, and of CP under --enable-cp-decode-attn-tp) but got a "
+                f"layer of {layer_heads} heads and q {tuple(q.shape)}"
             )
-        metadata = self._read_metadata(forward_batch, q.shape[0], where)
         out = attend(self.state, layer_id, metadata, q[:, :heads], attn_sink[:heads].float())
         if q.shape[1] == heads:
             return out.to(q.dtype)

@@ -123,9 +123,6 @@ REFUSED: tuple[Refused, ...] = (
     Refused("cp_strategy", _one_of("zigzag"), "--cp-strategy zigzag",
             "the backend plans the interleave prefill CP layout (sglang runs zigzag on NPUs "
             "only)"),
-    Refused("enable_cp_decode_attn_tp", _set, "--enable-cp-decode-attn-tp",
-            "it splits the heads of decode batches over the CP ranks while prefill keeps all "
-            "of them; the backend serves one head count per rank"),
 )  # fmt: skip
 
 

@@ -54,10 +54,12 @@ def as_rank(rank: int, size: int, **parallel: Any) -> contextlib.AbstractContext
     further ``parallel`` fields (e.g. ``attn_cp_group``)."""
     from sglang.srt.runtime_context import get_parallel
 
+    # The whole topology, consistent on its own: a test before may have published another.
     return get_parallel().override(
-        tp_size=size, attn_tp_size=1, attn_dp_size=1, attn_cp_size=size, attn_cp_rank=rank,
-        enable_prefill_cp=True, cp_strategy="interleave", enable_cp_tp_group_sharing=False,
-        **parallel,
+        tp_size=size, tp_rank=rank, attn_tp_size=1, attn_tp_rank=0, attn_dp_size=1,
+        attn_dp_rank=0, attn_cp_size=size, attn_cp_rank=rank, moe_ep_size=1, moe_dp_size=1,
+        moe_tp_size=size, enable_prefill_cp=True, cp_strategy="interleave",
+        enable_cp_tp_group_sharing=False, **parallel,
     )  # fmt: skip
 
 
@@ -71,14 +73,26 @@ class CPRank:
     size: int
     parallel: dict[str, Any] = dataclasses.field(default_factory=dict)
 
+    #: ``--enable-cp-decode-attn-tp``: batches that are not split give the rank its
+    #: ``1 / size`` of the query heads (and of the sink), as sglang's model slices them.
+    decode_attn_tp: bool = False
+
     @classmethod
     def build(
-        cls, pool: PagedRequestPool, hf: dict[str, Any], rank: int, size: int, **parallel: Any
+        cls,
+        pool: PagedRequestPool,
+        hf: dict[str, Any],
+        rank: int,
+        size: int,
+        *,
+        decode_attn_tp: bool = False,
+        **parallel: Any,
     ) -> CPRank:
         runner = harness.mock_runner(pool, hf, tp_size=size, attn_cp_size=size)
         runner.server_args.enable_prefill_cp = True
+        runner.server_args.enable_cp_decode_attn_tp = decode_attn_tp
         backend = DSV4AttentionBackend(runner, cache_format="dense")
-        return cls(backend, rank, size, parallel)
+        return cls(backend, rank, size, parallel, decode_attn_tp)
 
     def context(self) -> contextlib.AbstractContextManager[object]:
         return as_rank(self.rank, self.size, **self.parallel)
@@ -114,7 +128,8 @@ class CPRank:
         batch's window keys and projections (``whole``; default: ``step``'s feed)."""
         with self.context():
             if local.rows is step.rows:  # not split: the whole batch on every rank
-                return sim.layer(self.backend, local, layer)
+                tp = harness.AttentionTPRank(self.rank, self.size) if self.decode_attn_tp else None
+                return sim.layer(self.backend, local, layer, tp)
             own = sim.feed(local.rows, layer)
             whole = whole or sim.feed(step.rows, layer)
             return sim.run_feed(self.backend, local.batch, layer, whole, local=own)

@@ -89,6 +89,38 @@ def test_cp_ranks_equal_the_single_rank(size: int) -> None:
             assert torch.equal(tensor, reference[name]), (rank.rank, name)
 
 
+def test_cp_decode_attention_tp_splits_the_heads_of_the_other_batches() -> None:
+    """``--enable-cp-decode-attn-tp``: a CP prefill keeps every head on every rank; a decode
+    (not split) gives each rank its ``1 / cp`` of the heads and the sink, and the ranks' outputs
+    side by side equal the single rank's; a rank handed every head in a decode is refused."""
+    size = 2
+    pool = PagedRequestPool(CONFIG, [140, 40], generator=torch.Generator().manual_seed(11))
+    model = RandomModel(CONFIG, pool, generator=torch.Generator().manual_seed(12))
+    sim, batches = harness.SimulatedModel(model), harness.BatchBuilder(pool)
+    single = single_backend(pool)
+    with interleave_cp(size):
+        ranks = [CPRank.build(pool, HF, r, size, decode_attn_tp=True) for r in range(size)]
+        assert [r.backend.split_heads for r in ranks] == [CONFIG.num_heads // size] * size
+        for step in (batches.extend([0, 1], [0, 0], [130, 30]), batches.decode([0, 1], [131, 31])):
+            single.init_forward_metadata(step.batch)
+            locals_ = [r.plan(step) for r in ranks]
+            for layer in range(len(CONFIG.compress_ratios)):
+                want = sim.layer(single, step, layer)
+                outs = [
+                    r.layer(sim, step, local, layer)
+                    for r, local in zip(ranks, locals_, strict=True)
+                ]
+                if locals_[0].rows is step.rows:  # the decode: heads split over the ranks
+                    torch.testing.assert_close(torch.cat(outs, dim=1), want, atol=1e-6, rtol=0)
+                else:
+                    for rank, out in zip(ranks, outs, strict=True):
+                        mine = own_rows(rank.rank, size, len(step.rows))
+                        torch.testing.assert_close(out[: len(mine)], want[mine], atol=1e-6, rtol=0)
+        decode = locals_[0]
+        with ranks[0].context(), pytest.raises(ContractError, match="serves 4 query heads"):
+            sim.layer(ranks[0].backend, decode, 0)  # every head: not what this rank serves
+
+
 def test_negative_controls_are_caught() -> None:
     """What a wrong CP layout would do: a rank fed a contiguous block of queries (not its
     interleaved rows) is wrong against the reference; window keys of the rank's rows only

@@ -69,7 +69,7 @@ COMMANDS = [
     ("prefill-cp-zigzag", f"{FLASH} --tp 4 --enable-prefill-cp --cp-strategy zigzag", {},
      "zigzag"),
     ("cp-decode-attn-tp", f"{FLASH} --tp 4 --enable-prefill-cp --cp-strategy interleave "
-     "--enable-cp-decode-attn-tp", {}, "--enable-cp-decode-attn-tp"),
+     "--enable-cp-decode-attn-tp", {}, None),
     ("attention-cp", f"{FLASH} --tp 4 --attn-cp-size 2", {}, "--attention-context-parallel"),
     ("two-batch-overlap", f"{BALANCED} --enable-two-batch-overlap", {}, None),
     ("two-batch-overlap-megamoe", f"{HIGH_THROUGHPUT} --enable-two-batch-overlap", {}, None),
