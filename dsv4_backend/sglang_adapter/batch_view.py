@@ -113,15 +113,17 @@ def cp_rank_rows(fb: Any, num_rows: int) -> tuple[torch.Tensor, int] | None:
     context-parallel prefill. ``BatchError`` for a layout this backend does not plan: another
     strategy's metadata, a late-layer tail's ``local_index`` (DeepSeek-V4.1), or counts that do
     not add up."""
-    # Imported at the first plan, not with the module: sglang's CP modules bring its
-    # distributed communicators (about 1.7 s of imports).
+    metadata = getattr(fb, "attn_cp_metadata", None)
+    if metadata is None:  # every batch outside prefill CP: nothing more on the plan's path
+        return None
+    # Imported here, not with the module: sglang's CP modules bring its distributed
+    # communicators (about 1.7 s of imports), which a server without CP never needs.
     from sglang.srt.layers.cp.interleave import InterleaveContextParallelMetadata
     from sglang.srt.layers.cp.utils import is_cp_active
     from sglang.srt.runtime_context import get_parallel
 
-    if getattr(fb, "attn_cp_metadata", None) is None or not is_cp_active(fb):
+    if not is_cp_active(fb):
         return None
-    metadata = fb.attn_cp_metadata
     if not isinstance(metadata, InterleaveContextParallelMetadata) or (
         metadata.local_index is not None
     ):

@@ -440,9 +440,12 @@ class SimulatedModel:
         of every rank's rows, so those come from ``feed``."""
         ratio = self.model.config.compress_ratios[layer]
         backend.store_cache(layer_id=layer, swa_k=feed.kv, forward_batch=fb)
-        own = feed if local is None else local
         # What the rank's modules see: its own x, queries and weights; every row's projections.
-        rank = dataclasses.replace(own, kv_score=feed.kv_score, index_kv_score=feed.index_kv_score)
+        rank = feed
+        if local is not None:
+            rank = dataclasses.replace(
+                local, kv_score=feed.kv_score, index_kv_score=feed.index_kv_score
+            )
         if ratio == 4:
             indexer = self.indexers[layer]
             indexer.feed = indexer.compressor.feed = rank
@@ -453,7 +456,7 @@ class SimulatedModel:
             compressor = self.compressors[layer]
             compressor.feed = rank
             backend.forward_core_compressor(rank.x, fb, layer, compressor)
-        q, sink = own.q, self.model.params[layer].sink
+        q, sink = rank.q, self.model.params[layer].sink
         local_heads = q.shape[1]
         if tp is not None:
             local_heads //= tp.size
