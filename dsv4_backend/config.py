@@ -34,6 +34,9 @@ V41_RATIOS = (0, 1, 2)
 INDEXER_SELECTIONS = ("exact", "fp8")
 #: Ratios with compressed caches, state rings and per-ratio metadata (0 is window only).
 COMPRESSED_RATIOS = (4, 128)
+#: DeepSeek-V4.1's low ratios: compressed caches owned by kv-source layers, entries selected by
+#: its indexer (``planning.low_ratio``, ``compute.low_ratio``).
+LOW_RATIOS = (1, 2)
 REQUIRED_PAGE_SIZE = 256
 #: The sliding window W (the name is historical: it is not the window cache's page size).
 SWA_PAGE_SIZE = 128
@@ -64,8 +67,11 @@ def compress_span(ratio: int) -> int:
 
 def entries_per_page(ratio: int) -> int:
     """Compressed entries per full page (compressed caches reuse the full page table): 64 for
-    c4 (also the indexer keys), 2 for c128."""
-    check_compressed_ratio(ratio, "compressed cache")
+    c4 (also the indexer keys), 2 for c128; DeepSeek-V4.1's 256 for c1, 128 for c2."""
+    if ratio not in COMPRESSED_RATIOS + LOW_RATIOS:
+        raise ConfigError(
+            f"compressed cache ratio={ratio}; expected one of {COMPRESSED_RATIOS + LOW_RATIOS}"
+        )
     return REQUIRED_PAGE_SIZE // ratio
 
 
@@ -98,8 +104,7 @@ class DSV4AttentionConfig:
 
     ``compress_ratios`` holds one ratio per attention layer (0 = window only; 4 and 128 for
     DeepSeek-V4). DeepSeek-V4.1 (``v41`` set: its cache sharing) has the low ratios 1 and 2
-    instead; its layers are checked here and described by the reference
-    (``testing.reference.low_ratio``), but the backend does not serve them yet. Every value is
+    instead (docs/design.md §8). Every value is
     checked here, so an unsupported configuration is refused when the backend is built, never
     at the first forward.
     """
@@ -181,7 +186,12 @@ class DSV4AttentionConfig:
     @property
     def ratios_present(self) -> frozenset[int]:
         """Compressed ratios (4 and/or 128) used by at least one layer."""
-        return frozenset(r for r in self.compress_ratios if r)
+        return frozenset(r for r in self.compress_ratios if r in COMPRESSED_RATIOS)
+
+    @property
+    def low_ratios_present(self) -> frozenset[int]:
+        """DeepSeek-V4.1's low ratios (1 and/or 2) used by at least one layer."""
+        return frozenset(r for r in self.compress_ratios if r in LOW_RATIOS)
 
     @property
     def swa_index_width(self) -> int:
@@ -219,7 +229,15 @@ class DSV4AttentionConfig:
         )
 
     def ring_rows(self, ratio: int) -> int:
-        """Rows of a compressor state ring: one span, c4 8 (16 speculative), c128 128 (256)."""
+        """Rows of a compressor state ring: one span, c4 8 (16 speculative), c128 128 (256);
+        DeepSeek-V4.1's ratio-2 pair ring 2 (the even token of a pair waits there)."""
+        if ratio == 2:
+            if self.speculative:
+                raise ConfigError(
+                    "DeepSeek-V4.1 with speculative decoding: its ratio-2 pair rings hold the "
+                    "draft rows too, which this backend does not serve yet"
+                )
+            return 2
         span = compress_span(ratio)
         return 2 * span if self.speculative else span
 
@@ -285,6 +303,14 @@ def _check_v41_sources(ratios: tuple[int, ...], v41: V41Sources) -> None:
         )
     if source < -1:
         raise ConfigError(f"candidate_source_layer_id={source}; expected -1 (none) or a layer id")
+    for layer in v41.index_source_layers:
+        owner = max(s for s in v41.kv_source_layers if s <= layer)
+        if owner not in v41.index_source_layers:
+            raise ConfigError(
+                f"index source layer {layer} scores the index keys of kv source {owner}, which "
+                f"is not an index source (index_source_layers={list(v41.index_source_layers)}); "
+                "only a kv source that runs the indexer writes index keys"
+            )
 
 
 #: Fields only compressed layers, their compressors and the indexer read (see ``read_hf_config``).

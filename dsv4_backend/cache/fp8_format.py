@@ -84,8 +84,9 @@ def bf16_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------------------------ layouts
-class _PagedBytes:
-    """Slot addressing shared by both layouts: ``page = slot // page_tokens``,
+class PagedLayout:
+    """Slot addressing shared by the paged layouts (the fp8 ones here, the fp4 index keys of
+    ``fp4_format``): ``page = slot // page_tokens``,
     ``t = slot % page_tokens``; token t's data at ``t * token_bytes`` of its page, its scales at
     ``scale_base + t * scale_bytes``. Storage is ``[num_pages, page_bytes]`` uint8."""
 
@@ -101,11 +102,23 @@ class _PagedBytes:
         raise NotImplementedError
 
     @property
+    def bytes_per_token(self) -> int:
+        raise NotImplementedError
+
+    @property
     def scale_base(self) -> int:
         raise NotImplementedError
 
     @property
     def page_bytes(self) -> int:
+        raise NotImplementedError
+
+    def pack_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x`` ``[N, dim]`` float -> ``(data [N, token_bytes], scales [N, scale_bytes])``."""
+        raise NotImplementedError
+
+    def unpack_tokens(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """:meth:`pack_tokens`' inverse: ``[N, dim]`` float32."""
         raise NotImplementedError
 
     def num_pages(self, num_slots: int) -> int:
@@ -145,7 +158,7 @@ class _PagedBytes:
 
 
 @dataclass(frozen=True)
-class Fp8TokenLayout(_PagedBytes):
+class Fp8TokenLayout(PagedLayout):
     """Byte layout of an fp8 token cache page: ``nope_dim`` e4m3 + ``rope_dim`` bf16 per token.
 
     ``nope_dim`` must be a positive multiple of 64 with at most 8 groups (one scale byte each).
@@ -232,7 +245,7 @@ class Fp8TokenLayout(_PagedBytes):
 
 
 @dataclass(frozen=True)
-class Fp8IndexerLayout(_PagedBytes):
+class Fp8IndexerLayout(PagedLayout):
     """Byte layout of an fp8 indexer-key page: ``page_tokens`` x ``dim`` e4m3, then fp32 scales."""
 
     dim: int

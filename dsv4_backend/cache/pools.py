@@ -7,7 +7,12 @@ window      every layer                      256           ``num_swa_slots``
 c4          ratio-4 layers                   64            ``num_full_slots // 4``
 indexer     ratio-4 layers                   64            ``num_full_slots // 4``
 c128        ratio-128 layers                 2             ``num_full_slots // 128``
+c1 / c2     DeepSeek-V4.1's kv sources       256 / 128     ``num_full_slots // r``
+index keys  DeepSeek-V4.1's kv sources       64            ``num_full_slots // r``
 ==========  ===============================  ============  =========================
+
+DeepSeek-V4.1's ratio-1 / ratio-2 layers read the compressed cache and index keys of their
+kv source (``config.kv_source_of``); the fp4 index keys are ``fp4_format.Fp4IndexKeyCache``.
 
 Compressed caches reuse the full page table (256 tokens per page), so ``num_full_slots`` must be
 a multiple of 256. Window pages are sglang's SWA pages (``WINDOW_PAGE_TOKENS``, 256 tokens:
@@ -27,9 +32,15 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.cache.token_cache import CacheFormat, TokenCache
-from dsv4_backend.config import WINDOW_PAGE_TOKENS, DSV4AttentionConfig, entries_per_page
+from dsv4_backend.config import (
+    LOW_RATIOS,
+    WINDOW_PAGE_TOKENS,
+    DSV4AttentionConfig,
+    entries_per_page,
+)
 from dsv4_backend.errors import ConfigError, ContractError
 
 
@@ -52,13 +63,15 @@ def stage_layers(config: DSV4AttentionConfig, layers: range | None) -> range:
 @dataclass(frozen=True)
 class DSV4CachePools:
     """Window caches of every layer of ``layers``; compressed and indexer caches of its
-    compressed / ratio-4 layers; all keyed by the model's layer id."""
+    compressed / ratio-4 layers (DeepSeek-V4.1: compressed caches and index keys of its kv
+    sources); all keyed by the model's layer id."""
 
     config: DSV4AttentionConfig
     layers: range
     windows: dict[int, TokenCache]
     compressed_caches: dict[int, TokenCache]
     indexer_caches: dict[int, IndexerKeyCache]
+    index_key_caches: dict[int, Fp4IndexKeyCache]
 
     @classmethod
     def build(
@@ -83,8 +96,17 @@ class DSV4CachePools:
         def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache:
             return IndexerKeyCache(num_slots, config.index_head_dim, fmt, dtype, device)
 
+        def index_key_cache(layer: int, num_slots: int) -> Fp4IndexKeyCache:
+            return Fp4IndexKeyCache(num_slots, config.index_head_dim, fmt, device)
+
         return cls._assemble(
-            config, num_full_slots, num_swa_slots, token_cache, indexer_cache, layers
+            config,
+            num_full_slots,
+            num_swa_slots,
+            token_cache,
+            indexer_cache,
+            index_key_cache,
+            layers,
         )
 
     @classmethod
@@ -97,14 +119,16 @@ class DSV4CachePools:
         windows: Mapping[int, torch.Tensor],
         compressed: Mapping[int, torch.Tensor],
         indexers: Mapping[int, torch.Tensor],
+        index_keys: Mapping[int, torch.Tensor] | None = None,
         name: str = "storage",
         layers: range | None = None,
     ) -> DSV4CachePools:
         """fp8 caches built over given per-layer uint8 storages (views, nothing allocated).
 
         For each layer of ``layers`` (default: every layer): ``windows[layer]``,
-        ``compressed[layer]`` for ratio-4 / 128 layers, ``indexers[layer]`` for ratio-4 layers;
-        each contiguous and at least as large as the layout of its slot count (slot counts as
+        ``compressed[layer]`` for ratio-4 / 128 layers and DeepSeek-V4.1's kv sources,
+        ``indexers[layer]`` for ratio-4 layers, ``index_keys[layer]`` for kv sources; each
+        contiguous and at least as large as the layout of its slot count (slot counts as
         in :meth:`build`). ``ConfigError`` names the missing or too small storage
         (``f"{name} window[3]"`` etc.) and both byte counts.
         """
@@ -133,8 +157,22 @@ class DSV4CachePools:
                 name=f"{name} indexer[{layer}]",
             )
 
+        def index_key_cache(layer: int, num_slots: int) -> Fp4IndexKeyCache:
+            return Fp4IndexKeyCache.over(
+                given("index key", index_keys or {}, layer),
+                num_slots,
+                config.index_head_dim,
+                name=f"{name} index_keys[{layer}]",
+            )
+
         return cls._assemble(
-            config, num_full_slots, num_swa_slots, token_cache, indexer_cache, layers
+            config,
+            num_full_slots,
+            num_swa_slots,
+            token_cache,
+            indexer_cache,
+            index_key_cache,
+            layers,
         )
 
     @classmethod
@@ -145,11 +183,12 @@ class DSV4CachePools:
         num_swa_slots: int,
         token_cache: Callable[[str, int, int, int], TokenCache],
         indexer_cache: Callable[[int, int], IndexerKeyCache],
+        index_key_cache: Callable[[int, int], Fp4IndexKeyCache],
         layers: range | None,
     ) -> DSV4CachePools:
         """Check the slot counts and make the caches of ``layers`` with the given factories:
-        ``token_cache(kind, layer, num_slots, page_tokens)`` (kind ``window`` / ``compressed``)
-        and ``indexer_cache(layer, num_slots)``."""
+        ``token_cache(kind, layer, num_slots, page_tokens)`` (kind ``window`` / ``compressed``),
+        ``indexer_cache(layer, num_slots)`` and ``index_key_cache(layer, num_slots)``."""
         if num_full_slots <= 0 or num_full_slots % config.page_size:
             raise ConfigError(
                 f"num_full_slots={num_full_slots}; expected a positive multiple of the page size "
@@ -162,22 +201,26 @@ class DSV4CachePools:
             layer: token_cache("window", layer, num_swa_slots, WINDOW_PAGE_TOKENS)
             for layer in stage
         }
-        compressed, indexers = {}, {}
+        compressed, indexers, index_keys = {}, {}, {}
+        sources = config.v41.kv_source_layers if config.v41 is not None else ()
         for layer in stage:
             ratio = config.compress_ratios[layer]
-            if not ratio:
-                continue
+            if not ratio or (ratio in LOW_RATIOS and layer not in sources):
+                continue  # window only, or a layer reading its kv source's caches
             compressed[layer] = token_cache(
                 "compressed", layer, num_full_slots // ratio, entries_per_page(ratio)
             )
             if ratio == 4:
                 indexers[layer] = indexer_cache(layer, num_full_slots // ratio)
+            if ratio in LOW_RATIOS:
+                index_keys[layer] = index_key_cache(layer, num_full_slots // ratio)
         return cls(
             config=config,
             layers=stage,
             windows=windows,
             compressed_caches=compressed,
             indexer_caches=indexers,
+            index_key_caches=index_keys,
         )
 
     def window(self, layer: int) -> TokenCache:
@@ -186,8 +229,10 @@ class DSV4CachePools:
         return self.windows[layer]
 
     def compressed(self, layer: int) -> TokenCache:
-        """The c4 or c128 cache of a compressed ``layer`` (ratio 4 or 128)."""
+        """The c4 or c128 cache of a compressed ``layer`` (ratio 4 or 128); the c1 / c2 cache
+        of a DeepSeek-V4.1 low-ratio layer's kv source."""
         self._check_layer(layer)
+        layer = self._owner(layer)
         if layer not in self.compressed_caches:
             raise ContractError(
                 f"layer {layer} has compress ratio 0 (window only) and no compressed cache; "
@@ -205,12 +250,38 @@ class DSV4CachePools:
             )
         return self.indexer_caches[layer]
 
-    def caches(self) -> list[TokenCache | IndexerKeyCache]:
-        """Every cache: the windows, then the compressed caches, then the indexer caches."""
+    def index_keys(self, layer: int) -> Fp4IndexKeyCache:
+        """The fp4 index keys a DeepSeek-V4.1 low-ratio ``layer`` scores: its kv source's."""
+        self._check_layer(layer)
+        owner = self._owner(layer)
+        if owner not in self.index_key_caches:
+            raise ContractError(
+                f"layer {layer} (ratio {self.config.compress_ratios[layer]}) has no index keys; "
+                f"DeepSeek-V4.1's kv sources {sorted(self.index_key_caches)} hold them"
+            )
+        return self.index_key_caches[owner]
+
+    def _owner(self, layer: int) -> int:
+        """The layer whose compressed caches ``layer`` reads: its kv source for a V4.1
+        low-ratio layer, else itself. A kv source outside this stage is a ``ContractError``."""
+        if self.config.compress_ratios[layer] not in LOW_RATIOS:
+            return layer
+        owner = self.config.kv_source_of(layer)
+        if owner not in self.layers:
+            raise ContractError(
+                f"layer {layer} reads the caches of kv source {owner}, which is outside this "
+                f"stage's layers [{self.layers.start}, {self.layers.stop})"
+            )
+        return owner
+
+    def caches(self) -> list[TokenCache | IndexerKeyCache | Fp4IndexKeyCache]:
+        """Every cache: the windows, then the compressed caches, then the indexer caches, then
+        DeepSeek-V4.1's index keys."""
         return [
             *self.windows.values(),
             *self.compressed_caches.values(),
             *self.indexer_caches.values(),
+            *self.index_key_caches.values(),
         ]
 
     @property

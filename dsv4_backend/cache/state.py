@@ -51,11 +51,12 @@ class CompressorState:
 
     Attributes
     ----------
-    ratio : 4 or 128.
+    ratio : 4 or 128; 2 for a DeepSeek-V4.1 ratio-2 kv source's pair ring.
     head_dim : ``D`` of the compressed entries.
-    ring : ``[num_slots, R, 2 * c * D]`` float32 rows ``[kv | score + ape]``, indexed by ring
-        slot and ``position % R``. Slots, like sglang's ``CompressStatePool``: c128, a request's
-        pool index (``req_pool_indices``); c4, a window page (``window_slot // window_page``).
+    ring : ``[num_slots, R, 2 * c * D]`` float32 rows ``[kv | score + ape]`` (the pair ring:
+        ``[kv | score]``), indexed by ring slot and ``position % R``. Slots, like sglang's
+        ``CompressStatePool``: c128 and c2, a request's pool index (``req_pool_indices``); c4,
+        a window page (``window_slot // window_page``).
     window_page : window slots per ring slot of a page-scoped (c4) state (the KV page size,
         256); 0 for a request-scoped (c128) state.
     arrivals : the kernels' per-record arrival counters (:class:`ArrivalCounters`).
@@ -85,8 +86,8 @@ class CompressorState:
         device: torch.device | str = "cpu",
     ) -> CompressorState:
         """Reset rings for ``num_slots`` ring slots (c4: window pages of ``config.page_size``
-        slots; c128: request pool rows); ``R = config.ring_rows(ratio)``."""
-        width = 2 * compress_overlap(ratio) * head_dim
+        slots; c128 and c2: request pool rows); ``R = config.ring_rows(ratio)``."""
+        width = 2 * (1 if ratio == 2 else compress_overlap(ratio)) * head_dim
         ring = torch.empty(num_slots, config.ring_rows(ratio), width, device=device)
         window_page = config.page_size if ratio == 4 else 0
         state = cls(ratio=ratio, head_dim=head_dim, ring=ring, window_page=window_page)
@@ -114,7 +115,8 @@ class AttentionState:
     ----------
     pools : per-layer window, compressed and indexer caches of ``pools.layers`` (every layer,
         or a pipeline stage's).
-    compressor_states : compressor state rings of each compressed layer.
+    compressor_states : compressor state rings of each compressed layer (DeepSeek-V4.1: the
+        pair rings of its ratio-2 kv sources).
     indexer_states : the indexer compressor's rings of each ratio-4 layer.
     rope : cos/sin of the compressed layers' RoPE (compressed entries, indexer queries) for
         every position a request can reach.
@@ -166,7 +168,7 @@ class AttentionState:
         core, index = {}, {}
         for layer in pools.layers:
             ratio = config.compress_ratios[layer]
-            if ratio:
+            if ratio in (4, 128) or (ratio == 2 and layer in pools.compressed_caches):
                 core[layer] = CompressorState.allocate(
                     config, ratio, config.head_dim, slots[ratio], device
                 )
@@ -184,11 +186,13 @@ class AttentionState:
 
     def named_tensors(self) -> dict[str, torch.Tensor]:
         """``name -> tensor`` of every cache storage and compressor ring (``window3``,
-        ``c1``, ``indexer1``, ``ring1``, ``indexer_ring1``: the model's layer ids)."""
+        ``c1``, ``indexer1``, ``index_keys2``, ``ring1``, ``indexer_ring1``: the model's layer
+        ids)."""
         pools = self.pools
         out = {f"window{i}": c.storage for i, c in pools.windows.items()}
         out |= {f"c{i}": c.storage for i, c in pools.compressed_caches.items()}
         out |= {f"indexer{i}": c.storage for i, c in pools.indexer_caches.items()}
+        out |= {f"index_keys{i}": c.storage for i, c in pools.index_key_caches.items()}
         out |= {f"ring{i}": s.ring for i, s in self.compressor_states.items()}
         out |= {f"indexer_ring{i}": s.ring for i, s in self.indexer_states.items()}
         return out
@@ -204,8 +208,12 @@ def ring_slots(
     config: DSV4AttentionConfig, *, num_swa_slots: int, num_request_slots: int
 ) -> dict[int, int]:
     """Ring slots of each ratio's compressor states: c4 rings are page-scoped (one per window
-    page of ``config.page_size`` slots), c128 rings request-scoped (one per pool row)."""
-    return {4: math.ceil(num_swa_slots / config.page_size), 128: num_request_slots}
+    page of ``config.page_size`` slots), c128 and c2 rings request-scoped (one per pool row)."""
+    return {
+        4: math.ceil(num_swa_slots / config.page_size),
+        128: num_request_slots,
+        2: num_request_slots,
+    }
 
 
 def compressed_rope(

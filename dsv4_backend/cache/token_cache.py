@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from dsv4_backend.cache.fp8_format import Fp8IndexerLayout, Fp8TokenLayout
+from dsv4_backend.cache.fp8_format import Fp8TokenLayout, PagedLayout
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.ops.launches import uncounted
 
@@ -41,7 +41,7 @@ class SlotCache:
         num_slots: int,
         dim: int,
         fmt: CacheFormat,
-        layout: Fp8TokenLayout | Fp8IndexerLayout | None,
+        layout: PagedLayout | None,
         dtype: torch.dtype,
         device: torch.device | str,
         storage: torch.Tensor | None = None,
@@ -57,7 +57,7 @@ class SlotCache:
         if layout is None:
             if not dtype.is_floating_point:
                 raise ConfigError(f"dtype={dtype}; a dense cache needs a float dtype")
-            self.layout: Fp8TokenLayout | Fp8IndexerLayout | None = None
+            self.layout: PagedLayout | None = None
             if storage is not None:
                 raise ConfigError(f"{storage_name}: only an fp8 cache can be built over storage")
             self.storage = torch.zeros(num_slots, dim, dtype=dtype, device=device)
@@ -174,7 +174,7 @@ class TokenCache(SlotCache):
 
 def fp8_pages_over(
     storage: torch.Tensor,
-    layout: Fp8TokenLayout | Fp8IndexerLayout,
+    layout: PagedLayout,
     num_slots: int,
     name: str = "storage",
 ) -> torch.Tensor:

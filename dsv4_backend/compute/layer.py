@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.cache.state import AttentionState
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import LOW_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
 from dsv4_backend.kernels.cache_store.table import store_rows
@@ -21,7 +21,11 @@ from dsv4_backend.kernels.compressor.table import compress_forward
 from dsv4_backend.kernels.indexer.fp8 import quantised_view
 from dsv4_backend.kernels.indexer.table import run_indexer
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
-from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
+from dsv4_backend.planning.metadata import (
+    AttentionMetadata,
+    CompressedMetadata,
+    LowRatioMetadata,
+)
 from dsv4_backend.planning.planner import GRAPH_KINDS
 
 
@@ -126,10 +130,18 @@ def attend(
     bf16 for bf16 ``q`` on a GPU: ``attention.common.output_dtype``).
 
     Keys: the window plus, on compressed layers, the c4 top-k (selected earlier in this
-    forward) or every visible c128 entry.
+    forward) or every visible c128 entry; on a DeepSeek-V4.1 ratio-1 / ratio-2 layer, its kv
+    source's entries of the ratio's current selection (``compute.low_ratio``).
     """
     ratio = layer_ratio(state.config, layer, "attention")
-    comp = _compressed(metadata, ratio, f"attention of layer {layer}") if ratio else None
+    where = f"attention of layer {layer}"
+    comp: CompressedMetadata | LowRatioMetadata | None = None
+    if ratio in LOW_RATIOS:
+        comp = metadata.low_ratio(ratio)
+        if comp is None:
+            raise ContractError(f"{where}: compress ratio {ratio} but the metadata has no c{ratio}")
+    elif ratio:
+        comp = _compressed(metadata, ratio, where)
     return sparse_attention_with_sink(
         q,
         state.pools.window(layer),

@@ -24,7 +24,7 @@ from typing import Protocol
 
 import torch
 
-from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
+from dsv4_backend.config import COMPRESSED_RATIOS, LOW_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 
 #: Positions per chunk when building a table (bounds the scratch memory of the angles).
@@ -82,11 +82,12 @@ class RopeParams:
 
 
 def rope_for_ratio(config: DSV4AttentionConfig, ratio: int) -> RopeParams:
-    """The RoPE of a layer of compress ``ratio`` (0: window only; 4 or 128: compressed)."""
+    """The RoPE of a layer of compress ``ratio`` (0: window only; 4 or 128, and
+    DeepSeek-V4.1's 1 or 2: compressed, one table for all)."""
     if ratio == 0:
         return RopeParams(rope_dim=config.rope_dim, theta=config.rope_theta)
-    if ratio not in COMPRESSED_RATIOS:
-        raise ConfigError(f"ratio={ratio}; expected 0 or one of {COMPRESSED_RATIOS}")
+    if ratio not in COMPRESSED_RATIOS + LOW_RATIOS:
+        raise ConfigError(f"ratio={ratio}; expected 0 or one of {COMPRESSED_RATIOS + LOW_RATIOS}")
     yarn = None
     if config.yarn_original_max_position > 0:
         yarn = Yarn(

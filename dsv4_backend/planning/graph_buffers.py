@@ -181,6 +181,8 @@ class GraphMetadataBuffers:
             **{name: buf[:num_rows] for name, buf in self.common.items()},
             c4=comp.get(4),
             c128=comp.get(128),
+            c1=None,  # DeepSeek-V4.1 is served without CUDA graphs (refusals.py)
+            c2=None,
             tag=plan.tag,
             pending_checks=plan.pending_checks,
         )

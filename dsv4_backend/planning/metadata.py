@@ -4,7 +4,8 @@ Shapes use ``B`` requests, ``T`` query rows, ``Pw`` page-table width (pages), ``
 index width (``config.swa_index_width``), ``K`` ``index_topk`` and ``N128`` c128 index width.
 Index tensors use ``-1`` for "no slot". The dataclasses are frozen (fields are never rebound,
 which CUDA graphs rely on); ``c4.page_indices`` is the one tensor written after planning, by the
-indexer's top-k.
+indexer's top-k (DeepSeek-V4.1: also ``c1`` / ``c2``'s ``page_indices`` and
+``candidate_blocks``).
 
 Plan records (``compress_plan`` / ``write_plan``, ``[T, 4]`` int32) are rows
 ``(ragged_id, batch_id, position, window_len)``: the valid records first, in row order, then
@@ -64,6 +65,32 @@ class CompressedMetadata:
 
 
 @dataclass(frozen=True, kw_only=True)
+class LowRatioMetadata:
+    """Per-row fields of one DeepSeek-V4.1 low ratio (1 or 2; docs/design.md §8).
+
+    Attributes
+    ----------
+    ratio : 1 or 2.
+    out_loc : ``[T]`` int64 — slot (in the kv source's c1 / c2 cache and index keys) of the
+        entry this row completes: c1 the row's full-cache slot, c2 ``full slot // 2`` on odd
+        positions (a pair's second token), ``-1`` on even ones.
+    topk_lengths_raw : ``[T]`` int32 — visible entries, ``(position + 1) // ratio``.
+    sparse_topk_lengths : ``[T]`` int32 — ``min(visible, K)`` clamped to >= 1.
+    page_indices : ``[T, K]`` int32 of -1, written by each index source of the ratio with the
+        slots of its selected entries (the later layers of the ratio attend with the last).
+    candidate_blocks : ``[T, NB]`` int32 of -1 (``NB = candidate_topk_blocks``), written by the
+        candidate source with its candidate block ids; None for a ratio without one.
+    """
+
+    ratio: int
+    out_loc: torch.Tensor
+    topk_lengths_raw: torch.Tensor
+    sparse_topk_lengths: torch.Tensor
+    page_indices: torch.Tensor
+    candidate_blocks: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class AttentionMetadata:
     """Everything a DeepSeek-V4 attention forward reads about its batch.
 
@@ -82,6 +109,7 @@ class AttentionMetadata:
     swa_topk_lengths : ``[T]`` int32 — ``min(seq_len, window)``.
     c4, c128 : per-ratio fields, or None when no layer uses the ratio or for DRAFT_EXTEND
         (the MTP layer is window only).
+    c1, c2 : DeepSeek-V4.1's low-ratio fields, likewise.
     tag : the batch tensors it was planned from (``check_batch``); None for plans made
         by hand.
     pending_checks : the planning checks still on their way to the host (CUDA without strict
@@ -99,12 +127,15 @@ class AttentionMetadata:
     swa_topk_lengths: torch.Tensor
     c4: CompressedMetadata | None = None
     c128: CompressedMetadata | None = None
+    c1: LowRatioMetadata | None = None
+    c2: LowRatioMetadata | None = None
     tag: BatchTag | None = field(default=None, compare=False)
     pending_checks: PendingChecks | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         rows = self.num_rows
-        for prefix, part in (("", self), ("c4.", self.c4), ("c128.", self.c128)):
+        parts = (("", self), ("c4.", self.c4), ("c128.", self.c128))
+        for prefix, part in (*parts, ("c1.", self.c1), ("c2.", self.c2)):
             if part is None:
                 continue
             for f in fields(part):
@@ -120,7 +151,7 @@ class AttentionMetadata:
         ones; not ``tag`` or ``pending_checks``, which describe the batch, not the plan)."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.compare}
         out = {name: value for name, value in out.items() if isinstance(value, torch.Tensor)}
-        for comp in (self.c4, self.c128):
+        for comp in (self.c4, self.c128, self.c1, self.c2):
             if comp is not None:
                 for f in fields(comp):
                     value = getattr(comp, f.name)
@@ -133,6 +164,13 @@ class AttentionMetadata:
         parts = {0: None, 4: self.c4, 128: self.c128}
         if ratio not in parts:
             raise ContractError(f"ratio={ratio}; expected a layer's compress ratio 0, 4 or 128")
+        return parts[ratio]
+
+    def low_ratio(self, ratio: int) -> LowRatioMetadata | None:
+        """DeepSeek-V4.1's fields of low ``ratio`` (1 or 2)."""
+        parts = {1: self.c1, 2: self.c2}
+        if ratio not in parts:
+            raise ContractError(f"ratio={ratio}; expected a DeepSeek-V4.1 low ratio, 1 or 2")
         return parts[ratio]
 
     def check_matches(self, *, batch_size: int, num_rows: int, where: str = "forward") -> None:

@@ -45,6 +45,7 @@ from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
 from dsv4_backend.planning.kernels.row_fields import row_fields
 from dsv4_backend.planning.kernels.table import build_compress_plans
+from dsv4_backend.planning.low_ratio import with_low_ratio_fields
 from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.tag import BatchTag
 
@@ -184,7 +185,8 @@ def plan(
             "planning.plan_dspark_block)"
         )
     entry = resolve(PLAN, batch.req_to_token.device).variant.entry
-    return entry(config, batch, widths)
+    metadata = entry(config, batch, widths)
+    return with_low_ratio_fields(config, metadata) if spec.compressed else metadata
 
 
 def _extend_lens(batch: BatchView) -> tuple[Sequence[int], Sequence[int]]:

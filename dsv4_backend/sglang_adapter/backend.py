@@ -57,8 +57,10 @@ from dsv4_backend.compute import (
     AttentionState,
     attend,
     compress_and_store,
+    compress_low_ratio,
     layer_ratio,
     select_c4_entries,
+    select_low_ratio_entries,
     store_window_keys,
 )
 from dsv4_backend.compute.kernel_choice import (
@@ -214,12 +216,8 @@ class RunnerSettings:
             hf, {"window_size": window}, speculative=speculative, indexer_selection=selection
         )
         layers = None
-        if config.v41 is not None:  # also refused by model type (refusals.REFUSED)
-            raise ConfigError(
-                "kv_source_layer_ids is set: a DeepSeek-V4.1 model, whose ratio-1 / ratio-2 "
-                "layers the dsv4 backend does not serve yet; serve it with "
-                "--attention-backend dsv4_builtin"
-            )
+        if config.v41 is not None:
+            check_served(args, hf, v41=True)
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,))
@@ -978,6 +976,66 @@ class DSV4AttentionBackend(AttentionBackend):
         q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
         cos, sin = self.state.rope.cos_sin(metadata.positions_causal)
         return apply_rope(q, cos, sin)
+
+    def forward_low_ratio_sources(
+        self,
+        *,
+        layer: Any,
+        x: torch.Tensor,
+        q_lora: torch.Tensor | None,
+        positions: torch.Tensor,
+        forward_batch: ForwardBatch,
+        run_compressor: bool = True,
+        run_indexer: bool = True,
+    ) -> None:
+        """DeepSeek-V4.1: the low-ratio sources of ``layer`` (sglang's ``MQALayer`` of ratio 1
+        or 2) before its attention, as sglang's ``DeepseekV4AttnBackend`` runs them
+        (``compute/low_ratio.py``); returns None.
+
+        A kv source (``layer.compressor``, sglang's ``DeepseekV41Compressor``): its projections
+        ``compressor.project(x)`` (``kv``, and ``score`` for ratio 2) into the c1 / c2 entries,
+        normed by ``compressor.norm``; when the layer's indexer owns the keys, the index keys
+        from ``indexer.wk`` and ``indexer.k_norm``. An index source (``layer.indexer``,
+        ``DeepseekV41Indexer``): queries ``indexer.wq_b(q_lora)`` ``[T, HI, DI]`` and head
+        weights ``indexer.head_weights_raw(x)`` times ``indexer.head_weight_scale`` (float32)
+        select the ratio's entries. ``positions``: the rows' positions, which the plan holds
+        (checked against its row count).
+        """
+        layer_id = layer.layer_id
+        where = f"low-ratio sources (layer {layer_id})"
+        ratio = self._enter_layer(layer_id, where)
+        if ratio not in (1, 2):
+            raise ContractError(
+                f"{where}: layer {layer_id} has compress ratio {ratio}; the low-ratio sources "
+                "run on DeepSeek-V4.1's ratio-1 / ratio-2 layers"
+            )
+        if _is_idle(forward_batch, x, where):
+            return
+        metadata = self._read_metadata(forward_batch, x.shape[0], where)
+        if positions.shape[0] != x.shape[0]:
+            raise ContractError(
+                f"{where}: positions has {positions.shape[0]} rows but x has {x.shape[0]}"
+            )
+        compressor, indexer = layer.compressor, layer.indexer
+        if run_compressor and compressor is not None:
+            kv, score = compressor.project(x)
+            keys = None
+            if indexer is not None and indexer.owns_k:
+                k_norm = indexer.k_norm
+                keys = (indexer.wk.weight, k_norm.weight.float(), float(k_norm.eps))
+            compress_low_ratio(
+                self.state, layer_id, metadata, forward_batch.req_pool_indices,
+                kv.float(), None if score is None else score.float(),
+                compressor.norm.weight.float(), float(compressor.norm.eps),
+                index_key_params=keys,
+            )  # fmt: skip
+        if run_indexer and indexer is not None:
+            if q_lora is None:
+                raise ContractError(f"{where}: the indexer needs q_lora, got None")
+            q, _ = indexer.wq_b(q_lora)
+            q = q.view(q.shape[0], indexer.n_local_heads, indexer.index_head_dim)
+            weights = indexer.head_weights_raw(x).float() * indexer.head_weight_scale
+            select_low_ratio_entries(self.state, layer_id, metadata, q, weights)
 
     # -------------------------------------------------------------------------- forward
     def forward(

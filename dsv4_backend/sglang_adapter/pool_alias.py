@@ -12,6 +12,10 @@ buffers' bytes instead of allocating a second copy:
 * c4 / c128 cache: ``get_extra_key_buffer(l)`` (fp8 view of ``[pages, 37440]`` / ``[pages,
   1728]`` bytes), read as uint8;
 * indexer keys: ``get_index_k_with_scale_buffer(l)`` (``[pages, 64 * 132]`` uint8);
+* DeepSeek-V4.1's kv sources: the c1 / c2 cache ``get_extra_key_buffer(l)`` (pages of 256 /
+  128 entries in the V4 layout), the fp4 index keys ``get_index_k_with_scale_buffer(l)``
+  (``[pages, 64 * 68]`` uint8) and a ratio-2 source's pair ring
+  ``get_attention_compress_states(l)`` (request-scoped, 2 rows of ``[kv | score]``);
 * compressor rings: ``get_attention_compress_states(l)`` (c4 and c128) and
   ``get_indexer_compress_states(l)`` (c4) when fp32 ``[rows, 2 * c * D]`` with our ring length
   and scope. Both address row ``slot * R + pos % R`` as our rings do: c128 request-scoped (slot
@@ -36,9 +40,10 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
 )
 
 from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
+from dsv4_backend.cache.fp4_format import FP4_INDEX_PAGE_TOKENS
 from dsv4_backend.cache.state import compressed_rope, ring_slots
 from dsv4_backend.cache.token_cache import CacheFormat
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import LOW_RATIOS, DSV4AttentionConfig
 
 logger = logging.getLogger(__name__)
 
@@ -78,9 +83,21 @@ def unaliasable_reason(
         (
             all(
                 not p.use_fp4_indexer and p.index_head_dim == config.index_head_dim
-                for p in pool.index_pools.values()
+                for ratio, p in pool.index_pools.items()
+                if ratio == 4
             ),
-            "its indexer pool is fp4 or of another head dim",
+            "its c4 indexer pool is fp4 or of another head dim",
+        ),
+        (
+            all(
+                p.use_fp4_indexer
+                and p.page_size == FP4_INDEX_PAGE_TOKENS
+                and p.index_head_dim == config.index_head_dim
+                for ratio, p in pool.index_pools.items()
+                if ratio in LOW_RATIOS
+            ),
+            "its DeepSeek-V4.1 index-K pool is not fp4 in pages of "
+            f"{FP4_INDEX_PAGE_TOKENS} of the model's index head dim",
         ),
     )
     failed = [why for ok, why in checks if not ok]
@@ -104,7 +121,10 @@ def aliased_state(
     written before it is read); aliased rings are reset. Raises ``ConfigError`` naming a buffer
     too small for its slot count.
     """
-    compressed = [layer for layer in layers if config.compress_ratios[layer]]
+    sources = config.v41.kv_source_layers if config.v41 is not None else ()
+    compressed = [
+        layer for layer in layers if config.compress_ratios[layer] in (4, 128) or layer in sources
+    ]
     pools = DSV4CachePools.over(
         config,
         num_full_slots=num_full_slots,
@@ -118,6 +138,7 @@ def aliased_state(
             for layer in compressed
             if config.compress_ratios[layer] == 4
         },
+        index_keys={layer: pool.get_index_k_with_scale_buffer(layer) for layer in sources},
         name="sglang DeepSeekV4TokenToKVPool",
         layers=layers,
     )
@@ -136,6 +157,8 @@ def aliased_state(
     core, index = {}, {}
     for layer in compressed:
         ratio = config.compress_ratios[layer]
+        if ratio == 1:  # a c1 source pools nothing: no state
+            continue
         core[layer] = rings(pool.get_attention_compress_states(layer), ratio, config.head_dim)
         if ratio == 4:
             index[layer] = rings(pool.get_indexer_compress_states(layer), 4, config.index_head_dim)

@@ -9,6 +9,7 @@ starts. A configuration that becomes served loses its row (one line), nothing el
 The rows cover what changes the calls the backend gets (forward modes, draft models, batch
 splitting, CUDA-graph kinds) or the layout of the KV pool and its state (layouts of other
 attention kernels, state kept or moved outside the backend, layers split over ranks).
+``V41_REFUSED`` adds what DeepSeek-V4.1 is not served with yet (checked for a V4.1 model).
 Checked elsewhere because they need more than the arguments: ``page_size`` (the runner's),
 EAGLE ``topk`` (the draft factory's too) and heads that the attention TP group must divide
 (``backend.RunnerSettings``); compress ratios (``DSV4AttentionConfig``); the platform
@@ -27,17 +28,17 @@ from typing import Any, Literal
 
 from dsv4_backend.errors import ConfigError
 
-Source = Literal["server_args", "env", "hf_config"]
+Source = Literal["server_args", "env", "hf_config", "derived"]
 
 
 @dataclass(frozen=True)
 class Refused:
     """One configuration that is not served.
 
-    ``option``: the ``ServerArgs`` field, environment variable or ``hf_config`` attribute
-    read (``source``); ``matches(value)``: whether its value is this configuration (an unset
-    option reads as None); ``flag``: what the error names (the CLI flag and value, the
-    variable, the model type); ``why``: what would go wrong.
+    ``option``: the ``ServerArgs`` field, environment variable, ``hf_config`` attribute or
+    ``DERIVED`` value read (``source``); ``matches(value)``: whether its value is this
+    configuration (an unset option reads as None); ``flag``: what the error names (the CLI
+    flag and value, the variable, the model type); ``why``: what would go wrong.
     """
 
     option: str
@@ -87,7 +88,8 @@ REFUSED: tuple[Refused, ...] = (
     Refused("enable_encoder_swa_bounded_replay", _set, "--enable-encoder-swa-bounded-replay",
             _REPLAY),
     Refused("enable_decoder_swa_bounded_replay", _set, "--enable-decoder-swa-bounded-replay",
-            _REPLAY),
+            f"{_REPLAY} (DeepSeek-V4.1 turns it on by default: start it with "
+            "--no-enable-decoder-swa-bounded-replay)"),
     # Pool layouts of other attention kernels.
     Refused("dsv4_attn_backend", _one_of("trtllm"), "--dsv4-attn-backend trtllm",
             "it lays the pool out in trtllm's uniform FP8 pages, which the backend's caches "
@@ -99,9 +101,6 @@ REFUSED: tuple[Refused, ...] = (
             "scores) does not read"),
     Refused("SGLANG_DSV4_KV_LAYOUT", _one_of("v41", "v41_new"), "SGLANG_DSV4_KV_LAYOUT=v41|v41_new",
             "DeepSeek-V4.1's packed KV layouts", source="env"),
-    Refused("model_type", lambda value: str(value or "").startswith("deepseek_v41"),
-            "model type deepseek_v41 (DeepSeek-V4.1)",
-            "its low compress ratios, compressors and layouts are not served", source="hf_config"),
     # State kept or moved outside the backend.
     Refused("enable_hisparse", _set, "--enable-hisparse",
             "HiSparse offloads the c4 cache through sglang's own sparse path, which this "
@@ -126,9 +125,48 @@ REFUSED: tuple[Refused, ...] = (
 )  # fmt: skip
 
 
+_V41 = "DeepSeek-V4.1 is served eagerly on one rank group so far"
+#: What DeepSeek-V4.1 (a model config with ``kv_source_layer_ids``) is not served with yet, on
+#: top of ``REFUSED`` (docs/design.md §8): its low-ratio fields are planned eagerly only, its
+#: ratio-2 pair rings hold no draft rows, and its shared caches are not split over ranks.
+V41_REFUSED: tuple[Refused, ...] = (
+    Refused("decode_cuda_graphs", _set, "decode CUDA graphs (start it with "
+            "--cuda-graph-backend-decode disabled, or --disable-cuda-graph)",
+            f"{_V41}: the graph buffers hold no c1 / c2 fields", source="derived"),
+    Refused("speculative_algorithm", _set, "--speculative-algorithm (DSpark with DeepSeek-V4.1)",
+            f"{_V41}: its ratio-2 pair rings hold no draft rows"),
+    Refused("pp_size", _above_one, "--pipeline-parallel-size",
+            f"{_V41}: a stage may start after the kv source whose caches it reads"),
+    Refused("attn_cp_size", _above_one, "--attention-context-parallel-size",
+            f"{_V41}: prefill CP of its shared caches"),
+    Refused("attn_dp_size", _above_one, "--attention-data-parallel-size",
+            f"{_V41}: data-parallel padding rows"),
+    Refused("enable_dp_attention", _set, "--enable-dp-attention",
+            f"{_V41}: data-parallel padding rows"),
+    Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap",
+            f"{_V41}: the overlapped halves' low-ratio sources"),
+    Refused("disaggregation_mode", _other_than("null"), "--disaggregation-mode",
+            f"{_V41}: the c1 / c2 caches and pair rings are not in the transferred regions"),
+    Refused("enable_hierarchical_cache", _set, "--enable-hierarchical-cache",
+            f"{_V41}: the c1 / c2 caches and pair rings are not in the host pools"),
+)  # fmt: skip
+
+
+#: Values read from several ``ServerArgs`` fields (``source="derived"``).
+DERIVED: dict[str, Callable[[Any], Any]] = {
+    # sglang captures decode graphs unless either spelling turns them off.
+    "decode_cuda_graphs": lambda args: (
+        not getattr(args, "disable_cuda_graph", False)
+        and getattr(args, "cuda_graph_backend_decode", None) != "disabled"
+    ),
+}
+
+
 def _value(row: Refused, server_args: Any, hf_config: Any) -> Any:
     if row.source == "env":
         return os.environ.get(row.option)
+    if row.source == "derived":
+        return DERIVED[row.option](server_args)
     source = server_args if row.source == "server_args" else hf_config
     if isinstance(source, Mapping):  # a config.json mapping
         return source.get(row.option)
@@ -145,9 +183,19 @@ def refused_row(server_args: Any, hf_config: Any) -> tuple[Refused, Any] | None:
     return None
 
 
-def check_served(server_args: Any, hf_config: Any) -> None:
-    """``ConfigError`` naming the flag (or model type) of the first refused configuration."""
+def check_served(server_args: Any, hf_config: Any, *, v41: bool = False) -> None:
+    """``ConfigError`` naming the flag (or model type) of the first refused configuration;
+    ``v41``: a DeepSeek-V4.1 model, also checked against ``V41_REFUSED``."""
     found = refused_row(server_args, hf_config)
+    if found is None and v41:
+        found = next(
+            (
+                (row, value)
+                for row in V41_REFUSED
+                if row.matches(value := _value(row, server_args, hf_config))
+            ),
+            None,
+        )
     if found is None:
         return
     row, value = found

@@ -58,8 +58,9 @@ def test_rope_table_bounds() -> None:
         table.cos_sin(torch.tensor([8]))
     with pytest.raises(ConfigError, match="max_positions=0"):
         ops.RopeTable(ops.rope_for_ratio(CONFIG, 4), 0)
-    with pytest.raises(ConfigError, match="ratio=2"):
-        ops.rope_for_ratio(CONFIG, 2)
+    with pytest.raises(ConfigError, match="ratio=3"):
+        ops.rope_for_ratio(CONFIG, 3)
+    assert ops.rope_for_ratio(CONFIG, 2) == ops.rope_for_ratio(CONFIG, 4)  # one compressed RoPE
 
 
 @settings(max_examples=20, deadline=None)

@@ -450,7 +450,11 @@ def test_config_sizes_per_ratio() -> None:
     speculative = DSV4AttentionConfig.tiny(speculative=True)
     assert [speculative.ring_rows(4), speculative.ring_rows(128)] == [16, 256]
     assert [entries_per_page(4), entries_per_page(128)] == [64, 2]
-    with pytest.raises(ConfigError, match=r"compressed cache ratio=0; expected one of \(4, 128\)"):
+    assert [entries_per_page(1), entries_per_page(2)] == [256, 128]  # DeepSeek-V4.1's
+    with pytest.raises(ConfigError, match=r"cache ratio=0; expected one of \(4, 128, 1, 2\)"):
         entries_per_page(0)
+    assert CONFIG.ring_rows(2) == 2  # DeepSeek-V4.1's pair ring
+    with pytest.raises(ConfigError, match="pair rings hold the draft rows"):
+        speculative.ring_rows(2)
     with pytest.raises(ConfigError, match=r"ratio=0; expected one of \(4, 128\)"):
         CONFIG.ring_rows(0)

@@ -21,6 +21,7 @@ from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
 from dsv4_backend.sglang_adapter.refusals import REFUSED
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool
+from dsv4_backend.testing.simulation.v41 import tiny_v41
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 HF = harness.tiny_hf_config(CONFIG)
@@ -141,13 +142,49 @@ def test_every_refusal_row_is_sglang_s_option_and_off_by_default() -> None:
         assert not row.matches(getattr(defaults, row.option)), row.option
 
 
+#: DeepSeek-V4.1-Flash (sglang's ``DeepseekV41Config`` fields, tiny widths) and its launches.
+V41_HF = harness.tiny_hf_config(
+    tiny_v41(), model_type="deepseek_v41", kv_source_layer_ids=[1, 3],
+    index_source_layer_ids=[1, 3, 5], candidate_source_layer_id=3, candidate_topk_blocks=2,
+    candidate_block_size=8,
+)  # fmt: skip
+V41_FLASH = "--trust-remote-code --model-path deepseek-ai/DeepSeek-V4.1-Flash --tp 4"
+EAGER = "--cuda-graph-backend-decode disabled --no-enable-decoder-swa-bounded-replay"
+V41_COMMANDS = [
+    ("v41-flash-tp4", f"{V41_FLASH} {EAGER}", None),
+    ("v41-flash-tp4-disable-cuda-graph",
+     f"{V41_FLASH} --disable-cuda-graph --no-enable-decoder-swa-bounded-replay", None),
+    ("v41-cuda-graphs", f"{V41_FLASH} --no-enable-decoder-swa-bounded-replay",
+     "--cuda-graph-backend-decode disabled"),
+    ("v41-bounded-replay", f"{V41_FLASH} --cuda-graph-backend-decode disabled "
+     "--enable-decoder-swa-bounded-replay", "--no-enable-decoder-swa-bounded-replay"),
+    ("v41-dspark", f"{V41_FLASH} {EAGER} --speculative-algorithm DSPARK "
+     "--speculative-num-steps 1 --speculative-num-draft-tokens 5", "--speculative-algorithm"),
+    ("v41-pipeline", f"{V41_FLASH} {EAGER} --pp-size 2", "--pipeline-parallel-size"),
+    ("v41-dp-attention", f"{V41_FLASH} {EAGER} --dp 4 --enable-dp-attention",
+     "--enable-dp-attention"),
+]  # fmt: skip
+
+
 @pytest.mark.sglang
-def test_deepseek_v41_is_refused_by_model_type(pool: PagedRequestPool) -> None:
+@pytest.mark.parametrize(
+    ("name", "command", "refused"), V41_COMMANDS, ids=[c[0] for c in V41_COMMANDS]
+)
+def test_deepseek_v41_launches_are_served_or_refused_at_build_time(
+    name: str, command: str, refused: str | None
+) -> None:
+    """A DeepSeek-V4.1 model is served eagerly, without the bounded replay; its launches
+    with what is not served yet are refused, naming the flag."""
     from sglang.srt.server_args import prepare_server_args
 
-    args = prepare_server_args(FLASH.split())
-    with pytest.raises(ConfigError, match="model type deepseek_v41"):
-        build_all(pool, args, {**HF, "model_type": "deepseek_v41"})
+    pool = PagedRequestPool(tiny_v41(), [40], generator=torch.Generator().manual_seed(0))
+    server_args = prepare_server_args(command.split())
+    if refused is None:
+        assert build_all(pool, server_args, V41_HF)
+    else:
+        with pytest.raises(ConfigError) as error:
+            build_all(pool, server_args, V41_HF)
+        assert refused in str(error.value), str(error.value)
 
 
 @pytest.mark.parametrize("ratio", [1, 2])

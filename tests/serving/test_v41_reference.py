@@ -17,7 +17,7 @@ import dataclasses
 import pytest
 import torch
 
-from dsv4_backend.config import DSV4AttentionConfig, V41Sources
+from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.testing.reference import (
     low_ratio_entries,
@@ -25,52 +25,19 @@ from dsv4_backend.testing.reference import (
     rope_for_ratio,
 )
 from dsv4_backend.testing.reference.v41_model import V41LayerInputs, reference_v41
+from dsv4_backend.testing.simulation.v41 import (
+    TINY_V41_RATIOS,
+    TINY_V41_SOURCES,
+    tiny_v41,
+    v41_inputs,
+)
 
-#: Layers: 0 window only; 1 c2 kv + index source; 2 shares 1; 3 c1 kv + index + candidate
-#: source; 4 shares 3 (reuses 3's selection); 5 candidate consumer.
-RATIOS = (0, 2, 2, 1, 1, 1)
-SOURCES = V41Sources(
-    kv_source_layers=(1, 3), index_source_layers=(1, 3, 5), candidate_source_layer=3,
-    candidate_topk_blocks=2, candidate_block_size=8,
-)  # fmt: skip
 S = 150  # past the window (128) so windows and entries both matter
-
-
-def config(**overrides: object) -> DSV4AttentionConfig:
-    values: dict = dict(
-        compress_ratios=RATIOS, num_heads=4, head_dim=128, rope_dim=64, index_topk=16,
-        index_n_heads=2, index_head_dim=64, v41=SOURCES,
-    )  # fmt: skip
-    values.update(overrides)
-    return DSV4AttentionConfig(**values)
+RATIOS, SOURCES, config = TINY_V41_RATIOS, TINY_V41_SOURCES, tiny_v41
 
 
 def inputs(cfg: DSV4AttentionConfig, seed: int = 0) -> list[V41LayerInputs]:
-    g = torch.Generator().manual_seed(seed)
-    v41 = cfg.v41
-    assert v41 is not None
-    d, di, hi = cfg.head_dim, cfg.index_head_dim, cfg.index_n_heads
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).bfloat16().float()
-
-    layers = []
-    for layer, ratio in enumerate(cfg.compress_ratios):
-        extra: dict = {}
-        if layer in v41.kv_source_layers:
-            extra.update(
-                kv_proj=rand(S, d), norm_weight=1 + 0.1 * rand(d), wk=rand(di, d) * d**-0.5,
-                k_norm_weight=1 + 0.1 * rand(di),
-                score_proj=rand(S, d) if ratio == 2 else None,
-            )  # fmt: skip
-        if layer in v41.index_source_layers:
-            extra.update(index_q_proj=rand(S, hi, di), index_weights_raw=rand(S, hi))
-        layers.append(
-            V41LayerInputs(
-                q=rand(S, cfg.num_heads, d), window_kv=rand(S, d), sink=rand(cfg.num_heads), **extra
-            )
-        )
-    return layers
+    return v41_inputs(cfg, S, seed)
 
 
 def test_with_enough_selection_every_layer_sees_every_visible_entry() -> None:

@@ -7,8 +7,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp8_format import Fp8TokenLayout
+from dsv4_backend.cache.fp8_format import Fp8IndexerLayout, Fp8TokenLayout
 from dsv4_backend.cache.token_cache import SlotCache
+from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.device.cache_rows import (
     store_dense_row,
     store_fp8_indexer_row,
@@ -100,7 +101,7 @@ def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> N
             BLOCK_R=triton.next_power_of_2(max(layout.rope_dim, 1)),
             **triton_constexprs(layout),
         )
-    else:
+    elif isinstance(layout, Fp8IndexerLayout):
         _store_fp8_indexer_kernel[(n,)](
             cache.storage,
             rows,
@@ -108,4 +109,9 @@ def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> N
             rows.stride(0),
             BLOCK_D=triton.next_power_of_2(layout.dim),
             **triton_constexprs(layout),
+        )
+    else:
+        raise ContractError(
+            f"the cache store has no kernel for {type(layout).__name__} caches (the fp4 index "
+            "keys are written by Fp4IndexKeyCache.store)"
         )

@@ -1,0 +1,1 @@
+"""DeepSeek-V4.1's low-ratio compressors and indexer (``torch.py``)."""

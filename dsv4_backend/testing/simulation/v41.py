@@ -1,0 +1,145 @@
+"""A DeepSeek-V4.1 model for the serving tests: random per-request layer inputs
+(``V41LayerInputs``, what the reference ``reference_v41`` takes) and one forward of a planned
+batch through the package's steps, layer by layer, in the model's order (the window key, the
+low-ratio sources: compressor then indexer, then attention).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from dsv4_backend.cache.state import AttentionState
+from dsv4_backend.compute.layer import attend, store_window_keys
+from dsv4_backend.compute.low_ratio import compress_low_ratio, select_low_ratio_entries
+from dsv4_backend.config import DSV4AttentionConfig, V41Sources
+from dsv4_backend.planning.metadata import AttentionMetadata
+from dsv4_backend.testing.reference.low_ratio import index_head_weights
+from dsv4_backend.testing.reference.v41_model import V41LayerInputs
+
+#: A query row: ``(request, position)``.
+Row = tuple[int, int]
+
+
+#: The tiny DeepSeek-V4.1 layers: 0 window only; 1 c2 kv + index source; 2 shares 1; 3 c1 kv
+#: + index + candidate source; 4 shares 3 (reuses 3's selection); 5 candidate consumer.
+TINY_V41_RATIOS = (0, 2, 2, 1, 1, 1)
+TINY_V41_SOURCES = V41Sources(
+    kv_source_layers=(1, 3), index_source_layers=(1, 3, 5), candidate_source_layer=3,
+    candidate_topk_blocks=2, candidate_block_size=8,
+)  # fmt: skip
+#: The model's parameters among ``V41LayerInputs``' fields (shared by every request).
+PARAMETERS = ("sink", "norm_weight", "wk", "k_norm_weight")
+
+
+def tiny_v41(**overrides: Any) -> DSV4AttentionConfig:
+    """A small DeepSeek-V4.1 configuration of every layer role (``TINY_V41_RATIOS``)."""
+    values: dict[str, Any] = dict(
+        compress_ratios=TINY_V41_RATIOS, num_heads=4, head_dim=128, rope_dim=64, index_topk=16,
+        index_n_heads=2, index_head_dim=64, v41=TINY_V41_SOURCES,
+    )  # fmt: skip
+    values.update(overrides)
+    return DSV4AttentionConfig(**values)
+
+
+def v41_inputs(config: DSV4AttentionConfig, length: int, seed: int) -> list[V41LayerInputs]:
+    """Random bf16-valued inputs of every layer for one request of ``length`` tokens: each
+    layer's queries, window keys and sink; a kv source's projections and norm weights; an index
+    source's indexer projections."""
+    v41 = config.v41
+    assert v41 is not None, "a DeepSeek-V4.1 config"
+    g = torch.Generator().manual_seed(seed)
+    d, di, hi = config.head_dim, config.index_head_dim, config.index_n_heads
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).bfloat16().float()
+
+    layers = []
+    for layer, ratio in enumerate(config.compress_ratios):
+        extra: dict = {}
+        if layer in v41.kv_source_layers:
+            extra.update(
+                kv_proj=rand(length, d), norm_weight=1 + 0.1 * rand(d),
+                wk=rand(di, d) * d**-0.5, k_norm_weight=1 + 0.1 * rand(di),
+                score_proj=rand(length, d) if ratio == 2 else None,
+            )  # fmt: skip
+        if layer in v41.index_source_layers:
+            extra.update(index_q_proj=rand(length, hi, di), index_weights_raw=rand(length, hi))
+        inputs = dict(
+            q=rand(length, config.num_heads, d),
+            window_kv=rand(length, d),
+            sink=rand(config.num_heads),
+        )
+        layers.append(V41LayerInputs(**inputs, **extra))
+    return layers
+
+
+class V41Model:
+    """Per-request inputs of every layer: ``requests[i]`` is request ``i``'s ``v41_inputs``
+    with the model's parameters (``PARAMETERS``: request 0's, shared by every request), what
+    ``reference_v41`` takes for that request."""
+
+    def __init__(self, config: DSV4AttentionConfig, requests: Sequence[list[V41LayerInputs]]):
+        self.config = config
+        first = requests[0]
+        self.requests = [
+            [
+                dataclasses.replace(mine, **{n: getattr(shared, n) for n in PARAMETERS})
+                for mine, shared in zip(layers, first, strict=True)
+            ]
+            for layers in requests
+        ]
+
+    def _take(self, rows: Sequence[Row], layer: int, name: str) -> torch.Tensor:
+        values = [getattr(self.requests[r][layer], name)[p] for r, p in rows]
+        return torch.stack(values)
+
+    def _param(self, layer: int, name: str) -> torch.Tensor:
+        value = getattr(self.requests[0][layer], name)
+        assert value is not None
+        return value
+
+    def forward(
+        self,
+        state: AttentionState,
+        metadata: AttentionMetadata,
+        req_pool_indices: torch.Tensor,
+        rows: Sequence[Row],
+    ) -> list[torch.Tensor]:
+        """Every layer's attention output ``[T, H, D]`` of ``rows`` (the batch's query rows, in
+        its row order)."""
+        config = self.config
+        v41 = config.v41
+        assert v41 is not None
+        outputs = []
+        for layer in range(len(config.compress_ratios)):
+            store_window_keys(state, layer, metadata, self._take(rows, layer, "window_kv"))
+            if layer in v41.kv_source_layers:
+                ratio = config.compress_ratios[layer]
+                index = None
+                if layer in v41.index_source_layers:
+                    index = (
+                        self._param(layer, "wk"),
+                        self._param(layer, "k_norm_weight"),
+                        config.rms_norm_eps,
+                    )
+                compress_low_ratio(
+                    state, layer, metadata, req_pool_indices,
+                    self._take(rows, layer, "kv_proj"),
+                    self._take(rows, layer, "score_proj") if ratio == 2 else None,
+                    self._param(layer, "norm_weight"), config.rms_norm_eps,
+                    index_key_params=index,
+                )  # fmt: skip
+            if layer in v41.index_source_layers:
+                weights = index_head_weights(
+                    self._take(rows, layer, "index_weights_raw"), config.index_head_dim
+                )
+                select_low_ratio_entries(
+                    state, layer, metadata, self._take(rows, layer, "index_q_proj"), weights
+                )
+            q = self._take(rows, layer, "q")
+            outputs.append(attend(state, layer, metadata, q, self._param(layer, "sink")))
+        return outputs
