@@ -131,6 +131,9 @@ class DSV4AttentionConfig:
     indexer_selection: str = "exact"
     #: Speculative decoding doubles the compressor state rings.
     speculative: bool = False
+    #: Draft tokens a verify forward appends per request (``speculative_num_draft_tokens``):
+    #: DeepSeek-V4.1's ratio-2 pair rings keep them all (``ring_rows(2)``); 0 without drafts.
+    num_draft_tokens: int = 0
     #: DeepSeek-V4.1's cache sharing; None for DeepSeek-V4.
     v41: V41Sources | None = None
     softmax_scale: float = field(init=False)
@@ -230,14 +233,19 @@ class DSV4AttentionConfig:
 
     def ring_rows(self, ratio: int) -> int:
         """Rows of a compressor state ring: one span, c4 8 (16 speculative), c128 128 (256);
-        DeepSeek-V4.1's ratio-2 pair ring 2 (the even token of a pair waits there)."""
+        DeepSeek-V4.1's ratio-2 pair ring 2 (the even token of a pair waits there), with
+        speculation ``1 << (num_draft_tokens + 1).bit_length()`` (every verify row stays)."""
         if ratio == 2:
-            if self.speculative:
+            if not self.speculative:
+                return 2
+            if self.num_draft_tokens < 1:
                 raise ConfigError(
-                    "DeepSeek-V4.1 with speculative decoding: its ratio-2 pair rings hold the "
-                    "draft rows too, which this backend does not serve yet"
+                    f"num_draft_tokens={self.num_draft_tokens} with speculative decoding: "
+                    "DeepSeek-V4.1's ratio-2 pair rings are sized by the draft tokens of a "
+                    "verify (speculative_num_draft_tokens)"
                 )
-            return 2
+            # sglang's size: a power of two above the verify rows and the pending pair token.
+            return 1 << (self.num_draft_tokens + 1).bit_length()
         span = compress_span(ratio)
         return 2 * span if self.speculative else span
 

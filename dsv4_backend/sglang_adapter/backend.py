@@ -212,15 +212,20 @@ class RunnerSettings:
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.
         # sglang's own reading of the window (its model config resolves the same keys).
         window = getattr(runner.model_config, "sliding_window_size", None)
+        num_draft_tokens = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
         config = DSV4AttentionConfig.from_hf_config(
-            hf, {"window_size": window}, speculative=speculative, indexer_selection=selection
+            hf,
+            {"window_size": window},
+            speculative=speculative,
+            num_draft_tokens=num_draft_tokens if speculative else 0,
+            indexer_selection=selection,
         )
         layers = None
         if config.v41 is not None:
             check_served(args, hf, v41=True)
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
-            config = dataclasses.replace(config, compress_ratios=(0,))
+            config = dataclasses.replace(config, compress_ratios=(0,), v41=None)
         elif getattr(runner, "layer_info", None) is not None:  # sglang's ModelLayerInfo
             info = runner.layer_info
             layers = stage_layers(config, range(info.start_layer, info.end_layer))
@@ -258,7 +263,7 @@ class RunnerSettings:
         return cls(
             config=config,
             draft_topk=draft_topk,
-            num_draft_tokens=int(getattr(args, "speculative_num_draft_tokens", 0) or 0),
+            num_draft_tokens=num_draft_tokens,
             device=torch.device(runner.device),
             attn_tp_size=attn_tp_size,
             region_copying=region_copying,

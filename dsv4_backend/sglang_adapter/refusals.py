@@ -127,14 +127,15 @@ REFUSED: tuple[Refused, ...] = (
 
 _V41 = "DeepSeek-V4.1 is served eagerly on one rank group so far"
 #: What DeepSeek-V4.1 (a model config with ``kv_source_layer_ids``) is not served with yet, on
-#: top of ``REFUSED`` (docs/design.md §8): its low-ratio fields are planned eagerly only, its
-#: ratio-2 pair rings hold no draft rows, and its shared caches are not split over ranks.
+#: top of ``REFUSED`` (docs/design.md §8): its low-ratio fields are planned eagerly only, and its
+#: shared caches are not split over ranks.
 V41_REFUSED: tuple[Refused, ...] = (
     Refused("decode_cuda_graphs", _set, "decode CUDA graphs (start it with "
             "--cuda-graph-backend-decode disabled, or --disable-cuda-graph)",
             f"{_V41}: the graph buffers hold no c1 / c2 fields", source="derived"),
-    Refused("speculative_algorithm", _set, "--speculative-algorithm (DSpark with DeepSeek-V4.1)",
-            f"{_V41}: its ratio-2 pair rings hold no draft rows"),
+    Refused("speculative_algorithm", _other_than("dspark"),
+            "--speculative-algorithm (only DSPARK with DeepSeek-V4.1)",
+            "DSpark is DeepSeek-V4.1's speculative algorithm (it has no MTP layers)"),
     Refused("pp_size", _above_one, "--pipeline-parallel-size",
             f"{_V41}: a stage may start after the kv source whose caches it reads"),
     Refused("attn_cp_size", _above_one, "--attention-context-parallel-size",

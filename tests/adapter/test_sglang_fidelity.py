@@ -175,7 +175,9 @@ def test_backend_reads_sglangs_config_object(pool) -> None:
     backend = make_backend(pool, _CONFIG_REGISTRY["deepseek_v4"](**values()))
     assert backend.config.yarn_factor == 4.0
     assert backend.config.yarn_original_max_position == 2048
-    assert backend.config == DSV4AttentionConfig.from_hf_config(values(), speculative=True)
+    assert backend.config == DSV4AttentionConfig.from_hf_config(
+        values(), speculative=True, num_draft_tokens=4
+    )
 
 
 # -------------------------------------------------------------- data-parallel padding

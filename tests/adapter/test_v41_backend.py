@@ -118,13 +118,16 @@ def _runner(pool: PagedRequestPool, config: DSV4AttentionConfig, **flags: Any) -
     return mock_runner(pool, hf, topk=0, **flags)
 
 
-def test_v41_extend_and_decodes_through_the_backend() -> None:
-    """Two requests prefilled in chunks (one ending on an even position), then decodes: every
-    layer's output equals the reference fed sglang's module projections (dense caches)."""
-    config = tiny_v41()
-    lengths = (140, 70)
+def test_v41_extend_verify_and_decodes_through_the_backend() -> None:
+    """Two requests prefilled in chunks (one ending on an even position), a DSpark verify of 5
+    tokens (every draft accepted), then decodes: every layer's output equals the reference fed
+    sglang's module projections (dense caches)."""
+    config = tiny_v41(speculative=True, num_draft_tokens=5)
+    lengths = (140, 80)
     pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(1))
-    backend = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
+    runner = _runner(pool, config, speculative_algorithm="DSPARK", num_draft_tokens=5)
+    backend = DSV4AttentionBackend(runner, cache_format="dense")
+    assert backend.state.compressor_states[1].ring_rows == 8  # sglang's pair ring for 5 drafts
     layers = _modules(config)
     requests = [_request(config, layers, n, seed=10 + i) for i, n in enumerate(lengths)]
     expected = [reference_v41(config, inputs) for _, inputs, _ in requests]
@@ -134,7 +137,9 @@ def test_v41_extend_and_decodes_through_the_backend() -> None:
         builder.extend([0, 1], [0, 0], [71, 40]),
         builder.extend([0, 1], [71, 40], [60, 29]),
         builder.decode([0, 1], [132, 70]),
-        builder.decode([0], [133]),
+        builder.verify([0, 1], [132, 70], 5),
+        builder.decode([0, 1], [138, 76]),
+        builder.decode([0], [139]),
     ]
     worst = 0.0
     for step in steps:

@@ -271,3 +271,54 @@ def test_the_full_and_the_two_level_top_k() -> None:
     assert set(two_level[0].tolist()) <= allowed
     lost = [e for e in full[0].tolist() if e not in allowed]
     assert lost and not set(lost) & set(two_level[0].tolist())
+
+
+# ------------------------------------------------------- the two-level top-k, the runtime's
+@pytest.mark.parametrize("seed", range(4))
+def test_the_runtime_candidate_top_k_equals_sglangs(seed: int) -> None:
+    """The runtime's candidate blocks and its top-k among them (``kernels/low_ratio/torch.py``)
+    against sglang's torch candidate scheme (``candidate_blocks.select_candidate_block_ids``,
+    ``topk_among_blocks``) on the same scores: the same block sets (the newest block always
+    among them) and the same entries, for rows of every length up to past the blocks' reach.
+    Scores are distinct, so no tie decides a set."""
+    from sglang.kernels.ops.attention.dsv4.candidate_blocks import (
+        select_candidate_block_ids,
+        topk_among_blocks,
+    )
+
+    from dsv4_backend.kernels.low_ratio.torch import best_columns, publish_blocks
+
+    g = torch.Generator().manual_seed(seed)
+    rows, width, block, num_blocks, k = 40, 203, 8, 6, 16
+    lens = torch.randint(0, width + 1, (rows,), generator=g)
+    lens[:3] = torch.tensor([0, 1, width])
+    scores = torch.randperm(rows * width, generator=g).float().view(rows, width)
+    cols = torch.arange(width)[None, :]
+    scores = scores.masked_fill(cols >= lens[:, None], float("-inf"))
+    ours = publish_blocks(scores, lens, block, num_blocks)
+    theirs = select_candidate_block_ids(
+        scores, lens[:, None], topk_blocks=num_blocks, block_size=block
+    )
+    for t in range(rows):
+        assert set(ours[t][ours[t] >= 0].tolist()) == set(theirs[t][theirs[t] >= 0].tolist()), t
+        if lens[t]:
+            assert int(ours[t, 0]) == (int(lens[t]) - 1) // block  # the newest block first
+    kept = torch.zeros(rows, width // block + 2, dtype=torch.bool)
+    kept.scatter_(1, torch.where(ours >= 0, ours, kept.shape[1] - 1).long(), True)
+    allowed = (cols < lens[:, None]) & kept[:, :-1].repeat_interleave(block, 1)[:, :width]
+    mine = best_columns(scores, allowed, k)
+    sglang = topk_among_blocks(scores, lens, theirs, k, block)
+    for t in range(rows):
+        assert set(mine[t][mine[t] >= 0].tolist()) == set(sglang[t][sglang[t] >= 0].tolist()), t
+
+
+def test_pair_ring_rows_are_sglangs() -> None:
+    """The ratio-2 pair ring has sglang's rows (``get_compress_state_ring_size``) for every draft
+    count, so the rings alias its pair state pool."""
+    from sglang.srt.mem_cache.deepseek_v4_memory_pool import get_compress_state_ring_size
+
+    plain = DSV4AttentionConfig.from_hf_config(FLASH_V41)
+    assert plain.ring_rows(2) == get_compress_state_ring_size(2, 0)
+    for n in range(1, 9):
+        config = DSV4AttentionConfig.from_hf_config(FLASH_V41, speculative=True, num_draft_tokens=n)
+        assert config.ring_rows(2) == get_compress_state_ring_size(2, n), n

@@ -454,7 +454,12 @@ def test_config_sizes_per_ratio() -> None:
     with pytest.raises(ConfigError, match=r"cache ratio=0; expected one of \(4, 128, 1, 2\)"):
         entries_per_page(0)
     assert CONFIG.ring_rows(2) == 2  # DeepSeek-V4.1's pair ring
-    with pytest.raises(ConfigError, match="pair rings hold the draft rows"):
+    with pytest.raises(ConfigError, match="pair rings are sized by the draft tokens"):
         speculative.ring_rows(2)
+    # sglang's get_compress_state_ring_size(2, n): a power of two above n + 1.
+    assert [
+        DSV4AttentionConfig.tiny(speculative=True, num_draft_tokens=n).ring_rows(2)
+        for n in (1, 2, 3, 5, 7)
+    ] == [4, 4, 8, 8, 16]
     with pytest.raises(ConfigError, match=r"ratio=0; expected one of \(4, 128\)"):
         CONFIG.ring_rows(0)

@@ -159,7 +159,8 @@ V41_COMMANDS = [
     ("v41-bounded-replay", f"{V41_FLASH} --cuda-graph-backend-decode disabled "
      "--enable-decoder-swa-bounded-replay", "--no-enable-decoder-swa-bounded-replay"),
     ("v41-dspark", f"{V41_FLASH} {EAGER} --speculative-algorithm DSPARK "
-     "--speculative-num-steps 1 --speculative-num-draft-tokens 5", "--speculative-algorithm"),
+     "--speculative-num-steps 1 --speculative-num-draft-tokens 5", None),
+    ("v41-eagle", f"{V41_FLASH} {EAGER} {MTP_314}", "--speculative-algorithm (only DSPARK"),
     ("v41-pipeline", f"{V41_FLASH} {EAGER} --pp-size 2", "--pipeline-parallel-size"),
     ("v41-dp-attention", f"{V41_FLASH} {EAGER} --dp 4 --enable-dp-attention",
      "--enable-dp-attention"),

@@ -1,7 +1,8 @@
 """DeepSeek-V4.1 served by the package's steps (planning, caches, compressors, indexer,
 attention) against the model reference ``reference_v41``, request by request: one-shot and
 chunked prefills (chunks ending on odd and even positions, so the ratio-2 pair waits in its
-ring), decodes, and two requests in one batch."""
+ring), decodes, verifies of DSpark's block (5 tokens) whose rejected drafts are overwritten by
+the next forward, and two requests in one batch."""
 
 from __future__ import annotations
 
@@ -18,11 +19,19 @@ from dsv4_backend.testing.simulation.v41 import V41Model, tiny_v41, v41_inputs
 LENGTHS = (150, 97)
 
 
-def _serve(fmt: str, steps: list[tuple[str, list[int], list[int], list[int]]]) -> None:
-    config = tiny_v41()
+Step = tuple[str, list[int], list[int], list[int]]
+
+
+def _serve(fmt: str, steps: list[Step], **overrides: object) -> None:
+    """Run ``steps`` (``(kind, requests, first positions, rows per request)``; a verify's
+    third list is the committed lengths, its fourth the drafts each request accepts: its rows
+    after the accepted ones get other inputs and are not compared) and compare every committed
+    row of every layer with the reference."""
+    config = tiny_v41(**overrides)
     g = torch.Generator().manual_seed(0)
     pool = PagedRequestPool(config, LENGTHS, generator=g)
     model = V41Model(config, [v41_inputs(config, n, seed=i + 1) for i, n in enumerate(LENGTHS)])
+    drafts = V41Model(config, [v41_inputs(config, n, seed=i + 7) for i, n in enumerate(LENGTHS)])
     expected = [reference_v41(config, layers) for layers in model.requests]
     state = AttentionState.allocate(
         config, num_full_slots=pool.num_full_slots, num_swa_slots=pool.num_full_slots,
@@ -32,18 +41,27 @@ def _serve(fmt: str, steps: list[tuple[str, list[int], list[int], list[int]]]) -
         layer: [] for layer in range(len(RATIOS))
     }
     for kind, requests, starts, counts in steps:
+        stepped = model
         if kind == "extend":
             view = pool.extend(requests, starts, counts)
-        else:
+            spans = list(zip(requests, starts, counts, strict=True))
+        elif kind == "decode":
             view = pool.decode(requests, [s + 1 for s in starts])
-        rows = [
-            (r, s + i) for r, s, c in zip(requests, starts, counts, strict=True) for i in range(c)
-        ]
+            spans = list(zip(requests, starts, counts, strict=True))
+        else:  # verify: the anchor and the accepted drafts are committed
+            n = int(config.num_draft_tokens)
+            view = pool.verify(requests, starts, n)
+            spans = [(r, s, n) for r, s in zip(requests, starts, strict=True)]
+            first = {r: s + 1 + a for r, s, a in zip(requests, starts, counts, strict=True)}
+            stepped = model.diverging(drafts, [first.get(r, 1 << 30) for r in range(len(LENGTHS))])
+        rows = [(r, s + i) for r, s, c in spans for i in range(c)]
         metadata = plan(config, view)
-        outputs = model.forward(state, metadata, view.req_pool_indices, rows)
+        outputs = stepped.forward(state, metadata, view.req_pool_indices, rows)
+        committed = [i for i, (r, p) in enumerate(rows) if kind != "verify" or p < first[r]]
         for layer, out in enumerate(outputs):
             want = torch.stack([expected[r].outputs[layer][p] for r, p in rows])
-            errors[layer].append((out.float() - want, want))
+            keep = torch.tensor(committed, dtype=torch.long)
+            errors[layer].append(((out.float() - want)[keep], want[keep]))
     for layer, pieces in errors.items():
         error = torch.cat([e for e, _ in pieces]).abs()
         want = torch.cat([w for _, w in pieces]).abs()
@@ -67,3 +85,16 @@ def test_chunked_prefill_then_decodes() -> None:
     steps += [("decode", [0, 1], [143 + i, 96 + i], [1, 1]) for i in range(1)]
     steps += [("decode", [0], [144 + i], [1]) for i in range(6)]
     _serve("dense", steps)
+
+
+def test_dspark_verifies_with_rejected_drafts() -> None:
+    """DSpark's verify of 5 tokens (the anchor and 4 drafts; the pair rings of 8 rows keep them
+    all): rejected drafts write caches, rings and index keys that the next forward overwrites
+    or never reads, so every committed row equals the reference."""
+    steps: list[Step] = [("extend", [0, 1], [0, 0], [100, 61])]
+    committed = [100, 61]
+    for accepted in ([1, 0], [4, 2], [0, 3], [2, 4]):
+        steps.append(("verify", [0, 1], list(committed), accepted))
+        committed = [c + a + 1 for c, a in zip(committed, accepted, strict=True)]
+    steps.append(("decode", [0, 1], committed, [1, 1]))
+    _serve("dense", steps, speculative=True, num_draft_tokens=5)

@@ -124,7 +124,7 @@ def _scores(
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def _best(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
+def best_columns(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
     """``[T, k]`` int64 ids of each row's ``k`` best ``allowed`` columns (equal scores: the
     lower id first), -1 past a row's allowed count."""
     order = torch.sort(
@@ -137,7 +137,7 @@ def _best(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
     return torch.where(torch.arange(k, device=ids.device)[None, :] < counts, ids, -1)
 
 
-def _publish_blocks(
+def publish_blocks(
     scores: torch.Tensor, visible: torch.Tensor, block_size: int, num_blocks: int
 ) -> torch.Tensor:
     """``[T, num_blocks]`` int64 candidate blocks (the newest block first, then the best by
@@ -151,7 +151,7 @@ def _publish_blocks(
     ids = torch.arange(keys.shape[1], device=scores.device)[None, :]
     newest = (blocks - 1)[:, None]
     keys = torch.where(ids == newest, float("inf"), keys)
-    return _best(keys, ids < blocks[:, None], num_blocks)
+    return best_columns(keys, ids < blocks[:, None], num_blocks)
 
 
 def select_entries(
@@ -196,10 +196,10 @@ def select_entries(
             allowed &= kept[:, :-1].repeat_interleave(block_size, 1)[:, :width]
         if publish is not None:
             out_blocks, block_size = publish
-            out_blocks[part] = _publish_blocks(
+            out_blocks[part] = publish_blocks(
                 scores, visible[part], block_size, out_blocks.shape[1]
             ).to(out_blocks.dtype)
-        ids = _best(scores, allowed, topk)
+        ids = best_columns(scores, allowed, topk)
         ids = torch.where(ids >= 0, ids, width).sort(1).values  # ascending, -1s last
         ids = torch.where(ids < width, ids, -1)
         out_slots[part] = entry_slots(page_table[part], ids, ratio).to(out_slots.dtype)

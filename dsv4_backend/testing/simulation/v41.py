@@ -93,6 +93,29 @@ class V41Model:
             for layers in requests
         ]
 
+    def diverging(self, other: V41Model, first: Sequence[int]) -> V41Model:
+        """This model's inputs before position ``first[r]`` of request ``r`` and ``other``'s
+        from there on (drafts a verify rejects: their rows are computed, not committed); the
+        parameters stay this model's."""
+        requests = []
+        for r, (mine, theirs) in enumerate(zip(self.requests, other.requests, strict=True)):
+            layers = []
+            for a, b in zip(mine, theirs, strict=True):
+                changed = {}
+                for f in dataclasses.fields(a):
+                    value, alt = getattr(a, f.name), getattr(b, f.name)
+                    if f.name in PARAMETERS or value is None:
+                        continue
+                    late = torch.arange(value.shape[0]) >= first[r]
+                    changed[f.name] = torch.where(
+                        late.view(-1, *[1] * (value.dim() - 1)), alt, value
+                    )
+                layers.append(dataclasses.replace(a, **changed))
+            requests.append(layers)
+        model = V41Model(self.config, [requests[0]])
+        model.requests = requests
+        return model
+
     def _take(self, rows: Sequence[Row], layer: int, name: str) -> torch.Tensor:
         values = [getattr(self.requests[r][layer], name)[p] for r, p in rows]
         return torch.stack(values)
