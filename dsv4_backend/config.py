@@ -231,6 +231,15 @@ class DSV4AttentionConfig:
             if layer > v41.candidate_source_layer and self.kv_source_of(layer) == source
         )
 
+    @property
+    def candidate_ratio(self) -> int | None:
+        """DeepSeek-V4.1: the ratio whose entries the candidate blocks group (the candidate
+        source's); None without a candidate source."""
+        v41 = self.v41
+        if v41 is None or v41.candidate_source_layer < 0:
+            return None
+        return self.compress_ratios[v41.candidate_source_layer]
+
     def ring_rows(self, ratio: int) -> int:
         """Rows of a compressor state ring: one span, c4 8 (16 speculative), c128 128 (256);
         DeepSeek-V4.1's ratio-2 pair ring 2 (the even token of a pair waits there), with

@@ -207,12 +207,12 @@ class Fp4IndexKeyCache(SlotCache):
         return cls(num_slots, dim, "fp8", device=storage.device, storage=storage, storage_name=name)
 
     def store(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``rows`` ``[N, dim]`` (float, on the fp4 grid) at ``slots`` ``[N]``, skipping
-        -1."""
+        """Write ``rows`` ``[N, dim]`` (float, on the fp4 grid) at ``slots`` ``[N]``; a row of
+        slot -1 writes the padding slot 0 instead (sglang's reserved page 0, which no entry
+        occupies), so the store needs no host sync and a CUDA graph captures it."""
         self.check_slots(slots)
         _check_width(rows, self.dim, "rows")
-        keep = slots.long() >= 0
-        rows, kept = rows[keep], slots.long()[keep]
+        kept = slots.long().clamp(min=0)
         if self.layout is None:
             self.storage[kept] = rows.float()
         else:

@@ -73,8 +73,9 @@ def compress_low_ratio(
     else:
         req_rows = req_pool_indices.long()[metadata.row_batch_ids.long()]
         rings = state.compressor_states[layer]
+        valid = metadata.swa_out_loc >= 0  # every row of a batch writes its window key
         pooled = low_ratio_ops.pair_pool(
-            rings, kv_proj.float(), score_proj.float(), req_rows, positions
+            rings, kv_proj.float(), score_proj.float(), req_rows, positions, valid
         )
         entry_positions = (positions - 1).clamp(min=0)
     latent = low_ratio_ops.latents(pooled, norm_weight, norm_eps)

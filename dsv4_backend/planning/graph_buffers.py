@@ -14,6 +14,7 @@ fields                                      sentinel  why
 ``swa_topk_lengths``,                       1         sparse kernels need >= 1; every index is -1
 ``*.sparse_topk_lengths``
 ``*.topk_lengths_raw``                      0         no visible compressed entry
+``c1/c2.candidate_blocks``                  -1        no candidate block
 ``*_out_loc``, ``*.out_loc``                -1        no cache write (stores skip negative slots)
 ``page_table``, ``*_page_indices``          -1        no slot
 ``*.compress_plan``, ``*.write_plan``       -1        invalid record (valid records stay first)
@@ -32,7 +33,13 @@ from dsv4_backend.errors import ContractError
 from dsv4_backend.planning import planner
 from dsv4_backend.planning.batch import BatchView, ForwardKind, seq_len_fill_value
 from dsv4_backend.planning.kernels.plan_fields import PlanFields, RatioFields
-from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
+from dsv4_backend.planning.low_ratio import with_low_ratio_fields
+from dsv4_backend.planning.metadata import (
+    PLAN_COLUMNS,
+    AttentionMetadata,
+    CompressedMetadata,
+    LowRatioMetadata,
+)
 from dsv4_backend.planning.planner import PlanWidths
 
 #: Padding of every field not listed here: -1 (no slot / no write / invalid record).
@@ -65,6 +72,18 @@ def _compressed_layout(config: DSV4AttentionConfig, ratio: int, widths: PlanWidt
         "compress_plan": plan,
         "write_plan": plan,
     }
+
+
+def _low_ratio_layout(config: DSV4AttentionConfig, ratio: int) -> _Layout:
+    layout: _Layout = {
+        "out_loc": ((), _INT64),
+        "topk_lengths_raw": ((), _INT32),
+        "sparse_topk_lengths": ((), _INT32),
+        "page_indices": ((config.index_topk,), _INT32),
+    }
+    if config.v41 is not None and config.candidate_ratio == ratio:
+        layout["candidate_blocks"] = ((config.v41.candidate_topk_blocks,), _INT32)
+    return layout
 
 
 def _layout(config: DSV4AttentionConfig, widths: PlanWidths, swa_width: int) -> _Layout:
@@ -134,6 +153,9 @@ class GraphMetadataBuffers:
         self.compressed = {
             r: alloc(_compressed_layout(config, r, widths)) for r in sorted(config.ratios_present)
         }
+        self.low_ratio = {
+            r: alloc(_low_ratio_layout(config, r)) for r in sorted(config.low_ratios_present)
+        }
         self.device = self.common["row_batch_ids"].device
 
     def load(self, plan: AttentionMetadata, *, num_rows: int | None = None) -> AttentionMetadata:
@@ -174,6 +196,14 @@ class GraphMetadataBuffers:
             comp[ratio] = CompressedMetadata(
                 ratio=ratio, **{name: buf[:num_rows] for name, buf in bufs.items()}
             )
+        low = {}
+        for ratio, bufs in self.low_ratio.items():
+            part = plan.low_ratio(ratio)
+            if part is None:  # window-only plan (DRAFT_EXTEND)
+                continue
+            for name, buf in bufs.items():
+                _load_field(buf, getattr(part, name), num_rows, _sentinel(name))
+            low[ratio] = self._low_ratio_views(ratio, num_rows)
         return AttentionMetadata(
             kind=plan.kind,
             batch_size=plan.batch_size,
@@ -181,10 +211,16 @@ class GraphMetadataBuffers:
             **{name: buf[:num_rows] for name, buf in self.common.items()},
             c4=comp.get(4),
             c128=comp.get(128),
-            c1=None,  # DeepSeek-V4.1 is served without CUDA graphs (refusals.py)
-            c2=None,
+            c1=low.get(1),
+            c2=low.get(2),
             tag=plan.tag,
             pending_checks=plan.pending_checks,
+        )
+
+    def _low_ratio_views(self, ratio: int, num_rows: int) -> LowRatioMetadata:
+        """The first ``num_rows`` rows of ratio ``ratio``'s low-ratio buffers."""
+        return LowRatioMetadata(
+            ratio=ratio, **{name: buf[:num_rows] for name, buf in self.low_ratio[ratio].items()}
         )
 
     def plan(self, batch: BatchView, *, num_rows: int | None = None) -> AttentionMetadata:
@@ -212,7 +248,11 @@ class GraphMetadataBuffers:
                 for r in ratios
             },
         )
-        return planner.plan_into(self.config, batch, self.widths, out)
+        metadata = planner.plan_into(self.config, batch, self.widths, out)
+        if not compressed:
+            return metadata
+        low = {r: self._low_ratio_views(r, num_rows) for r in self.low_ratio}
+        return with_low_ratio_fields(self.config, batch, metadata, low)
 
     def _check(
         self,

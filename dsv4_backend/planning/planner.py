@@ -186,7 +186,7 @@ def plan(
         )
     entry = resolve(PLAN, batch.req_to_token.device).variant.entry
     metadata = entry(config, batch, widths)
-    return with_low_ratio_fields(config, metadata) if spec.compressed else metadata
+    return with_low_ratio_fields(config, batch, metadata) if spec.compressed else metadata
 
 
 def _extend_lens(batch: BatchView) -> tuple[Sequence[int], Sequence[int]]:

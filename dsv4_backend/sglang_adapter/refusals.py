@@ -28,17 +28,17 @@ from typing import Any, Literal
 
 from dsv4_backend.errors import ConfigError
 
-Source = Literal["server_args", "env", "hf_config", "derived"]
+Source = Literal["server_args", "env", "hf_config"]
 
 
 @dataclass(frozen=True)
 class Refused:
     """One configuration that is not served.
 
-    ``option``: the ``ServerArgs`` field, environment variable, ``hf_config`` attribute or
-    ``DERIVED`` value read (``source``); ``matches(value)``: whether its value is this
-    configuration (an unset option reads as None); ``flag``: what the error names (the CLI
-    flag and value, the variable, the model type); ``why``: what would go wrong.
+    ``option``: the ``ServerArgs`` field, environment variable or ``hf_config`` attribute
+    read (``source``); ``matches(value)``: whether its value is this configuration (an unset
+    option reads as None); ``flag``: what the error names (the CLI flag and value, the
+    variable, the model type); ``why``: what would go wrong.
     """
 
     option: str
@@ -125,14 +125,11 @@ REFUSED: tuple[Refused, ...] = (
 )  # fmt: skip
 
 
-_V41 = "DeepSeek-V4.1 is served eagerly on one rank group so far"
+_V41 = "DeepSeek-V4.1 is served on one rank group so far"
 #: What DeepSeek-V4.1 (a model config with ``kv_source_layer_ids``) is not served with yet, on
-#: top of ``REFUSED`` (docs/design.md §8): its low-ratio fields are planned eagerly only, and its
-#: shared caches are not split over ranks.
+#: top of ``REFUSED`` (docs/design.md §8): its shared caches are not split over ranks or
+#: batches, nor carried by the transfer regions.
 V41_REFUSED: tuple[Refused, ...] = (
-    Refused("decode_cuda_graphs", _set, "decode CUDA graphs (start it with "
-            "--cuda-graph-backend-decode disabled, or --disable-cuda-graph)",
-            f"{_V41}: the graph buffers hold no c1 / c2 fields", source="derived"),
     Refused("speculative_algorithm", _other_than("dspark"),
             "--speculative-algorithm (only DSPARK with DeepSeek-V4.1)",
             "DSpark is DeepSeek-V4.1's speculative algorithm (it has no MTP layers)"),
@@ -153,21 +150,9 @@ V41_REFUSED: tuple[Refused, ...] = (
 )  # fmt: skip
 
 
-#: Values read from several ``ServerArgs`` fields (``source="derived"``).
-DERIVED: dict[str, Callable[[Any], Any]] = {
-    # sglang captures decode graphs unless either spelling turns them off.
-    "decode_cuda_graphs": lambda args: (
-        not getattr(args, "disable_cuda_graph", False)
-        and getattr(args, "cuda_graph_backend_decode", None) != "disabled"
-    ),
-}
-
-
 def _value(row: Refused, server_args: Any, hf_config: Any) -> Any:
     if row.source == "env":
         return os.environ.get(row.option)
-    if row.source == "derived":
-        return DERIVED[row.option](server_args)
     source = server_args if row.source == "server_args" else hf_config
     if isinstance(source, Mapping):  # a config.json mapping
         return source.get(row.option)

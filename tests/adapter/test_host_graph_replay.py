@@ -66,6 +66,8 @@ from dsv4_backend.planning import AttentionMetadata
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing.simulation.v41 import tiny_v41
+from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
 
 pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 
@@ -111,13 +113,17 @@ def model_runner_stand_in(
 ) -> SimpleNamespace:
     """``harness.mock_runner`` plus what ``DecodeCudaGraphRunner.__init__`` reads of a model
     runner; its ``decode_num_tokens_per_req`` is sglang's own ``ModelRunner`` method."""
+    v41 = config.v41 is not None  # verified by DSpark, its speculative algorithm
+    hf = v41_hf_config(config) if v41 else harness.tiny_hf_config(config)
     runner = harness.mock_runner(
-        pool, harness.tiny_hf_config(config), topk=1 if verify else 0,
+        pool, hf, topk=1 if verify and not v41 else 0,
         num_steps=NUM_STEPS, num_draft_tokens=NUM_DRAFT, tp_size=DP_RANKS if dp else 1,
+        speculative_algorithm="DSPARK" if verify and v41 else None,
     )  # fmt: skip
     runner.server_args.attn_dp_size = DP_RANKS if dp else 1
     runner.server_args.dllm_algorithm = None
-    runner.spec_algorithm = SpeculativeAlgorithm.EAGLE if verify else SpeculativeAlgorithm.NONE
+    algorithm = SpeculativeAlgorithm.DSPARK if v41 else SpeculativeAlgorithm.EAGLE
+    runner.spec_algorithm = algorithm if verify else SpeculativeAlgorithm.NONE
     runner.decode_num_tokens_per_req = functools.partial(
         ModelRunner.decode_num_tokens_per_req, runner
     )
@@ -146,13 +152,15 @@ class Host:
     decode graph runner."""
 
     pool: PagedRequestPool
-    model: RandomModel
-    sim: harness.SimulatedModel
+    model: RandomModel | SglangV41Model
+    sim: harness.SimulatedModel | SglangV41Model
     batches: harness.BatchBuilder
     backend: RecordingBackend
     eager: DSV4AttentionBackend
     graph_runner: DecodeCudaGraphRunner
     verify: bool
+    #: Output tolerance: the simulated model's fp32 rows, or bf16 rows of sglang's V4.1 modules.
+    atol: float = ATOL
     checked: list[str] = field(default_factory=list)
 
     @property
@@ -178,18 +186,32 @@ class Host:
         self.eager.init_forward_metadata(step.batch)
         for layer in range(len(self.model.config.compress_ratios)):
             out = self.sim.layer(self.eager, step, layer)
-            assert self.sim.max_error(step.rows, layer, out) <= ATOL, ("prefill", layer)
+            assert self.sim.max_error(step.rows, layer, out) <= self.atol, ("prefill", layer)
 
 
 def make_host(
-    monkeypatch: pytest.MonkeyPatch, *, verify: bool, dp: bool = False, seed: int = 0
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    verify: bool,
+    dp: bool = False,
+    seed: int = 0,
+    v41: bool = False,
 ) -> Host:
     """A server in sglang's published config (the caller holds ``sglang_server``): sglang's
-    ``DecodeCudaGraphRunner`` built by its own constructor, capture patched out."""
-    config = DSV4AttentionConfig.tiny(speculative=verify)
+    ``DecodeCudaGraphRunner`` built by its own constructor, capture patched out. ``v41``: a
+    DeepSeek-V4.1 model driven through sglang's own V4.1 modules (``testing.v41_host``)."""
+    config = (
+        tiny_v41(speculative=verify, num_draft_tokens=NUM_DRAFT if verify else 0)
+        if v41
+        else DSV4AttentionConfig.tiny(speculative=verify)
+    )
     generator = torch.Generator().manual_seed(seed)
     pool = PagedRequestPool(config, MAX_LENS, generator=generator)
-    model = RandomModel(config, pool, generator=generator)
+    model: RandomModel | SglangV41Model
+    if v41:
+        model = SglangV41Model(config, MAX_LENS, seed)
+    else:
+        model = RandomModel(config, pool, generator=generator)
     runner = model_runner_stand_in(pool, verify=verify, dp=dp, config=config)
     backend = RecordingBackend(runner, cache_format="dense")
     runner.attn_backend = backend
@@ -206,9 +228,10 @@ def make_host(
     assert graph_runner.require_mlp_tp_gather is dp
     assert backend.graph_buffers is not None  # the constructor's init_cuda_graph_state
     return Host(
-        pool=pool, model=model, sim=harness.SimulatedModel(model),
+        pool=pool, model=model,
+        sim=model if isinstance(model, SglangV41Model) else harness.SimulatedModel(model),
         batches=harness.BatchBuilder(pool), backend=backend, eager=eager,
-        graph_runner=graph_runner, verify=verify,
+        graph_runner=graph_runner, verify=verify, atol=2e-2 if v41 else ATOL,
     )  # fmt: skip
 
 
@@ -297,7 +320,7 @@ def assert_padding_plans_slot_zero(host: Host, graph: AttentionMetadata, live: i
         f"padding rows' swa_out_loc {graph.swa_out_loc[pad].tolist()}; expected the window slot "
         f"{swa_zero} of sglang's padding slot 0"
     )
-    for part in (graph.c4, graph.c128):
+    for part in (graph.c4, graph.c128, graph.c1, graph.c2):
         if part is not None:
             out = part.out_loc[pad]
             assert (out.eq(-1) | out.eq(0)).all(), (
@@ -312,6 +335,7 @@ def cache_storages(backend: DSV4AttentionBackend) -> dict[str, torch.Tensor]:
     out = {f"window{i}": cache.storage for i, cache in pools.windows.items()}
     out.update({f"c{i}": cache.storage for i, cache in pools.compressed_caches.items()})
     out.update({f"index{i}": cache.storage for i, cache in pools.indexer_caches.items()})
+    out.update({f"index{i}": cache.storage for i, cache in pools.index_key_caches.items()})
     return out
 
 
@@ -323,17 +347,26 @@ def allowed_slots(host: Host, eager: AttentionMetadata | None, step: harness.Ste
     if step.batch.out_cache_loc.numel():
         live |= set(host.pool.full_to_swa[step.batch.out_cache_loc.long()].tolist())
     allowed = {f"window{i}": live for i in range(len(config.compress_ratios))}
-    for layer, ratio in enumerate(config.compress_ratios):
-        if not ratio:
-            continue
+    for layer in backend_caches(host):
+        ratio = config.compress_ratios[layer]
         entries = {0}
-        part = None if eager is None else eager.compressed(ratio)
+        if eager is None:
+            part = None
+        elif ratio in (1, 2):  # DeepSeek-V4.1: a kv source's entries and index keys
+            part = eager.low_ratio(ratio)
+        else:
+            part = eager.compressed(ratio)
         if part is not None:
             entries |= {v for v in part.out_loc.tolist() if v >= 0}
         allowed[f"c{layer}"] = entries
-        if ratio == 4:
+        if ratio in (1, 2, 4):
             allowed[f"index{layer}"] = entries
     return allowed
+
+
+def backend_caches(host: Host) -> list[int]:
+    """The layers holding a compressed cache (V4's compressed layers, V4.1's kv sources)."""
+    return sorted(host.backend.state.pools.compressed_caches)
 
 
 def run_layers(host: Host, view: Any, step: harness.Step, allowed: dict) -> None:
@@ -347,7 +380,7 @@ def run_layers(host: Host, view: Any, step: harness.Step, allowed: dict) -> None
         out = host.sim.run_feed(host.backend, view, layer, feed)
         assert out.shape[0] == len(rows)
         error = host.sim.max_error(rows, layer, out)
-        assert error <= ATOL, (view.actual_forward_mode.name, view.batch_size, layer, error)
+        assert error <= host.atol, (view.actual_forward_mode.name, view.batch_size, layer, error)
         host.checked.append(f"{view.actual_forward_mode.name}/{view.batch_size}/{layer}")
     for name, now in cache_storages(host.backend).items():
         changed = (now != before[name]).flatten(1).any(dim=1).nonzero().flatten().tolist()
@@ -396,6 +429,23 @@ def test_every_live_batch_size_replays_as_its_eager_plan(
             step = host.live(chosen, host_mirror=False)
             check_replay(host, step, f"no host mirror, {len(chosen)} requests")
             assert host.backend.views[-1].seq_lens_cpu is None
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "dspark-verify"])
+def test_deepseek_v41_replays_as_its_eager_plan(
+    verify: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DeepSeek-V4.1 (``tiny_v41``: c2 and c1 kv sources, a candidate source and consumer)
+    driven through sglang's own V4.1 modules: live batches of 1 ... 12 requests in the DECODE
+    buckets, and in DSpark's TARGET_VERIFY buckets (4 tokens a request); the replay plan's live
+    rows (the c1 / c2 fields too) equal the eager plan, padding rows write only the padding
+    slot 0, every live output equals the reference."""
+    with sglang_server(dp=False):
+        host = make_host(monkeypatch, verify=verify, v41=True)
+        host.prefill(SERVED)
+        for n in range(1, max(CAPTURE_BS) + 1):
+            check_replay(host, host.live(range(n)), f"V4.1: {n} requests in bucket {bucket(n)}")
+        assert len(host.checked) == max(CAPTURE_BS) * len(host.model.config.compress_ratios)
 
 
 #: Request counts of the two DP ranks, replay after replay: an idle rank (0) beside ranks of

@@ -18,104 +18,16 @@ from sglang_pool import inside
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend, shared_state
-from dsv4_backend.testing.harness import BatchBuilder, mock_runner, tiny_hf_config
-from dsv4_backend.testing.reference.v41_model import V41LayerInputs, reference_v41
+from dsv4_backend.testing.harness import BatchBuilder, mock_runner
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
-from dsv4_backend.testing.simulation.v41 import TINY_V41_SOURCES, tiny_v41
+from dsv4_backend.testing.simulation.v41 import tiny_v41
+from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
 
 pytestmark = pytest.mark.sglang
 
-HIDDEN, Q_LORA = 96, 48
-V41_KEYS: dict[str, Any] = dict(
-    kv_source_layer_ids=list(TINY_V41_SOURCES.kv_source_layers),
-    index_source_layer_ids=list(TINY_V41_SOURCES.index_source_layers),
-    candidate_source_layer_id=TINY_V41_SOURCES.candidate_source_layer,
-    candidate_topk_blocks=TINY_V41_SOURCES.candidate_topk_blocks,
-    candidate_block_size=TINY_V41_SOURCES.candidate_block_size,
-)
-
-
-def _modules(config: DSV4AttentionConfig, seed: int = 0) -> list[SimpleNamespace]:
-    """sglang's V4.1 modules of every layer (its torch paths), random bf16 weights: the
-    ``MQALayer`` attributes the backend reads (``layer_id``, ``compressor``, ``indexer``)."""
-    from sglang.srt.layers.attention.dsv4.dsv41_sparse import (
-        DeepseekV41Compressor,
-        DeepseekV41Indexer,
-    )
-
-    hf = SimpleNamespace(
-        **V41_KEYS, index_n_heads=config.index_n_heads, index_head_dim=config.index_head_dim,
-        qk_rope_head_dim=config.rope_dim, index_topk=config.index_topk,
-        rms_norm_eps=config.rms_norm_eps, q_lora_rank=Q_LORA, hidden_size=HIDDEN,
-    )  # fmt: skip
-    g = torch.Generator().manual_seed(seed)
-    layers = []
-    for layer, ratio in enumerate(config.compress_ratios):
-        compressor = indexer = None
-        if layer in TINY_V41_SOURCES.kv_source_layers:
-            compressor = DeepseekV41Compressor(
-                HIDDEN, config.head_dim, ratio, config.rms_norm_eps, fused_compress=False
-            )
-        if layer in TINY_V41_SOURCES.index_source_layers:
-            indexer = DeepseekV41Indexer(hf, layer, config.head_dim, None, "indexer")
-        for module in (compressor, indexer):
-            if module is not None:
-                with torch.no_grad():
-                    for parameter in module.parameters():
-                        parameter.copy_(torch.randn(parameter.shape, generator=g) * 0.2)
-        layers.append(
-            SimpleNamespace(
-                layer_id=layer, compress_ratio=ratio, compressor=compressor, indexer=indexer
-            )
-        )
-    return layers
-
-
-def _request(config: DSV4AttentionConfig, layers: list[SimpleNamespace], length: int, seed: int):
-    """One request's activations (``x``, ``q_lora``, queries, window keys per layer) and the
-    reference inputs they make through sglang's modules."""
-    g = torch.Generator().manual_seed(seed)
-
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(*shape, generator=g).bfloat16()
-
-    acts, inputs = [], []
-    sinks = torch.linspace(-1, 1, config.num_heads)
-    for spec in layers:
-        act = dict(
-            x=rand(length, HIDDEN), q_lora=rand(length, Q_LORA),
-            q=rand(length, config.num_heads, config.head_dim), kv=rand(length, config.head_dim),
-        )  # fmt: skip
-        extra: dict[str, Any] = {}
-        with torch.no_grad():
-            if spec.compressor is not None:
-                kv, score = spec.compressor.project(act["x"])
-                extra.update(
-                    kv_proj=kv.float(), score_proj=None if score is None else score.float(),
-                    norm_weight=spec.compressor.norm.weight.detach().float(),
-                )  # fmt: skip
-                if spec.indexer is not None:
-                    extra.update(
-                        wk=spec.indexer.wk.weight.detach().float(),
-                        k_norm_weight=spec.indexer.k_norm.weight.detach().float(),
-                    )
-            if spec.indexer is not None:
-                q_proj = spec.indexer.wq_b(act["q_lora"])[0]
-                extra.update(
-                    index_q_proj=q_proj.view(length, config.index_n_heads, -1).float(),
-                    index_weights_raw=spec.indexer.head_weights_raw(act["x"]).float(),
-                )
-        acts.append(act)
-        inputs.append(
-            V41LayerInputs(q=act["q"].float(), window_kv=act["kv"].float(), sink=sinks, **extra)
-        )
-    return acts, inputs, sinks
-
 
 def _runner(pool: PagedRequestPool, config: DSV4AttentionConfig, **flags: Any) -> Any:
-    hf = tiny_hf_config(config, **V41_KEYS)
-    flags.setdefault("cuda_graph_backend_decode", "disabled")
-    return mock_runner(pool, hf, topk=0, **flags)
+    return mock_runner(pool, v41_hf_config(config), topk=0, **flags)
 
 
 def test_v41_extend_verify_and_decodes_through_the_backend() -> None:
@@ -128,10 +40,7 @@ def test_v41_extend_verify_and_decodes_through_the_backend() -> None:
     runner = _runner(pool, config, speculative_algorithm="DSPARK", num_draft_tokens=5)
     backend = DSV4AttentionBackend(runner, cache_format="dense")
     assert backend.state.compressor_states[1].ring_rows == 8  # sglang's pair ring for 5 drafts
-    layers = _modules(config)
-    requests = [_request(config, layers, n, seed=10 + i) for i, n in enumerate(lengths)]
-    expected = [reference_v41(config, inputs) for _, inputs, _ in requests]
-    sinks = requests[0][2]
+    model = SglangV41Model(config, lengths)
     builder = BatchBuilder(pool)
     steps = [
         builder.extend([0, 1], [0, 0], [71, 40]),
@@ -143,37 +52,17 @@ def test_v41_extend_verify_and_decodes_through_the_backend() -> None:
     ]
     worst = 0.0
     for step in steps:
-        fb = step.batch
-        backend.init_forward_metadata(fb)
-        rows = [row for row in step.rows if row is not None]
-
-        def take(layer: int, name: str, rows: list = rows) -> torch.Tensor:
-            return torch.stack([requests[r][0][layer][name][p] for r, p in rows])
-
-        for spec in layers:
-            layer = spec.layer_id
-            backend.store_cache(layer_id=layer, swa_k=take(layer, "kv"), forward_batch=fb)
-            if spec.compressor is not None or spec.indexer is not None:
-                with torch.no_grad():
-                    backend.forward_low_ratio_sources(
-                        layer=spec, x=take(layer, "x"), q_lora=take(layer, "q_lora"),
-                        positions=fb.positions, forward_batch=fb,
-                    )  # fmt: skip
-            q = take(layer, "q")
-            attn_layer = SimpleNamespace(layer_id=layer, tp_q_head_num=config.num_heads)
-            out = backend.forward(
-                q=q, k=q, v=q, layer=attn_layer, forward_batch=fb,
-                compress_ratio=spec.compress_ratio, attn_sink=sinks, save_kv_cache=False,
-            )  # fmt: skip
-            want = torch.stack([expected[r].outputs[layer][p] for r, p in rows])
-            worst = max(worst, float((out.float() - want).abs().max()))
+        backend.init_forward_metadata(step.batch)
+        for layer in range(len(config.compress_ratios)):
+            out = model.layer(backend, step, layer)
+            worst = max(worst, model.max_error(step.rows, layer, out))
     assert worst < 2e-2, worst  # the output is bf16 (q's dtype)
 
 
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        ({"cuda_graph_backend_decode": None}, "--cuda-graph-backend-decode disabled"),
+        ({"enable_dp_attention": True}, "--enable-dp-attention"),
         ({"pp_size": 2}, "--pipeline-parallel-size"),
         ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
         ({"disaggregation_mode": "prefill"}, "--disaggregation-mode"),

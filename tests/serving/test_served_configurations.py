@@ -149,20 +149,18 @@ V41_HF = harness.tiny_hf_config(
     candidate_block_size=8,
 )  # fmt: skip
 V41_FLASH = "--trust-remote-code --model-path deepseek-ai/DeepSeek-V4.1-Flash --tp 4"
-EAGER = "--cuda-graph-backend-decode disabled --no-enable-decoder-swa-bounded-replay"
+FULL_PREFILL = "--no-enable-decoder-swa-bounded-replay"
 V41_COMMANDS = [
-    ("v41-flash-tp4", f"{V41_FLASH} {EAGER}", None),
-    ("v41-flash-tp4-disable-cuda-graph",
-     f"{V41_FLASH} --disable-cuda-graph --no-enable-decoder-swa-bounded-replay", None),
-    ("v41-cuda-graphs", f"{V41_FLASH} --no-enable-decoder-swa-bounded-replay",
-     "--cuda-graph-backend-decode disabled"),
-    ("v41-bounded-replay", f"{V41_FLASH} --cuda-graph-backend-decode disabled "
-     "--enable-decoder-swa-bounded-replay", "--no-enable-decoder-swa-bounded-replay"),
-    ("v41-dspark", f"{V41_FLASH} {EAGER} --speculative-algorithm DSPARK "
+    ("v41-flash-tp4", f"{V41_FLASH} {FULL_PREFILL}", None),
+    ("v41-flash-tp4-eager", f"{V41_FLASH} {FULL_PREFILL} --cuda-graph-backend-decode disabled",
+     None),
+    ("v41-bounded-replay", f"{V41_FLASH} --enable-decoder-swa-bounded-replay",
+     "--no-enable-decoder-swa-bounded-replay"),
+    ("v41-dspark", f"{V41_FLASH} {FULL_PREFILL} --speculative-algorithm DSPARK "
      "--speculative-num-steps 1 --speculative-num-draft-tokens 5", None),
-    ("v41-eagle", f"{V41_FLASH} {EAGER} {MTP_314}", "--speculative-algorithm (only DSPARK"),
-    ("v41-pipeline", f"{V41_FLASH} {EAGER} --pp-size 2", "--pipeline-parallel-size"),
-    ("v41-dp-attention", f"{V41_FLASH} {EAGER} --dp 4 --enable-dp-attention",
+    ("v41-eagle", f"{V41_FLASH} {FULL_PREFILL} {MTP_314}", "--speculative-algorithm (only DSPARK"),
+    ("v41-pipeline", f"{V41_FLASH} {FULL_PREFILL} --pp-size 2", "--pipeline-parallel-size"),
+    ("v41-dp-attention", f"{V41_FLASH} {FULL_PREFILL} --dp 4 --enable-dp-attention",
      "--enable-dp-attention"),
 ]  # fmt: skip
 
@@ -174,8 +172,8 @@ V41_COMMANDS = [
 def test_deepseek_v41_launches_are_served_or_refused_at_build_time(
     name: str, command: str, refused: str | None
 ) -> None:
-    """A DeepSeek-V4.1 model is served eagerly, without the bounded replay; its launches
-    with what is not served yet are refused, naming the flag."""
+    """A DeepSeek-V4.1 model is served (decode graphs, DSpark) without the bounded replay;
+    its launches with what is not served yet are refused, naming the flag."""
     from sglang.srt.server_args import prepare_server_args
 
     pool = PagedRequestPool(tiny_v41(), [40], generator=torch.Generator().manual_seed(0))

@@ -6,11 +6,14 @@ the next forward, and two requests in one batch."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
 from dsv4_backend.cache.state import AttentionState
-from dsv4_backend.planning import plan
+from dsv4_backend.kernels.dispatch import TORCH, force_path
+from dsv4_backend.planning import GraphMetadataBuffers, PlanWidths, plan
 from dsv4_backend.testing.reference.v41_model import reference_v41
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
 from dsv4_backend.testing.simulation.v41 import TINY_V41_RATIOS as RATIOS
@@ -22,11 +25,12 @@ LENGTHS = (150, 97)
 Step = tuple[str, list[int], list[int], list[int]]
 
 
-def _serve(fmt: str, steps: list[Step], **overrides: object) -> None:
+def _serve(fmt: str, steps: list[Step], *, bucket: int | None = None, **overrides: object) -> None:
     """Run ``steps`` (``(kind, requests, first positions, rows per request)``; a verify's
     third list is the committed lengths, its fourth the drafts each request accepts: its rows
     after the accepted ones get other inputs and are not compared) and compare every committed
-    row of every layer with the reference."""
+    row of every layer with the reference. ``bucket``: decodes and verifies are planned into
+    CUDA-graph buffers for ``bucket`` requests (padding rows past the batch's)."""
     config = tiny_v41(**overrides)
     g = torch.Generator().manual_seed(0)
     pool = PagedRequestPool(config, LENGTHS, generator=g)
@@ -37,11 +41,16 @@ def _serve(fmt: str, steps: list[Step], **overrides: object) -> None:
         config, num_full_slots=pool.num_full_slots, num_swa_slots=pool.num_full_slots,
         num_request_slots=pool.num_requests + 1, fmt=fmt,
     )  # fmt: skip
+    per_request = max(1, config.num_draft_tokens)
+    buffers = GraphMetadataBuffers(
+        config, max_batch_size=bucket or 1, max_rows=(bucket or 1) * per_request,
+        widths=PlanWidths.for_max_len(pool.max_context), device="cpu",
+    )  # fmt: skip
     errors: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {
         layer: [] for layer in range(len(RATIOS))
     }
     for kind, requests, starts, counts in steps:
-        stepped = model
+        stepped, first = model, dict.fromkeys(requests, 1 << 30)
         if kind == "extend":
             view = pool.extend(requests, starts, counts)
             spans = list(zip(requests, starts, counts, strict=True))
@@ -55,13 +64,18 @@ def _serve(fmt: str, steps: list[Step], **overrides: object) -> None:
             first = {r: s + 1 + a for r, s, a in zip(requests, starts, counts, strict=True)}
             stepped = model.diverging(drafts, [first.get(r, 1 << 30) for r in range(len(LENGTHS))])
         rows = [(r, s + i) for r, s, c in spans for i in range(c)]
-        metadata = plan(config, view)
-        outputs = stepped.forward(state, metadata, view.req_pool_indices, rows)
-        committed = [i for i, (r, p) in enumerate(rows) if kind != "verify" or p < first[r]]
+        fed: list[tuple[int, int] | None] = list(rows)
+        if bucket is None or kind == "extend":
+            metadata = plan(config, view)
+        else:  # a graph replay: the bucket's rows, the padding ones planned with sentinels
+            padded = bucket * (per_request if kind == "verify" else 1)
+            metadata = buffers.plan(view, num_rows=padded)
+            fed += [None] * (padded - len(rows))
+        outputs = stepped.forward(state, metadata, view.req_pool_indices, fed)
+        keep = torch.tensor([i for i, (r, p) in enumerate(rows) if p < first[r]])
         for layer, out in enumerate(outputs):
             want = torch.stack([expected[r].outputs[layer][p] for r, p in rows])
-            keep = torch.tensor(committed, dtype=torch.long)
-            errors[layer].append(((out.float() - want)[keep], want[keep]))
+            errors[layer].append(((out[: len(rows)].float() - want)[keep], want[keep]))
     for layer, pieces in errors.items():
         error = torch.cat([e for e, _ in pieces]).abs()
         want = torch.cat([w for _, w in pieces]).abs()
@@ -98,3 +112,19 @@ def test_dspark_verifies_with_rejected_drafts() -> None:
         committed = [c + a + 1 for c, a in zip(committed, accepted, strict=True)]
     steps.append(("decode", [0, 1], committed, [1, 1]))
     _serve("dense", steps, speculative=True, num_draft_tokens=5)
+
+
+@pytest.mark.parametrize("path", ["default", "torch"])
+def test_graph_buckets_of_decodes_and_verifies(path: str) -> None:
+    """Decodes and DSpark verifies planned into CUDA-graph buffers for 4 requests while 2 run
+    (the default planner, the fused one under the interpreter, or the torch planner and
+    ``load``): the padding rows write only the padding slots and pool row, so the live rows
+    equal the reference, step after step."""
+    steps: list[Step] = [("extend", [0, 1], [0, 0], [100, 61])]
+    committed = [100, 61]
+    for accepted in ([1, 0], [4, 3]):
+        steps.append(("verify", [0, 1], list(committed), accepted))
+        committed = [c + a + 1 for c, a in zip(committed, accepted, strict=True)]
+    steps += [("decode", [0, 1], [c + i for c in committed], [1, 1]) for i in range(3)]
+    with force_path(TORCH) if path == "torch" else contextlib.nullcontext():
+        _serve("dense", steps, bucket=4, speculative=True, num_draft_tokens=5)

@@ -36,29 +36,35 @@ def pair_pool(
     score: torch.Tensor,
     req_rows: torch.Tensor,
     positions: torch.Tensor,
+    valid: torch.Tensor,
 ) -> torch.Tensor:
     """Ratio 2: each row pooled with the token before it, ``[T, D]`` float32 (meaningful on
     odd positions: the pair ``(p - 1, p)``), by a per-channel softmax of the two scores.
 
     The partner is the previous row when it is the same request's previous position, else
-    the pair ring's row ``(request, (p - 1) % R)``; every row's ``[kv | score]`` then goes to
-    ``(request, p % R)``, except rows a later row of the same request overwrites there.
+    the pair ring's row ``(request, (p - 1) % R)``; then every ring row a row maps to,
+    ``(request, p % R)``, takes the ``[kv | score]`` of the request's last row mapping there.
     ``kv`` / ``score`` ``[T, D]`` float32, ``req_rows`` ``[T]`` int64 (request pool row of each
-    row), ``positions`` ``[T]`` int64. Updates ``rings.ring`` in place.
+    row), ``positions`` ``[T]`` int64, ``valid`` ``[T]`` bool (False: a graph bucket's padding
+    row, which writes only the padding pool row 0). A request's rows are consecutive, with
+    consecutive positions. No host sync (a CUDA graph captures it). Updates ``rings.ring``.
     """
     ring = rings.ring
     rows_per_slot = ring.shape[1]
     d = kv.shape[1]
-    previous = torch.zeros_like(req_rows, dtype=torch.bool)
-    previous[1:] = (req_rows[1:] == req_rows[:-1]) & (positions[1:] == positions[:-1] + 1)
-    carried = ring[req_rows, (positions - 1).remainder(rows_per_slot)]  # [T, 2D]
+    req = torch.where(valid, req_rows, 0)
+    previous = torch.zeros_like(valid)
+    previous[1:] = (req[1:] == req[:-1]) & (positions[1:] == positions[:-1] + 1) & valid[:-1]
+    carried = ring[req, (positions - 1).remainder(rows_per_slot)]  # [T, 2D]
     partner_kv = torch.where(previous[:, None], kv.roll(1, 0), carried[:, :d])
     partner_score = torch.where(previous[:, None], score.roll(1, 0), carried[:, d:])
     weights = torch.softmax(torch.stack((partner_score, score)), dim=0)
     pooled = weights[0] * partner_kv + weights[1] * kv
-    last = req_rows.new_full((ring.shape[0],), -1).scatter_reduce(0, req_rows, positions, "amax")
-    keep = positions > last[req_rows] - rows_per_slot
-    ring[req_rows[keep], positions[keep] % rows_per_slot] = torch.cat((kv, score), 1)[keep]
+    # Rows sharing a ring row all write the last one's value: no write order matters.
+    last = req.new_full((ring.shape[0],), -1).scatter_reduce(0, req, positions, "amax")
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    winner = rows + rows_per_slot * ((last[req] - positions) // rows_per_slot)
+    ring[req, positions % rows_per_slot] = torch.cat((kv, score), 1)[winner]
     return pooled
 
 

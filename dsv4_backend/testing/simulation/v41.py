@@ -116,8 +116,15 @@ class V41Model:
         model.requests = requests
         return model
 
-    def _take(self, rows: Sequence[Row], layer: int, name: str) -> torch.Tensor:
-        values = [getattr(self.requests[r][layer], name)[p] for r, p in rows]
+    def _take(self, rows: Sequence[Row | None], layer: int, name: str) -> torch.Tensor:
+        """``name`` of ``layer`` at each row; a padding row (None) reads ones."""
+        sample = getattr(self.requests[0][layer], name)[0]
+        values = [
+            torch.ones_like(sample)
+            if row is None
+            else getattr(self.requests[row[0]][layer], name)[row[1]]
+            for row in rows
+        ]
         return torch.stack(values)
 
     def _param(self, layer: int, name: str) -> torch.Tensor:
@@ -130,10 +137,10 @@ class V41Model:
         state: AttentionState,
         metadata: AttentionMetadata,
         req_pool_indices: torch.Tensor,
-        rows: Sequence[Row],
+        rows: Sequence[Row | None],
     ) -> list[torch.Tensor]:
         """Every layer's attention output ``[T, H, D]`` of ``rows`` (the batch's query rows, in
-        its row order)."""
+        its row order; None: a graph bucket's padding row)."""
         config = self.config
         v41 = config.v41
         assert v41 is not None

@@ -1,0 +1,189 @@
+"""A DeepSeek-V4.1 model on the sglang side of the backend, for the adapter tests: sglang
+0.5.23's own ``DeepseekV41Compressor`` / ``DeepseekV41Indexer`` modules (their torch paths,
+random bf16 weights) per layer, per-request activations, and the layer calls of sglang's
+``MQALayer.forward`` on a ratio-1 / ratio-2 layer (``store_cache``, ``forward_low_ratio_sources``,
+``forward``). The reference ``reference_v41`` is fed the modules' own projections of the same
+activations, so a backend's output is compared with the math of what sglang's model computes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.testing.harness import Step, tiny_hf_config
+from dsv4_backend.testing.reference.v41_model import V41LayerInputs, reference_v41
+
+HIDDEN, Q_LORA = 96, 48
+#: A request's query row: ``(request, position)``; None is a graph bucket's padding row.
+Row = tuple[int, int] | None
+
+
+def v41_hf_config(config: DSV4AttentionConfig, **overrides: Any) -> dict[str, Any]:
+    """A DeepSeek-V4.1 ``config.json`` mapping of ``config`` (its sources)."""
+    v41 = config.v41
+    assert v41 is not None, "a DeepSeek-V4.1 config"
+    return tiny_hf_config(
+        config,
+        kv_source_layer_ids=list(v41.kv_source_layers),
+        index_source_layer_ids=list(v41.index_source_layers),
+        candidate_source_layer_id=v41.candidate_source_layer,
+        candidate_topk_blocks=v41.candidate_topk_blocks,
+        candidate_block_size=v41.candidate_block_size,
+        **overrides,
+    )
+
+
+@dataclass
+class V41Feed:
+    """One layer's inputs of some rows: ``x`` ``[T, HIDDEN]``, ``q_lora`` ``[T, Q_LORA]``,
+    ``q`` ``[T, H, D]``, ``kv`` ``[T, D]`` (window keys), bf16."""
+
+    x: torch.Tensor
+    q_lora: torch.Tensor
+    q: torch.Tensor
+    kv: torch.Tensor
+
+
+class SglangV41Model:
+    """sglang's V4.1 modules of every layer of ``config`` and the activations of requests of
+    ``lengths`` tokens (module docstring); ``expected[r]``: the reference of request ``r``."""
+
+    def __init__(self, config: DSV4AttentionConfig, lengths: Sequence[int], seed: int = 0):
+        self.config = config
+        self.layers = _modules(config, seed)
+        self.sinks = torch.linspace(-1, 1, config.num_heads)
+        self.activations: list[list[dict[str, torch.Tensor]]] = []
+        self.expected = []
+        for r, length in enumerate(lengths):
+            acts, inputs = self._request(length, seed=seed * 1000 + 10 + r)
+            self.activations.append(acts)
+            self.expected.append(reference_v41(config, inputs))
+
+    def _request(
+        self, length: int, seed: int
+    ) -> tuple[list[dict[str, torch.Tensor]], list[V41LayerInputs]]:
+        config = self.config
+        g = torch.Generator().manual_seed(seed)
+
+        def rand(*shape: int) -> torch.Tensor:
+            return torch.randn(*shape, generator=g).bfloat16()
+
+        acts, inputs = [], []
+        for spec in self.layers:
+            act = dict(
+                x=rand(length, HIDDEN), q_lora=rand(length, Q_LORA),
+                q=rand(length, config.num_heads, config.head_dim),
+                kv=rand(length, config.head_dim),
+            )  # fmt: skip
+            extra: dict[str, Any] = {}
+            with torch.no_grad():
+                if spec.compressor is not None:
+                    kv, score = spec.compressor.project(act["x"])
+                    extra.update(
+                        kv_proj=kv.float(), score_proj=None if score is None else score.float(),
+                        norm_weight=spec.compressor.norm.weight.detach().float(),
+                    )  # fmt: skip
+                    if spec.indexer is not None:
+                        extra.update(
+                            wk=spec.indexer.wk.weight.detach().float(),
+                            k_norm_weight=spec.indexer.k_norm.weight.detach().float(),
+                        )
+                if spec.indexer is not None:
+                    q_proj = spec.indexer.wq_b(act["q_lora"])[0]
+                    extra.update(
+                        index_q_proj=q_proj.view(length, config.index_n_heads, -1).float(),
+                        index_weights_raw=spec.indexer.head_weights_raw(act["x"]).float(),
+                    )
+            acts.append(act)
+            inputs.append(
+                V41LayerInputs(
+                    q=act["q"].float(), window_kv=act["kv"].float(), sink=self.sinks, **extra
+                )
+            )
+        return acts, inputs
+
+    def feed(self, rows: Sequence[Row], layer: int) -> V41Feed:
+        """The activations of ``rows`` at ``layer`` (ones for padding rows)."""
+        first = self.activations[0][layer]
+
+        def take(name: str) -> torch.Tensor:
+            pad = torch.ones_like(first[name][0])
+            values = [pad if r is None else self.activations[r[0]][layer][name][r[1]] for r in rows]
+            if not values:
+                return first[name][:0]
+            return torch.stack(values)
+
+        return V41Feed(x=take("x"), q_lora=take("q_lora"), q=take("q"), kv=take("kv"))
+
+    def run_feed(self, backend: Any, fb: Any, layer: int, feed: V41Feed) -> torch.Tensor:
+        """The backend calls of one layer on ``feed``: ``[T, H, D]`` in bf16."""
+        spec = self.layers[layer]
+        backend.store_cache(layer_id=layer, swa_k=feed.kv, forward_batch=fb)
+        if spec.compressor is not None or spec.indexer is not None:
+            with torch.no_grad():
+                backend.forward_low_ratio_sources(
+                    layer=spec, x=feed.x, q_lora=feed.q_lora, positions=fb.positions,
+                    forward_batch=fb,
+                )  # fmt: skip
+        attn_layer = SimpleNamespace(layer_id=layer, tp_q_head_num=self.config.num_heads)
+        return backend.forward(
+            q=feed.q, k=feed.q, v=feed.q, layer=attn_layer, forward_batch=fb,
+            compress_ratio=spec.compress_ratio, attn_sink=self.sinks, save_kv_cache=False,
+        )  # fmt: skip
+
+    def layer(self, backend: Any, step: Step, layer: int) -> torch.Tensor:
+        """``run_feed`` of ``step``'s rows."""
+        return self.run_feed(backend, step.batch, layer, self.feed(step.rows, layer))
+
+    def max_error(self, rows: Sequence[Row], layer: int, out: torch.Tensor) -> float:
+        """Largest difference to the reference over the real rows."""
+        keep = [i for i, row in enumerate(rows) if row is not None]
+        if not keep:
+            return 0.0
+        want = torch.stack(
+            [self.expected[row[0]].outputs[layer][row[1]] for row in rows if row is not None]
+        )
+        return float((out[keep].float() - want).abs().max())
+
+
+def _modules(config: DSV4AttentionConfig, seed: int) -> list[SimpleNamespace]:
+    """sglang's V4.1 modules of every layer, random bf16 weights: the ``MQALayer`` attributes
+    the backend reads (``layer_id``, ``compress_ratio``, ``compressor``, ``indexer``)."""
+    from sglang.srt.layers.attention.dsv4.dsv41_sparse import (
+        DeepseekV41Compressor,
+        DeepseekV41Indexer,
+    )
+
+    hf = SimpleNamespace(
+        **{k: v for k, v in v41_hf_config(config).items() if k != "compress_ratios"},
+        q_lora_rank=Q_LORA, hidden_size=HIDDEN,
+    )  # fmt: skip
+    v41 = config.v41
+    assert v41 is not None
+    g = torch.Generator().manual_seed(seed)
+    layers = []
+    for layer, ratio in enumerate(config.compress_ratios):
+        compressor = indexer = None
+        if layer in v41.kv_source_layers:
+            compressor = DeepseekV41Compressor(
+                HIDDEN, config.head_dim, ratio, config.rms_norm_eps, fused_compress=False
+            )
+        if layer in v41.index_source_layers:
+            indexer = DeepseekV41Indexer(hf, layer, config.head_dim, None, "indexer")
+        for module in (compressor, indexer):
+            if module is not None:
+                with torch.no_grad():
+                    for parameter in module.parameters():
+                        parameter.copy_(torch.randn(parameter.shape, generator=g) * 0.2)
+        layers.append(
+            SimpleNamespace(
+                layer_id=layer, compress_ratio=ratio, compressor=compressor, indexer=indexer
+            )
+        )
+    return layers
