@@ -18,6 +18,7 @@ from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.low_ratio import torch as low_ratio_ops
+from dsv4_backend.kernels.low_ratio.selection import select_entries
 from dsv4_backend.planning.metadata import AttentionMetadata, LowRatioMetadata
 
 
@@ -120,7 +121,7 @@ def select_low_ratio_entries(
     elif layer in config.candidate_consumers:
         assert blocks is not None
         among = (blocks, v41.candidate_block_size)
-    low_ratio_ops.select_entries(
+    select_entries(
         queries,
         index_weights,
         state.pools.index_keys(layer),

@@ -31,9 +31,10 @@ def _runner(pool: PagedRequestPool, config: DSV4AttentionConfig, **flags: Any) -
 
 
 def test_v41_extend_verify_and_decodes_through_the_backend() -> None:
-    """Two requests prefilled in chunks (one ending on an even position), a DSpark verify of 5
-    tokens (every draft accepted), then decodes: every layer's output equals the reference fed
-    sglang's module projections (dense caches)."""
+    """Two requests prefilled in chunks (one ending on an even position), a MIXED batch (a
+    chunk beside a decode, ``--enable-mixed-chunk``), a DSpark verify of 5 tokens (every draft
+    accepted), then decodes: every layer's output equals the reference fed sglang's module
+    projections (dense caches)."""
     config = tiny_v41(speculative=True, num_draft_tokens=5)
     lengths = (140, 80)
     pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(1))
@@ -45,7 +46,7 @@ def test_v41_extend_verify_and_decodes_through_the_backend() -> None:
     steps = [
         builder.extend([0, 1], [0, 0], [71, 40]),
         builder.extend([0, 1], [71, 40], [60, 29]),
-        builder.decode([0, 1], [132, 70]),
+        builder.mixed([1], [69], [1], [0], [132]),  # request 1's last chunk beside a decode
         builder.verify([0, 1], [132, 70], 5),
         builder.decode([0, 1], [138, 76]),
         builder.decode([0], [139]),

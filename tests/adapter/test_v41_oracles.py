@@ -276,7 +276,7 @@ def test_the_full_and_the_two_level_top_k() -> None:
 # ------------------------------------------------------- the two-level top-k, the runtime's
 @pytest.mark.parametrize("seed", range(4))
 def test_the_runtime_candidate_top_k_equals_sglangs(seed: int) -> None:
-    """The runtime's candidate blocks and its top-k among them (``kernels/low_ratio/torch.py``)
+    """The runtime's candidate blocks and its top-k among them (``kernels/low_ratio/selection.py``)
     against sglang's torch candidate scheme (``candidate_blocks.select_candidate_block_ids``,
     ``topk_among_blocks``) on the same scores: the same block sets (the newest block always
     among them) and the same entries, for rows of every length up to past the blocks' reach.
@@ -286,7 +286,7 @@ def test_the_runtime_candidate_top_k_equals_sglangs(seed: int) -> None:
         topk_among_blocks,
     )
 
-    from dsv4_backend.kernels.low_ratio.torch import best_columns, publish_blocks
+    from dsv4_backend.kernels.low_ratio.selection import best_columns, publish_blocks
 
     g = torch.Generator().manual_seed(seed)
     rows, width, block, num_blocks, k = 40, 203, 8, 6, 16

@@ -19,6 +19,7 @@ TARGETS = ("sm_90a", "sm_100a")
 #: Configurations of this file (name substrings of ``aot_compile.configurations``).
 KERNELS = ("indexer-", "compress-")
 NEW_KERNELS = (
+    "indexer-scores-fp4-c1",  # DeepSeek-V4.1's index scores over fp4 pages
     "indexer-rows-fp8",
     "indexer-rows-dense",
     "indexer-topk-chunks",
@@ -33,7 +34,7 @@ NEW_KERNELS = (
 )
 #: sm_100a in the default suite: the indexer's score kernels (compared below), the new top-k
 #: and the extend compressors (the most registers of the new kernels there).
-BLACKWELL = ("indexer-rows-", "indexer-scores-fp8", "indexer-topk-chunks",
+BLACKWELL = ("indexer-rows-", "indexer-scores-fp8", "indexer-scores-fp4-c1", "indexer-topk-chunks",
              "indexer-topk-merge-", "compress-fused-c4-extend", "compress-fused-c128-extend",
              "compress-fused-indexer-extend")  # fmt: skip
 #: sm_90a in the default suite: every kernel but the one-launch compressors' decode / verify

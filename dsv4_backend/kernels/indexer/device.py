@@ -1,8 +1,11 @@
 """``@triton.jit`` helpers of both Triton variants of the lightning indexer (``triton.py``,
-``bounded.py``): a row's queries and head weights, the c4 slots of its candidate entries."""
+``bounded.py``): a row's queries and head weights, the slots of its candidate entries, and
+(DeepSeek-V4.1's index scores) its dots with fp4 index keys."""
 
 import triton
 import triton.language as tl
+
+from dsv4_backend.kernels.device.fp4 import load_fp4_index_block
 
 
 @triton.jit
@@ -24,7 +27,31 @@ def _row_queries(
 
 @triton.jit
 def _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E: tl.constexpr):
-    """c4 slots (int64) of row ``row``'s entries ``cols``; -1 where not ``valid``."""
+    """Slots (int64) of row ``row``'s entries ``cols`` (``E`` entries a full-cache page: c4
+    64, c1 256, c2 128); -1 where not ``valid``."""
     page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
     page = tl.load(page_ptrs, mask=valid, other=0).to(tl.int64)
     return tl.where(valid, page * E + cols % E, -1)
+
+
+@triton.jit
+def _fp4_row_dots(
+    q_ptr, key_ptr, row, slots, valid, stride_qt, stride_qh, stride_qd,
+    HI: tl.constexpr, DIM: tl.constexpr, PAGE_TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
+):  # fmt: skip
+    """``[BLOCK_N, BLOCK_H]`` fp32 dots of row ``row``'s queries with the fp4 index keys at
+    ``slots`` (DeepSeek-V4.1), one ue8m0 block of 32 channels at a time: the decoded keys of a
+    block stay in registers next to its queries, not the whole ``[BLOCK_N, DIM]`` tile."""
+    h = tl.arange(0, BLOCK_H)
+    dots = tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32)
+    for c in tl.static_range(DIM // 32):
+        d = c * 32 + tl.arange(0, 32)
+        q_ptrs = q_ptr + row * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd
+        q = tl.load(q_ptrs, mask=(h < HI)[:, None], other=0.0).to(tl.float32)
+        keys = load_fp4_index_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
+        if DOT_BF16:
+            dots += tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
+        else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
+            dots += tl.dot(keys, tl.trans(q), input_precision="ieee")
+    return dots

@@ -1,6 +1,7 @@
 """The lightning indexer's Triton variant (the CUDA baseline): ``_indexer_scores_kernel``
 with one program per 64 columns of the width; its selection is ``slots.py``'s (the top-k of the
-whole ``[T, N]`` matrix, then the slots).
+whole ``[T, N]`` matrix, then the slots). The same kernel scores DeepSeek-V4.1's fp4 index keys
+(``kernels/low_ratio/table.py``).
 """
 
 from __future__ import annotations
@@ -11,19 +12,33 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyLayout
 from dsv4_backend.kernels.device.fp8 import load_dense_block, load_fp8_indexer_block
 from dsv4_backend.kernels.indexer.common import BLOCK_N, C4_ENTRIES_PER_PAGE
-from dsv4_backend.kernels.indexer.device import _candidate_slots, _row_queries
+from dsv4_backend.kernels.indexer.device import _candidate_slots, _fp4_row_dots, _row_queries
 
 if TYPE_CHECKING:
+    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+
+
+#: ``_indexer_scores_kernel``'s key formats.
+DENSE_KEYS: tl.constexpr = tl.constexpr(0)
+FP8_KEYS: tl.constexpr = tl.constexpr(1)
+FP4_KEYS: tl.constexpr = tl.constexpr(2)
+
+
+def _key_format(keys: IndexerKeyCache | Fp4IndexKeyCache) -> int:
+    if keys.layout is None:
+        return 0
+    return 2 if isinstance(keys.layout, Fp4IndexKeyLayout) else 1
 
 
 @triton.jit
 def _indexer_scores_kernel(
     q_ptr,  # [T, HI, DIM] fp32 / bf16
     w_ptr,  # [T, HI] float
-    key_ptr,  # dense [num_slots, DIM] float, or fp8 [num_pages, PAGE_TOKENS * (DIM + 4)] uint8
+    key_ptr,  # dense [num_slots, DIM] float, or fp8 / fp4 pages uint8 (KEYS)
     page_table_ptr,  # [T, Pw] int32
     num_ptr,  # [T] int32 candidates per row
     out_ptr,  # [T, N] fp32
@@ -39,12 +54,12 @@ def _indexer_scores_kernel(
     num_cols,  # N
     HI: tl.constexpr,
     DIM: tl.constexpr,
-    PAGE_TOKENS: tl.constexpr,  # fp8 layout: entries per key page
-    E: tl.constexpr,  # c4 entries per full-cache page
+    PAGE_TOKENS: tl.constexpr,  # fp8 / fp4 layouts: entries per key page
+    E: tl.constexpr,  # entries per full-cache page (c4 64; DeepSeek-V4.1's c1 256, c2 128)
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr,
+    KEYS: tl.constexpr,  # DENSE, FP8 (c4 indexer pages) or FP4 (V4.1 index-key pages)
     DOT_BF16: tl.constexpr,  # bf16 tensor-core dots (GPU); fp32 in the interpreter
 ):
     """One program: row ``program_id(0)``, candidate columns ``[n0, n0 + BLOCK_N)``: the
@@ -65,14 +80,20 @@ def _indexer_scores_kernel(
         )  # fmt: skip
         q = q.to(tl.float32)  # [BLOCK_H, BLOCK_D]
         slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
-        if FP8:
-            keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
+        if KEYS == FP4_KEYS:
+            dots = _fp4_row_dots(
+                q_ptr, key_ptr, row, slots, valid, stride_qt, stride_qh, stride_qd,
+                HI, DIM, PAGE_TOKENS, BLOCK_H, BLOCK_N, DOT_BF16,
+            )  # fmt: skip
         else:
-            keys = load_dense_block(key_ptr, stride_key_slot, slots, d, valid, DIM)
-        if DOT_BF16:
-            dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
-        else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
-            dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
+            if KEYS == FP8_KEYS:
+                keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
+            else:
+                keys = load_dense_block(key_ptr, stride_key_slot, slots, d, valid, DIM)
+            if DOT_BF16:
+                dots = tl.dot(keys.to(tl.bfloat16), tl.trans(q.to(tl.bfloat16)))
+            else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
+                dots = tl.dot(keys, tl.trans(q), input_precision="ieee")  # [BLOCK_N, BLOCK_H]
         scores = tl.sum(tl.maximum(dots, 0.0) * w[None, :], axis=1)
         tl.store(out_ptrs, tl.where(valid, scores, float("-inf")), mask=in_matrix)
     else:
@@ -82,11 +103,15 @@ def _indexer_scores_kernel(
 def _index_scores_triton(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    keys: IndexerKeyCache,
+    keys: IndexerKeyCache | Fp4IndexKeyCache,
     page_table: torch.Tensor,
     num_candidates: torch.Tensor,
     max_candidates: int,
+    entries_per_page: int = C4_ENTRIES_PER_PAGE,
 ) -> torch.Tensor:
+    """``[T, max_candidates]`` fp32 scores of each row's first ``num_candidates`` entries (the
+    others -inf); ``keys`` a c4 indexer cache, or (``entries_per_page`` 256 / 128) a
+    DeepSeek-V4.1 kv source's fp4 index keys."""
     rows, heads, dim = q_idx.shape
     out = torch.empty(rows, max_candidates, dtype=torch.float32, device=q_idx.device)
     if rows == 0 or max_candidates == 0:
@@ -103,12 +128,12 @@ def _index_scores_triton(
         max_candidates,
         HI=heads,
         DIM=dim,
-        PAGE_TOKENS=keys.page_tokens,  # fp8 layout only
-        E=C4_ENTRIES_PER_PAGE,
+        PAGE_TOKENS=keys.layout.page_tokens if keys.layout is not None else 1,
+        E=entries_per_page,
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N,
-        FP8=keys.fmt == "fp8",
+        KEYS=_key_format(keys),
         DOT_BF16=q_idx.device.type == "cuda",
     )  # fmt: skip
     return out

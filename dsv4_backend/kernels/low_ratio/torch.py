@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's low-ratio ops in torch (docs/design.md §8): the ratio-2 pair pooling over
-the pair ring, the entries and index keys of a kv source, and an index source's selection (the
-full top-k, the candidate blocks it publishes, the top-k among them). No Triton kernels yet:
-these run on every device, a GPU included.
+the pair ring, the entries and index keys of a kv source, and the index scores (the torch
+variant of ``table.py``'s; the selection over them is ``selection.py``'s). They run on every
+device, a GPU included, without a host sync.
 
 Shapes: ``T`` rows, ``D`` head dim, ``HI`` / ``DI`` indexer heads / head dim, ``K``
 ``index_topk``, ``N`` score columns (entries the page table can address), ``NB`` candidate
@@ -18,10 +18,6 @@ from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, entries_per_page
 from dsv4_backend.ops.norm import rms_norm
 from dsv4_backend.ops.rope import apply_rope
-
-#: Bytes of scores and gathered keys one chunk of rows may hold (the torch selection works on
-#: row chunks so that a long prefill does not hold ``[T, N, DI]`` keys at once).
-_CHUNK_BYTES = 1 << 28
 
 
 def bf16(x: torch.Tensor) -> torch.Tensor:
@@ -110,7 +106,7 @@ def entry_slots(page_table: torch.Tensor, entry_ids: torch.Tensor, ratio: int) -
     return torch.where(entry_ids >= 0, pages * per_page + safe % per_page, -1)
 
 
-def _scores(
+def index_scores_torch(
     q: torch.Tensor,
     weights: torch.Tensor,
     keys: Fp4IndexKeyCache,
@@ -128,84 +124,3 @@ def _scores(
     dots = torch.einsum("thd,tnd->thn", q.float(), k).relu()
     scores = torch.einsum("th,thn->tn", weights.float(), dots)
     return scores.masked_fill(~valid, float("-inf"))
-
-
-def best_columns(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
-    """``[T, k]`` int64 ids of each row's ``k`` best ``allowed`` columns (equal scores: the
-    lower id first), -1 past a row's allowed count."""
-    order = torch.sort(
-        scores.masked_fill(~allowed, float("-inf")), dim=1, descending=True, stable=True
-    )
-    ids = order.indices[:, :k]
-    if ids.shape[1] < k:
-        ids = torch.cat((ids, ids.new_full((ids.shape[0], k - ids.shape[1]), -1)), 1)
-    counts = allowed.sum(1, keepdim=True)
-    return torch.where(torch.arange(k, device=ids.device)[None, :] < counts, ids, -1)
-
-
-def publish_blocks(
-    scores: torch.Tensor, visible: torch.Tensor, block_size: int, num_blocks: int
-) -> torch.Tensor:
-    """``[T, num_blocks]`` int64 candidate blocks (the newest block first, then the best by
-    their largest score; equal: the lower block), -1 past a row's block count."""
-    rows, width = scores.shape
-    padded = -(-width // block_size) * block_size
-    wide = torch.full((rows, padded), float("-inf"), device=scores.device)
-    wide[:, :width] = scores
-    keys = wide.unflatten(1, (-1, block_size)).amax(2)  # [T, blocks]
-    blocks = (visible.long() + block_size - 1) // block_size
-    ids = torch.arange(keys.shape[1], device=scores.device)[None, :]
-    newest = (blocks - 1)[:, None]
-    keys = torch.where(ids == newest, float("inf"), keys)
-    return best_columns(keys, ids < blocks[:, None], num_blocks)
-
-
-def select_entries(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: Fp4IndexKeyCache,
-    page_table: torch.Tensor,
-    visible: torch.Tensor,
-    ratio: int,
-    topk: int,
-    out_slots: torch.Tensor,
-    *,
-    among_blocks: tuple[torch.Tensor, int] | None = None,
-    publish: tuple[torch.Tensor, int] | None = None,
-) -> None:
-    """An index source's selection: each row's ``topk`` best visible entries, their slots
-    written to ``out_slots`` ``[T, topk]`` (ascending entry order, -1 padded).
-
-    ``q`` ``[T, HI, DI]`` (fp4 queries), ``weights`` ``[T, HI]``, ``keys`` the kv source's
-    index keys, ``visible`` ``[T]`` int. ``among_blocks`` ``(blocks [T, NB], block_size)``: a
-    candidate consumer's, only entries of those blocks count. ``publish`` ``(out [T, NB],
-    block_size)``: the candidate source's, its candidate blocks written to ``out``.
-    """
-    rows = q.shape[0]
-    width = max(1, page_table.shape[1] * entries_per_page(ratio))
-    per_row = width * (q.shape[1] + q.shape[2] + 2) * 4
-    chunk = max(1, _CHUNK_BYTES // per_row)
-    for start in range(0, rows, chunk):
-        part = slice(start, min(rows, start + chunk))
-        scores = _scores(
-            q[part], weights[part], keys, page_table[part], visible[part], ratio, width
-        )
-        cols = torch.arange(width, device=q.device)[None, :]
-        allowed = cols < visible[part, None]
-        if among_blocks is not None:
-            blocks, block_size = among_blocks
-            kept = torch.zeros(
-                (scores.shape[0], -(-width // block_size) + 1), dtype=torch.bool, device=q.device
-            )
-            chosen = blocks[part].long()
-            kept.scatter_(1, torch.where(chosen >= 0, chosen, kept.shape[1] - 1), True)
-            allowed &= kept[:, :-1].repeat_interleave(block_size, 1)[:, :width]
-        if publish is not None:
-            out_blocks, block_size = publish
-            out_blocks[part] = publish_blocks(
-                scores, visible[part], block_size, out_blocks.shape[1]
-            ).to(out_blocks.dtype)
-        ids = best_columns(scores, allowed, topk)
-        ids = torch.where(ids >= 0, ids, width).sort(1).values  # ascending, -1s last
-        ids = torch.where(ids < width, ids, -1)
-        out_slots[part] = entry_slots(page_table[part], ids, ratio).to(out_slots.dtype)

@@ -161,7 +161,8 @@ def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dic
 
 
 def fused_configurations() -> list[Configuration]:
-    """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128), its slot selection
+    """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128; DeepSeek-V4.1's fp4 keys,
+    32 heads), its slot selection
     (top-k 512), the length-bounded indexer, the compressors (c4 and c128, D = 512) and the
     fused planner."""
     scores = _source(
@@ -169,14 +170,26 @@ def fused_configurations() -> list[Configuration]:
         dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
              num_ptr="*i32", out_ptr="*fp32"),
         dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
-             BLOCK_N=INDEXER_BLOCK_N, FP8=True, DOT_BF16=True),
+             BLOCK_N=INDEXER_BLOCK_N, KEYS=1, DOT_BF16=True),
+    )  # fmt: skip
+    # DeepSeek-V4.1's index scores: fp4 pages, 32 heads x 128, c1 (256 entries a page)
+    scores_fp4 = _source(
+        indexer_triton._indexer_scores_kernel,
+        dict(q_ptr="*fp32", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
+             num_ptr="*i32", out_ptr="*fp32"),
+        dict(HI=32, DIM=128, PAGE_TOKENS=64, E=256, BLOCK_H=32, BLOCK_D=128,
+             BLOCK_N=INDEXER_BLOCK_N, KEYS=2, DOT_BF16=True),
     )  # fmt: skip
     slots = _source(
         indexer_slots._selected_slots_kernel,
         dict(picked_ptr="*i64", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
-    out = [("indexer-scores-fp8", *scores), ("indexer-slots-k512", *slots)]
+    out = [
+        ("indexer-scores-fp8", *scores),
+        ("indexer-scores-fp4-c1", *scores_fp4),
+        ("indexer-slots-k512", *slots),
+    ]
     return out + _bounded_indexer() + _compressors() + _planner()
 
 
