@@ -109,6 +109,13 @@ def _load_field(buf: torch.Tensor, src: torch.Tensor, num_rows: int, sentinel: i
     buf[rows:num_rows].fill_(sentinel)
 
 
+def _load_part(bufs: dict[str, torch.Tensor], part: Any, num_rows: int) -> dict[str, torch.Tensor]:
+    """Copy the tensor fields of a plan's per-ratio ``part`` into ``bufs``; their views."""
+    for name, buf in bufs.items():
+        _load_field(buf, getattr(part, name), num_rows, _sentinel(name))
+    return {name: buf[:num_rows] for name, buf in bufs.items()}
+
+
 class GraphMetadataBuffers:
     """Every ``AttentionMetadata`` tensor of a CUDA graph, allocated once at its largest shape.
 
@@ -186,24 +193,17 @@ class GraphMetadataBuffers:
             )
         for name, buf in self.common.items():
             _load_field(buf, getattr(plan, name), num_rows, _sentinel(name))
-        comp = {}
-        for ratio, bufs in self.compressed.items():
-            src = plan.compressed(ratio)
-            if src is None:  # window-only plan (DRAFT_EXTEND)
-                continue
-            for name, buf in bufs.items():
-                _load_field(buf, getattr(src, name), num_rows, _sentinel(name))
-            comp[ratio] = CompressedMetadata(
-                ratio=ratio, **{name: buf[:num_rows] for name, buf in bufs.items()}
-            )
-        low = {}
-        for ratio, bufs in self.low_ratio.items():
-            part = plan.low_ratio(ratio)
-            if part is None:  # window-only plan (DRAFT_EXTEND)
-                continue
-            for name, buf in bufs.items():
-                _load_field(buf, getattr(part, name), num_rows, _sentinel(name))
-            low[ratio] = self._low_ratio_views(ratio, num_rows)
+        # A window-only plan (DRAFT_EXTEND) has no per-ratio parts.
+        comp = {
+            ratio: CompressedMetadata(ratio=ratio, **_load_part(bufs, part, num_rows))
+            for ratio, bufs in self.compressed.items()
+            if (part := plan.compressed(ratio)) is not None
+        }
+        low = {
+            ratio: LowRatioMetadata(ratio=ratio, **_load_part(bufs, low_part, num_rows))
+            for ratio, bufs in self.low_ratio.items()
+            if (low_part := plan.low_ratio(ratio)) is not None
+        }
         return AttentionMetadata(
             kind=plan.kind,
             batch_size=plan.batch_size,

@@ -673,8 +673,12 @@ class DSV4AttentionBackend(AttentionBackend):
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Allocate the fixed metadata buffers (and the state's per-row scratch) for graphs of
-        up to ``max_num_tokens`` rows, and build flashinfer's top-k before any capture."""
+        up to ``max_num_tokens`` rows, and build flashinfer's top-k before any capture (of the
+        index top-k and, for DeepSeek-V4.1, of the candidate blocks)."""
         warm_up_topk(self.device, self.config.index_topk)
+        v41 = self.config.v41
+        if v41 is not None and v41.candidate_source_layer >= 0:  # its block top-k
+            warm_up_topk(self.device, v41.candidate_topk_blocks)
         self.state.reserve_rows(max_num_tokens)
         self.graph_buffers = GraphMetadataBuffers(
             self.config,

@@ -12,6 +12,7 @@ import torch
 
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
 from dsv4_backend.config import entries_per_page
+from dsv4_backend.kernels.indexer.topk import best_columns as topk_columns
 from dsv4_backend.kernels.low_ratio.table import low_ratio_scores
 from dsv4_backend.kernels.low_ratio.torch import entry_slots
 
@@ -22,22 +23,22 @@ _CHUNK_BYTES = 1 << 28
 
 def best_columns(scores: torch.Tensor, allowed: torch.Tensor, k: int) -> torch.Tensor:
     """``[T, k]`` int64 ids of each row's ``k`` best ``allowed`` columns (equal scores: the
-    lower id first), -1 past a row's allowed count."""
-    order = torch.sort(
-        scores.masked_fill(~allowed, float("-inf")), dim=1, descending=True, stable=True
-    )
-    ids = order.indices[:, :k]
-    if ids.shape[1] < k:
-        ids = torch.cat((ids, ids.new_full((ids.shape[0], k - ids.shape[1]), -1)), 1)
-    counts = allowed.sum(1, keepdim=True)
-    return torch.where(torch.arange(k, device=ids.device)[None, :] < counts, ids, -1)
+    lower id), in no particular order, -1 for the rest of a row with fewer: the indexer's
+    top-k (``kernels/indexer/topk.py``: flashinfer's on CUDA, a stable sort elsewhere)."""
+    masked = scores.masked_fill(~allowed, float("-inf"))
+    if masked.shape[1] <= k:  # the top-k takes more columns than it keeps
+        pad = masked.new_full((masked.shape[0], k + 1 - masked.shape[1]), float("-inf"))
+        masked = torch.cat((masked, pad), 1)
+    ids = topk_columns(masked, k).long()
+    kept = torch.cat((allowed, allowed.new_zeros(allowed.shape[0], 1)), 1)
+    return torch.where(kept.gather(1, ids.clamp(max=allowed.shape[1])), ids, -1)
 
 
 def publish_blocks(
     scores: torch.Tensor, visible: torch.Tensor, block_size: int, num_blocks: int
 ) -> torch.Tensor:
-    """``[T, num_blocks]`` int64 candidate blocks (the newest block first, then the best by
-    their largest score; equal: the lower block), -1 past a row's block count."""
+    """``[T, num_blocks]`` int64 candidate blocks, unordered: the newest block (keyed +inf) and
+    the best by their largest score (equal: the lower block); -1 past a row's block count."""
     rows, width = scores.shape
     padded = -(-width // block_size) * block_size
     wide = torch.full((rows, padded), float("-inf"), device=scores.device)
