@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.cache.state import AttentionState
+from dsv4_backend.config import LOW_RATIOS
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.low_ratio import torch as low_ratio_ops
@@ -26,7 +27,7 @@ def _low_ratio(
     state: AttentionState, layer: int, metadata: AttentionMetadata, where: str
 ) -> tuple[int, LowRatioMetadata]:
     ratio = state.config.compress_ratios[layer]
-    fields = metadata.low_ratio(ratio) if ratio in (1, 2) else None
+    fields = metadata.low_ratio(ratio) if ratio in LOW_RATIOS else None
     if fields is None:
         raise ContractError(
             f"{where}: layer {layer} has compress ratio {ratio} but the metadata has no "

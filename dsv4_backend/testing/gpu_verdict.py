@@ -64,7 +64,7 @@ from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.attention.common import attention_tolerance, dot_operand_dtype
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.dispatch import force_path
-from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, c4_entry_slots
+from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, entry_slots
 from dsv4_backend.kernels.indexer.fp8 import quantised_view
 from dsv4_backend.kernels.indexer.table import index_scores
 from dsv4_backend.planning import AttentionMetadata, BatchView, plan
@@ -356,7 +356,7 @@ class StepwiseJudge:
             scored = index_scores(*args)
         valid = torch.isfinite(exact)
         columns = torch.arange(width, device=exact.device).expand_as(exact)
-        candidates = c4_entry_slots(page_table, torch.where(valid, columns, -1))
+        candidates = entry_slots(page_table, torch.where(valid, columns, -1))
         bound = score_bound(
             q_idx, inputs.index_weights, keys.gather(candidates), self.operand_dtype
         )

@@ -192,7 +192,7 @@ def test_a_wrong_topk_fails_the_selection(monkeypatch: pytest.MonkeyPatch) -> No
         if state is judge.model.state:
             comp = metadata.c4
             long_rows = comp.topk_lengths_raw > topk
-            first = gv.c4_entry_slots(
+            first = gv.entry_slots(
                 metadata.page_table, torch.arange(topk).expand(len(long_rows), -1)
             )
             comp.page_indices[long_rows] = first[long_rows].int()

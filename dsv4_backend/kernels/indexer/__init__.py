@@ -15,7 +15,7 @@ top-k as c4 cache slots.
 * ``topk.py``: the top-k columns of a score matrix as its own table ``INDEXER_TOPK``
   (flashinfer's on CUDA, a stable torch sort elsewhere) and ``warm_up_topk``.
 * ``common.py``: shared host code: ``C4_ENTRIES_PER_PAGE``, ``BLOCK_N``, the input checks,
-  ``c4_entry_slots``, ``select_entries`` (the selection's definition), ``IndexerKernels``.
+  ``entry_slots``, ``select_entries`` (the selection's definition), ``IndexerKernels``.
 * ``device.py``: the ``@triton.jit`` helpers both Triton variants use.
 * ``fp8.py``: torch helpers of sglang's quantised indexer inputs (``indexer_selection="fp8"``:
   ``hadamard``, ``e4m3_round_trip``, ``quantised_view``).

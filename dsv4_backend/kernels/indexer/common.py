@@ -72,21 +72,25 @@ def _check_inputs(
         raise ContractError(f"max_candidates={max_candidates}; expected >= 0")
 
 
-def c4_entry_slots(page_table: torch.Tensor, entries: torch.Tensor) -> torch.Tensor:
-    """c4 cache slots of per-row entry indices.
+def entry_slots(
+    page_table: torch.Tensor, entries: torch.Tensor, per_page: int = C4_ENTRIES_PER_PAGE
+) -> torch.Tensor:
+    """Cache slots of per-row entry indices (c4 by default; DeepSeek-V4.1's c1 / c2 with
+    ``per_page`` 256 / 128).
 
     Parameters
     ----------
     page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
     entries : ``[T, n]`` integer entry indices; negative means none.
+    per_page : entries a full-cache page holds.
 
-    Returns ``[T, n]`` int64: ``page_table[t, e // 64] * 64 + e % 64``, -1 where ``e < 0``.
+    Returns ``[T, n]`` int64: ``page_table[t, e // E] * E + e % E`` (``E = per_page``), -1
+    where ``e < 0``.
     """
     valid = entries >= 0
     entries = torch.where(valid, entries, 0).long()
-    pages = page_table.gather(1, entries // C4_ENTRIES_PER_PAGE).long()
-    slots = pages * C4_ENTRIES_PER_PAGE + entries % C4_ENTRIES_PER_PAGE
-    return torch.where(valid, slots, -1)
+    pages = page_table.gather(1, entries // per_page).long()
+    return torch.where(valid, pages * per_page + entries % per_page, -1)
 
 
 def select_entries(scores: torch.Tensor, num_candidates: torch.Tensor, topk: int) -> torch.Tensor:

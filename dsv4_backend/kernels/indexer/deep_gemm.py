@@ -28,7 +28,7 @@ layout is DeepGEMM's: 64 keys of e4m3 bytes, then their fp32 scales, 132 B a key
 ``weights`` ``[T, HI]`` fp32; ``context_lens`` ``[T, 1]`` int32, ``num_candidates`` clamped to
 ``[0, N]`` (the op clamps; DeepGEMM would write past ``N``); ``block_table`` the page table
 (``[T, Pw]`` int32: a row's c4 entry ``s`` is key page ``page_table[t, s // 64]``, slot
-``s % 64``, as ``common.c4_entry_slots`` has it); ``max_context_len = N``;
+``s % 64``, as ``common.entry_slots`` has it); ``max_context_len = N``;
 ``clean_logits=False`` (sglang's): DeepGEMM leaves columns past a row's length unwritten and the
 variant sets them to ``-inf``, the op's contract.
 

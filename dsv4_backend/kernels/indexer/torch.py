@@ -7,23 +7,28 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4_backend.kernels.indexer.common import c4_entry_slots, select_entries
+from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, entry_slots, select_entries
 
 if TYPE_CHECKING:
+    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 
 
 def _index_scores_torch(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    keys: IndexerKeyCache,
+    keys: IndexerKeyCache | Fp4IndexKeyCache,
     page_table: torch.Tensor,
     num_candidates: torch.Tensor,
     max_candidates: int,
+    per_page: int = C4_ENTRIES_PER_PAGE,
 ) -> torch.Tensor:
+    """``[T, max_candidates]`` fp32 scores of each row's first ``num_candidates`` entries (-inf
+    past them); ``per_page`` entries a full-cache page (c4, or DeepSeek-V4.1's c1 / c2)."""
     cols = torch.arange(max_candidates, device=q_idx.device)
     valid = cols[None, :] < num_candidates[:, None]
-    k = keys.gather(c4_entry_slots(page_table, torch.where(valid, cols, -1)))  # [T, N, DI]
+    slots = entry_slots(page_table, torch.where(valid, cols, -1), per_page)
+    k = keys.gather(slots)  # [T, N, DI]
     dots = torch.einsum("thd,tnd->thn", q_idx.float(), k)
     scores = torch.einsum("th,thn->tn", weights.float(), dots.relu())
     return scores.masked_fill(~valid, float("-inf"))
@@ -38,4 +43,4 @@ def _select_topk_torch(
 ) -> None:
     """``select_topk`` off the Triton paths: ``out`` receives the c4 slots of the entries
     ``select_entries`` selects."""
-    out.copy_(c4_entry_slots(page_table, select_entries(scores, num_candidates, topk)))
+    out.copy_(entry_slots(page_table, select_entries(scores, num_candidates, topk)))

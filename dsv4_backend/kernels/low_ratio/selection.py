@@ -2,8 +2,9 @@
 source's full top-k, the candidate blocks the candidate source publishes, a candidate
 consumer's top-k among them, over the scores of ``table.py``'s variant, written as slots.
 
-Shapes as ``torch.py``'s. Ties: equal scores go to the lower entry (equal block keys to the
-lower block), as the reference orders them.
+Shapes: ``T`` rows, ``K`` ``index_topk``, ``N`` score columns (the entries the page table
+addresses), ``NB`` candidate blocks a row keeps. Ties: equal scores go to the lower entry
+(equal block keys to the lower block), as the reference orders them.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ import torch
 
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
 from dsv4_backend.config import entries_per_page
+from dsv4_backend.kernels.indexer.common import entry_slots
 from dsv4_backend.kernels.indexer.topk import best_columns as topk_columns
 from dsv4_backend.kernels.low_ratio.table import low_ratio_scores
-from dsv4_backend.kernels.low_ratio.torch import entry_slots
 
 #: Bytes of scores and gathered keys one chunk of rows may hold (the selection works on row
 #: chunks so that a long prefill does not hold ``[T, N, DI]`` keys at once).
@@ -99,4 +100,5 @@ def select_entries(
         ids = best_columns(scores, allowed, topk)
         ids = torch.where(ids >= 0, ids, width).sort(1).values  # ascending, -1s last
         ids = torch.where(ids < width, ids, -1)
-        out_slots[part] = entry_slots(page_table[part], ids, ratio).to(out_slots.dtype)
+        slots = entry_slots(page_table[part], ids, entries_per_page(ratio))
+        out_slots[part] = slots.to(out_slots.dtype)

@@ -1,13 +1,14 @@
 """The variants of DeepSeek-V4.1's index scores (:data:`LOW_RATIO_SCORES`,
 ``kernels/variants.py``): ``score[t, e] = sum_h w[t, h] relu(q[t, h] . K[e])`` of a row's
 visible entries ``e`` of its kv source's fp4 index keys (-inf past them); the selection that
-follows is ``torch.py``'s.
+follows is ``selection.py``'s. Both variants are the lightning indexer's (``kernels/indexer/``)
+with the ratio's entries a page.
 
 * ``triton`` (``triton.py``): the lightning indexer's scores kernel
   (``kernels/indexer/triton.py``) reading the fp4 index-key pages (``kernels/device/fp4.py``)
   with the ratio's entries per page; the interpreter's default, opt-in on CUDA until it passes
   ``scripts/gpu_check.sh``;
-* ``torch``: the plain implementation (``torch.py``), the CUDA baseline.
+* ``torch`` (``torch.py``): the indexer's torch scores, the CUDA baseline.
 """
 
 from __future__ import annotations

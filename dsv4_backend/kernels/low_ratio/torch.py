@@ -3,10 +3,9 @@ the pair ring, the entries and index keys of a kv source, and the index scores (
 variant of ``table.py``'s; the selection over them is ``selection.py``'s). They run on every
 device, a GPU included, without a host sync.
 
-Shapes: ``T`` rows, ``D`` head dim, ``HI`` / ``DI`` indexer heads / head dim, ``K``
-``index_topk``, ``N`` score columns (entries the page table can address), ``NB`` candidate
-blocks a row keeps. Entry ``e`` of a row's request lives at slot ``page_table[t, e * r // 256]
-* (256 // r) + e % (256 // r)`` of the kv source's caches.
+Shapes: ``T`` rows, ``D`` head dim, ``HI`` / ``DI`` indexer heads / head dim. Entry ``e`` of a
+row's request lives at slot ``page_table[t, e // E] * E + e % E`` of the kv source's caches
+(``E = 256 / r``, ``indexer.common.entry_slots``).
 """
 
 from __future__ import annotations
@@ -15,7 +14,8 @@ import torch
 
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache, fp4_round_e4m3, fp4_round_ue8m0
 from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.config import REQUIRED_PAGE_SIZE, entries_per_page
+from dsv4_backend.config import entries_per_page
+from dsv4_backend.kernels.indexer.torch import _index_scores_torch
 from dsv4_backend.ops.norm import rms_norm
 from dsv4_backend.ops.rope import apply_rope
 
@@ -96,16 +96,7 @@ def index_queries(q_proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) ->
     return fp4_round_ue8m0(bf16(apply_rope(bf16(q_proj.float()), cos, sin)))
 
 
-# ----------------------------------------------------------------------------- selection
-def entry_slots(page_table: torch.Tensor, entry_ids: torch.Tensor, ratio: int) -> torch.Tensor:
-    """Slots (int64, same shape as ``entry_ids`` ``[T, n]``) of each row's entries in a c1 / c2
-    cache; -1 stays -1."""
-    per_page = entries_per_page(ratio)
-    safe = entry_ids.clamp(min=0)
-    pages = page_table.long().gather(1, safe * ratio // REQUIRED_PAGE_SIZE)
-    return torch.where(entry_ids >= 0, pages * per_page + safe % per_page, -1)
-
-
+# --------------------------------------------------------------------------------- scores
 def index_scores_torch(
     q: torch.Tensor,
     weights: torch.Tensor,
@@ -115,12 +106,7 @@ def index_scores_torch(
     ratio: int,
     width: int,
 ) -> torch.Tensor:
-    """``[T, width]`` float32 ``sum_h w_h relu(q_h . k_e)`` of entries ``e < visible``; -inf
-    elsewhere."""
-    cols = torch.arange(width, device=q.device)
-    valid = cols[None, :] < visible[:, None]
-    ids = torch.where(valid, cols[None, :], -1)
-    k = keys.gather(entry_slots(page_table, ids, ratio))  # [T, N, DI]
-    dots = torch.einsum("thd,tnd->thn", q.float(), k).relu()
-    scores = torch.einsum("th,thn->tn", weights.float(), dots)
-    return scores.masked_fill(~valid, float("-inf"))
+    """``table.low_ratio_scores`` by the lightning indexer's torch scores."""
+    return _index_scores_torch(
+        q, weights, keys, page_table, visible, width, entries_per_page(ratio)
+    )
