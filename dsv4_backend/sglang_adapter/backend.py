@@ -94,6 +94,7 @@ from dsv4_backend.planning.checks import PendingChecks, run_checks, strict_check
 from dsv4_backend.planning.draft_slots import draft_step_slots
 from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.sglang_adapter.batch_view import (
+    GraphCall,
     batch_view,
     cp_rank_rows,
     forward_kind,
@@ -550,10 +551,13 @@ class DSV4AttentionBackend(AttentionBackend):
 
     # ------------------------------------------------------------------------- planning
     def _plan(
-        self, forward_batch: ForwardBatch, buffers: GraphMetadataBuffers | None
+        self,
+        forward_batch: ForwardBatch,
+        buffers: GraphMetadataBuffers | None,
+        graph: GraphCall | None = None,
     ) -> AttentionMetadata:
         """Plan ``forward_batch``: eager (``buffers`` None) or into the graph buffers (the
-        same planning body).
+        same planning body), as the graph runner hands it (``graph``).
 
         A radix-cache hit is an EXTEND whose ``extend_prefix_lens`` is the cached, page-aligned
         prefix (sglang matches whole 256-token pages), in a fresh pool row whose
@@ -575,6 +579,7 @@ class DSV4AttentionBackend(AttentionBackend):
             draft=self.draft_step,
             num_cache_slots=self.num_cache_slots,
             num_swa_slots=self.num_swa_slots,
+            graph=graph,
         )
         metadata = self._plan_view(view, buffers)
         padding = padding_rows(forward_batch, view)
@@ -611,16 +616,22 @@ class DSV4AttentionBackend(AttentionBackend):
         """What a consumer's batch is matched against (``PlannedBatch``): ``view``'s requests,
         and the rows' write slots as the forward's batch holds them (a draft step's own row
         of the ``[bs, topk, num_steps]`` layout; an extend kind's padding tokens included)."""
-        loc = view.out_cache_loc
+        loc, seq_lens = view.out_cache_loc, view.seq_lens
+        seq_lens_cpu = view.host_seq_lens if view.seq_lens_cpu is not None else None
         if view.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
             loc = fb.out_cache_loc
         elif view.draft is not None:
             loc = draft_step_slots(loc, view.batch_size, view.draft)
+        if view.kind is ForwardKind.DRAFT_EXTEND:
+            # A draft-extend graph's padding requests are planned longer than handed.
+            seq_lens = fb.seq_lens[: view.batch_size]
+            host = self._host_seq_lens(fb)
+            seq_lens_cpu = None if host is None else host[: view.batch_size]
         inputs = PlanInputs(
             req_pool_indices=_kept(view.req_pool_indices),
-            seq_lens=_kept(view.seq_lens),
+            seq_lens=_kept(seq_lens),
             out_cache_loc=_kept(loc),
-            seq_lens_cpu=view.host_seq_lens if view.seq_lens_cpu is not None else None,
+            seq_lens_cpu=seq_lens_cpu,
             sources=BatchTag(
                 req_pool_indices=fb.req_pool_indices,
                 seq_lens=fb.seq_lens,
@@ -659,14 +670,16 @@ class DSV4AttentionBackend(AttentionBackend):
         each replay), so every kind is accepted, not only ``GRAPH_KINDS`` (DECODE, draft steps,
         TARGET_VERIFY, IDLE: planned without a host sync): sglang 0.5.23 also graphs
         DRAFT_EXTEND_V2 batches (``eagle_draft_extend_cuda_graph_runner``), whose rows come
-        from host lengths. Needs ``init_cuda_graph_state`` first.
+        from host lengths (``batch_view.draft_extend_graph_view``). Needs
+        ``init_cuda_graph_state`` first.
         """
         if self.graph_buffers is None:
             raise ContractError(
                 "init_forward_metadata_out_graph before init_cuda_graph_state: the graph "
                 "buffers do not exist yet"
             )
-        self.forward_metadata = self._plan(forward_batch, self.graph_buffers)
+        graph = GraphCall.CAPTURE if in_capture else GraphCall.REPLAY
+        self.forward_metadata = self._plan(forward_batch, self.graph_buffers, graph)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""

@@ -30,7 +30,8 @@ EAGLE draft graph runner's namespace; they carry ``num_padding``): ``batch_size`
 bucket and ``req_pool_indices`` / ``seq_lens`` are the padded static buffers, but
 ``out_cache_loc`` may be the live batch's (``raw_bs`` requests' slots). The view pads it with
 sglang's padding slot 0 to the bucket (``replay_slots``), as sglang's own backend does in its
-replay branch. A view whose ``actual_forward_mode`` is IDLE (an idle data-parallel rank
+replay branch. The EAGLE draft-extend graph runner's batches (capture and replay) are read by
+``draft_extend_graph_view``: its padding requests are shorter than their fixed rows. A view whose ``actual_forward_mode`` is IDLE (an idle data-parallel rank
 replaying the largest rank's graph) is planned as ``batch_size`` padding requests. Padding
 requests (pool row 0, length 1, slot 0) write only sglang's padding slot, page and ring row. An
 EXTEND / DRAFT_EXTEND_V2 batch can also be padded with whole tokens that belong to no request
@@ -51,6 +52,7 @@ padding). ``cp_rank_rows`` gives a rank its rows of the plan.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
@@ -195,6 +197,7 @@ def batch_view(
     draft: DraftStep | None = None,
     num_cache_slots: int | None = None,
     num_swa_slots: int | None = None,
+    graph: GraphCall | None = None,
 ) -> BatchView:
     """The ``BatchView`` of ``fb`` (a ``ForwardBatch`` or the graph runners' namespace view).
 
@@ -208,6 +211,8 @@ def batch_view(
     draft : the step of a multi-step draft backend; used for DECODE batches only.
     num_cache_slots, num_swa_slots : full- and window-cache slots the backend holds (the
         planning checks' ranges).
+    graph : how a CUDA-graph runner hands ``fb`` (``init_forward_metadata_out_graph``); None
+        for an eager plan. A DRAFT_EXTEND_V2 graph batch is read by ``draft_extend_graph_view``.
 
     Raises ``BatchError`` for an unsupported mode or inconsistent shapes (e.g. a draft step fed
     a write-slot buffer other than the whole ``[bs, topk, num_steps]`` one).
@@ -224,6 +229,8 @@ def batch_view(
             kind=kind, req_pool_indices=empty, seq_lens=empty, out_cache_loc=empty,
             req_to_token=req_to_token, full_to_swa=full_to_swa,
         )  # fmt: skip
+    if kind is ForwardKind.DRAFT_EXTEND and graph is not None:
+        return draft_extend_graph_view(fb, width=num_draft_tokens, graph=graph, **common)
     out_cache_loc = fb.out_cache_loc
     req_pool_indices, seq_lens = fb.req_pool_indices, fb.seq_lens
     per_request = write_slots_per_request(kind, draft, num_draft_tokens)
@@ -262,5 +269,86 @@ def batch_view(
         req_pool_indices=req_pool_indices,
         seq_lens=seq_lens,
         out_cache_loc=out_cache_loc,
+        **common,
+    )
+
+
+class GraphCall(enum.Enum):
+    """How a CUDA-graph runner hands a batch to ``init_forward_metadata_out_graph``."""
+
+    CAPTURE = "capture"  # the capture batch over the runner's static buffers (in_capture)
+    REPLAY = "replay"  # a replay's batch or view
+
+
+def draft_extend_graph_view(
+    fb: Any, *, width: int, graph: GraphCall, seq_lens_cpu: list[int] | None, **common: Any
+) -> BatchView:
+    """The ``BatchView`` of a DRAFT_EXTEND_V2 batch of sglang's draft-extend graph runner
+    (``speculative/eagle_draft_extend_cuda_graph_runner.py``): the capture batch
+    (``capture_one_shape``) or the replay view (``execute``'s namespace).
+
+    Both hold ``fb.batch_size`` requests of ``width`` rows (the runner's
+    ``captured_req_width``, ``speculative_num_draft_tokens``): the live requests, then padding
+    requests (pool row 0, ``seq_lens`` the fill value 1). The replay view holds the runner's
+    static buffers whole (``max_bs`` entries, the first ``batch_size`` the bucket's) and the live
+    tokens' ``out_cache_loc`` (``raw_bs * width``), padded here with slot 0 to the bucket; the
+    capture's ``out_cache_loc`` is the runner's placeholder (a buffer of ones) and is planned
+    as slot 0: sglang's own backend plans both so. A padding request is shorter than its
+    ``width`` rows; it is planned as ``width`` rows from position 0 of its pool row 0, whose
+    slots are all sglang's padding slot 0, with nothing before them to read.
+
+    ``BatchError`` without host lengths (``seq_lens_cpu``), for host extend lengths other than
+    ``width``, a padding request before a live one, or write slots that are not whole
+    requests' (at least the live ones', at most the bucket's).
+    """
+    bs = int(fb.batch_size)
+    if seq_lens_cpu is None or len(seq_lens_cpu) < bs:
+        raise BatchError(
+            f"a DRAFT_EXTEND_V2 graph batch of batch_size={bs} has seq_lens_cpu "
+            f"{seq_lens_cpu}; expected host lengths of at least {bs} requests"
+        )
+    handed = readable_ints("extend_seq_lens_cpu", getattr(fb, "extend_seq_lens_cpu", None))
+    if handed is not None and handed[:bs] != [width] * bs:
+        raise BatchError(
+            f"a DRAFT_EXTEND_V2 graph batch has extend_seq_lens_cpu={handed}; the graph "
+            f"runs {width} rows a request (speculative_num_draft_tokens)"
+        )
+    lens = list(seq_lens_cpu[:bs])
+    padding = [i for i, n in enumerate(lens) if n < width]
+    live = len(lens) - len(padding)
+    if padding and padding != list(range(live, bs)):
+        raise BatchError(
+            f"a DRAFT_EXTEND_V2 graph batch has seq_lens_cpu={lens}: requests shorter than "
+            f"its {width} rows are padding, which only follows the live requests"
+        )
+    loc = fb.out_cache_loc
+    device = fb.req_pool_indices.device
+    if graph is GraphCall.CAPTURE:
+        loc = torch.zeros(bs * width, dtype=torch.int64, device=device)
+    elif loc is None or loc.dim() != 1 or loc.numel() % width or loc.numel() > bs * width:
+        shape = None if loc is None else tuple(loc.shape)
+        raise BatchError(
+            f"a DRAFT_EXTEND_V2 graph batch of batch_size={bs} has out_cache_loc of shape "
+            f"{shape}; expected whole requests' slots ({width} a request), at most {bs * width}"
+        )
+    elif loc.numel() < live * width:
+        raise BatchError(
+            f"a DRAFT_EXTEND_V2 graph batch of {live} live requests has only {loc.numel()} "
+            f"write slots; expected {live * width}"
+        )
+    else:
+        loc = torch.nn.functional.pad(loc, (0, bs * width - loc.numel()), value=0)
+    prefix = [max(n - width, 0) for n in lens]
+    seq_lens = fb.seq_lens[:bs]
+    if padding:  # the padding requests' planned length, on the device too
+        seq_lens = seq_lens.clamp(min=width)
+    return BatchView(
+        kind=ForwardKind.DRAFT_EXTEND,
+        req_pool_indices=fb.req_pool_indices[:bs],
+        seq_lens=seq_lens,
+        out_cache_loc=loc,
+        seq_lens_cpu=[p + width for p in prefix],
+        extend_prefix_lens=prefix,
+        extend_seq_lens=[width] * bs,
         **common,
     )

@@ -37,7 +37,7 @@ which the graph would replay with).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pytest
@@ -46,9 +46,11 @@ from eagle_host import (
     DP_EXTRA_REQUESTS,
     LENS,
     NUM_STEPS,
+    EagerGraphs,
     Forward,
     Host,
     assert_equal_outside_the_padding_page,
+    capture_graphs,
     check_forward,
     draft_input,
     eagle_server,
@@ -63,8 +65,6 @@ from sglang.srt.speculative import eagle_draft_cuda_graph_runner
 from sglang.srt.speculative.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 
-from dsv4_backend.planning import AttentionMetadata
-
 pytestmark = pytest.mark.sglang
 
 #: The pool holds 3 requests (sglang clamps the sizes to it): 1 request replays in the graph of 2.
@@ -74,59 +74,6 @@ DP_RANKS = 2
 
 def bucket(n: int) -> int:
     return min(bs for bs in CAPTURE_BS if bs >= n)
-
-
-def storage(metadata: AttentionMetadata) -> dict[str, tuple[int, tuple[int, ...]]]:
-    """Each plan field's data pointer and shape."""
-    return {name: (t.data_ptr(), tuple(t.shape)) for name, t in metadata.named_tensors().items()}
-
-
-class EagerGraphs:
-    """The graph backend sglang's runner replays through, as sglang's breakable CUDA-graph
-    backend runs in debug-eager mode (module docstring): ``capture_one`` runs ``forward_fn``
-    twice as warm-up (``post_warmup_hook`` after each) and once as the capture, and keeps it;
-    ``replay`` runs the kept forward. It notes the storage of every attending step's plan at
-    the capture, and ``replay`` checks the replay plans lie there (a GPU graph reads nothing
-    else)."""
-
-    def __init__(self, steps: Sequence[Any]) -> None:
-        self.steps = steps
-        self.graphs: dict[Any, Callable[[], Any]] = {}
-        self.captured: dict[Any, list[dict[str, tuple[int, tuple[int, ...]]]]] = {}
-
-    def capture_one(
-        self,
-        shape_key: Any,
-        forward_fn: Callable[[], Any],
-        capture_inputs: Any = None,
-        post_warmup_hook: Callable[[], None] | None = None,
-    ) -> None:
-        for _ in range(2):
-            forward_fn()
-            if post_warmup_hook is not None:
-                post_warmup_hook()
-        forward_fn()
-        self.graphs[shape_key] = forward_fn
-        self.captured[shape_key] = [storage(step.forward_metadata) for step in self.steps]
-
-    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
-        return shape_key in self.graphs
-
-    def replay(self, shape_key: Any, static_forward_batch: Any, **_: Any) -> Any:
-        now = [storage(step.forward_metadata) for step in self.steps]
-        assert now == self.captured[shape_key], "the replay plan is not where the graph reads"
-        return self.graphs[shape_key]()
-
-
-def capture_graphs(runner: EAGLEDraftCudaGraphRunner) -> None:
-    """``DecodeCudaGraphRunner._capture`` without its CUDA set-up (module docstring): the
-    static lengths reset to the fill value, the index buffers reset, then ``capture_one_shape``
-    for each capture size, largest first."""
-    runner.buffers.seq_lens.fill_(runner.seq_len_fill_value)
-    runner.buffers.seq_lens_cpu.fill_(runner.seq_len_fill_value)
-    runner.buffers.reset_index_buffers()
-    for bs in reversed(runner.capture_bs):
-        runner.capture_one_shape(bs, runner.model_runner.model.forward)
 
 
 @pytest.fixture(autouse=True)

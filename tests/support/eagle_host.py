@@ -20,7 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import types
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any, NamedTuple
@@ -43,6 +43,9 @@ from sglang.srt.model_executor.forward_context import (
     ForwardContext,
     forward_context,
     get_attn_backend,
+    get_forward_context,
+    has_forward_context,
+    set_forward_context,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.runner.eager_runner import EagerRunner
@@ -59,6 +62,7 @@ from sglang.srt.utils.hf_transformers.common import _CONFIG_REGISTRY
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels.dispatch import force_path
+from dsv4_backend.planning import AttentionMetadata
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
 from dsv4_backend.testing import harness
@@ -358,6 +362,9 @@ class Host:
         bs, pad = len(self.requests), DP_EXTRA_REQUESTS if self.dp else 0
         batch = schedule_batch(self, ForwardMode.DECODE)
         batch.spec_info = draft_input(bs)
+        graphs = self.worker.cuda_graph_runner_for_draft_extend
+        # Under DP attention every rank must agree to replay (prepare_mlp_sync_batch).
+        batch.can_run_decode_cuda_graph = graphs is not None
         self.draft_model.requests = list(self.requests)
         plans, forwards = len(self.plans), len(self.draft_model.forwards)
         verify_input = EagleDraftWorker.draft(self.worker, batch)
@@ -395,9 +402,13 @@ class Host:
         EagleDraftWorker._draft_extend_for_decode(self.worker, batch, result)
         assert result.next_draft_input.topk_index.shape == (bs, TOPK)
         record = self.draft_model.forwards[-1]
-        assert [backend for backend, _ in self.planned(plans)] == [self.draft_extend]
-        assert self.plans[plans].batch is not record.batch  # planned and marked before the copy
-        assert len(record.rows) == (bs + pad) * NUM_DRAFT
+        if graphs is None:
+            assert [backend for backend, _ in self.planned(plans)] == [self.draft_extend]
+            assert self.plans[plans].batch is not record.batch  # planned, marked, then copied
+            assert len(record.rows) == (bs + pad) * NUM_DRAFT
+        else:  # replayed: planned by the runner's execute (init_forward_metadata_out_graph)
+            assert not self.planned(plans)
+            assert len(record.rows) == graphs.bs * NUM_DRAFT
 
         self.lens = [n + a + 1 for n, a in zip(self.lens, accept_lens, strict=True)]
         step = self.batches.decode(self.requests, self.lens)
@@ -634,6 +645,74 @@ def install_worker_stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     """``init_new`` and ``build_eagle_verify_input`` replaced where the worker calls them."""
     monkeypatch.setattr(ForwardBatch, "init_new", classmethod(init_new))
     monkeypatch.setattr(eagle_worker_v2, "build_eagle_verify_input", build_eagle_verify_input)
+
+
+# ----------------------------------------------------------------------- the graphs
+def storage(metadata: AttentionMetadata) -> dict[str, tuple[int, tuple[int, ...]]]:
+    """Each plan field's data pointer and shape."""
+    return {name: (t.data_ptr(), tuple(t.shape)) for name, t in metadata.named_tensors().items()}
+
+
+class EagerGraphs:
+    """Stand-in for the graph backend ``resolve_decode_backend`` returns: sglang's breakable
+    CUDA-graph backend as its debug-eager mode runs a graph
+    (runner_backend/breakable_cuda_graph_backend.py ``capture_one``, lines 113-160; a replay
+    runs the captured forward again). ``capture_one`` runs ``forward_fn``
+    twice as warm-up (``post_warmup_hook`` after each) and once as the capture, and keeps it;
+    ``replay`` runs the kept forward. It notes the storage of every attending step's plan at
+    the capture, and ``replay`` checks the replay plans lie there (a GPU graph reads nothing
+    else)."""
+
+    def __init__(self, steps: Sequence[Any]) -> None:
+        self.steps = steps
+        self.graphs: dict[Any, Callable[[], Any]] = {}
+        self.captured: dict[Any, list[dict[str, tuple[int, tuple[int, ...]]]]] = {}
+        #: The forward context each graph was captured under: a GPU graph replays kernels
+        #: recorded with it, while re-running the forward needs it active again.
+        self.contexts: dict[Any, ForwardContext | None] = {}
+
+    def capture_one(
+        self,
+        shape_key: Any,
+        forward_fn: Callable[[], Any],
+        capture_inputs: Any = None,
+        post_warmup_hook: Callable[[], None] | None = None,
+    ) -> None:
+        for _ in range(2):
+            forward_fn()
+            if post_warmup_hook is not None:
+                post_warmup_hook()
+        forward_fn()
+        self.graphs[shape_key] = forward_fn
+        self.contexts[shape_key] = get_forward_context() if has_forward_context() else None
+        self.captured[shape_key] = [storage(step.forward_metadata) for step in self.steps]
+
+    def can_run(self, forward_batch: Any, shape_key: Any) -> bool:
+        return shape_key in self.graphs
+
+    def replay(self, shape_key: Any, static_forward_batch: Any, **_: Any) -> Any:
+        now = [storage(step.forward_metadata) for step in self.steps]
+        assert now == self.captured[shape_key], "the replay plan is not where the graph reads"
+        context = self.contexts[shape_key]
+        if context is None or has_forward_context():
+            return self.graphs[shape_key]()
+        previous = set_forward_context(context)
+        try:
+            return self.graphs[shape_key]()
+        finally:
+            set_forward_context(previous)
+
+
+def capture_graphs(runner: Any) -> None:
+    """``DecodeCudaGraphRunner._capture`` of an EAGLE graph runner (``runner``: the draft or
+    the draft-extend one) without its CUDA set-up (runner/decode_cuda_graph_runner.py lines
+    1283-1288 and 1325-1364): the static lengths reset to the fill value, the index buffers
+    reset, then ``capture_one_shape`` for each capture size, largest first."""
+    runner.buffers.seq_lens.fill_(runner.seq_len_fill_value)
+    runner.buffers.seq_lens_cpu.fill_(runner.seq_len_fill_value)
+    runner.buffers.reset_index_buffers()
+    for bs in reversed(runner.capture_bs):
+        runner.capture_one_shape(bs, runner.model_runner.model.forward)
 
 
 # -------------------------------------------------------------------------- the checks
