@@ -14,12 +14,17 @@ elementwise and exact in float32, so a kernel gives the same codes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from dsv4_backend.cache.fp8_format import PagedLayout, _check_width
 from dsv4_backend.cache.token_cache import CacheFormat, SlotCache
 from dsv4_backend.errors import ConfigError, ContractError
+
+#: The block scales of an fp4 rounding: one e4m3 scale per 16 values (compressed entries) or
+#: one ue8m0 scale per 32 (index keys and queries).
+Fp4Scale = Literal["e4m3", "ue8m0"]
 
 E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 E2M1_MAX = 6.0
@@ -182,8 +187,8 @@ class Fp4IndexKeyLayout(PagedLayout):
 class Fp4IndexKeyCache(SlotCache):
     """The index keys of one DeepSeek-V4.1 kv-source layer of ratio ``r`` (slots ``full slot
     // r``): fp4 pages (:class:`Fp4IndexKeyLayout`) in the ``fp8`` (pool) format, float rows in
-    the ``dense`` one. :meth:`store` writes keys (the torch store: no Triton kernel for it
-    yet)."""
+    the ``dense`` one. :meth:`store` writes keys in torch; the Triton rows kernel packs them
+    into the pages itself (``kernels/low_ratio/triton.py``)."""
 
     def __init__(
         self,

@@ -18,8 +18,9 @@ from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.config import LOW_RATIOS
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.cache_store.table import store_rows
-from dsv4_backend.kernels.low_ratio import torch as low_ratio_ops
 from dsv4_backend.kernels.low_ratio.selection import select_entries
+from dsv4_backend.kernels.low_ratio.table import low_ratio_rows
+from dsv4_backend.kernels.low_ratio.torch import pair_pool
 from dsv4_backend.planning.metadata import AttentionMetadata, LowRatioMetadata
 
 
@@ -76,19 +77,17 @@ def compress_low_ratio(
         req_rows = req_pool_indices.long()[metadata.row_batch_ids.long()]
         rings = state.compressor_states[layer]
         valid = metadata.swa_out_loc >= 0  # every row of a batch writes its window key
-        pooled = low_ratio_ops.pair_pool(
-            rings, kv_proj.float(), score_proj.float(), req_rows, positions, valid
-        )
+        pooled = pair_pool(rings, kv_proj.float(), score_proj.float(), req_rows, positions, valid)
         entry_positions = (positions - 1).clamp(min=0)
-    latent = low_ratio_ops.latents(pooled, norm_weight, norm_eps)
     cos, sin = state.rope.cos_sin(entry_positions)
+    entries, latent = low_ratio_rows(pooled, cos, sin, "e4m3", norm=(norm_weight, norm_eps))
     if index_key_params is not None:
+        assert latent is not None  # normed above
         wk, k_norm_weight, k_eps = index_key_params
-        keys = low_ratio_ops.index_keys(latent, wk, k_norm_weight, k_eps, cos, sin)
-        state.pools.index_keys(layer).store(keys, fields.out_loc)
-    store_rows(
-        state.pools.compressed(layer), low_ratio_ops.entries(latent, cos, sin), fields.out_loc
-    )
+        store = (state.pools.index_keys(layer), fields.out_loc)
+        projected = latent @ wk.float().T  # [T, DI]; rounded to bf16 by the rows op
+        low_ratio_rows(projected, cos, sin, "ue8m0", norm=(k_norm_weight, k_eps), store=store)
+    store_rows(state.pools.compressed(layer), entries, fields.out_loc)
 
 
 def select_low_ratio_entries(
@@ -113,7 +112,7 @@ def select_low_ratio_entries(
             f"{list(v41.index_source_layers) if v41 else []})"
         )
     cos, sin = state.rope.cos_sin(metadata.positions_causal)
-    queries = low_ratio_ops.index_queries(index_q_proj, cos, sin)
+    queries, _ = low_ratio_rows(index_q_proj, cos, sin, "ue8m0")
     blocks = fields.candidate_blocks
     among = publish = None
     if layer == v41.candidate_source_layer:

@@ -31,8 +31,9 @@ bucket and ``req_pool_indices`` / ``seq_lens`` are the padded static buffers, bu
 ``out_cache_loc`` may be the live batch's (``raw_bs`` requests' slots). The view pads it with
 sglang's padding slot 0 to the bucket (``replay_slots``), as sglang's own backend does in its
 replay branch. The EAGLE draft-extend graph runner's batches (capture and replay) are read by
-``draft_extend_graph_view``: its padding requests are shorter than their fixed rows. A view whose ``actual_forward_mode`` is IDLE (an idle data-parallel rank
-replaying the largest rank's graph) is planned as ``batch_size`` padding requests. Padding
+``draft_extend_graph_view``: its padding requests are shorter than their fixed rows. A view
+whose ``actual_forward_mode`` is IDLE (an idle data-parallel rank replaying the largest rank's
+graph) is planned as ``batch_size`` padding requests. Padding
 requests (pool row 0, length 1, slot 0) write only sglang's padding slot, page and ring row. An
 EXTEND / DRAFT_EXTEND_V2 batch can also be padded with whole tokens that belong to no request
 (``out_cache_loc`` longer than the sum of the extend lengths, sglang's

@@ -20,6 +20,8 @@ TARGETS = ("sm_90a", "sm_100a")
 KERNELS = ("indexer-", "compress-")
 NEW_KERNELS = (
     "indexer-scores-fp4-c1",  # DeepSeek-V4.1's index scores over fp4 pages
+    "indexer-low-ratio-keys",  # DeepSeek-V4.1's index keys, packed into the fp4 pages
+    "compress-low-ratio-entries",  # DeepSeek-V4.1's c1 / c2 entries
     "indexer-rows-fp8",
     "indexer-rows-dense",
     "indexer-topk-chunks",
@@ -32,14 +34,18 @@ NEW_KERNELS = (
     "compress-fused-indexer-extend",
     "compress-ring-write-c4",
 )
+#: DeepSeek-V4.1's fp4 rows kernel (``kernels/low_ratio/triton.py``).
+LOW_RATIO_ROWS = ("compress-low-ratio-", "indexer-low-ratio-")
 #: sm_100a in the default suite: the indexer's score kernels (compared below), the new top-k
 #: and the extend compressors (the most registers of the new kernels there).
 BLACKWELL = ("indexer-rows-", "indexer-scores-fp8", "indexer-scores-fp4-c1", "indexer-topk-chunks",
-             "indexer-topk-merge-", "compress-fused-c4-extend", "compress-fused-c128-extend",
+             "indexer-topk-merge-", "indexer-low-ratio-", "compress-low-ratio-",
+             "compress-fused-c4-extend", "compress-fused-c128-extend",
              "compress-fused-indexer-extend")  # fmt: skip
 #: sm_90a in the default suite: every kernel but the one-launch compressors' decode / verify
 #: variants (their extend variants hold the same code and more).
-HOPPER = ("indexer-", "compress-entry-", "compress-ring-write-", "compress-fused-c4-extend",
+HOPPER = ("indexer-", "compress-entry-", "compress-ring-write-", "compress-low-ratio-",
+          "compress-fused-c4-extend",
           "compress-fused-c128-extend", "compress-fused-indexer-extend")  # fmt: skip
 #: What each target compiles: :data:`HOPPER` on sm_90a, :data:`BLACKWELL` on sm_100a (every
 #: kernel under ``DSV4_STRESS=1``: a cold compile costs 2-3 s of CPU a kernel).
@@ -68,7 +74,10 @@ def test_every_kernel_compiles_without_spills(reports: dict, target: str) -> Non
     assert selected <= set(got), sorted(got)
     for report in got.values():
         assert report["target"] == target
-        assert report["spill_stores"] == report["spill_loads"] == report["stack"] == 0, report
+        assert report["spill_stores"] == report["spill_loads"] == report["local_ops"] == 0, report
+        # A stack frame only where ptxas reserves one the code never touches (the fp4 rows:
+        # 8 bytes, no LDL / STL).
+        assert report["stack"] == 0 or report["name"].startswith(LOW_RATIO_ROWS), report
         assert report["registers"] <= 255, report
 
 

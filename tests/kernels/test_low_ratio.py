@@ -123,3 +123,103 @@ def test_triton_index_scores_on_cuda(ratio: int) -> None:
     assert torch.equal(finite, torch.isfinite(got))
     # bf16 tensor-core dots of fp4 values: exact products, fp32 sums in another order
     torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-3)
+
+
+def _rows_inputs(kind: str, device: str = "cpu", seed: int = 5) -> tuple:
+    """``(x, cos, sin, scale, norm)`` of one use of ``low_ratio_rows`` at Flash's widths:
+    ``entries`` (512 channels, e4m3, the compressor's norm), ``keys`` (128, ue8m0, k_norm),
+    ``queries`` (32 heads of 128, ue8m0, no norm); bf16 values with a zero row, a row of
+    e2m1 ties and rows of tiny and large magnitude."""
+    g = torch.Generator().manual_seed(seed)
+    rows = 21
+    shape = {"entries": (rows, 512), "keys": (rows, 128), "queries": (rows, 32, 128)}[kind]
+    x = torch.randn(shape, generator=g) * 3
+    x[1] = 0.0
+    ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    x[2] = ties.repeat(x[2].numel() // 8).reshape(x[2].shape)
+    x[3] *= 1e-30
+    x[4] *= 1e20
+    angle = torch.rand(rows, 32, generator=g) * 100
+    norm = None
+    if kind != "queries":
+        norm = (torch.rand(shape[-1], generator=g) + 0.5, 1e-6 if kind == "entries" else 1e-20)
+    scale = "e4m3" if kind == "entries" else "ue8m0"
+    to = dict(device=device)
+    norm = None if norm is None else (norm[0].to(**to), norm[1])
+    return x.bfloat16().float().to(**to), angle.cos().to(**to), angle.sin().to(**to), scale, norm
+
+
+@pytest.mark.parametrize("kind", ["entries", "keys", "queries"])
+def test_triton_rows_equal_the_torch_twin(kind: str) -> None:
+    """Entries, index keys and index queries by the Triton kernel (interpreter) equal the
+    torch twin bit for bit, the RMSNorm's output included."""
+    from dsv4_backend.kernels.low_ratio.table import low_ratio_rows
+
+    x, cos, sin, scale, norm = _rows_inputs(kind)
+    with force_path(TORCH):
+        want, want_normed = low_ratio_rows(x, cos, sin, scale, norm)
+    with force_path(TRITON_INTERPRETER):
+        got, got_normed = low_ratio_rows(x, cos, sin, scale, norm)
+    assert torch.equal(got, want) and got.shape == x.shape
+    assert (want_normed is None) == (norm is None)
+    if want_normed is not None:
+        assert got_normed is not None and torch.equal(got_normed, want_normed)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "dense"])
+def test_triton_rows_store_the_index_keys(fmt: str) -> None:
+    """The kernel's store into the fp4 pages (packed in the kernel) or a dense cache holds
+    what the torch store holds at every slot: each row at its slot, a slot -1 row at the
+    padding slot 0, nothing else written."""
+    from dsv4_backend.kernels.low_ratio.table import low_ratio_rows
+
+    x, cos, sin, scale, norm = _rows_inputs("keys")
+    slots = torch.randperm(255, generator=torch.Generator().manual_seed(6))[: x.shape[0]] + 1
+    slots[5] = -1
+    caches = {}
+    for path in (TORCH, TRITON_INTERPRETER):
+        caches[path] = cache = Fp4IndexKeyCache(256, 128, fmt)
+        cache.store(torch.full((256, 128), 0.5), torch.arange(256))
+        with force_path(path):
+            low_ratio_rows(x, cos, sin, scale, norm, store=(cache, slots))
+    every = torch.arange(256)
+    stored = caches[TRITON_INTERPRETER].gather(every)
+    assert torch.equal(stored, caches[TORCH].gather(every))
+    untouched = torch.ones(256, dtype=torch.bool)
+    untouched[slots.clamp(min=0)] = False
+    assert stored[untouched].eq(0.5).all() and not stored[0].eq(0.5).all()
+
+
+def test_triton_rows_refuse_what_they_do_not_take() -> None:
+    from dsv4_backend.errors import ContractError
+    from dsv4_backend.kernels.low_ratio.triton import fp4_rows_triton
+
+    x, cos, sin, _, _ = _rows_inputs("keys")
+    with pytest.raises(ContractError, match="power-of-two number of 32-channel blocks"):
+        fp4_rows_triton(x[:, :96], cos, sin, "ue8m0")
+    keys = Fp4IndexKeyCache(256, 128, "fp8")
+    with pytest.raises(ContractError, match="ue8m0 scales; got scale 'e4m3'"):
+        fp4_rows_triton(x, cos, sin, "e4m3", store=(keys, torch.arange(x.shape[0])))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["entries", "keys", "queries"])
+def test_triton_rows_on_cuda(kind: str) -> None:
+    """The Triton rows compiled for the GPU against the torch twin: the GPU's rsqrt and fused
+    multiply-adds may move a value across a bf16 rounding boundary, so a few values (< 0.5 %)
+    may land one fp4 step away; the stored keys decode to the kernel's own rows."""
+    from dsv4_backend.kernels.dispatch import TRITON
+    from dsv4_backend.kernels.low_ratio.table import LOW_RATIO_ROWS, low_ratio_rows
+    from dsv4_backend.kernels.variants import force_variant
+
+    x, cos, sin, scale, norm = _rows_inputs(kind, "cuda")
+    keys = Fp4IndexKeyCache(256, 128, "fp8", "cuda")
+    slots = torch.arange(x.shape[0], device="cuda") + 1
+    store = (keys, slots) if kind == "keys" else None
+    with force_variant(LOW_RATIO_ROWS, "torch"):
+        want, _ = low_ratio_rows(x, cos, sin, scale, norm)
+    with force_path(TRITON), force_variant(LOW_RATIO_ROWS, "triton"):
+        got, _ = low_ratio_rows(x, cos, sin, scale, norm, store=store)
+    assert (got != want).float().mean().item() < 5e-3
+    if store is not None:
+        assert torch.equal(keys.gather(slots), got)

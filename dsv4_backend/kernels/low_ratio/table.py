@@ -1,8 +1,18 @@
-"""The variants of DeepSeek-V4.1's index scores (:data:`LOW_RATIO_SCORES`,
-``kernels/variants.py``): ``score[t, e] = sum_h w[t, h] relu(q[t, h] . K[e])`` of a row's
-visible entries ``e`` of its kv source's fp4 index keys (-inf past them); the selection that
-follows is ``selection.py``'s. Both variants are the lightning indexer's (``kernels/indexer/``)
-with the ratio's entries a page.
+"""The variants of DeepSeek-V4.1's low-ratio ops (``kernels/variants.py``).
+
+:data:`LOW_RATIO_ROWS`, the rows of a kv source's compressor and of an index source's queries:
+``bf16(x)``, an optional RMSNorm rounded to bf16, RoPE at the row's position rounded to bf16,
+fp4 with e4m3 scales a 16 values (compressed entries) or ue8m0 scales a 32 (index keys,
+queries), and for index keys the store into the kv source's fp4 pages.
+
+* ``triton`` (``triton.py``): one launch, the fp4 pages packed in the kernel; the
+  interpreter's default, opt-in on CUDA until it passes ``scripts/gpu_check.sh``;
+* ``torch`` (``torch.py``): the CUDA baseline.
+
+:data:`LOW_RATIO_SCORES`, the index scores: ``score[t, e] = sum_h w[t, h] relu(q[t, h] .
+K[e])`` of a row's visible entries ``e`` of its kv source's fp4 index keys (-inf past them); the
+selection that follows is ``selection.py``'s. Both variants are the lightning indexer's
+(``kernels/indexer/``) with the ratio's entries a page.
 
 * ``triton`` (``triton.py``): the lightning indexer's scores kernel
   (``kernels/indexer/triton.py``) reading the fp4 index-key pages (``kernels/device/fp4.py``)
@@ -15,10 +25,20 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
-from dsv4_backend.kernels.low_ratio.torch import index_scores_torch
-from dsv4_backend.kernels.low_ratio.triton import index_scores_triton
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache, Fp4Scale
+from dsv4_backend.kernels.low_ratio.torch import fp4_rows_torch, index_scores_torch
+from dsv4_backend.kernels.low_ratio.triton import fp4_rows_triton, index_scores_triton
 from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
+
+LOW_RATIO_ROWS = OpTable(
+    "low_ratio_rows",
+    "DeepSeek-V4.1's entry, index-key and index-query rows: norm, RoPE, fp4 (and the fp4 store)",
+    (
+        Variant("triton", fp4_rows_triton, (TRITON_PATHS,),
+                "a power-of-two number of scale blocks a row; one program a row (a head)"),
+        Variant("torch", fp4_rows_torch, (), "every shape and cache format", baseline=True),
+    ),
+)  # fmt: skip
 
 LOW_RATIO_SCORES = OpTable(
     "low_ratio_scores",
@@ -29,6 +49,24 @@ LOW_RATIO_SCORES = OpTable(
         Variant("torch", index_scores_torch, (), "every cache format", baseline=True),
     ),
 )  # fmt: skip
+
+
+def low_ratio_rows(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: Fp4Scale,
+    norm: tuple[torch.Tensor, float] | None = None,
+    store: tuple[Fp4IndexKeyCache, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(rows, normed)``: ``x`` ``[N, D]`` or ``[N, H, D]`` float (bf16 values), ``cos`` /
+    ``sin`` ``[N, R/2]`` of each row's position (every head of a row at it), rounded to fp4
+    with ``scale``'s block scales, float32 like ``x``; ``normed`` the RMSNorm's bf16 output
+    (``norm`` = ``(weight [D], eps)``; None without). ``store`` = ``(cache, slots [N])``
+    writes the rows at ``slots`` (-1: the padding slot 0). The variant :data:`LOW_RATIO_ROWS`
+    chooses."""
+    entry = resolve(LOW_RATIO_ROWS, x.device).variant.entry
+    return entry(x, cos, sin, scale, norm, store)
 
 
 def low_ratio_scores(

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1's low-ratio ops in torch (docs/design.md §8): the ratio-2 pair pooling over
-the pair ring, the entries and index keys of a kv source, and the index scores (the torch
-variant of ``table.py``'s; the selection over them is ``selection.py``'s). They run on every
+the pair ring, and the torch variants of ``table.py``'s rows (entries, index keys, index
+queries) and index scores (the selection over them is ``selection.py``'s). They run on every
 device, a GPU included, without a host sync.
 
 Shapes: ``T`` rows, ``D`` head dim, ``HI`` / ``DI`` indexer heads / head dim. Entry ``e`` of a
@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache, fp4_round_e4m3, fp4_round_ue8m0
+from dsv4_backend.cache.fp4_format import (
+    Fp4IndexKeyCache,
+    Fp4Scale,
+    fp4_round_e4m3,
+    fp4_round_ue8m0,
+)
 from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import entries_per_page
 from dsv4_backend.kernels.indexer.torch import _index_scores_torch
@@ -64,36 +69,27 @@ def pair_pool(
     return pooled
 
 
-def latents(pooled: torch.Tensor, norm_weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``RMSNorm(bf16(pooled))`` rounded to bf16: the entries before RoPE, ``[T, D]`` float32."""
-    return bf16(rms_norm(bf16(pooled), norm_weight, eps))
-
-
-def entries(latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Compressed entries: ``latent`` ``[T, D]`` roped at each entry's first position
-    (``cos`` / ``sin`` ``[T, R/2]``), rounded to bf16, then to fp4 with e4m3 scales."""
-    return fp4_round_e4m3(bf16(apply_rope(latent, cos, sin)))
-
-
-def index_keys(
-    latent: torch.Tensor,
-    wk: torch.Tensor,
-    k_norm_weight: torch.Tensor,
-    eps: float,
+def fp4_rows_torch(
+    x: torch.Tensor,
     cos: torch.Tensor,
     sin: torch.Tensor,
-) -> torch.Tensor:
-    """A kv source's index keys ``[T, DI]`` float32: ``bf16(latent @ wk^T)`` (``wk`` ``[DI,
-    D]``), ``k_norm`` rounded to bf16, RoPE rounded to bf16, fp4 with ue8m0 scales."""
-    projected = bf16(latent @ wk.float().T)
-    normed = bf16(rms_norm(projected, k_norm_weight, eps))
-    return fp4_round_ue8m0(bf16(apply_rope(normed, cos, sin)))
-
-
-def index_queries(q_proj: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """An index source's queries ``[T, HI, DI]`` float32 from ``wq_b(q_lora)`` (bf16 values):
-    RoPE at the rows' positions rounded to bf16, fp4 with ue8m0 scales."""
-    return fp4_round_ue8m0(bf16(apply_rope(bf16(q_proj.float()), cos, sin)))
+    scale: Fp4Scale,
+    norm: tuple[torch.Tensor, float] | None = None,
+    store: tuple[Fp4IndexKeyCache, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``table.low_ratio_rows`` in torch: ``bf16(x)``, then (``norm``) ``RMSNorm`` rounded to
+    bf16, RoPE rounded to bf16, fp4 with ``scale``'s block scales."""
+    y = bf16(x.float())
+    normed = None
+    if norm is not None:
+        weight, eps = norm
+        y = normed = bf16(rms_norm(y, weight, eps))
+    roped = bf16(apply_rope(y, cos, sin))  # [N, H, D]: every head at its row's position
+    out = fp4_round_e4m3(roped) if scale == "e4m3" else fp4_round_ue8m0(roped)
+    if store is not None:
+        cache, slots = store
+        cache.store(out, slots)
+    return out, normed
 
 
 # --------------------------------------------------------------------------------- scores

@@ -1,14 +1,193 @@
-"""DeepSeek-V4.1's index scores, Triton variant: the lightning indexer's scores kernel
-(``kernels/indexer/triton.py``) over a kv source's fp4 index-key pages, one program per 64
-entries of a row."""
+"""DeepSeek-V4.1's low-ratio ops, Triton variants (``table.py``):
+
+* ``fp4_rows_triton``: one program a row (a row's head, for ``[N, H, D]`` queries) runs the
+  row's bf16 rounding, RMSNorm, RoPE and fp4 block rounding (``cache.fp4_format``) and, for
+  index keys, packs the fp4 codes and ue8m0 exponents straight into the kv source's fp4 pages.
+  The row is held as its even and odd channels (``[D / B, B / 2]`` tiles a scale block of
+  ``B`` channels a line), so RoPE's interleaved pairs and the packed bytes' nibble pairs are
+  the same elements of the two tiles, and a block's amax is one reduction over a line.
+* ``index_scores_triton``: the lightning indexer's scores kernel (``kernels/indexer/
+  triton.py``) over a kv source's fp4 index-key pages, one program per 64 entries of a row.
+
+Roundings are bit operations (``kernels/device/fp8.py``), exact on a GPU and in the
+interpreter; the division by an e4m3 scale is rounded to nearest (``div_rn``), as torch's.
+"""
 
 from __future__ import annotations
 
 import torch
+import triton
+import triton.language as tl
 
-from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
+from dsv4_backend.cache.fp4_format import (
+    E2M1_MAX,
+    E4M3_BLOCK,
+    E4M3_SCALE_MAX,
+    E4M3_SCALE_MIN,
+    UE8M0_AMAX_FLOOR,
+    UE8M0_BLOCK,
+    Fp4IndexKeyCache,
+    Fp4IndexKeyLayout,
+    Fp4Scale,
+)
 from dsv4_backend.config import entries_per_page
+from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels.device.fp4 import e2m1_to_fp32
+from dsv4_backend.kernels.device.fp8 import (
+    bf16_bits_to_fp32,
+    e4m3_to_fp32,
+    fp32_to_bf16_bits,
+    fp32_to_e4m3,
+)
 from dsv4_backend.kernels.indexer.triton import _index_scores_triton
+
+# The format's constants as the kernels read them (a compiled kernel reads constexpr globals).
+_MAX = tl.constexpr(E2M1_MAX)
+_SCALE_MIN = tl.constexpr(E4M3_SCALE_MIN)
+_SCALE_MAX = tl.constexpr(E4M3_SCALE_MAX)
+_AMAX_FLOOR = tl.constexpr(UE8M0_AMAX_FLOOR)
+
+
+@triton.jit
+def _bf16(x):
+    """fp32 ``x`` rounded to bf16 (nearest even), as fp32."""
+    return bf16_bits_to_fp32(fp32_to_bf16_bits(x))
+
+
+@triton.jit
+def _e2m1_code(scaled):
+    """e2m1 codes (int32, sign in bit 3 of nonzero magnitudes) of ``scaled`` in [-6, 6]:
+    nearest, ties to the even code (``fp4_format.e2m1_codes``: thresholds 0.25, 0.75, ..., 5;
+    at 0.75, 1.75, 3.5 the code above is even)."""
+    m = tl.abs(scaled)
+    code = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+    code += (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
+    code += (m > 5.0).to(tl.int32)
+    # No negative zero: torch's packing of the rounded values (-0.0 / scale) stores code 0.
+    return code | (((scaled < 0) & (code > 0)).to(tl.int32) << 3)
+
+
+@triton.jit
+def _ue8m0_exponent(amax, FLOOR: tl.constexpr, MAX: tl.constexpr):
+    """The smallest ``e`` with ``6 * 2^e >= max(amax, FLOOR)`` (``fp4_format.ue8m0_exponents``):
+    ``frexp(a / 6)``'s exponent from the bits, settled by exact comparisons."""
+    a = tl.maximum(amax, FLOOR)
+    bits = tl.math.div_rn(a, MAX).to(tl.int32, bitcast=True)
+    e = ((bits >> 23) & 0xFF) - 126
+    below = ((e - 1 + 127) << 23).to(tl.float32, bitcast=True) * MAX
+    e -= (below >= a).to(tl.int32)
+    at = ((e + 127) << 23).to(tl.float32, bitcast=True) * MAX
+    return e + (at < a).to(tl.int32)
+
+
+@triton.jit
+def _fp4_rows_kernel(
+    x_ptr,  # [N * HEADS, D] float (row r * HEADS + h)
+    weight_ptr,  # [D] float (NORM)
+    cos_ptr,  # [N, ROPE / 2] float32
+    sin_ptr,
+    out_ptr,  # [N * HEADS, D] float32
+    normed_ptr,  # [N * HEADS, D] float32 (NORM)
+    pages_ptr,  # uint8 [num_pages, PAGE_TOKENS * (D / 2 + D / 32)] (STORE)
+    slots_ptr,  # [N] int (STORE; -1: the padding slot 0)
+    eps,
+    stride_x,
+    stride_cs,
+    D: tl.constexpr,
+    ROPE: tl.constexpr,
+    HEADS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    UE8M0: tl.constexpr,
+    NORM: tl.constexpr,
+    STORE: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    HALF: tl.constexpr = BLOCK // 2
+    lines = tl.arange(0, D // BLOCK)[:, None]
+    even = lines * BLOCK + 2 * tl.arange(0, HALF)[None, :]  # [D / BLOCK, HALF] channel ids
+    xe = _bf16(tl.load(x_ptr + row * stride_x + even).to(tl.float32))
+    xo = _bf16(tl.load(x_ptr + row * stride_x + even + 1).to(tl.float32))
+    if NORM:
+        mean_square = (tl.sum(xe * xe) + tl.sum(xo * xo)) / D
+        inv = tl.math.div_rn(1.0, tl.sqrt_rn(mean_square + eps))
+        xe = _bf16(xe * inv * tl.load(weight_ptr + even).to(tl.float32))
+        xo = _bf16(xo * inv * tl.load(weight_ptr + even + 1).to(tl.float32))
+        tl.store(normed_ptr + row * D + even, xe)
+        tl.store(normed_ptr + row * D + even + 1, xo)
+    rotates = even >= D - ROPE
+    pair = tl.where(rotates, (even - (D - ROPE)) // 2, 0)
+    position_row = row // HEADS
+    c = tl.load(cos_ptr + position_row * stride_cs + pair, mask=rotates, other=1.0)
+    s = tl.load(sin_ptr + position_row * stride_cs + pair, mask=rotates, other=0.0)
+    ye = _bf16(tl.where(rotates, xe * c - xo * s, xe))
+    yo = _bf16(tl.where(rotates, xe * s + xo * c, xo))
+    amax = tl.maximum(tl.max(tl.abs(ye), axis=1), tl.max(tl.abs(yo), axis=1))  # [D / BLOCK]
+    if UE8M0:
+        exponent = _ue8m0_exponent(amax, _AMAX_FLOOR, _MAX)
+        scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    else:
+        raw = tl.minimum(tl.maximum(tl.math.div_rn(amax, _MAX), _SCALE_MIN), _SCALE_MAX)
+        scale = e4m3_to_fp32(fp32_to_e4m3(raw))
+    se = tl.math.div_rn(ye, scale[:, None])
+    so = tl.math.div_rn(yo, scale[:, None])
+    ce = _e2m1_code(tl.minimum(tl.maximum(se, -_MAX), _MAX))
+    co = _e2m1_code(tl.minimum(tl.maximum(so, -_MAX), _MAX))
+    tl.store(out_ptr + row * D + even, e2m1_to_fp32(ce) * scale[:, None])
+    tl.store(out_ptr + row * D + even + 1, e2m1_to_fp32(co) * scale[:, None])
+    if STORE:
+        slot = tl.maximum(tl.load(slots_ptr + row).to(tl.int64), 0)
+        page, t = slot // PAGE_TOKENS, slot % PAGE_TOKENS
+        base = page * (PAGE_TOKENS * (D // 2 + D // BLOCK))
+        tl.store(pages_ptr + base + t * (D // 2) + even // 2, (ce | (co << 4)).to(tl.uint8))
+        exponents = pages_ptr + base + PAGE_TOKENS * (D // 2) + t * (D // BLOCK)
+        tl.store(exponents + tl.arange(0, D // BLOCK), (exponent + 127).to(tl.uint8))
+
+
+def fp4_rows_triton(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    scale: Fp4Scale,
+    norm: tuple[torch.Tensor, float] | None = None,
+    store: tuple[Fp4IndexKeyCache, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``table.low_ratio_rows`` in one launch. An fp4-paged ``store`` is written by the kernel
+    with each block's exponent from the unrounded values (a one-pass quantiser; decoding gives
+    the same values as the torch store, which re-derives it from the rounded ones); a dense one
+    (tests) by ``Fp4IndexKeyCache.store``."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    d, heads = x.shape[-1], rows.shape[0] // max(cos.shape[0], 1)
+    block = E4M3_BLOCK if scale == "e4m3" else UE8M0_BLOCK
+    if d % block or (d // block) & (d // block - 1) or x.shape[0] != cos.shape[0]:
+        raise ContractError(
+            f"fp4 rows of shape {tuple(x.shape)} with cos {tuple(cos.shape)}: the Triton "
+            f"kernel takes a power-of-two number of {block}-channel blocks and one position a "
+            "leading index"
+        )
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    normed = torch.empty_like(out) if norm is not None else None
+    # An fp4-paged store is packed by the kernel; a dense one (tests) written after it.
+    pages, slots, page_tokens = out, out, 1
+    if store is not None:
+        cache, slots = store
+        cache.check_slots(slots)
+        if isinstance(cache.layout, Fp4IndexKeyLayout):
+            if scale != "ue8m0":
+                raise ContractError("fp4 index-key pages hold ue8m0 scales; got scale 'e4m3'")
+            pages, page_tokens = cache.storage, cache.layout.page_tokens
+    weight, eps = norm if norm is not None else (out, 0.0)
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    if rows.shape[0]:
+        _fp4_rows_kernel[(rows.shape[0],)](
+            rows, weight, cos, sin, out, out if normed is None else normed, pages, slots,
+            eps, rows.stride(0), cos.stride(0),
+            D=d, ROPE=2 * cos.shape[-1], HEADS=heads, BLOCK=block, UE8M0=scale == "ue8m0",
+            NORM=norm is not None, STORE=pages is not out, PAGE_TOKENS=page_tokens,
+        )  # fmt: skip
+    if store is not None and pages is out:
+        store[0].store(out, store[1])
+    return out.reshape(x.shape), None if normed is None else normed.reshape(x.shape)
 
 
 def index_scores_triton(

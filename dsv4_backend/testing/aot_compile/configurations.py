@@ -34,6 +34,7 @@ from dsv4_backend.kernels.indexer import bounded as indexer_bounded
 from dsv4_backend.kernels.indexer import slots as indexer_slots
 from dsv4_backend.kernels.indexer import triton as indexer_triton
 from dsv4_backend.kernels.indexer.common import BLOCK_N as INDEXER_BLOCK_N
+from dsv4_backend.kernels.low_ratio import triton as low_ratio_triton
 from dsv4_backend.planning.kernels import plan_fields
 from dsv4_backend.testing.aot_compile.toolchain import TARGETS
 from dsv4_backend.testing.precompile import DIM, ROPE
@@ -190,7 +191,26 @@ def fused_configurations() -> list[Configuration]:
         ("indexer-scores-fp4-c1", *scores_fp4),
         ("indexer-slots-k512", *slots),
     ]
-    return out + _bounded_indexer() + _compressors() + _planner()
+    return out + _bounded_indexer() + _compressors() + _low_ratio_rows() + _planner()
+
+
+def _low_ratio_rows() -> list[Configuration]:
+    """DeepSeek-V4.1's fp4 rows: a kv source's entries (D = 512, e4m3 scales, the compressor's
+    norm) and its index keys (DI = 128, ue8m0 scales, k_norm, packed into the fp4 pages)."""
+    kinds = dict(x_ptr="*fp32", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
+                 out_ptr="*fp32", normed_ptr="*fp32", pages_ptr="*u8", slots_ptr="*i64",
+                 eps="fp32")  # fmt: skip
+    entries = _source(
+        low_ratio_triton._fp4_rows_kernel, kinds,
+        dict(D=DIM, ROPE=ROPE, HEADS=1, BLOCK=16, UE8M0=False, NORM=True, STORE=False,
+             PAGE_TOKENS=1),
+    )  # fmt: skip
+    keys = _source(
+        low_ratio_triton._fp4_rows_kernel, kinds,
+        dict(D=128, ROPE=ROPE, HEADS=1, BLOCK=32, UE8M0=True, NORM=True, STORE=True,
+             PAGE_TOKENS=64),
+    )  # fmt: skip
+    return [("compress-low-ratio-entries", *entries), ("indexer-low-ratio-keys", *keys)]
 
 
 def _bounded_indexer() -> list[Configuration]:

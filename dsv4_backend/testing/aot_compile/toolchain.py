@@ -8,8 +8,8 @@
   bundled ptxas for the target, the same call Triton makes);
 * ``cp_async``: asynchronous global -> shared copies in the PTX (a software-pipelined gather);
 * ``shared``: the shared memory Triton allocates (bytes);
-* ``instructions``, ``integer_ops``, ``e4m3_converts``, ``main_loop_calls``: from the SASS
-  (:func:`sass_facts`).
+* ``instructions``, ``integer_ops``, ``e4m3_converts``, ``main_loop_calls``, ``local_ops``:
+  from the SASS (:func:`sass_facts`).
 
 ptxas figures and SASS listings are kept beside Triton's cache, so a kernel found there is
 neither assembled nor disassembled again.
@@ -163,8 +163,10 @@ INTEGER_OPCODES = ("LOP3", "SHF", "IADD3", "IMAD", "ISETP", "SEL", "PRMT", "LEA"
 def sass_facts(listing: str) -> dict[str, int]:
     """Instruction facts of a ``cuobjdump -sass`` listing: ``instructions`` in all,
     ``integer_ops`` (``INTEGER_OPCODES``), ``e4m3_converts`` (``F2FP`` unpacking e4m3: the
-    hardware fp8 conversion) and ``main_loop_calls`` (subroutine calls in the body of the
-    main loop, ``testing.sass.main_loop``: a 64-bit division or modulo is one)."""
+    hardware fp8 conversion), ``main_loop_calls`` (subroutine calls in the body of the
+    main loop, ``testing.sass.main_loop``: a 64-bit division or modulo is one) and
+    ``local_ops`` (local-memory loads and stores, ``LDL`` / ``STL``: what a stack frame costs;
+    ptxas may reserve a frame the code never touches)."""
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]", listing)
     loop = sass.main_loop(listing)
     calls = sum(i.op.startswith("CALL") for i in loop.instructions) if loop else 0
@@ -173,6 +175,7 @@ def sass_facts(listing: str) -> dict[str, int]:
         integer_ops=sum(op in INTEGER_OPCODES for op in opcodes),
         e4m3_converts=len(re.findall(r"\bF2FP\.[\w.]*E4M3[\w.]*", listing)),
         main_loop_calls=calls,
+        local_ops=sum(op in ("LDL", "STL") for op in opcodes),
     )
 
 
