@@ -24,7 +24,11 @@ from dsv4_backend.kernels.cache_store.table import CACHE_STORE
 from dsv4_backend.kernels.compressor.table import COMPRESSOR
 from dsv4_backend.kernels.indexer.table import INDEXER
 from dsv4_backend.kernels.indexer.topk import INDEXER_TOPK
-from dsv4_backend.kernels.low_ratio.table import LOW_RATIO_ROWS, LOW_RATIO_SCORES
+from dsv4_backend.kernels.low_ratio.table import (
+    LOW_RATIO_PAIRS,
+    LOW_RATIO_ROWS,
+    LOW_RATIO_SCORES,
+)
 from dsv4_backend.kernels.variants import (
     Chosen,
     OpTable,
@@ -47,6 +51,7 @@ TABLES: tuple[OpTable, ...] = (
     COMPRESSOR,
     INDEXER,
     INDEXER_TOPK,
+    LOW_RATIO_PAIRS,
     LOW_RATIO_ROWS,
     LOW_RATIO_SCORES,
     ATTENTION,

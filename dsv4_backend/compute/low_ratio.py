@@ -19,8 +19,7 @@ from dsv4_backend.config import LOW_RATIOS
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.low_ratio.selection import select_entries
-from dsv4_backend.kernels.low_ratio.table import low_ratio_rows
-from dsv4_backend.kernels.low_ratio.torch import pair_pool
+from dsv4_backend.kernels.low_ratio.table import low_ratio_pairs, low_ratio_rows
 from dsv4_backend.planning.metadata import AttentionMetadata, LowRatioMetadata
 
 
@@ -77,7 +76,9 @@ def compress_low_ratio(
         req_rows = req_pool_indices.long()[metadata.row_batch_ids.long()]
         rings = state.compressor_states[layer]
         valid = metadata.swa_out_loc >= 0  # every row of a batch writes its window key
-        pooled = pair_pool(rings, kv_proj.float(), score_proj.float(), req_rows, positions, valid)
+        pooled = low_ratio_pairs(
+            rings, kv_proj.float(), score_proj.float(), req_rows, positions, valid
+        )
         entry_positions = (positions - 1).clamp(min=0)
     cos, sin = state.rope.cos_sin(entry_positions)
     entries, latent = low_ratio_rows(pooled, cos, sin, "e4m3", norm=(norm_weight, norm_eps))

@@ -22,6 +22,8 @@ NEW_KERNELS = (
     "indexer-scores-fp4-c1",  # DeepSeek-V4.1's index scores over fp4 pages
     "indexer-low-ratio-keys",  # DeepSeek-V4.1's index keys, packed into the fp4 pages
     "compress-low-ratio-entries",  # DeepSeek-V4.1's c1 / c2 entries
+    "compress-low-ratio-pairs",  # its ratio-2 pair pooling
+    "compress-low-ratio-ring-write",
     "indexer-rows-fp8",
     "indexer-rows-dense",
     "indexer-topk-chunks",

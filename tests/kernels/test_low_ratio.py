@@ -223,3 +223,58 @@ def test_triton_rows_on_cuda(kind: str) -> None:
     assert (got != want).float().mean().item() < 5e-3
     if store is not None:
         assert torch.equal(keys.gather(slots), got)
+
+
+def _pair_batch(seed: int) -> tuple:
+    """A ratio-2 batch over a pair ring of 4 rows a slot: requests (pool rows 3, 1, 2) of 1, 6
+    and 2 rows at consecutive positions from 0, 9 and 4 (the first rows read the ring; the
+    second request's rows overwrite ring rows its first row reads), then 2 padding rows."""
+    from dsv4_backend.cache.state import CompressorState
+
+    g = torch.Generator().manual_seed(seed)
+    d = 192  # not a multiple of the kernels' 128 channels a program
+    ring = torch.randn(5, 4, 2 * d, generator=g)
+    req = torch.tensor([3, 1, 1, 1, 1, 1, 1, 2, 2, 0, 0])
+    positions = torch.tensor([0, 9, 10, 11, 12, 13, 14, 4, 5, 0, 0])
+    valid = torch.tensor([True] * 9 + [False] * 2)
+    kv, score = torch.randn(11, d, generator=g), torch.randn(11, d, generator=g) * 4
+    return CompressorState(ratio=2, head_dim=d, ring=ring), kv, score, req, positions, valid
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_triton_pair_pooling_equals_the_torch_twin(seed: int) -> None:
+    """The pooled rows (to float32 rounding: the exponentials differ in the last bits) and the
+    ring (exactly, outside the padding pool row 0) equal the torch twin's."""
+    from dsv4_backend.kernels.low_ratio.table import low_ratio_pairs
+
+    out = {}
+    for path in (TORCH, TRITON_INTERPRETER):
+        rings, *batch = _pair_batch(seed)
+        with force_path(path):
+            out[path] = low_ratio_pairs(rings, *batch), rings.ring
+    (want, want_ring), (got, got_ring) = out[TORCH], out[TRITON_INTERPRETER]
+    torch.testing.assert_close(got, want, rtol=2e-6, atol=2e-6)
+    assert torch.equal(got_ring[1:], want_ring[1:])
+    before = _pair_batch(seed)[0].ring
+    assert not torch.equal(got_ring[1], before[1])  # the ring was written
+
+
+@pytest.mark.gpu
+def test_triton_pair_pooling_on_cuda() -> None:
+    """The pair kernels compiled for the GPU (programs in any order: the ring write waits for
+    the pooling's reads by being a second launch, and a ring row is written by one row only)
+    against the torch twin."""
+    from dsv4_backend.cache.state import CompressorState
+    from dsv4_backend.kernels.dispatch import TRITON
+    from dsv4_backend.kernels.low_ratio.table import LOW_RATIO_PAIRS, low_ratio_pairs
+    from dsv4_backend.kernels.variants import force_variant
+
+    out = {}
+    for variant in ("torch", "triton"):
+        rings, *batch = _pair_batch(0)
+        rings = CompressorState(ratio=2, head_dim=rings.head_dim, ring=rings.ring.cuda())
+        cuda = [t.cuda() for t in batch]
+        with force_path(TRITON), force_variant(LOW_RATIO_PAIRS, variant):
+            out[variant] = low_ratio_pairs(rings, *cuda), rings.ring
+    torch.testing.assert_close(out["triton"][0], out["torch"][0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(out["triton"][1][1:], out["torch"][1][1:])

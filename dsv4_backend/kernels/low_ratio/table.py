@@ -1,5 +1,9 @@
 """The variants of DeepSeek-V4.1's low-ratio ops (``kernels/variants.py``).
 
+:data:`LOW_RATIO_PAIRS`, a ratio-2 kv source's pair pooling (``torch.pair_pool``'s contract):
+``triton`` (two launches, ``triton.py``; the interpreter's default, opt-in on CUDA) and
+``torch`` (the CUDA baseline).
+
 :data:`LOW_RATIO_ROWS`, the rows of a kv source's compressor and of an index source's queries:
 ``bf16(x)``, an optional RMSNorm rounded to bf16, RoPE at the row's position rounded to bf16,
 fp4 with e4m3 scales a 16 values (compressed entries) or ue8m0 scales a 32 (index keys,
@@ -26,9 +30,24 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache, Fp4Scale
-from dsv4_backend.kernels.low_ratio.torch import fp4_rows_torch, index_scores_torch
-from dsv4_backend.kernels.low_ratio.triton import fp4_rows_triton, index_scores_triton
+from dsv4_backend.cache.state import CompressorState
+from dsv4_backend.kernels.low_ratio.torch import fp4_rows_torch, index_scores_torch, pair_pool
+from dsv4_backend.kernels.low_ratio.triton import (
+    fp4_rows_triton,
+    index_scores_triton,
+    pair_pool_triton,
+)
 from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
+
+LOW_RATIO_PAIRS = OpTable(
+    "low_ratio_pairs",
+    "a DeepSeek-V4.1 ratio-2 kv source's pair pooling over its pair ring",
+    (
+        Variant("triton", pair_pool_triton, (TRITON_PATHS,),
+                "every batch; a program per row and 128 channels, then the ring write"),
+        Variant("torch", pair_pool, (), "every batch", baseline=True),
+    ),
+)  # fmt: skip
 
 LOW_RATIO_ROWS = OpTable(
     "low_ratio_rows",
@@ -49,6 +68,21 @@ LOW_RATIO_SCORES = OpTable(
         Variant("torch", index_scores_torch, (), "every cache format", baseline=True),
     ),
 )  # fmt: skip
+
+
+def low_ratio_pairs(
+    rings: CompressorState,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    req_rows: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """``[T, D]`` float32: each row pooled with the token before it, updating the pair ring
+    (``torch.pair_pool`` documents the arguments); the variant :data:`LOW_RATIO_PAIRS`
+    chooses."""
+    entry = resolve(LOW_RATIO_PAIRS, kv.device).variant.entry
+    return entry(rings, kv, score, req_rows, positions, valid)
 
 
 def low_ratio_rows(

@@ -1,5 +1,10 @@
 """DeepSeek-V4.1's low-ratio ops, Triton variants (``table.py``):
 
+* ``pair_pool_triton``: a ratio-2 kv source's pair pooling, a program per row and 128
+  channels: the row and its partner (the previous row, or the pair ring's row), pooled by the
+  per-channel softmax of their scores; then a second launch writes the ring (a request's first
+  row reads a ring row its later rows may overwrite), each ring row by the request's last row
+  mapping to it.
 * ``fp4_rows_triton``: one program a row (a row's head, for ``[N, H, D]`` queries) runs the
   row's bf16 rounding, RMSNorm, RoPE and fp4 block rounding (``cache.fp4_format``) and, for
   index keys, packs the fp4 codes and ue8m0 exponents straight into the kv source's fp4 pages.
@@ -30,6 +35,7 @@ from dsv4_backend.cache.fp4_format import (
     Fp4IndexKeyLayout,
     Fp4Scale,
 )
+from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import entries_per_page
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.device.fp4 import e2m1_to_fp32
@@ -203,3 +209,117 @@ def index_scores_triton(
     return _index_scores_triton(
         q, weights, keys, page_table, visible.int(), width, entries_per_page(ratio)
     )
+
+
+@triton.jit
+def _pair_rows(req_ptr, pos_ptr, valid_ptr, t):
+    """Row ``t``'s request pool row (0 for a padding row) and position."""
+    valid = tl.load(valid_ptr + t) != 0
+    return tl.where(valid, tl.load(req_ptr + t), 0), tl.load(pos_ptr + t)
+
+
+@triton.jit
+def _pair_pool_kernel(
+    kv_ptr,  # [T, D] float32
+    score_ptr,  # [T, D] float32
+    ring_ptr,  # [slots, R, 2 * D] float32 rows [kv | score]
+    req_ptr,  # [T] int64 request pool row of each row
+    pos_ptr,  # [T] int64
+    valid_ptr,  # [T] bool (False: a padding row, which reads pool row 0's ring)
+    out_ptr,  # [T, D] float32
+    stride_kv,
+    stride_score,
+    stride_slot,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Row ``t`` (program 0) pooled with its partner over channels ``BLOCK_D`` (program 1)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    m = d < D
+    req, p = _pair_rows(req_ptr, pos_ptr, valid_ptr, t)
+    before = tl.maximum(t - 1, 0)
+    req_before, p_before = _pair_rows(req_ptr, pos_ptr, valid_ptr, before)
+    previous = (t > 0) & (req_before == req) & (p_before == p - 1)
+    previous = previous & (tl.load(valid_ptr + before) != 0)
+    kv = tl.load(kv_ptr + t * stride_kv + d, mask=m, other=0.0)
+    score = tl.load(score_ptr + t * stride_score + d, mask=m, other=0.0)
+    ring_row = ring_ptr + req * stride_slot + (((p - 1) % R + R) % R) * (2 * D)
+    m_prev, m_ring = m & previous, m & ~previous
+    partner_kv = tl.load(kv_ptr + before * stride_kv + d, mask=m_prev, other=0.0)
+    partner_kv += tl.load(ring_row + d, mask=m_ring, other=0.0)
+    partner_score = tl.load(score_ptr + before * stride_score + d, mask=m_prev, other=0.0)
+    partner_score += tl.load(ring_row + D + d, mask=m_ring, other=0.0)
+    top = tl.maximum(partner_score, score)
+    a = tl.exp(partner_score - top)
+    b = tl.exp(score - top)
+    total = a + b
+    pooled = tl.math.div_rn(a, total) * partner_kv + tl.math.div_rn(b, total) * kv
+    tl.store(out_ptr + t * D + d, pooled, mask=m)
+
+
+@triton.jit
+def _pair_ring_write_kernel(
+    kv_ptr,
+    score_ptr,
+    ring_ptr,
+    req_ptr,
+    pos_ptr,
+    valid_ptr,
+    T,
+    stride_kv,
+    stride_score,
+    stride_slot,
+    D: tl.constexpr,
+    R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """Ring row ``(request, p % R)`` takes row ``t``'s ``[kv | score]`` unless the request's row
+    ``R`` later maps there too (a request's rows are consecutive with consecutive positions)."""
+    t = tl.program_id(0).to(tl.int64)
+    d = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    req, p = _pair_rows(req_ptr, pos_ptr, valid_ptr, t)
+    later = tl.minimum(t + R, T - 1)
+    req_later, p_later = _pair_rows(req_ptr, pos_ptr, valid_ptr, later)
+    overwritten = (t + R < T) & (req_later == req) & (p_later == p + R)
+    m = (d < D) & ~overwritten
+    ring_row = ring_ptr + req * stride_slot + (p % R) * (2 * D)
+    tl.store(ring_row + d, tl.load(kv_ptr + t * stride_kv + d, mask=m), mask=m)
+    tl.store(ring_row + D + d, tl.load(score_ptr + t * stride_score + d, mask=m), mask=m)
+
+
+#: Channels a program of the pair kernels covers.
+PAIR_BLOCK_D = 128
+
+
+def pair_pool_triton(
+    rings: CompressorState,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    req_rows: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+) -> torch.Tensor:
+    """``table.low_ratio_pairs`` in two launches: the pooling reads the ring, then the ring
+    write (a request's first row reads a ring row its later rows may write)."""
+    ring = rings.ring
+    t, d = kv.shape
+    out = torch.empty((t, d), dtype=torch.float32, device=kv.device)
+    if t == 0:
+        return out
+    kv, score = kv.float().contiguous(), score.float().contiguous()
+    if not ring.is_contiguous():
+        raise ContractError("the pair ring must be contiguous [slots, R, 2 * D]")
+    req, pos, ok = req_rows.long().contiguous(), positions.long().contiguous(), valid.contiguous()
+    grid = (t, triton.cdiv(d, PAIR_BLOCK_D))
+    common = dict(D=d, R=ring.shape[1], BLOCK_D=PAIR_BLOCK_D)
+    _pair_pool_kernel[grid](
+        kv, score, ring, req, pos, ok, out, kv.stride(0), score.stride(0), ring.stride(0),
+        **common,
+    )  # fmt: skip
+    _pair_ring_write_kernel[grid](
+        kv, score, ring, req, pos, ok, t, kv.stride(0), score.stride(0), ring.stride(0),
+        **common,
+    )  # fmt: skip
+    return out

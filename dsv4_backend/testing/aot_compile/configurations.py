@@ -196,7 +196,8 @@ def fused_configurations() -> list[Configuration]:
 
 def _low_ratio_rows() -> list[Configuration]:
     """DeepSeek-V4.1's fp4 rows: a kv source's entries (D = 512, e4m3 scales, the compressor's
-    norm) and its index keys (DI = 128, ue8m0 scales, k_norm, packed into the fp4 pages)."""
+    norm) and its index keys (DI = 128, ue8m0 scales, k_norm, packed into the fp4 pages); a
+    ratio-2 source's pair pooling and ring write (D = 512, 2 ring rows)."""
     kinds = dict(x_ptr="*fp32", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
                  out_ptr="*fp32", normed_ptr="*fp32", pages_ptr="*u8", slots_ptr="*i64",
                  eps="fp32")  # fmt: skip
@@ -210,7 +211,17 @@ def _low_ratio_rows() -> list[Configuration]:
         dict(D=128, ROPE=ROPE, HEADS=1, BLOCK=32, UE8M0=True, NORM=True, STORE=True,
              PAGE_TOKENS=64),
     )  # fmt: skip
-    return [("compress-low-ratio-entries", *entries), ("indexer-low-ratio-keys", *keys)]
+    pair_kinds = dict(kv_ptr="*fp32", score_ptr="*fp32", ring_ptr="*fp32", req_ptr="*i64",
+                      pos_ptr="*i64", valid_ptr="*i1", out_ptr="*fp32")  # fmt: skip
+    pair_constants = dict(D=DIM, R=2, BLOCK_D=low_ratio_triton.PAIR_BLOCK_D)
+    pool = _source(low_ratio_triton._pair_pool_kernel, pair_kinds, pair_constants)
+    write = _source(low_ratio_triton._pair_ring_write_kernel, pair_kinds, pair_constants)
+    return [
+        ("compress-low-ratio-entries", *entries),
+        ("compress-low-ratio-pairs", *pool),
+        ("compress-low-ratio-ring-write", *write),
+        ("indexer-low-ratio-keys", *keys),
+    ]
 
 
 def _bounded_indexer() -> list[Configuration]:
