@@ -200,20 +200,21 @@ def _low_ratio_rows() -> list[Configuration]:
     ratio-2 source's pair pooling and ring write (D = 512, 2 ring rows)."""
     kinds = dict(x_ptr="*fp32", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
                  out_ptr="*fp32", normed_ptr="*fp32", pages_ptr="*u8", slots_ptr="*i64",
-                 eps="fp32")  # fmt: skip
+                 eps="fp32", num_rows="i32")  # fmt: skip
     entries = _source(
         low_ratio_triton._fp4_rows_kernel, kinds,
         dict(D=DIM, ROPE=ROPE, HEADS=1, BLOCK=16, UE8M0=False, NORM=True, STORE=False,
-             PAGE_TOKENS=1),
+             PAGE_TOKENS=1, ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"]),
     )  # fmt: skip
     keys = _source(
         low_ratio_triton._fp4_rows_kernel, kinds,
         dict(D=128, ROPE=ROPE, HEADS=1, BLOCK=32, UE8M0=True, NORM=True, STORE=True,
-             PAGE_TOKENS=64),
+             PAGE_TOKENS=64, ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"]),
     )  # fmt: skip
     pair_kinds = dict(kv_ptr="*fp32", score_ptr="*fp32", ring_ptr="*fp32", req_ptr="*i64",
                       pos_ptr="*i64", valid_ptr="*i1", out_ptr="*fp32")  # fmt: skip
-    pair_constants = dict(D=DIM, R=2, BLOCK_D=low_ratio_triton.PAIR_BLOCK_D)
+    pair_constants = dict(D=DIM, R=2, BLOCK_D=low_ratio_triton.PAIR_BLOCK_D,
+                          ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"])  # fmt: skip
     pool = _source(low_ratio_triton._pair_pool_kernel, pair_kinds, pair_constants)
     write = _source(low_ratio_triton._pair_ring_write_kernel, pair_kinds, pair_constants)
     return [
