@@ -33,6 +33,7 @@ rounds with an eager draft extend, outside sglang's padding page.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -49,6 +50,7 @@ from eagle_host import (
     untranslating_translator,
 )
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative import eagle_draft_extend_cuda_graph_runner
 from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import (
     EAGLEDraftExtendCudaGraphRunner,
@@ -99,14 +101,12 @@ def draft_extend_graphs(
 ) -> EAGLEDraftExtendCudaGraphRunner:
     """sglang's draft-extend graph runner for ``host``'s draft worker, built and captured, and
     installed where ``_draft_extend_for_decode`` looks for it."""
-    runner_ = host.draft_runner
-    runner_.kv_index_translator = untranslating_translator(runner_)
-    runner_.server_args.dllm_algorithm = None
-    runner_.graph_shared_output = type(
-        "GraphSharedOutput",
-        (),
-        {"get_logits_buffer": staticmethod(lambda vocab_size, rows: torch.zeros(rows, vocab_size))},
-    )()
+    draft_runner = host.draft_runner
+    draft_runner.kv_index_translator = untranslating_translator(draft_runner)
+    draft_runner.server_args.dllm_algorithm = None
+    draft_runner.graph_shared_output = SimpleNamespace(  # as in test_host_graph_replay.py
+        get_logits_buffer=lambda vocab_size, rows: torch.zeros(rows, vocab_size)
+    )
     host.worker.draft_extend_attn_backend = host.draft_extend
     host.worker.speculative_algorithm = SpeculativeAlgorithm.EAGLE
     host.worker.dsa_seed_topk_width = 0
@@ -191,10 +191,6 @@ def test_the_capture_batches_are_planned_as_padding(monkeypatch: pytest.MonkeyPa
 def replay_view(host: Host, **fields: Any) -> Any:
     """A replay namespace as ``execute`` builds it: 1 live request (request 0 after a verify)
     in the graph of 2, the static buffers of 3 requests; ``fields`` replace entries."""
-    from types import SimpleNamespace
-
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
     request = host.pool.pool_index(0)
     length = host.lens[0] + NUM_DRAFT
     slots = host.pool.slots(0, range(host.lens[0], length))
