@@ -125,28 +125,19 @@ REFUSED: tuple[Refused, ...] = (
 )  # fmt: skip
 
 
-_V41 = "DeepSeek-V4.1 is served on one rank group so far"
-#: What DeepSeek-V4.1 (a model config with ``kv_source_layer_ids``) is not served with yet, on
-#: top of ``REFUSED`` (docs/design.md §8): its shared caches are not split over ranks or
-#: batches, nor carried by the transfer regions.
+_V41 = "sglang 0.5.23 does not serve DeepSeek-V4.1 with it (arg_groups/deepseek_v4_hook.py)"
+#: What DeepSeek-V4.1 (a model config with ``kv_source_layer_ids``) is not served with, on top
+#: of ``REFUSED`` (docs/design.md §8): what sglang's own V4.1 check refuses (other speculative
+#: algorithms, pipeline parallelism, two-batch overlap) and prefill CP (not served yet).
 V41_REFUSED: tuple[Refused, ...] = (
     Refused("speculative_algorithm", _other_than("dspark"),
             "--speculative-algorithm (only DSPARK with DeepSeek-V4.1)",
             "DSpark is DeepSeek-V4.1's speculative algorithm (it has no MTP layers)"),
     Refused("pp_size", _above_one, "--pipeline-parallel-size",
             f"{_V41}: a stage may start after the kv source whose caches it reads"),
+    Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap", _V41),
     Refused("attn_cp_size", _above_one, "--attention-context-parallel-size",
-            f"{_V41}: prefill CP of its shared caches"),
-    Refused("attn_dp_size", _above_one, "--attention-data-parallel-size",
-            f"{_V41}: data-parallel padding rows"),
-    Refused("enable_dp_attention", _set, "--enable-dp-attention",
-            f"{_V41}: data-parallel padding rows"),
-    Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap",
-            f"{_V41}: the overlapped halves' low-ratio sources"),
-    Refused("disaggregation_mode", _other_than("null"), "--disaggregation-mode",
-            f"{_V41}: the c1 / c2 caches and pair rings are not in the transferred regions"),
-    Refused("enable_hierarchical_cache", _set, "--enable-hierarchical-cache",
-            f"{_V41}: the c1 / c2 caches and pair rings are not in the host pools"),
+            "prefill CP of DeepSeek-V4.1's shared caches is not served yet"),
 )  # fmt: skip
 
 

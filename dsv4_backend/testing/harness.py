@@ -20,7 +20,11 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.planning import BatchView
@@ -233,6 +237,35 @@ class BatchBuilder:
         """TARGET_VERIFY: ``seq_lens = L``; rows ``L ... L + n - 1`` per request."""
         rows = [(r, s + i) for r, s in zip(requests, seq_lens, strict=True) for i in range(n)]
         return forward_batch(self.pool.verify(requests, seq_lens, n), rows)
+
+    @staticmethod
+    def idle() -> Step:
+        """An idle DP rank's IDLE batch (no requests, no rows), laid out as
+        ``ScheduleBatch.prepare_for_idle`` leaves it."""
+        empty = torch.zeros(0, dtype=torch.int64)
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty.clone(),
+            req_pool_indices=empty.clone(), seq_lens=empty.clone(), seq_lens_cpu=empty.clone(),
+            seq_lens_sum=0, out_cache_loc=empty.clone(), positions=empty.clone(),
+        )  # fmt: skip
+        batch.capture_hidden_mode = CaptureHiddenMode.NULL
+        return Step(batch, [])
+
+    @staticmethod
+    def dp_dummy_extend(num_tokens: int) -> Step:
+        """The EXTEND request sglang fabricates for an idle rank under MAX_LEN DP padding
+        (``prepare_mlp_sync_batch``): all ``num_tokens`` padded tokens at pool row 0, slot 0."""
+        zeros = torch.zeros(num_tokens, dtype=torch.int64)
+        one = torch.tensor([num_tokens])
+        batch = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=zeros,
+            req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=one, seq_lens_cpu=one,
+            out_cache_loc=zeros, positions=zeros, seq_lens_sum=num_tokens,
+            extend_seq_lens=one, extend_prefix_lens=torch.zeros(1, dtype=torch.int64),
+            extend_seq_lens_cpu=[num_tokens], extend_prefix_lens_cpu=[0],
+            extend_num_tokens=num_tokens,
+        )  # fmt: skip
+        return Step(batch, [None] * num_tokens)
 
     @staticmethod
     def pad(

@@ -11,17 +11,21 @@ SWA                         ``swa_kv_pool.kv_buffer``              window slots
 c4, c4 indexer, c128        the compressed KV / indexer buffers    full slots
                             (``_dsv4_compressed_region_buffers``,
                             ``_dsv4_indexer_regions``)
+c1, c2 and their indexers   DeepSeek-V4.1's kv-source entries and  full slots
+                            fp4 index keys
+                            (``_dsv4_low_ratio_regions``)
 c4 state, c4 indexer state  ``compress_state_pools`` /             the SWA host and device
                             ``indexer_compress_state_pools`` of    indices (no allocator of
                             the c4 layers                          their own)
 ==========================  =====================================  =========================
 
-The c128 state is not mirrored: the radix tree holds whole 256-token pages, where no c128
-block is pending. :class:`HostTier` builds those pools (layout ``layer_first``, io backend
-``direct``) and moves whole pages of a request through them, as the cache controller does on
-write-through and on a load before a radix hit; the tree and the controller's threads are not
-modelled. sglang's ``direct`` copy op (``sgl_kernel.kvcacheio.transfer_kv_direct``, a CUDA
-build) is not installed on a CPU machine; :func:`cpu_kvcacheio` binds its torch twin there.
+The c128 state and DeepSeek-V4.1's c2 pair ring are not mirrored: the radix tree holds whole
+256-token pages, where no c128 block or pair is pending. :class:`HostTier` builds those pools
+(layout ``layer_first``, io backend ``direct``) and moves whole pages of a request through them,
+as the cache controller does on write-through and on a load before a radix hit; the tree and
+the controller's threads are not modelled. sglang's ``direct`` copy op
+(``sgl_kernel.kvcacheio.transfer_kv_direct``, a CUDA build) is not installed on a CPU machine;
+:func:`cpu_kvcacheio` binds its torch twin there.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
     _dsv4_compressed_region_buffers,
     _dsv4_indexer_regions,
+    _dsv4_low_ratio_regions,
 )
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool
 
@@ -110,6 +115,10 @@ class HostTier:
                 paged(str(region.name), region.device_buffers, region.item_bytes)
                 for region in _dsv4_indexer_regions(pool, page)
             ]
+        self.full_pools += [  # DeepSeek-V4.1's kv sources: c1 / c2 entries, fp4 index keys
+            paged(str(name), buffers, buffers[0].shape[1] * buffers[0].element_size())
+            for name, _, buffers, _ in _dsv4_low_ratio_regions(pool, page)
+        ]
         self.swa_pool = paged(
             "swa", pool.swa_kv_pool.kv_buffer, pool.swa_kv_pool.bytes_per_page_padded
         )

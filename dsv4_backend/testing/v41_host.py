@@ -14,10 +14,13 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+from sglang.srt.runtime_context import get_context
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.testing.harness import Step, tiny_hf_config
 from dsv4_backend.testing.reference.v41_model import V41LayerInputs, reference_v41
+from dsv4_backend.testing.simulation.pool import PagedRequestPool
 
 HIDDEN, Q_LORA = 96, 48
 #: A request's query row: ``(request, position)``; None is a graph bucket's padding row.
@@ -37,6 +40,38 @@ def v41_hf_config(config: DSV4AttentionConfig, **overrides: Any) -> dict[str, An
         candidate_block_size=v41.candidate_block_size,
         **overrides,
     )
+
+
+def v41_sglang_pool(
+    config: DSV4AttentionConfig,
+    paged: PagedRequestPool,
+    num_draft_tokens: int = 0,
+) -> DeepSeekV4TokenToKVPool:
+    """sglang's V4.1 ``DeepSeekV4TokenToKVPool`` (the V4 layout, fp8) over ``paged``'s slots,
+    as its configurator builds it (``num_draft_tokens`` > 0: under DSpark, whose pair rings
+    hold the block). sglang's pool hard-codes the Flash widths: ``config`` has
+    ``head_dim`` 512 and ``index_head_dim`` 128."""
+    v41 = config.v41
+    assert v41 is not None and config.head_dim == 512, "a DeepSeek-V4.1 config of Flash widths"
+    full, slots = paged.num_full_slots, paged.num_requests + 1
+    spec = (
+        dict(speculative_algorithm="DSPARK", speculative_num_draft_tokens=num_draft_tokens)
+        if num_draft_tokens
+        else {}
+    )
+    with get_context().override_server_args(device="cpu", **spec):
+        pool = DeepSeekV4TokenToKVPool(
+            max_num_reqs=slots - 1, num_req_slots=slots, swa_size=full, c4_size=256,
+            c128_size=8, c4_state_pool_size=16, c128_state_pool_size=512, page_size=256,
+            swa_page_size=256, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
+            c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
+            indexer_head_dim=config.index_head_dim, layer_num=len(config.compress_ratios),
+            start_layer=0, end_layer=len(config.compress_ratios), device="cpu",
+            enable_memory_saver=False, compression_ratios=list(config.compress_ratios),
+            full_size=full, kv_source_layers=list(v41.kv_source_layers),
+        )  # fmt: skip
+    pool.register_mapping(paged.full_to_swa)
+    return pool
 
 
 @dataclass

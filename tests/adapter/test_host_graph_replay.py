@@ -51,7 +51,6 @@ import torch
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
-    ForwardBatch,
     ForwardMode,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -252,18 +251,6 @@ def dp_sync(step: harness.Step, counts: Sequence[int]) -> None:
     step.batch.init_mlp_sync_metadata(batch, "cpu")
 
 
-def idle_step() -> harness.Step:
-    """An idle DP rank's batch, laid out as ``ScheduleBatch.prepare_for_idle`` leaves it."""
-    empty = torch.zeros(0, dtype=torch.int64)
-    batch = ForwardBatch(
-        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty.clone(),
-        req_pool_indices=empty.clone(), seq_lens=empty.clone(), seq_lens_cpu=empty.clone(),
-        seq_lens_sum=0, out_cache_loc=empty.clone(), positions=empty.clone(),
-    )  # fmt: skip
-    batch.capture_hidden_mode = CaptureHiddenMode.NULL
-    return harness.Step(batch, [])
-
-
 def replay_prep(host: Host, step: harness.Step) -> Any:
     """sglang's gate and replay preparation (``can_run_graph``, ``load_batch``); the view the
     backend was handed, checked to be what ``build_replay_fb_view`` promises."""
@@ -453,23 +440,27 @@ def test_deepseek_v41_replays_as_its_eager_plan(
 DP_COUNTS = ((0, 1), (0, 9), (3, 7), (9, 2), (1, 12), (12, 0), (5, 5))
 
 
+@pytest.mark.parametrize("v41", [False, True], ids=["v4", "v41"])
 @pytest.mark.parametrize("verify", [False, True], ids=["decode", "target-verify"])
 def test_dp_ranks_replay_in_the_largest_ranks_bucket(
-    verify: bool, monkeypatch: pytest.MonkeyPatch
+    verify: bool, v41: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``DP_RANKS`` ranks (each its own runner, state and backends) of different sizes each
     replay in the bucket of the largest rank's count (``_max_dp_batch_size``). An idle rank
     (raw_bs 0, live mode IDLE, ``ScheduleBatch.prepare_for_idle``'s batch) replays the graph's
     mode (DECODE; TARGET_VERIFY under EAGLE) of that bucket as ``batch_size`` padding
-    requests: it writes only slot 0, and its next live batches still match the reference."""
+    requests: it writes only slot 0, and its next live batches still match the reference.
+    ``v41``: DeepSeek-V4.1 through sglang's V4.1 modules (verified by DSpark)."""
     with sglang_server(dp=True):
-        hosts = [make_host(monkeypatch, verify=verify, dp=True, seed=rank) for rank in (0, 1)]
+        hosts = [
+            make_host(monkeypatch, verify=verify, dp=True, seed=rank, v41=v41) for rank in (0, 1)
+        ]
         for host in hosts:
             host.prefill(SERVED)
         mode = ForwardMode.TARGET_VERIFY if verify else ForwardMode.DECODE
         for counts in DP_COUNTS:
             for host, n in zip(hosts, counts, strict=True):
-                step = host.live(range(n)) if n else idle_step()
+                step = host.live(range(n)) if n else harness.BatchBuilder.idle()
                 dp_sync(step, counts)
                 check_replay(host, step, f"rank of {n} requests, ranks {counts}")
                 view, graph = host.backend.views[-1], host.backend.forward_metadata

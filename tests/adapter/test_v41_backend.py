@@ -18,10 +18,10 @@ from sglang_pool import inside
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend, shared_state
-from dsv4_backend.testing.harness import BatchBuilder, mock_runner
+from dsv4_backend.testing.harness import BatchBuilder, Step, mock_runner
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
 from dsv4_backend.testing.simulation.v41 import tiny_v41
-from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
+from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config, v41_sglang_pool
 
 pytestmark = pytest.mark.sglang
 
@@ -60,17 +60,61 @@ def test_v41_extend_verify_and_decodes_through_the_backend() -> None:
     assert worst < 2e-2, worst  # the output is bf16 (q's dtype)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_v41_dp_attention_padding_leaves_the_real_rows_exact(graph: bool) -> None:
+    """``--enable-dp-attention``: DSpark verifies and decodes padded by sglang's
+    ``ForwardBatch._pad_inputs_to_size`` (padding requests at pool row 0, slot 0: their entries,
+    index keys and pair-ring rows land in the padding row and slot), eager and into the graph
+    buffers; an idle rank's padded IDLE batch; the EXTEND sglang fabricates for an idle rank
+    (MAX_LEN padding). The real requests' rows equal the reference step after step."""
+    config = tiny_v41(speculative=True, num_draft_tokens=5)
+    lengths = (140, 90)
+    pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(2))
+    runner = _runner(
+        pool, config, speculative_algorithm="DSPARK", num_draft_tokens=5,
+        enable_dp_attention=True, tp_size=2, dp_size=2,
+    )  # fmt: skip
+    backend = runner.attn_backend = DSV4AttentionBackend(runner, cache_format="dense")
+    if graph:
+        backend.init_cuda_graph_state(8, 8 * 5)
+    model = SglangV41Model(config, lengths)
+    builder = BatchBuilder(pool)
+    layers = range(len(config.compress_ratios))
+
+    def run(step: Step, extra: int, rows_per_request: int) -> float:
+        step = builder.pad(step, runner, extra, rows_per_request)
+        assert step.batch.req_pool_indices[-extra:].tolist() == [0] * extra
+        plan = backend.init_forward_metadata_out_graph if graph else backend.init_forward_metadata
+        plan(step.batch)
+        assert backend.forward_metadata.batch_size == step.batch.batch_size
+        return max(model.max_error(step.rows, i, model.layer(backend, step, i)) for i in layers)
+
+    backend.init_forward_metadata((prefill := builder.extend([0, 1], [0, 0], [125, 77])).batch)
+    worst = max(model.max_error(prefill.rows, i, model.layer(backend, prefill, i)) for i in layers)
+    worst = max(worst, run(builder.verify([0, 1], [125, 77], 5), 3, 5))  # all 5 accepted
+    worst = max(worst, run(builder.decode([0, 1], [131, 83]), 2, 1))
+
+    idle = builder.pad(builder.idle(), runner, 3, 1)
+    backend.init_forward_metadata(idle.batch)
+    assert backend.forward_metadata.num_rows == 0
+    assert not model.layer(backend, idle, 1).any()
+    dummy = builder.dp_dummy_extend(70)
+    backend.init_forward_metadata(dummy.batch)
+    assert all(torch.isfinite(model.layer(backend, dummy, i)).all() for i in layers)
+    for seq_lens in ([132, 84], [133, 85]):  # the real requests' caches and rings are intact
+        worst = max(worst, run(builder.decode([0, 1], seq_lens), 1, 1))
+    assert worst < 2e-2, worst
+
+
 @pytest.mark.parametrize(
     ("flags", "named"),
     [
-        ({"enable_dp_attention": True}, "--enable-dp-attention"),
         ({"pp_size": 2}, "--pipeline-parallel-size"),
         ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
-        ({"disaggregation_mode": "prefill"}, "--disaggregation-mode"),
         ({"enable_decoder_swa_bounded_replay": True}, "--no-enable-decoder-swa-bounded-replay"),
     ],
 )
-def test_v41_launches_not_served_yet_are_refused_when_built(flags: dict, named: str) -> None:
+def test_v41_launches_not_served_are_refused_when_built(flags: dict, named: str) -> None:
     config = tiny_v41()
     pool = PagedRequestPool(config, (40,), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ConfigError, match=named.replace("-", r"\-")):
@@ -80,26 +124,14 @@ def test_v41_launches_not_served_yet_are_refused_when_built(flags: dict, named: 
 def test_the_caches_alias_sglangs_v41_pool() -> None:
     """sglang's V4.1 pool (Flash widths, kv sources 1 (c2) and 3 (c1)): the backend's c1 / c2
     caches, fp4 index keys and c2 pair ring are views of its buffers."""
-    from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-    from sglang.srt.runtime_context import get_context
-
     config = tiny_v41(head_dim=512, index_head_dim=128, num_heads=8)
     ratios = list(config.compress_ratios)
-    with get_context().override_server_args(device="cpu"):
-        pool = DeepSeekV4TokenToKVPool(
-            max_num_reqs=3, num_req_slots=4, swa_size=512, c4_size=256, c128_size=8,
-            c4_state_pool_size=16, c128_state_pool_size=512, page_size=256, swa_page_size=256,
-            dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
-            c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
-            indexer_head_dim=128, layer_num=len(ratios), start_layer=0, end_layer=len(ratios),
-            device="cpu", enable_memory_saver=False, compression_ratios=ratios,
-            full_size=1024, kv_source_layers=[1, 3],
-        )  # fmt: skip
+    paged = PagedRequestPool(config, (300, 300, 300), generator=torch.Generator().manual_seed(0))
+    pool = v41_sglang_pool(config, paged)
     runner = SimpleNamespace(
-        token_to_kv_pool=pool,
-        req_to_token_pool=SimpleNamespace(req_to_token=torch.zeros(4, 2048)),
+        token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=paged.req_to_token),
         device="cpu",
-    )
+    )  # fmt: skip
     state = shared_state(runner, config, "fp8")
     pools = state.pools
     assert sorted(pools.compressed_caches) == sorted(pools.index_key_caches) == [1, 3]

@@ -29,7 +29,7 @@ from typing import Any
 
 import pytest
 import torch
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.server_args import ServerArgs
 
 from dsv4_backend.cache.token_cache import TokenCache
@@ -73,30 +73,6 @@ def make_backend(pool: PagedRequestPool, **runner_kwargs) -> DSV4AttentionBacken
     backend = DSV4AttentionBackend(runner, cache_format="dense")
     runner.attn_backend = backend
     return backend
-
-
-def idle_step() -> harness.Step:
-    """An sglang IDLE batch: no requests, no rows."""
-    empty = torch.zeros(0, dtype=torch.int64)
-    batch = ForwardBatch(
-        forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty, req_pool_indices=empty,
-        seq_lens=empty, seq_lens_cpu=empty, out_cache_loc=empty, positions=empty, seq_lens_sum=0,
-    )  # fmt: skip
-    return harness.Step(batch, [])
-
-
-def dummy_extend_step(num_tokens: int) -> harness.Step:
-    """The EXTEND request sglang fabricates for an idle rank under MAX_LEN DP padding."""
-    zeros = torch.zeros(num_tokens, dtype=torch.int64)
-    one = torch.tensor([num_tokens])
-    batch = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=zeros,
-        req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=one, seq_lens_cpu=one,
-        out_cache_loc=zeros, positions=zeros, seq_lens_sum=num_tokens,
-        extend_seq_lens=one, extend_prefix_lens=torch.zeros(1, dtype=torch.int64),
-        extend_seq_lens_cpu=[num_tokens], extend_prefix_lens_cpu=[0], extend_num_tokens=num_tokens,
-    )  # fmt: skip
-    return harness.Step(batch, [None] * num_tokens)
 
 
 # ------------------------------------------------------------------------------ attention TP
@@ -227,7 +203,7 @@ def test_dp_padded_requests_plan_and_leave_real_rows_exact(graph: bool) -> None:
     for seq_lens in ([131, 255], [132, 256], [133, 257]):
         run(batches.decode(requests, seq_lens), 2, 1)
 
-    idle = batches.pad(idle_step(), runner, 3, 1)
+    idle = batches.pad(batches.idle(), runner, 3, 1)
     backend.init_forward_metadata(idle.batch)
     assert backend.forward_metadata.num_rows == 0
     out = sim.layer(backend, idle, 0)
@@ -235,7 +211,7 @@ def test_dp_padded_requests_plan_and_leave_real_rows_exact(graph: bool) -> None:
 
     # MAX_LEN padding with an extend elsewhere (prepare_mlp_sync_batch): an idle rank runs a
     # fabricated EXTEND request of all its padded tokens, at pool row 0, writing slot 0.
-    dummy = dummy_extend_step(300)
+    dummy = batches.dp_dummy_extend(300)
     backend.init_forward_metadata(dummy.batch)
     for layer in range(len(CONFIG.compress_ratios)):
         assert torch.isfinite(sim.layer(backend, dummy, layer)).all()

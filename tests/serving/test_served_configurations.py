@@ -160,8 +160,12 @@ V41_COMMANDS = [
      "--speculative-num-steps 1 --speculative-num-draft-tokens 5", None),
     ("v41-eagle", f"{V41_FLASH} {FULL_PREFILL} {MTP_314}", "--speculative-algorithm (only DSPARK"),
     ("v41-pipeline", f"{V41_FLASH} {FULL_PREFILL} --pp-size 2", "--pipeline-parallel-size"),
-    ("v41-dp-attention", f"{V41_FLASH} {FULL_PREFILL} --dp 4 --enable-dp-attention",
-     "--enable-dp-attention"),
+    ("v41-dp-attention", f"{V41_FLASH} {FULL_PREFILL} --dp 4 --enable-dp-attention", None),
+    ("v41-dp-attention-dspark", f"{V41_FLASH} {FULL_PREFILL} --dp 4 --enable-dp-attention "
+     "--speculative-algorithm DSPARK --speculative-num-steps 1 --speculative-num-draft-tokens 5",
+     None),
+    ("v41-two-batch-overlap", f"{V41_FLASH} {FULL_PREFILL} --enable-two-batch-overlap",
+     "--enable-two-batch-overlap"),
 ]  # fmt: skip
 
 
@@ -172,8 +176,8 @@ V41_COMMANDS = [
 def test_deepseek_v41_launches_are_served_or_refused_at_build_time(
     name: str, command: str, refused: str | None
 ) -> None:
-    """A DeepSeek-V4.1 model is served (decode graphs, DSpark) without the bounded replay;
-    its launches with what is not served yet are refused, naming the flag."""
+    """A DeepSeek-V4.1 model is served (decode graphs, DSpark, DP attention) without the
+    bounded replay; its launches with what is not served are refused, naming the flag."""
     from sglang.srt.server_args import prepare_server_args
 
     pool = PagedRequestPool(tiny_v41(), [40], generator=torch.Generator().manual_seed(0))
