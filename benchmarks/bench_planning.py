@@ -13,14 +13,15 @@ For each mode (decode, extend, verify, draft step) and batch size it prints:
 * ``graph syncs`` — host-sync ops on the graph path (must be 0; extend is not a graph kind
   but is counted too).
 
-Uses the DeepSeek-V4-Flash attention config (index_topk 512, c4 and c128 layers).
+Uses the DeepSeek-V4-Flash attention config (index_topk 512, c4 and c128 layers), or with
+``--model v41`` DeepSeek-V4.1-Flash's (c1 and c2 layers, 2048 candidate blocks).
 
 The kernel path is ``kernels/dispatch.py``'s: on a CPU the torch planner, or with
 ``TRITON_INTERPRET=1`` the fused Triton planner in the interpreter (the launches a GPU runs;
 its CPU times say nothing, and large batches take minutes: pass ``--batch-sizes 1 8``).
 
     python benchmarks/bench_planning.py [--repeat 30] [--device cpu] [--threads 1]
-        [--batch-sizes 1 8 64 256]
+        [--batch-sizes 1 8 64 256] [--model v4|v41]
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.config import DSV4AttentionConfig, V41Sources
 from dsv4_backend.kernels.dispatch import select_path
 from dsv4_backend.planning import (
     BatchView,
@@ -55,7 +56,16 @@ DRAFT_TOKENS = 4  # verify
 DRAFT_STEPS = 3
 
 
-def flash_config() -> DSV4AttentionConfig:
+def flash_config(model: str = "v4") -> DSV4AttentionConfig:
+    """DeepSeek-V4-Flash's attention config, or DeepSeek-V4.1-Flash's (``model="v41"``)."""
+    if model == "v41":
+        return DSV4AttentionConfig(
+            compress_ratios=(0, 0) + (2,) * 18 + (1,) * 20, index_n_heads=32,
+            v41=V41Sources(
+                kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
+                candidate_source_layer=20, candidate_topk_blocks=2048, candidate_block_size=8,
+            ),
+        )  # fmt: skip
     ratios = tuple(0 if i < 2 else (4 if i % 2 == 0 else 128) for i in range(43))
     return DSV4AttentionConfig(compress_ratios=ratios)
 
@@ -119,9 +129,10 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
+    parser.add_argument("--model", choices=("v4", "v41"), default="v4")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    config = flash_config()
+    config = flash_config(args.model)
     widths = PlanWidths.for_max_len(MAX_CONTEXT)
     gen = torch.Generator().manual_seed(0)
     print(

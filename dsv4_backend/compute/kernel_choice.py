@@ -41,11 +41,12 @@ from dsv4_backend.kernels.variants import (
     unverified_enabled,
 )
 from dsv4_backend.planning.kernels.table import COMPRESS_PLANS
-from dsv4_backend.planning.planner import PLAN
+from dsv4_backend.planning.planner import LOW_RATIO_PLAN, PLAN
 
 #: Every op table, in the order a forward meets them.
 TABLES: tuple[OpTable, ...] = (
     PLAN,
+    LOW_RATIO_PLAN,
     COMPRESS_PLANS,
     CACHE_STORE,
     COMPRESSOR,

@@ -32,8 +32,7 @@ from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.planning import planner
 from dsv4_backend.planning.batch import BatchView, ForwardKind, seq_len_fill_value
-from dsv4_backend.planning.kernels.plan_fields import PlanFields, RatioFields
-from dsv4_backend.planning.low_ratio import with_low_ratio_fields
+from dsv4_backend.planning.kernels.plan_fields import LowRatioFields, PlanFields, RatioFields
 from dsv4_backend.planning.metadata import (
     PLAN_COLUMNS,
     AttentionMetadata,
@@ -217,12 +216,6 @@ class GraphMetadataBuffers:
             pending_checks=plan.pending_checks,
         )
 
-    def _low_ratio_views(self, ratio: int, num_rows: int) -> LowRatioMetadata:
-        """The first ``num_rows`` rows of ratio ``ratio``'s low-ratio buffers."""
-        return LowRatioMetadata(
-            ratio=ratio, **{name: buf[:num_rows] for name, buf in self.low_ratio[ratio].items()}
-        )
-
     def plan(self, batch: BatchView, *, num_rows: int | None = None) -> AttentionMetadata:
         """``load(plan(config, batch, widths=self.widths), num_rows=num_rows)``, in one launch
         where the fused planner runs (``planner.fuses``): it writes straight into the buffers,
@@ -247,12 +240,16 @@ class GraphMetadataBuffers:
                 r: RatioFields(**{name: buf[:num_rows] for name, buf in self.compressed[r].items()})
                 for r in ratios
             },
+            low_ratios={r: self._low_ratio_views(r, num_rows) for r in self.low_ratio}
+            if compressed
+            else {},
         )
-        metadata = planner.plan_into(self.config, batch, self.widths, out)
-        if not compressed:
-            return metadata
-        low = {r: self._low_ratio_views(r, num_rows) for r in self.low_ratio}
-        return with_low_ratio_fields(self.config, batch, metadata, low)
+        return planner.plan_into(self.config, batch, self.widths, out)
+
+    def _low_ratio_views(self, ratio: int, num_rows: int) -> LowRatioFields:
+        """The first ``num_rows`` rows of low ratio ``ratio``'s buffers."""
+        views = {name: buf[:num_rows] for name, buf in self.low_ratio[ratio].items()}
+        return LowRatioFields(candidate_blocks=views.pop("candidate_blocks", None), **views)
 
     def _check(
         self,

@@ -45,8 +45,12 @@ from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
 from dsv4_backend.planning.kernels.row_fields import row_fields
 from dsv4_backend.planning.kernels.table import build_compress_plans
-from dsv4_backend.planning.low_ratio import with_low_ratio_fields
-from dsv4_backend.planning.metadata import AttentionMetadata, CompressedMetadata
+from dsv4_backend.planning.low_ratio import low_ratio_fields
+from dsv4_backend.planning.metadata import (
+    AttentionMetadata,
+    CompressedMetadata,
+    LowRatioMetadata,
+)
 from dsv4_backend.planning.tag import BatchTag
 
 
@@ -184,9 +188,7 @@ def plan(
             f"{[kind.name for kind in _KINDS]} (a DSpark draft block: "
             "planning.plan_dspark_block)"
         )
-    entry = resolve(PLAN, batch.req_to_token.device).variant.entry
-    metadata = entry(config, batch, widths)
-    return with_low_ratio_fields(config, batch, metadata) if spec.compressed else metadata
+    return resolve(PLAN, batch.req_to_token.device).variant.entry(config, batch, widths)
 
 
 def _extend_lens(batch: BatchView) -> tuple[Sequence[int], Sequence[int]]:
@@ -268,6 +270,9 @@ def plan_into(
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
     layout = _row_layout(batch)
     failed, pending = fused_checks(config, batch, layout, widths.page_table)
+    low_present = config.low_ratios_present if spec.compressed else frozenset()
+    device = batch.req_to_token.device
+    in_kernel = bool(low_present) and resolve(LOW_RATIO_PLAN, device).variant is LOW_RATIO_FUSED
     if out is None:
         present = config.ratios_present if spec.compressed else frozenset()
         columns = {
@@ -275,8 +280,13 @@ def plan_into(
             "swa_page_indices": config.swa_index_width,
             "c4": config.index_topk,
             "c128": widths.c128,
+            "low_ratio": config.index_topk,
         }
-        out = PlanFields.empty(batch.num_rows, columns, present, batch.req_to_token.device)
+        if config.v41 is not None and config.candidate_ratio is not None:
+            columns["candidates"] = config.v41.candidate_topk_blocks
+            columns["candidate_ratio"] = config.candidate_ratio
+        written = low_present if in_kernel else frozenset()
+        out = PlanFields.empty(batch.num_rows, columns, present, written, device)
     plan_fields(
         seq_lens=batch.seq_lens,
         req_pool_indices=batch.req_pool_indices,
@@ -286,13 +296,21 @@ def plan_into(
         failed=failed,
         layout=layout,
         num_rows=batch.num_rows,
-        out=out,
+        out=out if in_kernel else dataclasses.replace(out, low_ratios={}),
         window=config.window_size,
         index_topk=config.index_topk,
         page_size=config.page_size,
     )
-    common = {f.name: getattr(out, f.name) for f in dataclasses.fields(out) if f.name != "ratios"}
+    common = {
+        f.name: getattr(out, f.name)
+        for f in dataclasses.fields(out)
+        if f.name not in ("ratios", "low_ratios")
+    }
     comp = {r: CompressedMetadata(ratio=r, **vars(f)) for r, f in out.ratios.items()}
+    if in_kernel or not low_present:
+        low = {r: LowRatioMetadata(ratio=r, **vars(f)) for r, f in out.low_ratios.items()}
+    else:
+        low = _low_ratio_after_kernel(config, batch, out, low_present)
     return AttentionMetadata(
         kind=batch.kind,
         batch_size=batch.batch_size,
@@ -300,9 +318,32 @@ def plan_into(
         **common,
         c4=comp.get(4),
         c128=comp.get(128),
+        c1=low.get(1),
+        c2=low.get(2),
         tag=_tag(batch),
         pending_checks=pending,
     )
+
+
+def _low_ratio_after_kernel(
+    config: DSV4AttentionConfig, batch: BatchView, out: PlanFields, present: frozenset[int]
+) -> dict[int, LowRatioMetadata]:
+    """``LOW_RATIO_PLAN``'s torch variant after the fused planner's launch: the twin over the
+    plan's rows (a row writes its slot unless the plan gave it no window write: a bucket's
+    padded row, a request that failed a deferred check), written into ``out.low_ratios``'
+    views when given (the graph buffers)."""
+    loc = _KINDS[batch.kind].expand(batch).out_loc
+    slots = torch.full_like(out.swa_out_loc, -1)
+    slots[: loc.numel()] = loc
+    slots = torch.where(out.swa_out_loc >= 0, slots, -1)
+    low = {r: low_ratio_fields(config, out.positions_causal, slots, r) for r in present}
+    for r, views in out.low_ratios.items():
+        for field in dataclasses.fields(views):
+            view = getattr(views, field.name)
+            if view is not None:
+                view.copy_(getattr(low[r], field.name))
+        low[r] = LowRatioMetadata(ratio=r, **vars(views))
+    return low
 
 
 def _tag(batch: BatchView) -> BatchTag:
@@ -588,6 +629,8 @@ def _plan_rows(
     )
     present = config.ratios_present if compressed else frozenset()
     comp = {r: _compressed(config, r, rows, page_table, widths.c128) for r in present}
+    low_present = config.low_ratios_present if compressed else frozenset()
+    low = {r: low_ratio_fields(config, positions, rows.out_loc, r) for r in low_present}
     return AttentionMetadata(
         kind=batch.kind,
         batch_size=batch.batch_size,
@@ -600,6 +643,8 @@ def _plan_rows(
         swa_topk_lengths=(positions + 1).clamp(max=config.window_size).int(),
         c4=comp.get(4),
         c128=comp.get(128),
+        c1=low.get(1),
+        c2=low.get(2),
         tag=_tag(batch),
         pending_checks=pending,
     )
@@ -622,6 +667,19 @@ def _plan_fused(
 FUSED = Variant(
     "triton", _plan_fused, (TRITON_PATHS,),
     "every kind: the batch checks, then every field in one launch", baseline=True,
+)  # fmt: skip
+#: DeepSeek-V4.1's c1 / c2 fields of a fused plan: inside the planner kernel's launch (the
+#: interpreter's default; opt-in on CUDA until ``scripts/gpu_check.sh`` passes it), or by the
+#: torch twin after it (the CUDA baseline). The torch planner always uses the twin.
+LOW_RATIO_FUSED = Variant(
+    "fused", plan_fields, (TRITON_PATHS,), "every kind, in the fused planner kernel's launch"
+)
+LOW_RATIO_PLAN = OpTable(
+    "low_ratio_plan",
+    "DeepSeek-V4.1's c1 / c2 fields of a fused plan (entry slots, visible entries, selections)",
+    (LOW_RATIO_FUSED,
+     Variant("torch", low_ratio_fields, (), "every kind, torch ops after the launch",
+             baseline=True)),
 )  # fmt: skip
 #: The planner's variants: the fused Triton kernels, then the torch planner.
 PLAN = OpTable(

@@ -88,8 +88,10 @@ STEPS: tuple[Step, ...] = (
          "the pipelined, ws, flashmla and flashmla_prefill attention kernels against the torch "
          "path on fp8 bytes"),
     Step("v41-kernels", 10, ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-m", "gpu", "tests/kernels/test_low_ratio.py"), False,
-         "DeepSeek-V4.1's index scores kernel (fp4 pages) against the torch twin"),
+         "-m", "gpu", "tests/kernels/test_low_ratio.py", "tests/planning/test_graph_buffers.py"),
+         False,
+         "DeepSeek-V4.1's rows, pair pooling and index scores kernels (fp4 pages) against the "
+         "torch twins, and its plan fields in the fused planner's launch"),
     Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "all",
          "--against", "flashmla", "--batch", "8", "64", "128"), False,
          "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes"),

@@ -15,6 +15,7 @@ from stress import sized
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+from dsv4_backend.kernels.variants import force_variant
 from dsv4_backend.planning import (
     AttentionMetadata,
     BatchView,
@@ -25,7 +26,9 @@ from dsv4_backend.planning import (
     pad_plan,
     plan,
 )
+from dsv4_backend.planning.planner import LOW_RATIO_PLAN
 from dsv4_backend.testing.op_counter import LaunchCounter, OpCounter
+from dsv4_backend.testing.simulation.v41 import tiny_v41
 
 CONFIG = DSV4AttentionConfig.tiny()
 WIDTHS = PlanWidths(page_table=20, c128=40)  # covers 5120 tokens
@@ -40,7 +43,13 @@ SENTINELS = {
     "c128.topk_lengths_raw": 0,
     "c4.sparse_topk_lengths": 1,
     "c128.sparse_topk_lengths": 1,
+    "c1.topk_lengths_raw": 0,
+    "c2.topk_lengths_raw": 0,
+    "c1.sparse_topk_lengths": 1,
+    "c2.sparse_topk_lengths": 1,
 }
+#: DeepSeek-V4.1 (c1 / c2 fields, a c1 candidate source), planned by the same kernels.
+V41 = tiny_v41()
 
 
 def padded(eager: AttentionMetadata, num_rows: int, widths: PlanWidths) -> dict:
@@ -58,10 +67,10 @@ def padded(eager: AttentionMetadata, num_rows: int, widths: PlanWidths) -> dict:
     return out
 
 
-def buffers(**overrides: object) -> GraphMetadataBuffers:
+def buffers(config: DSV4AttentionConfig = CONFIG, **overrides: object) -> GraphMetadataBuffers:
     kwargs = dict(max_batch_size=64, max_rows=300, widths=WIDTHS, device="cpu")
     kwargs.update(overrides)
-    return GraphMetadataBuffers(CONFIG, **kwargs)
+    return GraphMetadataBuffers(config, **kwargs)
 
 
 SPECS = [
@@ -203,15 +212,36 @@ def test_graph_path_equals_eager_random(spec: BatchSpec, extra_rows: int) -> Non
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
 @pytest.mark.parametrize("extra_rows", [0, 5])
-def test_fused_plan_into_buffers_equals_torch_plan_loaded(spec: BatchSpec, extra_rows: int):
+def test_v41_fields_by_the_twin_after_the_fused_launch_equal_the_fused_ones(
+    spec: BatchSpec, extra_rows: int
+) -> None:
+    """``LOW_RATIO_PLAN``'s CUDA baseline: the fused planner's launch without the c1 / c2
+    fields, then the torch twin into the same buffers: equal to the fields of the one launch,
+    padded rows included."""
+    batch = make_batch(spec)
+    num_rows = batch.num_rows + extra_rows
+    plans = {}
+    for low in ("fused", "torch"):
+        with force_path(TRITON_INTERPRETER), force_variant(LOW_RATIO_PLAN, low):
+            plans[low] = buffers(V41).plan(batch, num_rows=num_rows).named_tensors()
+    assert_same(plans["torch"], plans["fused"], spec.name)
+
+
+@pytest.mark.parametrize("config", [CONFIG, V41], ids=["v4", "v41"])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("extra_rows", [0, 5])
+def test_fused_plan_into_buffers_equals_torch_plan_loaded(
+    spec: BatchSpec, extra_rows: int, config: DSV4AttentionConfig
+) -> None:
     """``buffers.plan`` (the fused planner in the interpreter, writing padded rows itself)
     equals the torch planner's plan loaded with ``load``: the batch checks and the fields in
-    one launch each, no torch op."""
+    one launch each, no torch op (DeepSeek-V4.1's c1 / c2 fields included)."""
     batch = make_batch(spec)
     num_rows = batch.num_rows + extra_rows
     with force_path(TORCH):
-        want = buffers().load(plan(CONFIG, batch, widths=WIDTHS), num_rows=num_rows).named_tensors()
-    bufs = buffers()
+        eager = plan(config, batch, widths=WIDTHS)
+        want = buffers(config).load(eager, num_rows=num_rows).named_tensors()
+    bufs = buffers(config)
     with force_path(TRITON_INTERPRETER), LaunchCounter() as launches:
         got = bufs.plan(batch, num_rows=num_rows).named_tensors()
     assert_same(got, want, spec.name)
@@ -239,17 +269,28 @@ def _corrupt(batch: BatchView, field: str, index: int, value: int) -> BatchView:
     ],
     ids=["slot", "pool-row", "foreign"],
 )
+@pytest.mark.parametrize("config", [CONFIG, V41], ids=["v4", "v41"])
 def test_deferred_checks_mask_the_same_rows_fused_and_torch(
-    spec: BatchSpec, field: str, index: int, value: int, monkeypatch: pytest.MonkeyPatch
+    spec: BatchSpec,
+    field: str,
+    index: int,
+    value: int,
+    config: DSV4AttentionConfig,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Deferred (a GPU without strict mode), the fused planner plans a failing request as the
-    torch twin does (writes nothing, reads pool row 0) and defers the same verdict."""
+    torch twin does (writes nothing, reads pool row 0; DeepSeek-V4.1: no c1 / c2 entry, no
+    visible entry) and defers the same verdict."""
     monkeypatch.setattr(checks, "defer_checks", lambda device: True)
     batch = _corrupt(make_batch(spec), field, index, value)
     plans = {}
     for path in (TORCH, TRITON_INTERPRETER):
         with force_path(path):
-            plans[path] = plan(CONFIG, batch, widths=WIDTHS)
+            plans[path] = plan(config, batch, widths=WIDTHS)
+    failed = plans[TORCH].swa_out_loc == -1
+    for part in (plans[TORCH].c1, plans[TORCH].c2):
+        if part is not None:
+            assert (part.out_loc[failed] == -1).all() and (part.topk_lengths_raw[failed] == 0).all()
     assert_same(plans[TRITON_INTERPRETER].named_tensors(), plans[TORCH].named_tensors(), spec.name)
     assert (plans[TRITON_INTERPRETER].swa_out_loc == -1).any()
     verdicts = []
@@ -259,3 +300,27 @@ def test_deferred_checks_mask_the_same_rows_fused_and_torch(
             metadata.pending_checks.raise_if_failed()
         verdicts.append(str(raised.value))
     assert verdicts[0] == verdicts[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_v41_fields_in_the_fused_launch_on_cuda(spec: BatchSpec) -> None:
+    """On a GPU (``scripts/gpu_check.sh``'s ``v41-kernels`` step): the fused planner with
+    DeepSeek-V4.1's fields in its launch (``LOW_RATIO_PLAN`` ``fused``, opt-in on CUDA) writes
+    the buffers the torch planner's plan loads, padded rows included."""
+    cpu = make_batch(spec)
+    moved = {
+        f.name: value.cuda()
+        for f in dataclasses.fields(cpu)
+        if isinstance(value := getattr(cpu, f.name), torch.Tensor)
+    }
+    batch = dataclasses.replace(cpu, **moved)
+    num_rows = batch.num_rows + 5
+    with force_path(TORCH):
+        eager = plan(V41, batch, widths=WIDTHS)
+        want = buffers(V41, device="cuda").load(eager, num_rows=num_rows).named_tensors()
+    with force_variant(LOW_RATIO_PLAN, "fused"):
+        got = buffers(V41, device="cuda").plan(batch, num_rows=num_rows).named_tensors()
+    assert_same(
+        {k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()}, spec.name
+    )

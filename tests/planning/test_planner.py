@@ -27,6 +27,7 @@ from dsv4_backend.planning import (
     row_fields,
 )
 from dsv4_backend.testing.op_counter import OpCounter
+from dsv4_backend.testing.simulation.v41 import tiny_v41
 
 CONFIG = DSV4AttentionConfig.tiny()
 D, E, V = ForwardKind.DECODE, ForwardKind.EXTEND, ForwardKind.TARGET_VERIFY
@@ -240,6 +241,29 @@ def test_plan_matches_brute_force_random(spec: BatchSpec, fixed: bool) -> None:
     meta = plan(CONFIG, batch, widths=widths)
     want_widths = None if widths is None else (widths.page_table, widths.c128)
     assert_same(meta.named_tensors(), expected_metadata(CONFIG, batch, want_widths), str(spec))
+
+
+@pytest.mark.parametrize("path", ["fused", "fused-torch-fields", "torch"])
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+def test_v41_plan_matches_brute_force(spec: BatchSpec, path: str) -> None:
+    """DeepSeek-V4.1's c1 / c2 fields (the entry each row completes, the entries it sees, the
+    selections to fill) beside every other field: in the fused planner's launch, by the torch
+    twin after it (``LOW_RATIO_PLAN``'s CUDA baseline), and on the torch planner."""
+    from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+    from dsv4_backend.kernels.variants import force_variant
+    from dsv4_backend.planning.planner import LOW_RATIO_PLAN
+
+    config = tiny_v41()
+    batch = make_batch(spec)
+    low = "torch" if path == "fused-torch-fields" else "fused"
+    with (
+        force_path(TORCH if path == "torch" else TRITON_INTERPRETER),
+        force_variant(LOW_RATIO_PLAN, low),
+    ):
+        meta = plan(config, batch)
+    assert_same(meta.named_tensors(), expected_metadata(config, batch), spec.name)
+    if spec.kind is not ForwardKind.DRAFT_EXTEND and batch.num_rows:
+        assert meta.c1 is not None and meta.c2 is not None and meta.c1.candidate_blocks is not None
 
 
 # ----------------------------------------------------------------------------- graph safety

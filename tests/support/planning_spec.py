@@ -21,7 +21,9 @@ from dsv4_backend.planning import BatchView, DraftStep, ForwardKind
 PAGE = 256
 #: Tokens that feed one compressed entry (c4 entries overlap the previous block).
 SPAN = {4: 8, 128: 128}
-INT64_FIELDS = {"swa_out_loc", "positions_causal", "c4.out_loc", "c128.out_loc"}
+INT64_FIELDS = {
+    "swa_out_loc", "positions_causal", "c4.out_loc", "c128.out_loc", "c1.out_loc", "c2.out_loc",
+}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,9 @@ def expected_metadata(
             "swa_topk_lengths",
         )
     }
-    for r in ratios:
+    low = [] if batch.kind is ForwardKind.DRAFT_EXTEND else sorted(config.low_ratios_present)
+    candidates = config.v41.candidate_topk_blocks if config.v41 is not None else 0
+    for r in ratios + low:
         for name in (
             "out_loc",
             "topk_lengths_raw",
@@ -116,6 +120,8 @@ def expected_metadata(
             "page_indices",
         ):
             out[f"c{r}.{name}"] = []
+        if r == config.candidate_ratio:
+            out[f"c{r}.candidate_blocks"] = []
     for row in rows:
         p, tokens = row.position, req_to_token[req_pool[row.batch_id]]
         seq_len = p + 1
@@ -148,7 +154,20 @@ def expected_metadata(
                     [tokens[j * r + r - 1] // r if j < raw else -1 for j in range(n128)]
                 )
 
+        for r in low:  # DeepSeek-V4.1: the entry the row completes, the entries it sees
+            if r == 1 or p % 2 == 1:
+                out[f"c{r}.out_loc"].append(row.out_loc // r)
+            else:
+                out[f"c{r}.out_loc"].append(-1)
+            out[f"c{r}.topk_lengths_raw"].append(seq_len // r)
+            out[f"c{r}.sparse_topk_lengths"].append(max(min(seq_len // r, topk), 1))
+            out[f"c{r}.page_indices"].append([-1] * topk)  # written by the index sources
+            if r == config.candidate_ratio:
+                out[f"c{r}.candidate_blocks"].append([-1] * candidates)
+
     widths_of = {
+        **{f"c{r}.page_indices": topk for r in low},
+        **{f"c{r}.candidate_blocks": candidates for r in low},
         "page_table": pw,
         "swa_page_indices": config.swa_index_width,
         "c4.page_indices": topk,

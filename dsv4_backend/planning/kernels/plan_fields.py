@@ -14,7 +14,10 @@ with some forty torch ops (field definitions: ``planning/metadata.py``):
   write plans of ``planning/kernels/compress_plan_torch.py``. The plans need no scan: a
   request's rows are consecutive positions, so the number of rows it contributes to each plan
   has a closed form, and a row's record index is the sum over earlier requests plus its rank
-  inside its own.
+  inside its own;
+* per DeepSeek-V4.1 low ratio (1, 2; ``planning/planner.py``'s ``LOW_RATIO_PLAN`` ``fused``),
+  the fields of ``planning/low_ratio.py``: the entry slot the row completes, its visible
+  entries, the ``-1`` selections (and candidate blocks) its index sources fill.
 
 ``check_rows`` runs first, one program looping over the rows: the batch checks of
 ``planning/planner.py``'s ``_checked_rows`` (its torch twin; the record layout of
@@ -209,6 +212,53 @@ def _ratio_fields(
         tl.store(compress_ptr + t[:, None] * 4 + field, pad, mask=tail)
         tail = (live & (t >= w_total))[:, None] & (field < 4)
         tl.store(write_ptr + t[:, None] * 4 + field, pad, mask=tail)
+
+
+@triton.jit
+def _low_ratio_fields(
+    t,  # [BLOCK_T] int64 rows
+    row_ok,  # [BLOCK_T] bool: a row of the plan
+    live,  # [BLOCK_T] bool: a row of the plan or a padded row (written with sentinels)
+    pos,  # [BLOCK_T] int64
+    loc,  # [BLOCK_T] int64 the row's full-cache write slot, -1 when it writes nothing
+    first_col,
+    index_topk,  # K
+    candidate_width,  # NB
+    out_loc_ptr,  # [T] int64
+    raw_ptr,  # [T] int32
+    sparse_ptr,  # [T] int32
+    indices_ptr,  # [T, K] int32
+    candidates_ptr,  # [T, NB] int32 (HAS_CANDIDATES)
+    R: tl.constexpr,
+    HAS_CANDIDATES: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
+    """DeepSeek-V4.1's fields of low ratio ``R`` (1 or 2) for a block of rows (the torch
+    twin: ``planning/low_ratio.py``): the entry slot the row completes, its visible entries,
+    and the selections (``page_indices``, ``candidate_blocks``) filled with -1."""
+    cols = first_col + tl.arange(0, BLOCK_C)
+    none = (t[:, None] * 0 + cols[None, :] * 0 - 1).to(tl.int32)
+    in_width = (cols < index_topk)[None, :]
+    tl.store(
+        indices_ptr + t[:, None] * index_topk + cols[None, :], none, mask=live[:, None] & in_width
+    )
+    if HAS_CANDIDATES:
+        in_width = (cols < candidate_width)[None, :]
+        tl.store(
+            candidates_ptr + t[:, None] * candidate_width + cols[None, :], none,
+            mask=live[:, None] & in_width,
+        )  # fmt: skip
+    if first_col == 0:
+        writes = row_ok & (loc >= 0)
+        if R == 1:
+            entry_loc = tl.where(writes, loc, -1)
+        else:  # a pair's second (odd) token completes its entry
+            entry_loc = tl.where(writes & (_floor_mod(pos, 2) == 1), _floor_div(loc, 2), -1)
+        tl.store(out_loc_ptr + t, entry_loc, mask=live)
+        visible = tl.where(writes, _floor_div(pos + 1, R), 0).to(tl.int32)
+        tl.store(raw_ptr + t, visible, mask=live)
+        sparse = tl.maximum(tl.minimum(visible, index_topk), 1)
+        tl.store(sparse_ptr + t, sparse, mask=live)
 
 
 @triton.jit
@@ -421,6 +471,16 @@ def _plan_kernel(
     c128_indices_ptr,
     c128_compress_ptr,
     c128_write_ptr,
+    c1_out_loc_ptr,
+    c1_raw_ptr,
+    c1_sparse_ptr,
+    c1_indices_ptr,
+    c1_candidates_ptr,
+    c2_out_loc_ptr,
+    c2_raw_ptr,
+    c2_sparse_ptr,
+    c2_indices_ptr,
+    c2_candidates_ptr,
     num_rows,  # T
     padded_rows,  # rows written: T plus padded rows (sentinels) up to a graph's row count
     batch_size,  # B
@@ -430,6 +490,7 @@ def _plan_kernel(
     swa_width,  # Ws
     index_topk,  # K
     c128_width,  # N128
+    candidate_width,  # NB: DeepSeek-V4.1's candidate blocks
     rows_per_request,  # uniform kinds: rows of each request
     pos_shift,  # uniform kinds: first new position = seq_len + pos_shift
     loc_stride,  # uniform kinds: out_cache_loc index = b * loc_stride + loc_offset + i
@@ -439,6 +500,9 @@ def _plan_kernel(
     HAS_SWA_MAP: tl.constexpr,
     HAS_C4: tl.constexpr,
     HAS_C128: tl.constexpr,
+    HAS_C1: tl.constexpr,
+    HAS_C2: tl.constexpr,
+    CANDIDATE_RATIO: tl.constexpr,  # the low ratio with candidate blocks, 0 for none
     PAGE: tl.constexpr,
     SPAN4: tl.constexpr,
     SPAN128: tl.constexpr,
@@ -532,6 +596,18 @@ def _plan_kernel(
             c128_width, c128_compress_ptr, c128_write_ptr,
             R=128, SPAN=SPAN128, PAGE=PAGE, BLOCK_C=BLOCK_C,
         )  # fmt: skip
+    if HAS_C1:
+        _low_ratio_fields(
+            t, row_ok, live, pos, loc, first_col, index_topk, candidate_width,
+            c1_out_loc_ptr, c1_raw_ptr, c1_sparse_ptr, c1_indices_ptr, c1_candidates_ptr,
+            R=1, HAS_CANDIDATES=CANDIDATE_RATIO == 1, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
+    if HAS_C2:
+        _low_ratio_fields(
+            t, row_ok, live, pos, loc, first_col, index_topk, candidate_width,
+            c2_out_loc_ptr, c2_raw_ptr, c2_sparse_ptr, c2_indices_ptr, c2_candidates_ptr,
+            R=2, HAS_CANDIDATES=CANDIDATE_RATIO == 2, BLOCK_C=BLOCK_C,
+        )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -547,6 +623,18 @@ class RatioFields:
 
 
 @dataclass(frozen=True)
+class LowRatioFields:
+    """The fields of one DeepSeek-V4.1 low ratio (named, shaped and typed as
+    ``LowRatioMetadata``'s; ``candidate_blocks`` None for a ratio without them)."""
+
+    out_loc: torch.Tensor
+    topk_lengths_raw: torch.Tensor
+    sparse_topk_lengths: torch.Tensor
+    page_indices: torch.Tensor
+    candidate_blocks: torch.Tensor | None
+
+
+@dataclass(frozen=True)
 class PlanFields:
     """Every per-row field of a plan (named, shaped and typed as ``AttentionMetadata``'s)."""
 
@@ -557,13 +645,21 @@ class PlanFields:
     swa_page_indices: torch.Tensor
     swa_topk_lengths: torch.Tensor
     ratios: dict[int, RatioFields]
+    low_ratios: dict[int, LowRatioFields]
 
     @classmethod
     def empty(
-        cls, rows: int, widths: dict[str, int], ratios: frozenset[int], device: torch.device
+        cls,
+        rows: int,
+        widths: dict[str, int],
+        ratios: frozenset[int],
+        low_ratios: frozenset[int],
+        device: torch.device,
     ) -> PlanFields:
         """Uninitialised outputs for ``rows`` rows; ``widths`` maps ``page_table``,
-        ``swa_page_indices``, ``c4`` and ``c128`` to their column counts."""
+        ``swa_page_indices``, ``c4``, ``c128``, ``low_ratio`` (the low ratios' ``K``) and
+        ``candidates`` (a ratio's candidate blocks, absent for none) to their column counts,
+        and ``candidate_ratio`` to the low ratio that has them."""
 
         def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
             return torch.empty(*shape, dtype=dtype, device=device)
@@ -574,6 +670,14 @@ class PlanFields:
                 empty(rows, widths[f"c{r}"]), empty(rows, 4), empty(rows, 4),
             )  # fmt: skip
 
+        def low_ratio(r: int) -> LowRatioFields:
+            candidates = widths.get("candidate_ratio") == r
+            return LowRatioFields(
+                empty(rows, dtype=torch.int64), empty(rows), empty(rows),
+                empty(rows, widths["low_ratio"]),
+                empty(rows, widths["candidates"]) if candidates else None,
+            )  # fmt: skip
+
         return cls(
             row_batch_ids=empty(rows),
             page_table=empty(rows, widths["page_table"]),
@@ -582,6 +686,7 @@ class PlanFields:
             swa_page_indices=empty(rows, widths["swa_page_indices"]),
             swa_topk_lengths=empty(rows),
             ratios={r: ratio(r) for r in ratios},
+            low_ratios={r: low_ratio(r) for r in low_ratios},
         )
 
 
@@ -690,6 +795,13 @@ def plan_fields(
     c128 = out.ratios.get(128)
     c128_width = 0 if c128 is None else c128.page_indices.shape[1]
     index_widths = [f.page_indices.shape[1] for f in out.ratios.values()]
+    index_widths += [f.page_indices.shape[1] for f in out.low_ratios.values()]
+    candidates = {
+        r: f.candidate_blocks for r, f in out.low_ratios.items() if f.candidate_blocks is not None
+    }
+    candidate_ratio, candidate_blocks = next(iter(candidates.items()), (0, None))
+    candidate_width = 0 if candidate_blocks is None else candidate_blocks.shape[1]
+    index_widths.append(candidate_width)
     block_b = triton.next_power_of_2(max(bs, 1))
     tiles = planner_tiles(out.page_table.device)
     block_t = row_block(tiles, tiles.rows, block_b)
@@ -706,6 +818,13 @@ def plan_fields(
             else tuple(getattr(fields, f.name) for f in dc_fields(fields))
         )
 
+    def low_ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
+        fields = out.low_ratios.get(ratio)
+        if fields is None:
+            return stand_in[:5]
+        values = [getattr(fields, f.name) for f in dc_fields(fields)]
+        return tuple(out.swa_out_loc if v is None else v for v in values)
+
     host = out.swa_out_loc if layout.host is None else layout.host
     _plan_kernel[grid](
         seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
@@ -713,14 +832,17 @@ def plan_fields(
         failed,
         out.row_batch_ids, out.positions_causal, out.swa_out_loc, out.swa_topk_lengths,
         out.page_table, out.swa_page_indices,
-        *ratio_args(4), *ratio_args(128),
+        *ratio_args(4), *ratio_args(128), *low_ratio_args(1), *low_ratio_args(2),
         num_rows, padded_rows, bs, req_to_token.shape[1], req_to_token.stride(0),
-        page_width, swa_width, index_topk, c128_width,
+        page_width, swa_width, index_topk, c128_width, candidate_width,
         layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
         EXTEND=layout.host is not None,
         HAS_SWA_MAP=full_to_swa is not None,
         HAS_C4=4 in out.ratios,
         HAS_C128=128 in out.ratios,
+        HAS_C1=1 in out.low_ratios,
+        HAS_C2=2 in out.low_ratios,
+        CANDIDATE_RATIO=candidate_ratio,
         PAGE=page_size,
         SPAN4=compress_span(4),
         SPAN128=compress_span(128),

@@ -312,11 +312,11 @@ def _fused_compressor(
 
 
 def _planner() -> list[Configuration]:
-    """The fused planner's fields and checks kernels."""
+    """The fused planner's fields (DeepSeek-V4's and V4.1's ratios) and checks kernels."""
     out = []
     # Planner pointers: int32 unless listed as int64.
     int64 = "host_ptr req_pool_ptr out_cache_loc_ptr full_to_swa_ptr positions_ptr"
-    int64 += " swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr"
+    int64 += " swa_out_loc_ptr c4_out_loc_ptr c128_out_loc_ptr c1_out_loc_ptr c2_out_loc_ptr"
     int64 += " record_ptr"
     kinds = {
         n: "*i64" if n in int64.split() else "*i32"
@@ -325,18 +325,24 @@ def _planner() -> list[Configuration]:
         if n.endswith("_ptr")
     }
     kinds["failed_ptr"] = "*i8"
+    # DeepSeek-V4 (c4, c128) and DeepSeek-V4.1 (c1, c2 with c1 candidate blocks) plans.
+    models = {
+        "": dict(HAS_C4=True, HAS_C128=True, HAS_C1=False, HAS_C2=False, CANDIDATE_RATIO=0),
+        "v41-": dict(HAS_C4=False, HAS_C128=False, HAS_C1=True, HAS_C2=True, CANDIDATE_RATIO=1),
+    }
     # Row blocks as the launcher sizes them: a small batch (8) and a large one (256).
     for extend, batch in ((False, 8), (False, 256), (True, 8), (True, 256)):
         tiles = plan_fields.GPU_TILES
         block_t = plan_fields.row_block(tiles, tiles.rows, batch)
-        plan = _source(
-            plan_fields._plan_kernel,
-            kinds,
-            dict(EXTEND=extend, HAS_SWA_MAP=True, HAS_C4=True, HAS_C128=True, PAGE=256,
-                 SPAN4=8, SPAN128=128, BLOCK_T=block_t, BLOCK_B=batch,
-                 BLOCK_C=tiles.columns),
-        )  # fmt: skip
-        out.append((f"plan-fields-{'extend' if extend else 'uniform'}-b{batch}", *plan))
+        kind = "extend" if extend else "uniform"
+        for model, ratios in models.items():
+            plan = _source(
+                plan_fields._plan_kernel,
+                kinds,
+                dict(EXTEND=extend, HAS_SWA_MAP=True, **ratios, PAGE=256, SPAN4=8, SPAN128=128,
+                     BLOCK_T=block_t, BLOCK_B=batch, BLOCK_C=tiles.columns),
+            )  # fmt: skip
+            out.append((f"plan-fields-{model}{kind}-b{batch}", *plan))
         block_t = plan_fields.row_block(tiles, tiles.check_rows, batch)
         check = _source(
             plan_fields._check_kernel,
