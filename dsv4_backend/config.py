@@ -232,6 +232,34 @@ class DSV4AttentionConfig:
         )
 
     @property
+    def late_layer_start(self) -> int:
+        """DeepSeek-V4.1's decoder SWA bounded replay: the first layer of the late-layer tail,
+        the last kv source (``planning/tail.py``). ``ConfigError`` for a config the tail cannot
+        serve (as sglang's model asserts): a V4 config; a last kv source that is not also the
+        last index source's ratio's index and candidate source; a later layer that
+        compresses (ratio other than 0 or 1)."""
+        v41 = self.v41
+        if v41 is None:
+            raise ConfigError("the late-layer tail is DeepSeek-V4.1's; this is a V4 config")
+        last = max(v41.kv_source_layers)
+        late = set(self.compress_ratios[last + 1 :])
+        if last not in v41.index_source_layers or v41.candidate_source_layer not in (-1, last):
+            raise ConfigError(
+                f"the decoder SWA bounded replay needs the last kv source (layer {last}) to be an "
+                f"index source and the candidate source (index sources "
+                f"{list(v41.index_source_layers)}, candidate source "
+                f"{v41.candidate_source_layer}); start with "
+                "--no-enable-decoder-swa-bounded-replay"
+            )
+        if not late <= {0, 1}:
+            raise ConfigError(
+                f"the decoder SWA bounded replay needs the layers after the last kv source "
+                f"(layer {last}) to be of ratio 0 or 1, got {sorted(late)}; start with "
+                "--no-enable-decoder-swa-bounded-replay"
+            )
+        return last
+
+    @property
     def candidate_ratio(self) -> int | None:
         """DeepSeek-V4.1: the ratio whose entries the candidate blocks group (the candidate
         source's); None without a candidate source."""

@@ -15,6 +15,7 @@ from dsv4_backend.planning.kernels.row_fields import RowFields, row_fields
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import GRAPH_KINDS, PlanWidths, plan
 from dsv4_backend.planning.tag import PlanInputs
+from dsv4_backend.planning.tail import LateLayerTail, late_layer_tail
 
 __all__ = [
     "GRAPH_KINDS",
@@ -26,11 +27,13 @@ __all__ = [
     "DraftStep",
     "ForwardKind",
     "GraphMetadataBuffers",
+    "LateLayerTail",
     "PlanInputs",
     "PlanWidths",
     "RowFields",
     "compute_compress_plans",
     "dspark_swa_width",
+    "late_layer_tail",
     "pad_plan",
     "per_step_draft_out_cache_loc",
     "plan",

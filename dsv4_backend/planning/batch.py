@@ -128,6 +128,10 @@ class BatchView:
         ``full_to_swa`` when given).
     num_swa_slots : optional number of window-cache slots; the window slot of every write and
         of every window key the plan reads must lie in ``[0, num_swa_slots)``.
+    window_floors : optional host positions ``[B]`` for EXTEND: request ``b``'s rows read the
+        window keys at positions ``>= window_floors[b]`` only, ``0 <= floor <= prefix``
+        (DeepSeek-V4.1's late-layer tail, ``planning/tail.py``); every key of the window when
+        omitted.
 
     The tensors all live on ``req_to_token``'s device and have an integer dtype; the host
     lengths are lists. Construction checks shapes, dtypes, devices and host lengths; the values
@@ -148,9 +152,10 @@ class BatchView:
     full_to_swa: torch.Tensor | None = None
     num_cache_slots: int | None = None
     num_swa_slots: int | None = None
+    window_floors: Sequence[int] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens"):
+        for name in ("seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens", "window_floors"):
             object.__setattr__(self, name, host_ints(name, getattr(self, name)))
         for name in _TENSOR_FIELDS:
             tensor = getattr(self, name)
@@ -268,6 +273,18 @@ class BatchView:
                 raise BatchError(
                     f"{kind.name}: seq_lens {host} != extend_prefix_lens + extend_seq_lens "
                     f"{[p + e for p, e in zip(prefix, extend, strict=True)]}"
+                )
+        floors = self.window_floors
+        if floors is not None:
+            prefix = self.extend_prefix_lens
+            if kind is not ForwardKind.EXTEND or prefix is None:
+                raise BatchError(f"window_floors are for EXTEND batches, got kind {kind.name}")
+            if len(floors) != bs or any(
+                not 0 <= f <= p for f, p in zip(floors, prefix, strict=True)
+            ):
+                raise BatchError(
+                    f"window_floors={list(floors)}; expected one per request with 0 <= floor <= "
+                    f"its prefix (extend_prefix_lens={list(prefix)})"
                 )
 
     def _out_cache_loc_message(self, expected: int) -> str:

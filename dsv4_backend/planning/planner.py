@@ -188,7 +188,20 @@ def plan(
             f"{[kind.name for kind in _KINDS]} (a DSpark draft block: "
             "planning.plan_dspark_block)"
         )
-    return resolve(PLAN, batch.req_to_token.device).variant.entry(config, batch, widths)
+    device = batch.req_to_token.device
+    variant = resolve(PLAN, device).variant
+    if variant is FUSED and not _fuses_v41(batch):
+        return _plan_torch(config, batch, widths)
+    return variant.entry(config, batch, widths)
+
+
+def _fuses_v41(batch: BatchView) -> bool:
+    """Whether the fused planner takes ``batch``'s DeepSeek-V4.1 parts: a late-layer tail's
+    window floors only where ``LOW_RATIO_PLAN``'s ``fused`` variant runs (else the torch
+    planner plans the tail)."""
+    if batch.window_floors is None:
+        return True
+    return resolve(LOW_RATIO_PLAN, batch.req_to_token.device).variant is LOW_RATIO_FUSED
 
 
 def _extend_lens(batch: BatchView) -> tuple[Sequence[int], Sequence[int]]:
@@ -213,10 +226,11 @@ def _row_layout(batch: BatchView) -> RowLayout:
     if batch.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
         prefix, extend = _extend_lens(batch)
         starts = [0, *itertools.accumulate(extend)][: len(extend)]
-        host = [starts, list(prefix), list(extend)]
+        floors = list(batch.window_floors or [0] * len(extend))
+        host = [starts, list(prefix), list(extend), floors]
         with launch("copy: extend lengths to the device"):
             table = torch.tensor(host, dtype=torch.int64, device=batch.seq_lens.device)
-        return RowLayout(host=table)
+        return RowLayout(host=table, floors=batch.window_floors is not None)
     if batch.kind is ForwardKind.TARGET_VERIFY:
         n = cast(int, batch.num_draft_tokens)
         return RowLayout(rows_per_request=n, loc_stride=n)
@@ -231,7 +245,11 @@ def _row_layout(batch: BatchView) -> RowLayout:
 def fuses(batch: BatchView) -> bool:
     """Whether ``batch`` is planned by the fused kernels (``planning/kernels/plan_fields.py``):
     on the Triton paths, every kind, its batch checks included (read at once or deferred)."""
-    return batch.kind in _KINDS and resolve(PLAN, batch.req_to_token.device).variant is FUSED
+    return (
+        batch.kind in _KINDS
+        and resolve(PLAN, batch.req_to_token.device).variant is FUSED
+        and _fuses_v41(batch)
+    )
 
 
 def fused_checks(
@@ -558,13 +576,27 @@ def _page_table(
     return torch.where(first_token < request_lens[:, None], slots // page_size, -1).int()
 
 
+def _row_floors(batch: BatchView, rows: _Rows) -> torch.Tensor:
+    """``[T]`` int64: the first position each row's window reads (``batch.window_floors`` of
+    its request, 0 without; at most the row's position, which a failed request's rows moved)."""
+    if batch.window_floors is None:
+        return torch.zeros_like(rows.positions)
+    floors = torch.tensor(batch.window_floors, dtype=torch.int64, device=rows.positions.device)
+    return torch.minimum(floors[rows.batch_ids.long()], rows.positions)
+
+
 def _swa_page_indices(
-    config: DSV4AttentionConfig, batch: BatchView, req: torch.Tensor, positions: torch.Tensor
+    config: DSV4AttentionConfig,
+    batch: BatchView,
+    req: torch.Tensor,
+    positions: torch.Tensor,
+    floors: torch.Tensor,
 ) -> torch.Tensor:
-    """``[T, Ws]`` int32: window-cache slots of positions ``p, p - 1, ...`` inside the window."""
+    """``[T, Ws]`` int32: window-cache slots of positions ``p, p - 1, ...`` inside the window,
+    at or after the row's window floor (``floors`` ``[T]``, >= 0)."""
     back = torch.arange(config.swa_index_width, device=positions.device)
     key_pos = positions[:, None] - back
-    valid = (back < config.window_size) & (key_pos >= 0)
+    valid = (back < config.window_size) & (key_pos >= floors[:, None])
     slots = batch.req_to_token[req[:, None], key_pos.clamp(min=0)].long()
     if batch.full_to_swa is not None:
         slots = batch.full_to_swa[slots]
@@ -624,6 +656,7 @@ def _plan_rows(
     widths = _resolve_widths(config, batch, _host_lens(batch), widths)
     req, rows, pending = _checked_rows(config, batch, rows, widths.page_table)
     positions = rows.positions
+    floors = _row_floors(batch, rows)
     page_table = _page_table(
         batch.req_to_token, req, rows.request_lens, widths.page_table, config.page_size
     )
@@ -639,8 +672,8 @@ def _plan_rows(
         page_table=page_table,
         swa_out_loc=_swa_out_loc(batch, rows.out_loc),
         positions_causal=positions,
-        swa_page_indices=_swa_page_indices(config, batch, req, positions),
-        swa_topk_lengths=(positions + 1).clamp(max=config.window_size).int(),
+        swa_page_indices=_swa_page_indices(config, batch, req, positions, floors),
+        swa_topk_lengths=(positions + 1 - floors).clamp(max=config.window_size).int(),
         c4=comp.get(4),
         c128=comp.get(128),
         c1=low.get(1),
@@ -668,17 +701,20 @@ FUSED = Variant(
     "triton", _plan_fused, (TRITON_PATHS,),
     "every kind: the batch checks, then every field in one launch", baseline=True,
 )  # fmt: skip
-#: DeepSeek-V4.1's c1 / c2 fields of a fused plan: inside the planner kernel's launch (the
-#: interpreter's default; opt-in on CUDA until ``scripts/gpu_check.sh`` passes it), or by the
-#: torch twin after it (the CUDA baseline). The torch planner always uses the twin.
+#: DeepSeek-V4.1's parts of a fused plan: its c1 / c2 fields and a late-layer tail's window
+#: floors inside the planner kernel's launch (the interpreter's default; opt-in on CUDA until
+#: ``scripts/gpu_check.sh`` passes it), or the fields by the torch twin after the launch and a
+#: tail by the torch planner (the CUDA baseline). The torch planner always uses the twin.
 LOW_RATIO_FUSED = Variant(
-    "fused", plan_fields, (TRITON_PATHS,), "every kind, in the fused planner kernel's launch"
-)
+    "fused", plan_fields, (TRITON_PATHS,),
+    "every kind, and a tail's window floors, in the fused planner kernel's launch",
+)  # fmt: skip
 LOW_RATIO_PLAN = OpTable(
     "low_ratio_plan",
-    "DeepSeek-V4.1's c1 / c2 fields of a fused plan (entry slots, visible entries, selections)",
+    "DeepSeek-V4.1's parts of a fused plan: its c1 / c2 fields, a late-layer tail's floors",
     (LOW_RATIO_FUSED,
-     Variant("torch", low_ratio_fields, (), "every kind, torch ops after the launch",
+     Variant("torch", low_ratio_fields, (),
+             "every kind: torch ops after the launch; a tail by the torch planner",
              baseline=True)),
 )  # fmt: skip
 #: The planner's variants: the fused Triton kernels, then the torch planner.

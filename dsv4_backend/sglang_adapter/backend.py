@@ -21,6 +21,11 @@ parallelism), per layer, and what each call does here:
   model's sentinel and ``save_kv_cache`` is moot: keys were written by ``store_cache``).
 * ``get_swa_out_cache_loc(forward_batch)``, ``token_to_kv_pool``, ``req_to_token_pool``.
 
+DeepSeek-V4.1 adds ``forward_low_ratio_sources`` (its ratio-1 / ratio-2 compressors and
+indexers) and, under the decoder SWA bounded replay, ``tail_forward_metadata``,
+``write_tail_source_kv``, ``enter_late_layer_tail`` / ``exit_late_layer_tail``
+(``sglang_adapter/late_layer_tail.py``).
+
 Lazy-init contract: nothing here plans from a forward. ``init_forward_metadata`` (eager) plans
 the batch as it is when called — the host calls it after data-parallel padding — and
 ``init_forward_metadata_out_graph`` plans into fixed ``GraphMetadataBuffers`` (CUDA graphs).
@@ -101,6 +106,7 @@ from dsv4_backend.sglang_adapter.batch_view import (
     padding_rows,
     readable_ints,
 )
+from dsv4_backend.sglang_adapter.late_layer_tail import TailForward, bounded_replay, plan_tail
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
@@ -160,6 +166,11 @@ class RunnerSettings:
     #: ``--enable-cp-decode-attn-tp``: the prefill-CP ranks split the query heads of every
     #: batch that is not a CP prefill over themselves (sglang's ``CpDecodeAttnTpContext``).
     decode_attn_tp_size: int = 1
+    #: DeepSeek-V4.1's decoder SWA bounded replay: extends plan their late-layer tail
+    #: (``sglang_adapter/late_layer_tail.py``).
+    bounded_replay: bool = False
+    #: The server's speculative algorithm is DSpark.
+    dspark: bool = False
 
     @property
     def local_heads(self) -> int:
@@ -261,6 +272,7 @@ class RunnerSettings:
                 + "; choose --tp-size / --attention-data-parallel-size so that it divides the "
                 "heads"
             )
+        algorithm = getattr(args, "speculative_algorithm", None)
         return cls(
             config=config,
             draft_topk=draft_topk,
@@ -270,6 +282,9 @@ class RunnerSettings:
             region_copying=region_copying,
             layers=layers,
             decode_attn_tp_size=decode_attn_tp_size,
+            bounded_replay=not getattr(runner, "is_draft_worker", False)
+            and bounded_replay(args, config, attn_dp_size),
+            dspark=str(getattr(algorithm, "name", algorithm)).upper() == "DSPARK",
         )
 
 
@@ -541,6 +556,14 @@ class DSV4AttentionBackend(AttentionBackend):
         #: Columns of the graph buffers' ``swa_page_indices`` (None: the config's window).
         self.graph_swa_width: int | None = None
         self.streams = CudaStreams()
+        self.bounded_replay, self.dspark = settings.bounded_replay, settings.dspark
+        #: DeepSeek-V4.1's decoder SWA bounded replay: the late-layer tail of the extend planned
+        #: last (None for other batches); the model reads its ``late_layer_tail``.
+        self.tail_forward_metadata: TailForward | None = None
+        #: The kv source whose compressor ``write_tail_source_kv`` ran over every row, until
+        #: ``exit_late_layer_tail``: its pass inside the tail skips the compressor.
+        self.tail_source_kv_layer_id: int | None = None
+        self.in_late_layer_tail = False
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
@@ -571,6 +594,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """
         self.raise_pending_checks(wait=False)
         self.forward_metadata = self.planned = self.cp_read_metadata = None
+        self.tail_forward_metadata = None
         view = batch_view(
             forward_batch,
             req_to_token=self.req_to_token_pool.req_to_token,
@@ -600,6 +624,15 @@ class DSV4AttentionBackend(AttentionBackend):
             rows, physical = cp_rows
             self.cp_read_metadata = read_plan(self.config, metadata, rows, num_rows=physical)
         self.planned = self._planned_batch(forward_batch, view)
+        if (
+            self.bounded_replay
+            and buffers is None
+            and view.kind is ForwardKind.EXTEND
+            and forward_batch.forward_mode.is_extend_without_speculative()
+        ):
+            self.tail_forward_metadata = plan_tail(
+                self.config, view, forward_batch, dspark=self.dspark
+            )
         return metadata
 
     def _plan_view(
@@ -842,7 +875,9 @@ class DSV4AttentionBackend(AttentionBackend):
                 return torch.zeros(0, dtype=torch.int32, device=self.device)
             mapping = getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None)
             return (loc if mapping is None else mapping[loc.long()]).to(torch.int32)
-        rows = None if self.draft_step is not None else forward_batch.out_cache_loc.shape[0]
+        rows = forward_batch.out_cache_loc.shape[0]
+        if self.draft_step is not None or self.in_late_layer_tail:  # not out_cache_loc's rows
+            rows = None
         metadata = self._metadata(forward_batch, rows, "get_swa_out_cache_loc")
         return metadata.swa_out_loc.to(torch.int32)
 
@@ -1039,6 +1074,8 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: positions has {positions.shape[0]} rows but x has {x.shape[0]}"
             )
         compressor, indexer = layer.compressor, layer.indexer
+        if layer_id == self.tail_source_kv_layer_id:  # write_tail_source_kv compressed it
+            run_compressor = False
         if run_compressor and compressor is not None:
             kv, score = compressor.project(x)
             keys = None
@@ -1058,6 +1095,41 @@ class DSV4AttentionBackend(AttentionBackend):
             q = q.view(q.shape[0], indexer.n_local_heads, indexer.index_head_dim)
             weights = indexer.head_weights_raw(x).float() * indexer.head_weight_scale
             select_low_ratio_entries(self.state, layer_id, metadata, q, weights)
+
+    # ------------------------------------------------------ DeepSeek-V4.1's late-layer tail
+    def write_tail_source_kv(
+        self, *, layer: Any, x: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch
+    ) -> None:
+        """The decoder SWA bounded replay's first tail layer (the last kv source, ``layer``):
+        its compressor over every row of the extend (``x`` ``[T, hidden]``) before
+        ``enter_late_layer_tail``; its own pass inside the tail then runs the indexer only."""
+        if x.shape[0] > 0:
+            self.forward_low_ratio_sources(
+                layer=layer, x=x, q_lora=None, positions=positions, forward_batch=forward_batch,
+                run_indexer=False,
+            )  # fmt: skip
+        self.tail_source_kv_layer_id = layer.layer_id
+
+    def enter_late_layer_tail(self, forward_batch: ForwardBatch) -> tuple[Any, ...]:
+        """Make the tail's plan current: the late layers run over the tail rows
+        (``tail_forward_metadata.late_layer_tail``); returns what ``exit_late_layer_tail``
+        restores."""
+        tail = self.tail_forward_metadata
+        if tail is None or self.in_late_layer_tail:
+            raise ContractError(
+                "enter_late_layer_tail: no late-layer tail was planned for this batch (an extend "
+                "under --enable-decoder-swa-bounded-replay, planned by init_forward_metadata), "
+                "or the tail is entered already"
+            )
+        saved = (self.forward_metadata,)
+        self.forward_metadata, self.in_late_layer_tail = tail.metadata, True
+        return saved
+
+    def exit_late_layer_tail(self, saved: tuple[Any, ...], forward_batch: ForwardBatch) -> None:
+        """Restore the extend's plan ``enter_late_layer_tail`` saved."""
+        (self.forward_metadata,) = saved
+        self.in_late_layer_tail = False
+        self.tail_source_kv_layer_id = None
 
     # -------------------------------------------------------------------------- forward
     def forward(

@@ -72,7 +72,7 @@ def _other_than(*values: str) -> Callable[[Any], bool]:
 _STATE = "not verified to carry the backend's caches and compressor rings"
 _RADIX = "; the backend serves sglang's device radix cache only"
 _SESSION = "a session resumes at an unaligned length in a fresh pool row (empty c128 ring)"
-_REPLAY = "DeepSeek-V4.1's bounded window replay calls the backend's late-layer tail"
+_REPLAY = "DeepSeek-V4.1's encoder SWA bounded replay keeps the window in a request ring"
 _SPLIT = "splits a request's keys over ranks"
 
 #: One row per refused configuration (module docstring).
@@ -87,9 +87,6 @@ REFUSED: tuple[Refused, ...] = (
             "prefill (EXTEND) batches run eagerly; the backend has no prefill CUDA graph"),
     Refused("enable_encoder_swa_bounded_replay", _set, "--enable-encoder-swa-bounded-replay",
             _REPLAY),
-    Refused("enable_decoder_swa_bounded_replay", _set, "--enable-decoder-swa-bounded-replay",
-            f"{_REPLAY} (DeepSeek-V4.1 turns it on by default: start it with "
-            "--no-enable-decoder-swa-bounded-replay)"),
     # Pool layouts of other attention kernels.
     Refused("dsv4_attn_backend", _one_of("trtllm"), "--dsv4-attn-backend trtllm",
             "it lays the pool out in trtllm's uniform FP8 pages, which the backend's caches "

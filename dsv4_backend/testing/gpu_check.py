@@ -91,7 +91,7 @@ STEPS: tuple[Step, ...] = (
          "-m", "gpu", "tests/kernels/test_low_ratio.py", "tests/planning/test_graph_buffers.py"),
          False,
          "DeepSeek-V4.1's rows, pair pooling and index scores kernels (fp4 pages) against the "
-         "torch twins, and its plan fields in the fused planner's launch"),
+         "torch twins, and its plan fields and tail floors in the fused planner's launch"),
     Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "all",
          "--against", "flashmla", "--batch", "8", "64", "128"), False,
          "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes"),

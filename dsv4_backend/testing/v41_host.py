@@ -94,11 +94,21 @@ class SglangV41Model:
         self.layers = _modules(config, seed)
         self.sinks = torch.linspace(-1, 1, config.num_heads)
         self.activations: list[list[dict[str, torch.Tensor]]] = []
+        self.inputs: list[list[V41LayerInputs]] = []
         self.expected = []
         for r, length in enumerate(lengths):
             acts, inputs = self._request(length, seed=seed * 1000 + 10 + r)
             self.activations.append(acts)
+            self.inputs.append(inputs)
             self.expected.append(reference_v41(config, inputs))
+
+    def replay_late_layers(self, floors: Sequence[torch.Tensor]) -> None:
+        """The references under the decoder SWA bounded replay: request ``r``'s late layers
+        read no window key of position ``t`` before ``floors[r][t]`` (``reference_v41``)."""
+        self.expected = [
+            reference_v41(self.config, inputs, floor)
+            for inputs, floor in zip(self.inputs, floors, strict=True)
+        ]
 
     def _request(
         self, length: int, seed: int
@@ -156,15 +166,23 @@ class SglangV41Model:
 
         return V41Feed(x=take("x"), q_lora=take("q_lora"), q=take("q"), kv=take("kv"))
 
-    def run_feed(self, backend: Any, fb: Any, layer: int, feed: V41Feed) -> torch.Tensor:
-        """The backend calls of one layer on ``feed``: ``[T, H, D]`` in bf16."""
+    def run_feed(
+        self,
+        backend: Any,
+        fb: Any,
+        layer: int,
+        feed: V41Feed,
+        positions: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """The backend calls of one layer on ``feed`` (rows at ``positions``, default the
+        batch's): ``[T, H, D]`` in bf16."""
         spec = self.layers[layer]
         backend.store_cache(layer_id=layer, swa_k=feed.kv, forward_batch=fb)
         if spec.compressor is not None or spec.indexer is not None:
             with torch.no_grad():
                 backend.forward_low_ratio_sources(
-                    layer=spec, x=feed.x, q_lora=feed.q_lora, positions=fb.positions,
-                    forward_batch=fb,
+                    layer=spec, x=feed.x, q_lora=feed.q_lora,
+                    positions=fb.positions if positions is None else positions, forward_batch=fb,
                 )  # fmt: skip
         attn_layer = SimpleNamespace(layer_id=layer, tp_q_head_num=self.config.num_heads)
         return backend.forward(
@@ -175,6 +193,34 @@ class SglangV41Model:
     def layer(self, backend: Any, step: Step, layer: int) -> torch.Tensor:
         """``run_feed`` of ``step``'s rows."""
         return self.run_feed(backend, step.batch, layer, self.feed(step.rows, layer))
+
+    def forward(self, backend: Any, step: Step) -> list[tuple[list[Row], torch.Tensor]]:
+        """Every layer of planned ``step`` as sglang's model runs them (``DeepseekV4Model.
+        forward``): under the decoder SWA bounded replay an extend runs the layers from
+        ``late_layer_start`` on over its late-layer tail only, after ``write_tail_source_kv``
+        (the kv source's compressor over every row) and ``enter_late_layer_tail``, then
+        ``exit_late_layer_tail``. Returns each layer's rows and output."""
+        tail = getattr(backend, "tail_forward_metadata", None)
+        late = self.config.late_layer_start if tail is not None else len(self.layers)
+        rows, fb, positions = list(step.rows), step.batch, None
+        outputs = []
+        for layer in range(len(self.layers)):
+            if layer == late:
+                source = self.feed(rows, layer)
+                with torch.no_grad():
+                    backend.write_tail_source_kv(
+                        layer=self.layers[layer], x=source.x, positions=fb.positions,
+                        forward_batch=fb,
+                    )  # fmt: skip
+                saved = backend.enter_late_layer_tail(fb)
+                late_tail = backend.tail_forward_metadata.late_layer_tail
+                rows = [rows[i] for i in late_tail.token_indices.tolist()]
+                positions = late_tail.positions
+            out = self.run_feed(backend, fb, layer, self.feed(rows, layer), positions)
+            outputs.append((rows, out))
+        if late < len(self.layers):
+            backend.exit_late_layer_tail(saved, fb)
+        return outputs
 
     def max_error(self, rows: Sequence[Row], layer: int, out: torch.Tensor) -> float:
         """Largest difference to the reference over the real rows."""

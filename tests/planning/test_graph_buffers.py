@@ -324,3 +324,23 @@ def test_v41_fields_in_the_fused_launch_on_cuda(spec: BatchSpec) -> None:
     assert_same(
         {k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()}, spec.name
     )
+
+
+@pytest.mark.gpu
+def test_v41_tail_window_floors_in_the_fused_launch_on_cuda() -> None:
+    """On a GPU (the ``v41-kernels`` step): a late-layer tail's extend (window floors) planned
+    by the fused planner (``LOW_RATIO_PLAN`` ``fused``) equals the torch planner's plan."""
+    from dsv4_backend.planning import late_layer_tail
+
+    cpu = make_batch(SPECS[3])  # an extend of 1 and 200 rows
+    moved = {
+        f.name: value.cuda()
+        for f in dataclasses.fields(cpu)
+        if isinstance(value := getattr(cpu, f.name), torch.Tensor)
+    }
+    tail = late_layer_tail(dataclasses.replace(cpu, **moved), 128).batch
+    with force_path(TORCH):
+        want = plan(V41, tail).named_tensors()
+    with force_variant(LOW_RATIO_PLAN, "fused"):
+        got = plan(V41, tail).named_tensors()
+    assert_same({k: v.cpu() for k, v in got.items()}, {k: v.cpu() for k, v in want.items()}, "tail")

@@ -266,6 +266,39 @@ def test_v41_plan_matches_brute_force(spec: BatchSpec, path: str) -> None:
         assert meta.c1 is not None and meta.c2 is not None and meta.c1.candidate_blocks is not None
 
 
+@pytest.mark.parametrize("path", ["fused", "torch"])
+def test_window_floors_cut_each_request_s_window(path: str) -> None:
+    """``window_floors`` (DeepSeek-V4.1's late-layer tail): a request's rows read no window key
+    before its floor (a floor at the prefix: the first row sees only itself), on both
+    planners; floors above the prefix or on another kind are refused."""
+    from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
+
+    spec = next(s for s in SPECS if s.name == "extend_mixed")
+    base = make_batch(spec)
+    prefix = base.extend_prefix_lens
+    assert prefix is not None
+    batch = dataclasses.replace(
+        base, window_floors=[p - min(p, 40 * i) for i, p in enumerate(prefix)]
+    )
+    with force_path(TORCH if path == "torch" else TRITON_INTERPRETER):
+        meta = plan(CONFIG, batch)
+    assert_same(meta.named_tensors(), expected_metadata(CONFIG, batch), spec.name)
+    first = [sum(spec.extend_lens[:b]) for b in range(len(prefix))]  # type: ignore[arg-type]
+    assert meta.swa_topk_lengths[first[0]] == 1  # request 0's floor is its prefix
+    from dsv4_backend.kernels.variants import force_variant
+    from dsv4_backend.planning import planner
+
+    with force_path(TRITON_INTERPRETER):  # the CUDA baseline: a tail by the torch planner
+        assert planner.fuses(batch) and planner.fuses(base)
+        with force_variant(planner.LOW_RATIO_PLAN, "torch"):
+            assert not planner.fuses(batch) and planner.fuses(base)
+            assert_same(plan(CONFIG, batch).named_tensors(), meta.named_tensors(), spec.name)
+    with pytest.raises(BatchError, match="window_floors"):
+        dataclasses.replace(base, window_floors=[p + 1 for p in prefix])
+    with pytest.raises(BatchError, match="window_floors are for EXTEND"):
+        dataclasses.replace(make_batch(SPECS[0]), window_floors=[0] * 8)
+
+
 # ----------------------------------------------------------------------------- graph safety
 def test_graph_kinds_declared_once() -> None:
     expected = {ForwardKind.IDLE, ForwardKind.DECODE, ForwardKind.TARGET_VERIFY}

@@ -154,8 +154,13 @@ V41_COMMANDS = [
     ("v41-flash-tp4", f"{V41_FLASH} {FULL_PREFILL}", None),
     ("v41-flash-tp4-eager", f"{V41_FLASH} {FULL_PREFILL} --cuda-graph-backend-decode disabled",
      None),
+    # sglang's default for V4.1: its decoder tail graphs on (refused, naming the variable);
+    # with them off the late-layer tail runs eagerly (served).
     ("v41-bounded-replay", f"{V41_FLASH} --enable-decoder-swa-bounded-replay",
-     "--no-enable-decoder-swa-bounded-replay"),
+     "SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS=2048"),
+    ("v41-bounded-replay-eager-tail", f"SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS=0 {V41_FLASH} "
+     "--enable-decoder-swa-bounded-replay --speculative-algorithm DSPARK "
+     "--speculative-num-steps 1 --speculative-num-draft-tokens 5", None),
     ("v41-dspark", f"{V41_FLASH} {FULL_PREFILL} --speculative-algorithm DSPARK "
      "--speculative-num-steps 1 --speculative-num-draft-tokens 5", None),
     ("v41-eagle", f"{V41_FLASH} {FULL_PREFILL} {MTP_314}", "--speculative-algorithm (only DSPARK"),
@@ -174,14 +179,20 @@ V41_COMMANDS = [
     ("name", "command", "refused"), V41_COMMANDS, ids=[c[0] for c in V41_COMMANDS]
 )
 def test_deepseek_v41_launches_are_served_or_refused_at_build_time(
-    name: str, command: str, refused: str | None
+    name: str, command: str, refused: str | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A DeepSeek-V4.1 model is served (decode graphs, DSpark, DP attention) without the
-    bounded replay; its launches with what is not served are refused, naming the flag."""
+    """A DeepSeek-V4.1 model is served (decode graphs, DSpark, DP attention; the decoder SWA
+    bounded replay with its tail run eagerly); its launches with what is not served are
+    refused, naming the flag. ``NAME=value`` words before the command are its environment."""
     from sglang.srt.server_args import prepare_server_args
 
+    words = command.split()
+    monkeypatch.delenv("SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS", raising=False)
+    while "=" in words[0]:
+        variable, value = words.pop(0).split("=", 1)
+        monkeypatch.setenv(variable, value)
     pool = PagedRequestPool(tiny_v41(), [40], generator=torch.Generator().manual_seed(0))
-    server_args = prepare_server_args(command.split())
+    server_args = prepare_server_args(words)
     if refused is None:
         assert build_all(pool, server_args, V41_HF)
     else:

@@ -131,15 +131,16 @@ def expected_metadata(
         )
         out["swa_out_loc"].append(to_swa[row.out_loc] if to_swa is not None else row.out_loc)
         out["positions_causal"].append(p)
+        floor = batch.window_floors[row.batch_id] if batch.window_floors is not None else 0
         swa = []
         for i in range(config.swa_index_width):
-            if i < min(seq_len, window):
+            if i < min(seq_len, window) and p - i >= floor:
                 slot = tokens[p - i]
                 swa.append(to_swa[slot] if to_swa is not None else slot)
             else:
                 swa.append(-1)
         out["swa_page_indices"].append(swa)
-        out["swa_topk_lengths"].append(min(seq_len, window))
+        out["swa_topk_lengths"].append(min(seq_len - floor, window))
         for r in ratios:
             raw = seq_len // r
             clamp1 = max(raw, 1)

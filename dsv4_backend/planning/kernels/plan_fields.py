@@ -6,7 +6,7 @@ with some forty torch ops (field definitions: ``planning/metadata.py``):
 
 * the row expansion: request ``b``, position, first new position, the request's length and the
   length the write plan keeps (uniform kinds from ``seq_lens``; extend kinds from the host's
-  per-request starts and prefixes, uploaded as one ``[3, B]`` tensor);
+  per-request starts and prefixes, and window floors, uploaded as one ``[4, B]`` tensor);
 * ``page_table``, ``swa_page_indices`` (through ``full_to_swa``), the write slots, causal
   lengths, window lengths;
 * per compress ratio, the per-row fields of ``planning/kernels/row_fields.py`` (c4
@@ -446,7 +446,7 @@ def _store_record(record_ptr, k, rec):
 @triton.jit
 def _plan_kernel(
     seq_ptr,  # [B] int request lengths before this forward (uniform kinds)
-    host_ptr,  # [3, B] int64 extend kinds: first row, first new position, rows of each request
+    host_ptr,  # [4, B] int64 extend kinds: first row, first new position, rows, window floor
     req_pool_ptr,  # [B] int
     out_cache_loc_ptr,  # [N] int64
     req_to_token_ptr,  # [pool_rows, ctx] int
@@ -497,6 +497,7 @@ def _plan_kernel(
     loc_offset,
     window,  # window_size
     EXTEND: tl.constexpr,
+    HAS_FLOORS: tl.constexpr,  # extend kinds: the requests' window floors (the host table)
     HAS_SWA_MAP: tl.constexpr,
     HAS_C4: tl.constexpr,
     HAS_C128: tl.constexpr,
@@ -554,10 +555,16 @@ def _plan_kernel(
     page = tl.where(in_req, slot // PAGE, -1).to(tl.int32)
     m = live[:, None] & (cols < page_width)[None, :]
     tl.store(page_table_ptr + t[:, None] * page_width + cols[None, :], page, mask=m)
-    # swa_page_indices[t, j]: window slot of position pos - j inside the window, else -1.
+    # swa_page_indices[t, j]: window slot of position pos - j inside the window and at or
+    # after the row's window floor (extend kinds: the host table's fourth row), else -1.
+    if HAS_FLOORS:
+        floor = tl.load(host_ptr + 3 * batch_size + b, mask=row_ok, other=0)
+        floor = tl.minimum(floor, pos)  # a failed request's rows sit at position 1
+    else:
+        floor = pos * 0
     m = row_ok[:, None] & (cols < swa_width)[None, :]
     key_pos = pos[:, None] - cols[None, :]
-    valid = m & (cols < window)[None, :] & (key_pos >= 0)
+    valid = m & (cols < window)[None, :] & (key_pos >= floor[:, None])
     slot = tl.load(
         req_to_token_ptr + req[:, None] * stride_rt + tl.maximum(key_pos, 0), mask=valid, other=0
     ).to(tl.int64)
@@ -577,7 +584,7 @@ def _plan_kernel(
         else:
             swa_loc = tl.where(row_ok, loc, -1)
         tl.store(swa_out_loc_ptr + t, swa_loc, mask=live)
-        swa_len = tl.where(row_ok, tl.minimum(pos + 1, window), 1).to(tl.int32)
+        swa_len = tl.where(row_ok, tl.minimum(pos + 1 - floor, window), 1).to(tl.int32)
         tl.store(swa_lengths_ptr + t, swa_len, mask=live)
     per_request = (r, req_p0, req_n, req_keep, req_ok)
     if HAS_C4:
@@ -696,8 +703,8 @@ class RowLayout:
 
     Uniform kinds: request ``b`` has ``rows_per_request`` rows from position
     ``seq_lens[b] + pos_shift``, writing ``out_cache_loc[b * loc_stride + loc_offset + i]``.
-    Extend kinds (``host`` given): ``host`` is ``[3, B]`` int64 (first row, first new position,
-    rows of each request) and row ``t`` writes ``out_cache_loc[t]``.
+    Extend kinds (``host`` given): ``host`` is ``[4, B]`` int64 (first row, first new position,
+    rows and window floor of each request) and row ``t`` writes ``out_cache_loc[t]``.
     """
 
     rows_per_request: int = 1
@@ -705,6 +712,8 @@ class RowLayout:
     loc_stride: int = 1
     loc_offset: int = 0
     host: torch.Tensor | None = None
+    #: Extend kinds: the host table's window floors apply (``BatchView.window_floors``).
+    floors: bool = False
 
 
 def check_rows(
@@ -837,6 +846,7 @@ def plan_fields(
         page_width, swa_width, index_topk, c128_width, candidate_width,
         layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
         EXTEND=layout.host is not None,
+        HAS_FLOORS=layout.floors,
         HAS_SWA_MAP=full_to_swa is not None,
         HAS_C4=4 in out.ratios,
         HAS_C128=128 in out.ratios,

@@ -326,21 +326,24 @@ def _planner() -> list[Configuration]:
     }
     kinds["failed_ptr"] = "*i8"
     # DeepSeek-V4 (c4, c128) and DeepSeek-V4.1 (c1, c2 with c1 candidate blocks) plans.
-    models = {
-        "": dict(HAS_C4=True, HAS_C128=True, HAS_C1=False, HAS_C2=False, CANDIDATE_RATIO=0),
-        "v41-": dict(HAS_C4=False, HAS_C128=False, HAS_C1=True, HAS_C2=True, CANDIDATE_RATIO=1),
-    }
+    v4 = dict(HAS_C4=True, HAS_C128=True, HAS_C1=False, HAS_C2=False, CANDIDATE_RATIO=0)
+    v41 = dict(HAS_C4=False, HAS_C128=False, HAS_C1=True, HAS_C2=True, CANDIDATE_RATIO=1)
+    models = {"": v4, "v41-": v41, "v41-tail-": v41}  # the tail: an extend with window floors
     # Row blocks as the launcher sizes them: a small batch (8) and a large one (256).
     for extend, batch in ((False, 8), (False, 256), (True, 8), (True, 256)):
         tiles = plan_fields.GPU_TILES
         block_t = plan_fields.row_block(tiles, tiles.rows, batch)
         kind = "extend" if extend else "uniform"
         for model, ratios in models.items():
+            floors = model == "v41-tail-"
+            if floors and not extend:
+                continue
             plan = _source(
                 plan_fields._plan_kernel,
                 kinds,
-                dict(EXTEND=extend, HAS_SWA_MAP=True, **ratios, PAGE=256, SPAN4=8, SPAN128=128,
-                     BLOCK_T=block_t, BLOCK_B=batch, BLOCK_C=tiles.columns),
+                dict(EXTEND=extend, HAS_FLOORS=floors, HAS_SWA_MAP=True, **ratios, PAGE=256,
+                     SPAN4=8, SPAN128=128, BLOCK_T=block_t, BLOCK_B=batch,
+                     BLOCK_C=tiles.columns),
             )  # fmt: skip
             out.append((f"plan-fields-{model}{kind}-b{batch}", *plan))
         block_t = plan_fields.row_block(tiles, tiles.check_rows, batch)

@@ -55,6 +55,7 @@ def reference_attention(
     compressed: torch.Tensor | None,
     selected: torch.Tensor | None,
     sink: torch.Tensor,
+    window_floor: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of one request whose tokens sit at positions ``0 ... S-1``.
 
@@ -66,6 +67,8 @@ def reference_attention(
     selected : ratio 4 only: ``[S, K]`` int entry indices per query (-1 = none), as from
         ``indexer_select``; None means every visible entry.
     sink : ``[H]`` float32 per-head sink logit.
+    window_floor : optional ``[S]`` int: query ``t`` sees no window key before
+        ``window_floor[t]`` (DeepSeek-V4.1's late-layer tail, ``planning/tail.py``).
 
     Query ``t`` sees window keys ``max(0, t-W+1) ... t`` plus ``E_t``: for ratio 4 the
     selected entries among ``w < (t+1)//4``, for ratio 128 all ``w < (t+1)//128``. Returns
@@ -89,6 +92,8 @@ def reference_attention(
         k0 = max(0, t0 - width + 1)  # the chunk's window keys: positions k0 ... t1 - 1
         key_pos = torch.arange(k0, t1)
         in_window = (key_pos[None, :] <= t[:, None]) & (key_pos[None, :] > t[:, None] - width)
+        if window_floor is not None:
+            in_window &= key_pos[None, :] >= window_floor[t0:t1, None]
         seen = w[None, :] < visible_entries(ratio, t)[:, None]
         if selected is not None:  # the selected entries (-1: none), one extra column for none
             rows = selected[t0:t1].long()

@@ -76,8 +76,18 @@ def _needed(layer: int, inputs: V41LayerInputs, *names: str) -> list[torch.Tenso
     return values
 
 
-def reference_v41(config: DSV4AttentionConfig, layers: Sequence[V41LayerInputs]) -> V41Result:
-    """Run every layer of a DeepSeek-V4.1 ``config`` over one request (module docstring)."""
+def reference_v41(
+    config: DSV4AttentionConfig,
+    layers: Sequence[V41LayerInputs],
+    late_window_floor: torch.Tensor | None = None,
+) -> V41Result:
+    """Run every layer of a DeepSeek-V4.1 ``config`` over one request (module docstring).
+
+    ``late_window_floor`` ``[S]`` int: the decoder SWA bounded replay's late layers
+    (``config.late_layer_start`` on) read no window key of position ``t`` before
+    ``late_window_floor[t]``, the floor of the forward that computed row ``t``
+    (``planning/tail.py``); their other rows are never computed, and this reference's
+    outputs there mean nothing."""
     v41 = config.v41
     if v41 is None or len(layers) != len(config.compress_ratios):
         raise ConfigError(
@@ -89,7 +99,9 @@ def reference_v41(config: DSV4AttentionConfig, layers: Sequence[V41LayerInputs])
     selection: dict[int, torch.Tensor] = {}
     blocks: list[list[int]] | None = None
     result = V41Result([], [])
+    late = config.late_layer_start if late_window_floor is not None else len(layers)
     for layer, (ratio, inputs) in enumerate(zip(config.compress_ratios, layers, strict=True)):
+        floor = late_window_floor if layer >= late else None
         s = inputs.q.shape[0]
         positions = torch.arange(s)
         if layer in v41.kv_source_layers:
@@ -122,7 +134,7 @@ def reference_v41(config: DSV4AttentionConfig, layers: Sequence[V41LayerInputs])
             selection[ratio] = chosen
         if ratio == 0:
             out = reference_attention(
-                config, 0, inputs.q, inputs.window_kv, None, None, inputs.sink
+                config, 0, inputs.q, inputs.window_kv, None, None, inputs.sink, floor
             )
             result.selections.append(None)
         else:
@@ -132,8 +144,9 @@ def reference_v41(config: DSV4AttentionConfig, layers: Sequence[V41LayerInputs])
                 )
             source = entries[config.kv_source_of(layer)]
             out = reference_attention(
-                config, ratio, inputs.q, inputs.window_kv, source, selection[ratio], inputs.sink
-            )
+                config, ratio, inputs.q, inputs.window_kv, source, selection[ratio], inputs.sink,
+                floor,
+            )  # fmt: skip
             result.selections.append(selection[ratio])
         result.outputs.append(out)
     return result

@@ -1,0 +1,85 @@
+"""DeepSeek-V4.1's late-layer tail: the rows the late layers of an extend run over under the
+decoder SWA bounded replay (docs/design.md §8).
+
+From ``late_layer_start`` (``DSV4AttentionConfig.late_layer_start``: the last kv source) on, an
+extend computes each request's last ``min(tail_len, extend_len)`` rows only (its whole extend
+where the host needs every row: prompt logprobs, every hidden state). The late layers' window
+keys then exist for those rows, so a tail row reads its window from the request's
+``seq_len - tail_len`` on (for a whole extend, ``prefix - tail_len``, which cuts nothing): the
+window floor. The kv source itself compresses every row before the tail starts, so the late
+layers' c1 entries are complete.
+
+:func:`late_layer_tail` gives the tail as an EXTEND ``BatchView`` of the tail rows (the same
+requests and lengths, the tail rows' write slots, ``window_floors``), planned by the one
+planner like any batch, and the tail rows' indices into the extend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from dsv4_backend.errors import BatchError
+from dsv4_backend.planning.batch import BatchView, ForwardKind
+
+
+@dataclass(frozen=True)
+class LateLayerTail:
+    """The tail of one extend batch.
+
+    Attributes
+    ----------
+    batch : the EXTEND batch of the tail rows: request ``b`` has ``tail_lens[b]`` rows at
+        positions ``seq_len - tail_lens[b] ... seq_len - 1``, writing their slots of the
+        extend's ``out_cache_loc``, window floors set.
+    token_indices : ``[sum(tail_lens)]`` int64 — each tail row's row in the extend.
+    tail_lens : host rows of each request in the tail.
+    window_floors : host window floor of each request (``batch.window_floors``).
+    contiguous_start : the first tail row when the tail is the extend's last rows (one
+        request), else None.
+    """
+
+    batch: BatchView
+    token_indices: torch.Tensor
+    tail_lens: list[int]
+    window_floors: list[int]
+    contiguous_start: int | None
+
+
+def late_layer_tail(
+    batch: BatchView, tail_len: int, whole_extend: Sequence[bool] | None = None
+) -> LateLayerTail:
+    """The late-layer tail of EXTEND ``batch`` (module docstring): each request's last
+    ``min(tail_len, extend_len)`` rows, or all of them where ``whole_extend[b]``."""
+    if batch.kind is not ForwardKind.EXTEND:
+        raise BatchError(f"a late-layer tail is an EXTEND batch's, got kind {batch.kind.name}")
+    prefix, extend = batch.extend_prefix_lens, batch.extend_seq_lens
+    assert prefix is not None and extend is not None  # BatchView requires them for EXTEND
+    whole = list(whole_extend) if whole_extend is not None else [False] * len(extend)
+    if len(whole) != len(extend):
+        raise BatchError(f"whole_extend has {len(whole)} entries, expected {len(extend)}")
+    tails = [n if w else min(tail_len, n) for n, w in zip(extend, whole, strict=True)]
+    seq = [p + n for p, n in zip(prefix, extend, strict=True)]
+    floors = [
+        max(0, s - t - tail_len) if w else max(0, s - tail_len)
+        for s, t, w in zip(seq, tails, whole, strict=True)
+    ]
+    ends = list(itertools.accumulate(extend))
+    index_lists = [range(end - t, end) for end, t in zip(ends, tails, strict=True)]
+    device = batch.out_cache_loc.device
+    token_indices = torch.tensor(
+        [i for rows in index_lists for i in rows], dtype=torch.int64, device=device
+    )
+    tail = dataclasses.replace(
+        batch,
+        out_cache_loc=batch.out_cache_loc[token_indices],
+        extend_prefix_lens=[s - t for s, t in zip(seq, tails, strict=True)],
+        extend_seq_lens=tails,
+        window_floors=floors,
+    )
+    contiguous = extend[0] - tails[0] if len(extend) == 1 else None
+    return LateLayerTail(tail, token_indices, tails, floors, contiguous)

@@ -1,0 +1,90 @@
+"""DeepSeek-V4.1's decoder SWA bounded replay as sglang 0.5.23's model drives it
+(``models/deepseek_v4.py``: ``write_tail_source_kv``, ``enter_late_layer_tail`` /
+``exit_late_layer_tail``, ``tail_forward_metadata.late_layer_tail``; docs/design.md §8).
+
+For every extend (``is_extend_without_speculative``: EXTEND, MIXED) the backend plans the
+late-layer tail beside the batch (``planning.late_layer_tail``, the one planner) and hands the
+model sglang's own ``LateLayerTail`` of it: the tail rows' indices into the extend, their
+positions, lengths and window slots. Which requests keep their whole extend is sglang's own
+``late_layer_whole_extend`` (prompt logprobs; every hidden state outside DSpark).
+
+Served with the tail run eagerly: sglang's row-bucket tail graphs (``DecoderReplayTail``,
+on by default through ``SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS``) build their metadata with
+private methods of sglang's own backend, and DP attention's late-layer token counts are not
+verified here; both are refused when the backend is built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from sglang.srt.environ import envs
+from sglang.srt.layers.attention.deepseek_v4_backend import (
+    LateLayerTail as SglangLateLayerTail,
+)
+from sglang.srt.layers.attention.deepseek_v4_backend import late_layer_whole_extend
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.planning import AttentionMetadata, BatchView, late_layer_tail, plan
+
+TAIL_GRAPH_ENV = "SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS"
+
+
+def bounded_replay(args: Any, config: DSV4AttentionConfig, attn_dp_size: int) -> bool:
+    """Whether ``args`` (sglang's ``ServerArgs``) turn the decoder SWA bounded replay on;
+    ``ConfigError`` naming the option for what of it is not served (module docstring), or for a
+    model the tail cannot serve (``config.late_layer_start``)."""
+    if not getattr(args, "enable_decoder_swa_bounded_replay", False):
+        return False
+    config.late_layer_start  # noqa: B018 -- validates the model's layers for the tail
+    rows = envs.SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS.get()
+    if rows > 0:
+        raise ConfigError(
+            f"{TAIL_GRAPH_ENV}={rows}: the dsv4 backend runs DeepSeek-V4.1's late-layer tail "
+            f"eagerly and does not serve sglang's decoder tail graphs yet; set {TAIL_GRAPH_ENV}=0, "
+            "or start with --no-enable-decoder-swa-bounded-replay"
+        )
+    if attn_dp_size > 1:
+        raise ConfigError(
+            f"attn_dp_size={attn_dp_size}: the dsv4 backend does not serve DeepSeek-V4.1's "
+            "decoder SWA bounded replay with DP attention yet; start with "
+            "--no-enable-decoder-swa-bounded-replay, or without --enable-dp-attention"
+        )
+    return True
+
+
+@dataclass(frozen=True)
+class TailForward:
+    """The backend's ``tail_forward_metadata``: the plan of the tail rows, which
+    ``enter_late_layer_tail`` makes current, and sglang's ``LateLayerTail`` the model reads."""
+
+    metadata: AttentionMetadata
+    late_layer_tail: SglangLateLayerTail
+
+
+def plan_tail(
+    config: DSV4AttentionConfig, view: BatchView, forward_batch: Any, *, dspark: bool
+) -> TailForward:
+    """The tail of the extend ``view`` (planned from ``forward_batch``; ``dspark``: the
+    server's speculative algorithm is DSpark, whose draft reads tail rows only)."""
+    whole = late_layer_whole_extend(forward_batch, dspark=dspark)
+    tail = late_layer_tail(view, config.window_size, whole)
+    metadata = plan(config, tail.batch)
+    positions = forward_batch.positions
+    if tail.contiguous_start is not None:
+        positions = positions[tail.contiguous_start :]
+    else:
+        positions = positions[tail.token_indices]
+    lens = torch.tensor(tail.tail_lens, dtype=torch.int32, device=positions.device)
+    sglang_tail = SglangLateLayerTail(
+        token_indices=tail.token_indices,
+        positions=positions,
+        extend_seq_lens=lens,
+        extend_seq_lens_cpu=tail.tail_lens,
+        swa_out_cache_loc=metadata.swa_out_loc.to(torch.int32),
+        contiguous_start=tail.contiguous_start,
+    )
+    return TailForward(metadata=metadata, late_layer_tail=sglang_tail)

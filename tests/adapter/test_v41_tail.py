@@ -1,0 +1,162 @@
+"""DeepSeek-V4.1's decoder SWA bounded replay (``--enable-decoder-swa-bounded-replay``, sglang's
+default for V4.1) through the adapter, with sglang 0.5.23's own objects on the CPU: the
+late-layer tail against sglang's ``late_layer_tail_layout`` (rows, lengths, window floors), and
+extends whose late layers run over their tail as sglang's model drives them
+(``SglangV41Model.forward``: ``write_tail_source_kv``, ``enter_late_layer_tail``, the tail
+rows, ``exit_late_layer_tail``) against the reference with the tail's window floors.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError, ContractError
+from dsv4_backend.planning import late_layer_tail
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.sglang_adapter.late_layer_tail import TAIL_GRAPH_ENV
+from dsv4_backend.testing.harness import BatchBuilder, Step, mock_runner
+from dsv4_backend.testing.simulation.pool import PagedRequestPool
+from dsv4_backend.testing.simulation.v41 import TINY_V41_SOURCES, tiny_v41
+from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
+
+pytestmark = pytest.mark.sglang
+
+TAIL = 128  # sglang's SWA_WINDOW: the tail of a request's extend
+
+
+@pytest.fixture
+def eager_tail(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sglang's decoder tail graphs off (the launch the backend serves)."""
+    monkeypatch.setenv(TAIL_GRAPH_ENV, "0")
+
+
+def _runner(pool: PagedRequestPool, config: DSV4AttentionConfig, **flags: Any) -> Any:
+    return mock_runner(
+        pool, v41_hf_config(config), topk=0, speculative_algorithm="DSPARK",
+        num_draft_tokens=config.num_draft_tokens, enable_decoder_swa_bounded_replay=True,
+        **flags,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prefix", "extend", "whole"),
+    [
+        ([0], [300], None),  # one request: its last 128 rows, a contiguous tail
+        ([0], [90], None),  # shorter than the tail: all of it, the floor before the extend
+        ([0, 256, 40], [300, 20, 129], None),
+        ([100, 0, 7], [50, 300, 128], [False, True, False]),  # prompt logprobs: a whole extend
+    ],
+)
+def test_the_tail_is_sglangs_late_layer_tail_layout(
+    prefix: list[int], extend: list[int], whole: list[bool] | None
+) -> None:
+    from sglang.kernels.ops.attention.dsv4.attn_metadata_kernels import late_layer_tail_layout
+
+    config = tiny_v41()
+    lens = [p + n + 1 for p, n in zip(prefix, extend, strict=True)]
+    pool = PagedRequestPool(config, lens, generator=torch.Generator().manual_seed(3))
+    view = pool.extend(list(range(len(prefix))), prefix, extend)
+    tail = late_layer_tail(view, TAIL, whole)
+    seq = [p + n for p, n in zip(prefix, extend, strict=True)]
+    indices, tail_lens, floor = late_layer_tail_layout(
+        extend_lens_cpu=extend, seq_lens_cpu=seq, tail_len=TAIL, device=torch.device("cpu"),
+        whole_extend=whole,
+    )  # fmt: skip
+    assert tail.tail_lens == tail_lens and torch.equal(tail.token_indices, indices.long())
+    per_row = torch.repeat_interleave(torch.tensor(tail.window_floors), torch.tensor(tail_lens))
+    assert torch.equal(per_row, floor.long())
+    assert tail.batch.extend_seq_lens == tail_lens
+    assert torch.equal(tail.batch.out_cache_loc, view.out_cache_loc[indices])
+    assert (tail.contiguous_start is not None) == (len(extend) == 1)
+
+
+def _floors(lengths: tuple[int, ...]) -> list[torch.Tensor]:
+    return [torch.zeros(n, dtype=torch.int64) for n in lengths]
+
+
+def test_extends_run_their_late_layers_over_the_tail(eager_tail: None) -> None:
+    """Chunked prefills of two requests (a tail of the last 128 rows with its floor at the
+    first; an extend shorter than the tail reading back into the previous chunk's tail),
+    then decodes and a DSpark verify (no tail): every computed row of every layer equals the
+    reference with the tail's window floors, and the late layers' first tail rows differ from
+    the plain window (the check can fail)."""
+    config = tiny_v41(speculative=True, num_draft_tokens=5)
+    lengths = (360, 215)
+    pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(4))
+    backend = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
+    model = SglangV41Model(config, lengths)
+    plain = list(model.expected)
+    builder = BatchBuilder(pool)
+    floors = _floors(lengths)
+    chunks = [([0, 1], [0, 0], [300, 90]), ([0, 1], [300, 90], [50, 110])]
+    steps: list[Step] = []
+    for requests, prefix, extend in chunks:
+        steps.append(builder.extend(requests, prefix, extend))
+        for r, p, n in zip(requests, prefix, extend, strict=True):
+            tail = min(TAIL, n)
+            floors[r][p + n - tail : p + n] = max(0, p + n - TAIL)
+    steps += [builder.decode([0, 1], [351, 201]), builder.verify([0, 1], [351, 201], 5)]
+    model.replay_late_layers(floors)
+    late = config.late_layer_start
+    projected: list[int] = []  # rows the tail's kv source compresses, call by call
+    compressor = model.layers[late].compressor
+    project = compressor.project
+    compressor.project = lambda x: (projected.append(x.shape[0]), project(x))[1]
+    worst, plain_gap = 0.0, 0.0
+    for step in steps:
+        projected.clear()
+        backend.init_forward_metadata(step.batch)
+        is_extend = (
+            step.batch.forward_mode.is_extend() and not step.batch.forward_mode.is_target_verify()
+        )
+        assert (backend.tail_forward_metadata is not None) == is_extend
+        for layer, (rows, out) in enumerate(model.forward(backend, step)):
+            assert out.shape[0] == len(rows) and len(rows) <= len(step.rows)
+            if is_extend and layer >= late:
+                assert len(rows) == sum(min(TAIL, n) for n in step.batch.extend_seq_lens_cpu)
+            worst = max(worst, model.max_error(rows, layer, out))
+            if is_extend and layer >= late:
+                want = torch.stack([plain[r].outputs[layer][p] for r, p in rows])
+                plain_gap = max(plain_gap, float((out.float() - want).abs().max()))
+        assert projected == [len(step.rows)]  # every row once, not again inside the tail
+        assert not backend.in_late_layer_tail and backend.tail_source_kv_layer_id is None
+    assert worst < 2e-2, worst  # the output is bf16 (q's dtype)
+    assert plain_gap > 0.1, plain_gap
+
+
+def test_the_tail_outside_an_extend_is_refused(eager_tail: None) -> None:
+    config = tiny_v41(speculative=True, num_draft_tokens=5)
+    pool = PagedRequestPool(config, (40,), generator=torch.Generator().manual_seed(5))
+    backend = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
+    decode = BatchBuilder(pool).decode([0], [10])
+    backend.init_forward_metadata(decode.batch)
+    with pytest.raises(ContractError, match="no late-layer tail was planned"):
+        backend.enter_late_layer_tail(decode.batch)
+
+
+@pytest.mark.parametrize(
+    ("env", "flags", "config", "named"),
+    [
+        (None, {}, {}, f"{TAIL_GRAPH_ENV}=2048"),  # sglang's default: tail graphs on
+        ("0", {"enable_dp_attention": True, "tp_size": 2, "dp_size": 2}, {}, "attn_dp_size=2"),
+        # The last kv source must also be the candidate source (sglang's model asserts it).
+        ("0", {}, {"candidate_source_layer": 1}, "to be an index source and the candidate"),
+    ],
+    ids=["tail-graphs", "dp-attention", "model"],
+)
+def test_what_the_bounded_replay_is_not_served_with_is_refused_when_built(
+    monkeypatch: pytest.MonkeyPatch, env: str | None, flags: dict, config: dict, named: str
+) -> None:
+    if env is None:
+        monkeypatch.delenv(TAIL_GRAPH_ENV, raising=False)
+    else:
+        monkeypatch.setenv(TAIL_GRAPH_ENV, env)
+    sources = TINY_V41_SOURCES.__class__(**{**vars(TINY_V41_SOURCES), **config})
+    v41 = tiny_v41(v41=sources, speculative=True, num_draft_tokens=5)
+    pool = PagedRequestPool(v41, (40,), generator=torch.Generator().manual_seed(6))
+    with pytest.raises(ConfigError, match=named):
+        DSV4AttentionBackend(_runner(pool, v41, **flags), cache_format="dense")
