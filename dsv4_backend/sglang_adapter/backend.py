@@ -594,7 +594,8 @@ class DSV4AttentionBackend(AttentionBackend):
         """
         self.raise_pending_checks(wait=False)
         self.forward_metadata = self.planned = self.cp_read_metadata = None
-        self.tail_forward_metadata = None
+        self.tail_forward_metadata, self.tail_source_kv_layer_id = None, None
+        self.in_late_layer_tail = False
         view = batch_view(
             forward_batch,
             req_to_token=self.req_to_token_pool.req_to_token,
@@ -630,9 +631,10 @@ class DSV4AttentionBackend(AttentionBackend):
             and view.kind is ForwardKind.EXTEND
             and forward_batch.forward_mode.is_extend_without_speculative()
         ):
-            self.tail_forward_metadata = plan_tail(
-                self.config, view, forward_batch, dspark=self.dspark
-            )
+            tail = plan_tail(self.config, view, forward_batch, dspark=self.dspark)
+            if tail.metadata.pending_checks is not None:
+                self.pending_checks.append(tail.metadata.pending_checks)
+            self.tail_forward_metadata = tail
         return metadata
 
     def _plan_view(

@@ -45,6 +45,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool
 
 from dsv4_backend.errors import ContractError
+from dsv4_backend.testing.simulation.pool import PagedRequestPool
 
 IO_BACKEND = "direct"
 LAYOUT = "layer_first"
@@ -80,6 +81,13 @@ def cpu_kvcacheio() -> Iterator[None]:
         yield
     finally:
         del memory_pool_host.transfer_kv_direct
+
+
+def page_slots(paged: PagedRequestPool, request: int, tokens: int, swa: bool) -> torch.Tensor:
+    """The slots of ``request``'s first ``tokens`` tokens (whole pages) in ``paged``: full
+    slots, or window slots, what a backup or a load moves."""
+    full = paged.req_to_token[paged.pool_index(request), :tokens].long()
+    return paged.full_to_swa[full] if swa else full
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dsv4_backend.planning import per_step_draft_out_cache_loc
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.hicache import HostTier, cpu_kvcacheio
+from dsv4_backend.testing.hicache import HostTier, cpu_kvcacheio, page_slots
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 from dsv4_backend.testing.transfer import RequestSide, transfer_request
 
@@ -212,17 +212,11 @@ HIT = 512  # two whole pages: what the radix tree holds of the prompt
 HIT_PROMPT = 530
 
 
-def page_slots(server: Server, request: int, swa: bool) -> torch.Tensor:
-    """Token slots of the request's first ``HIT`` tokens: full slots, or window slots."""
-    full = server.paged.req_to_token[server.paged.pool_index(request), :HIT].long()
-    return server.paged.full_to_swa[full] if swa else full
-
-
 def evict(server: Server, request: int) -> None:
     """Free the request's device pages as eviction does, and let other data overwrite them."""
     pool, page = server.pool, server.pool.page_size
-    full = page_slots(server, request, swa=False)[::page] // page
-    swa = page_slots(server, request, swa=True)[::page] // page
+    full = page_slots(server.paged, request, HIT, swa=False)[::page] // page
+    swa = page_slots(server.paged, request, HIT, swa=True)[::page] // page
     for kv_pool in pool.kv_pools.values():
         for buf in kv_pool.kv_buffer:
             buf[full] = 0xA5
@@ -256,11 +250,11 @@ def test_a_radix_hit_continues_from_pages_loaded_from_the_host(with_states: bool
     server.prefill(0, HIT_PROMPT)
     expected = server.prefill(2, HIT_PROMPT, prefix=HIT) + server.decode(2, HIT_PROMPT + 1)
     tier = HostTier(server.pool, num_host_pages=4)
+    slots = {r: [page_slots(server.paged, r, HIT, swa) for swa in (False, True)] for r in (0, 1)}
     with cpu_kvcacheio():
-        copy = tier.backup(page_slots(server, 0, swa=False), page_slots(server, 0, swa=True))
+        copy = tier.backup(*slots[0])
         evict(server, 0)
-        tier.load(copy, page_slots(server, 1, swa=False), page_slots(server, 1, swa=True),
-                  with_states=with_states)  # fmt: skip
+        tier.load(copy, *slots[1], with_states=with_states)
     waits = LayerWaits()
     server.pool.register_layer_transfer_counter(waits)
     if with_states:

@@ -26,7 +26,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_low_ra
 
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.hicache import HostTier, cpu_kvcacheio
+from dsv4_backend.testing.hicache import HostTier, cpu_kvcacheio, page_slots
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
 from dsv4_backend.testing.simulation.v41 import tiny_v41
 from dsv4_backend.testing.transfer import RequestSide, transfer_request
@@ -135,17 +135,12 @@ HIT = 512  # two whole pages: what the radix tree holds of the prompt
 HIT_PROMPT = 530
 
 
-def page_slots(server: Server, request: int, swa: bool) -> torch.Tensor:
-    full = server.paged.req_to_token[server.paged.pool_index(request), :HIT].long()
-    return server.paged.full_to_swa[full] if swa else full
-
-
 def evict(server: Server, request: int) -> None:
     """Free the request's device pages as eviction does, and let other data overwrite them:
     its window pages, and its full pages of every V4.1 region (views of whole full pages)."""
     pool, page = server.pool, server.pool.page_size
-    full = page_slots(server, request, swa=False)[::page] // page
-    swa = page_slots(server, request, swa=True)[::page] // page
+    full = page_slots(server.paged, request, HIT, swa=False)[::page] // page
+    swa = page_slots(server.paged, request, HIT, swa=True)[::page] // page
     for _, _, buffers, _ in _dsv4_low_ratio_regions(pool, page):
         for buf in buffers:
             buf[full] = 0xA5
@@ -161,10 +156,11 @@ def test_a_v41_radix_hit_continues_from_pages_loaded_from_the_host() -> None:
     hit = [server.run(server.batches.extend([2], [HIT], [HIT_PROMPT - HIT]))]
     hit.append(server.run(server.batches.decode([2], [HIT_PROMPT + 1])))
     tier = HostTier(server.pool, num_host_pages=4)
+    slots = {r: [page_slots(server.paged, r, HIT, swa) for swa in (False, True)] for r in (0, 1)}
     with cpu_kvcacheio():
-        copy = tier.backup(page_slots(server, 0, swa=False), page_slots(server, 0, swa=True))
+        copy = tier.backup(*slots[0])
         evict(server, 0)
-        tier.load(copy, page_slots(server, 1, swa=False), page_slots(server, 1, swa=True))
+        tier.load(copy, *slots[1])
     got = [server.run(server.batches.extend([1], [HIT], [HIT_PROMPT - HIT]))]
     got.append(server.run(server.batches.decode([1], [HIT_PROMPT + 1])))
     for a, b in zip(hit, got, strict=True):
