@@ -283,7 +283,7 @@ class RunnerSettings:
             layers=layers,
             decode_attn_tp_size=decode_attn_tp_size,
             bounded_replay=not getattr(runner, "is_draft_worker", False)
-            and bounded_replay(args, config, attn_dp_size),
+            and bounded_replay(args, config),
             dspark=str(getattr(algorithm, "name", algorithm)).upper() == "DSPARK",
         )
 

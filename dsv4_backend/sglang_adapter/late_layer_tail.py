@@ -10,8 +10,9 @@ positions, lengths and window slots. Which requests keep their whole extend is s
 
 Served with the tail run eagerly: sglang's row-bucket tail graphs (``DecoderReplayTail``,
 on by default through ``SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS``) build their metadata with
-private methods of sglang's own backend, and DP attention's late-layer token counts are not
-verified here; both are refused when the backend is built.
+private methods of sglang's own backend, and are refused when the backend is built. Under DP
+attention the tail is the real requests' rows (an extend's padding tokens are no request's);
+the late layers' DP token counts are the model's (``enter_late_layer_dp``).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from dsv4_backend.planning import AttentionMetadata, BatchView, late_layer_tail,
 TAIL_GRAPH_ENV = "SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS"
 
 
-def bounded_replay(args: Any, config: DSV4AttentionConfig, attn_dp_size: int) -> bool:
+def bounded_replay(args: Any, config: DSV4AttentionConfig) -> bool:
     """Whether ``args`` (sglang's ``ServerArgs``) turn the decoder SWA bounded replay on;
     ``ConfigError`` naming the option for what of it is not served (module docstring), or for a
     model the tail cannot serve (``config.late_layer_start``)."""
@@ -46,12 +47,6 @@ def bounded_replay(args: Any, config: DSV4AttentionConfig, attn_dp_size: int) ->
             f"{TAIL_GRAPH_ENV}={rows}: the dsv4 backend runs DeepSeek-V4.1's late-layer tail "
             f"eagerly and does not serve sglang's decoder tail graphs yet; set {TAIL_GRAPH_ENV}=0, "
             "or start with --no-enable-decoder-swa-bounded-replay"
-        )
-    if attn_dp_size > 1:
-        raise ConfigError(
-            f"attn_dp_size={attn_dp_size}: the dsv4 backend does not serve DeepSeek-V4.1's "
-            "decoder SWA bounded replay with DP attention yet; start with "
-            "--no-enable-decoder-swa-bounded-replay, or without --enable-dp-attention"
         )
     return True
 

@@ -128,6 +128,38 @@ def test_extends_run_their_late_layers_over_the_tail(eager_tail: None) -> None:
     assert plain_gap > 0.1, plain_gap
 
 
+def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail(
+    eager_tail: None,
+) -> None:
+    """``--enable-dp-attention``: an extend padded by sglang's ``_pad_inputs_to_size`` with
+    tokens of no request (``prepare_mlp_sync_batch``) and a decode padded with requests: the
+    tail is the real requests' rows, every computed row equals the reference with the tail's
+    floors, and the padded decode's real rows too."""
+    config = tiny_v41(speculative=True, num_draft_tokens=5)
+    lengths = (220, 60)
+    pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(7))
+    runner = _runner(pool, config, enable_dp_attention=True, tp_size=2, dp_size=2)
+    backend = runner.attn_backend = DSV4AttentionBackend(runner, cache_format="dense")
+    model = SglangV41Model(config, lengths)
+    builder = BatchBuilder(pool)
+    floors = _floors(lengths)
+    floors[0][200 - TAIL : 200] = 200 - TAIL  # request 0's tail; request 1's floor is 0
+    model.replay_late_layers(floors)
+    extend = builder.pad(builder.extend([0, 1], [0, 0], [200, 50]), runner, 0, 1, 30)
+    decode = builder.pad(builder.decode([0, 1], [201, 51]), runner, 2, 1)
+    worst = 0.0
+    for step in (extend, decode):
+        backend.init_forward_metadata(step.batch)
+        outputs = model.forward(backend, step)
+        tail_rows = outputs[config.late_layer_start][0]
+        if step is extend:
+            assert None not in tail_rows and len(tail_rows) == TAIL + 50
+        worst = max(
+            worst, *(model.max_error(rows, i, out) for i, (rows, out) in enumerate(outputs))
+        )
+    assert worst < 2e-2, worst
+
+
 def test_the_tail_outside_an_extend_is_refused(eager_tail: None) -> None:
     config = tiny_v41(speculative=True, num_draft_tokens=5)
     pool = PagedRequestPool(config, (40,), generator=torch.Generator().manual_seed(5))
@@ -142,11 +174,10 @@ def test_the_tail_outside_an_extend_is_refused(eager_tail: None) -> None:
     ("env", "flags", "config", "named"),
     [
         (None, {}, {}, f"{TAIL_GRAPH_ENV}=2048"),  # sglang's default: tail graphs on
-        ("0", {"enable_dp_attention": True, "tp_size": 2, "dp_size": 2}, {}, "attn_dp_size=2"),
         # The last kv source must also be the candidate source (sglang's model asserts it).
         ("0", {}, {"candidate_source_layer": 1}, "to be an index source and the candidate"),
     ],
-    ids=["tail-graphs", "dp-attention", "model"],
+    ids=["tail-graphs", "model"],
 )
 def test_what_the_bounded_replay_is_not_served_with_is_refused_when_built(
     monkeypatch: pytest.MonkeyPatch, env: str | None, flags: dict, config: dict, named: str
