@@ -79,27 +79,27 @@ def _floors(lengths: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 def test_extends_run_their_late_layers_over_the_tail(eager_tail: None) -> None:
-    """Chunked prefills of two requests (a tail of the last 128 rows with its floor at the
-    first; an extend shorter than the tail reading back into the previous chunk's tail),
+    """Chunked prefills of two requests (200 rows: a tail of the last 128 with its floor at the
+    first; then extends shorter than the tail reading back into the previous chunk's tail),
     then decodes and a DSpark verify (no tail): every computed row of every layer equals the
     reference with the tail's window floors, and the late layers' first tail rows differ from
     the plain window (the check can fail)."""
     config = tiny_v41(speculative=True, num_draft_tokens=5)
-    lengths = (360, 215)
+    lengths = (260, 210)
     pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(4))
     backend = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
     model = SglangV41Model(config, lengths)
     plain = list(model.expected)
     builder = BatchBuilder(pool)
     floors = _floors(lengths)
-    chunks = [([0, 1], [0, 0], [300, 90]), ([0, 1], [300, 90], [50, 110])]
+    chunks = [([0, 1], [0, 0], [200, 90]), ([0, 1], [200, 90], [50, 110])]
     steps: list[Step] = []
     for requests, prefix, extend in chunks:
         steps.append(builder.extend(requests, prefix, extend))
         for r, p, n in zip(requests, prefix, extend, strict=True):
             tail = min(TAIL, n)
             floors[r][p + n - tail : p + n] = max(0, p + n - TAIL)
-    steps += [builder.decode([0, 1], [351, 201]), builder.verify([0, 1], [351, 201], 5)]
+    steps += [builder.decode([0, 1], [251, 201]), builder.verify([0, 1], [251, 201], 5)]
     model.replay_late_layers(floors)
     late = config.late_layer_start
     projected: list[int] = []  # rows the tail's kv source compresses, call by call
