@@ -136,24 +136,24 @@ def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail(
     tail is the real requests' rows, every computed row equals the reference with the tail's
     floors, and the padded decode's real rows too."""
     config = tiny_v41(speculative=True, num_draft_tokens=5)
-    lengths = (220, 60)
+    lengths = (160, 30)
     pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(7))
     runner = _runner(pool, config, enable_dp_attention=True, tp_size=2, dp_size=2)
     backend = runner.attn_backend = DSV4AttentionBackend(runner, cache_format="dense")
     model = SglangV41Model(config, lengths)
     builder = BatchBuilder(pool)
     floors = _floors(lengths)
-    floors[0][200 - TAIL : 200] = 200 - TAIL  # request 0's tail; request 1's floor is 0
+    floors[0][150 - TAIL : 150] = 150 - TAIL  # request 0's tail; request 1's floor is 0
     model.replay_late_layers(floors)
-    extend = builder.pad(builder.extend([0, 1], [0, 0], [200, 50]), runner, 0, 1, 30)
-    decode = builder.pad(builder.decode([0, 1], [201, 51]), runner, 2, 1)
+    extend = builder.pad(builder.extend([0, 1], [0, 0], [150, 20]), runner, 0, 1, 30)
+    decode = builder.pad(builder.decode([0, 1], [151, 21]), runner, 2, 1)
     worst = 0.0
     for step in (extend, decode):
         backend.init_forward_metadata(step.batch)
         outputs = model.forward(backend, step)
         tail_rows = outputs[config.late_layer_start][0]
         if step is extend:
-            assert None not in tail_rows and len(tail_rows) == TAIL + 50
+            assert None not in tail_rows and len(tail_rows) == TAIL + 20
         worst = max(
             worst, *(model.max_error(rows, i, out) for i, (rows, out) in enumerate(outputs))
         )
