@@ -576,11 +576,12 @@ def _page_table(
     return torch.where(first_token < request_lens[:, None], slots // page_size, -1).int()
 
 
-def _row_floors(batch: BatchView, rows: _Rows) -> torch.Tensor:
+def _row_floors(batch: BatchView, rows: _Rows) -> torch.Tensor | None:
     """``[T]`` int64: the first position each row's window reads (``batch.window_floors`` of
-    its request, 0 without; at most the row's position, which a failed request's rows moved)."""
+    its request, at most the row's position, which a failed request's rows moved); None
+    without floors (the plain window)."""
     if batch.window_floors is None:
-        return torch.zeros_like(rows.positions)
+        return None
     floors = torch.tensor(batch.window_floors, dtype=torch.int64, device=rows.positions.device)
     return torch.minimum(floors[rows.batch_ids.long()], rows.positions)
 
@@ -590,13 +591,13 @@ def _swa_page_indices(
     batch: BatchView,
     req: torch.Tensor,
     positions: torch.Tensor,
-    floors: torch.Tensor,
+    floors: torch.Tensor | None,
 ) -> torch.Tensor:
     """``[T, Ws]`` int32: window-cache slots of positions ``p, p - 1, ...`` inside the window,
-    at or after the row's window floor (``floors`` ``[T]``, >= 0)."""
+    at or after the row's window floor (``floors`` ``[T]``; None: from position 0)."""
     back = torch.arange(config.swa_index_width, device=positions.device)
     key_pos = positions[:, None] - back
-    valid = (back < config.window_size) & (key_pos >= floors[:, None])
+    valid = (back < config.window_size) & (key_pos >= (0 if floors is None else floors[:, None]))
     slots = batch.req_to_token[req[:, None], key_pos.clamp(min=0)].long()
     if batch.full_to_swa is not None:
         slots = batch.full_to_swa[slots]
@@ -673,7 +674,9 @@ def _plan_rows(
         swa_out_loc=_swa_out_loc(batch, rows.out_loc),
         positions_causal=positions,
         swa_page_indices=_swa_page_indices(config, batch, req, positions, floors),
-        swa_topk_lengths=(positions + 1 - floors).clamp(max=config.window_size).int(),
+        swa_topk_lengths=(positions + 1 - (0 if floors is None else floors))
+        .clamp(max=config.window_size)
+        .int(),
         c4=comp.get(4),
         c128=comp.get(128),
         c1=low.get(1),
