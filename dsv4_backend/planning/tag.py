@@ -122,16 +122,23 @@ class PlanInputs:
         )
 
     def checks(
-        self, *, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor, out_cache_loc: torch.Tensor
+        self,
+        *,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        out_cache_loc: torch.Tensor | None,
     ) -> list[Check]:
         """The value checks of a batch's tensors against the planned ones (module ``checks``):
-        equal over the planned requests and rows, padding past them."""
+        equal over the planned requests and rows, padding past them (``out_cache_loc`` None:
+        the requests only)."""
         found: list[Check] = []
-        for name, planned, got, pad in (
+        given = [
             ("req_pool_indices", self.req_pool_indices, req_pool_indices, 0),
             ("seq_lens", self.seq_lens, seq_lens, seq_len_fill_value),
-            ("out_cache_loc", self.out_cache_loc, out_cache_loc, 0),
-        ):  # fmt: skip
+        ]
+        if out_cache_loc is not None:
+            given.append(("out_cache_loc", self.out_cache_loc, out_cache_loc, 0))
+        for name, planned, got, pad in given:
             n = planned.numel()
             head = got.reshape(-1)[:n]
             found.append(

@@ -754,7 +754,9 @@ class DSV4AttentionBackend(AttentionBackend):
         ``num_rows``: the rows the caller got (None when it has none to compare: then the
         batch's size, kind and values are checked). The planned object, or the last one
         matched, with its tensors unchanged passes at once; another object is matched by value
-        (``_match``).
+        (``_match``). Inside the late-layer tail the rows are the tail plan's: sglang's tail
+        graphs hand each break a copy of the batch whose ``out_cache_loc`` is cut to the tail's
+        row count (``deepseek_v4_attention_with_output``), so only its requests are matched.
         """
         metadata, planned = self.forward_metadata, self.planned
         if metadata is None or planned is None:
@@ -818,7 +820,7 @@ class DSV4AttentionBackend(AttentionBackend):
             checks = planned.inputs.checks(
                 req_pool_indices=fb.req_pool_indices,
                 seq_lens=fb.seq_lens,
-                out_cache_loc=fb.out_cache_loc[:num_rows],
+                out_cache_loc=None if self.in_late_layer_tail else fb.out_cache_loc[:num_rows],
             )
             try:
                 pending = run_checks(

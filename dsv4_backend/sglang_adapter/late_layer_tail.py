@@ -8,11 +8,16 @@ model sglang's own ``LateLayerTail`` of it: the tail rows' indices into the exte
 positions, lengths and window slots. Which requests keep their whole extend is sglang's own
 ``late_layer_whole_extend`` (prompt logprobs; every hidden state outside DSpark).
 
-Served with the tail run eagerly: sglang's row-bucket tail graphs (``DecoderReplayTail``,
-on by default through ``SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS``) build their metadata with
-private methods of sglang's own backend, and are refused when the backend is built. Under DP
-attention the tail is the real requests' rows (an extend's padding tokens are no request's);
-the late layers' DP token counts are the model's (``enter_late_layer_dp``).
+sglang's row-bucket tail graphs (``DecoderReplayTail``, on by default: their
+``SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS`` is 2048) replay the late layers with the backend's
+calls as eager breaks (``deepseek_v4_attention_with_output``, ``deepseek_v4_low_ratio_sources``,
+``_tail_kv_store``): each break gets a copy of the batch whose ``out_cache_loc`` is cut to the
+tail's row count, which the backend matches by its requests inside the tail (the rows are the
+tail plan's); a bucket's first use runs them three times (two warmups and the capture), which
+rewrites the same entries. The prefill-graph tail (``run_in_prefill_graph``) needs the prefill
+CUDA graph, which the backend refuses. Under DP attention the tail is the real requests' rows (an
+extend's padding tokens are no request's); the late layers' DP token counts are the model's
+(``enter_late_layer_dp``).
 """
 
 from __future__ import annotations
@@ -21,33 +26,22 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from sglang.srt.environ import envs
 from sglang.srt.layers.attention.deepseek_v4_backend import (
     LateLayerTail as SglangLateLayerTail,
 )
 from sglang.srt.layers.attention.deepseek_v4_backend import late_layer_whole_extend
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import ConfigError
 from dsv4_backend.planning import AttentionMetadata, BatchView, late_layer_tail, plan
-
-TAIL_GRAPH_ENV = "SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS"
 
 
 def bounded_replay(args: Any, config: DSV4AttentionConfig) -> bool:
-    """Whether ``args`` (sglang's ``ServerArgs``) turn the decoder SWA bounded replay on;
-    ``ConfigError`` naming the option for what of it is not served (module docstring), or for a
-    model the tail cannot serve (``config.late_layer_start``)."""
+    """Whether ``args`` (sglang's ``ServerArgs``, as resolved: its V4.1 hook turns the replay on
+    by default on CUDA) turn the decoder SWA bounded replay on; ``ConfigError`` naming the
+    option for a model the tail cannot serve (``config.late_layer_start``)."""
     if not getattr(args, "enable_decoder_swa_bounded_replay", False):
         return False
     config.late_layer_start  # noqa: B018 -- validates the model's layers for the tail
-    rows = envs.SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS.get()
-    if rows > 0:
-        raise ConfigError(
-            f"{TAIL_GRAPH_ENV}={rows}: the dsv4 backend runs DeepSeek-V4.1's late-layer tail "
-            f"eagerly and does not serve sglang's decoder tail graphs yet; set {TAIL_GRAPH_ENV}=0, "
-            "or start with --no-enable-decoder-swa-bounded-replay"
-        )
     return True
 
 

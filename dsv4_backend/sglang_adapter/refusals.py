@@ -69,6 +69,18 @@ def _other_than(*values: str) -> Callable[[Any], bool]:
     return lambda value: value is not None and _name(value) not in values
 
 
+def _prefill_graph(value: Any) -> bool:
+    """Whether a ``cuda_graph_config`` (the ``--cuda-graph-config`` JSON, or sglang's resolved
+    ``CudaGraphConfig``) captures prefill graphs."""
+
+    def field(holder: Any, name: str) -> Any:
+        return holder.get(name) if isinstance(holder, Mapping) else getattr(holder, name, None)
+
+    backend = field(field(value, "prefill"), "backend")
+    return backend is not None and _name(backend) in ("full", "breakable")
+
+
+_PREFILL_GRAPH = "prefill (EXTEND) batches run eagerly; the backend has no prefill CUDA graph"
 _STATE = "not verified to carry the backend's caches and compressor rings"
 _RADIX = "; the backend serves sglang's device radix cache only"
 _SESSION = "a session resumes at an unaligned length in a fresh pool row (empty c128 ring)"
@@ -83,8 +95,9 @@ REFUSED: tuple[Refused, ...] = (
             "its verify batches are draft trees or come from another draft model; the backend "
             "plans linear EAGLE drafts (topk 1)"),
     Refused("cuda_graph_backend_prefill", _one_of("full", "breakable"),
-            "--cuda-graph-backend-prefill full|breakable",
-            "prefill (EXTEND) batches run eagerly; the backend has no prefill CUDA graph"),
+            "--cuda-graph-backend-prefill full|breakable", _PREFILL_GRAPH),
+    Refused("cuda_graph_config", _prefill_graph,
+            "--cuda-graph-config with a prefill backend full|breakable", _PREFILL_GRAPH),
     Refused("enable_encoder_swa_bounded_replay", _set, "--enable-encoder-swa-bounded-replay",
             _REPLAY),
     # Pool layouts of other attention kernels.

@@ -21,6 +21,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.testing.harness import Step, tiny_hf_config
 from dsv4_backend.testing.reference.v41_model import V41LayerInputs, reference_v41
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
+from dsv4_backend.testing.tail_graphs import LayerCall, TailGraphs
 
 HIDDEN, Q_LORA = 96, 48
 #: A request's query row: ``(request, position)``; None is a graph bucket's padding row.
@@ -194,33 +195,55 @@ class SglangV41Model:
         """``run_feed`` of ``step``'s rows."""
         return self.run_feed(backend, step.batch, layer, self.feed(step.rows, layer))
 
-    def forward(self, backend: Any, step: Step) -> list[tuple[list[Row], torch.Tensor]]:
+    def forward(
+        self, backend: Any, step: Step, tail_graphs: TailGraphs | None = None
+    ) -> list[tuple[list[Row], torch.Tensor]]:
         """Every layer of planned ``step`` as sglang's model runs them (``DeepseekV4Model.
         forward``): under the decoder SWA bounded replay an extend runs the layers from
         ``late_layer_start`` on over its late-layer tail only, after ``write_tail_source_kv``
         (the kv source's compressor over every row) and ``enter_late_layer_tail``, then
-        ``exit_late_layer_tail``. Returns each layer's rows and output."""
+        ``exit_late_layer_tail``; from ``tail_graphs``' bucket when one serves the tail rows
+        (``DecoderReplayTail.plan``), else eagerly. Returns each layer's rows and output."""
         tail = getattr(backend, "tail_forward_metadata", None)
         late = self.config.late_layer_start if tail is not None else len(self.layers)
-        rows, fb, positions = list(step.rows), step.batch, None
-        outputs = []
-        for layer in range(len(self.layers)):
-            if layer == late:
-                source = self.feed(rows, layer)
-                with torch.no_grad():
-                    backend.write_tail_source_kv(
-                        layer=self.layers[layer], x=source.x, positions=fb.positions,
-                        forward_batch=fb,
-                    )  # fmt: skip
-                saved = backend.enter_late_layer_tail(fb)
-                late_tail = backend.tail_forward_metadata.late_layer_tail
-                rows = [rows[i] for i in late_tail.token_indices.tolist()]
-                positions = late_tail.positions
-            out = self.run_feed(backend, fb, layer, self.feed(rows, layer), positions)
-            outputs.append((rows, out))
-        if late < len(self.layers):
-            backend.exit_late_layer_tail(saved, fb)
+        rows, fb = list(step.rows), step.batch
+        outputs = [
+            (rows, self.run_feed(backend, fb, layer, self.feed(rows, layer)))
+            for layer in range(min(late, len(self.layers)))
+        ]
+        if late == len(self.layers):
+            return outputs
+        source = self.feed(rows, late)
+        with torch.no_grad():
+            backend.write_tail_source_kv(
+                layer=self.layers[late], x=source.x, positions=fb.positions, forward_batch=fb
+            )
+        saved = backend.enter_late_layer_tail(fb)
+        late_tail = backend.tail_forward_metadata.late_layer_tail
+        rows = [rows[i] for i in late_tail.token_indices.tolist()]
+        positions = late_tail.positions
+        late_layers = range(late, len(self.layers))
+        if tail_graphs is not None and tail_graphs.bucket_rows(len(rows)) is not None:
+            calls = [
+                LayerCall(spec=self.layers[layer], **vars(self.feed(rows, layer)))
+                for layer in late_layers
+            ]
+            outputs += [(rows, out) for out in tail_graphs.run(backend, fb, positions, calls)]
+        else:
+            outputs += [
+                (rows, self.run_feed(backend, fb, layer, self.feed(rows, layer), positions))
+                for layer in late_layers
+            ]
+        backend.exit_late_layer_tail(saved, fb)
         return outputs
+
+    def tail_graphs(self, max_rows: int) -> TailGraphs:
+        """sglang's decoder tail graphs of this model (``DecoderReplayTail.maybe_create``:
+        ``SWA_WINDOW``-row buckets up to ``max_rows``), their CPU twin."""
+        return TailGraphs(
+            row_step=self.config.window_size, max_rows=max_rows, sinks=self.sinks,
+            num_heads=self.config.num_heads,
+        )  # fmt: skip
 
     def max_error(self, rows: Sequence[Row], layer: int, out: torch.Tensor) -> float:
         """Largest difference to the reference over the real rows."""

@@ -108,7 +108,6 @@ def test_v41_dp_attention_padding_leaves_the_real_rows_exact() -> None:
     [
         ({"pp_size": 2}, "--pipeline-parallel-size"),
         ({"enable_two_batch_overlap": True}, "--enable-two-batch-overlap"),
-        ({"enable_decoder_swa_bounded_replay": True}, "--no-enable-decoder-swa-bounded-replay"),
     ],
 )
 def test_v41_launches_not_served_are_refused_when_built(flags: dict, named: str) -> None:

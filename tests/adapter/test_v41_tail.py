@@ -17,7 +17,6 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.planning import late_layer_tail
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
-from dsv4_backend.sglang_adapter.late_layer_tail import TAIL_GRAPH_ENV
 from dsv4_backend.testing.harness import BatchBuilder, Step, mock_runner
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
 from dsv4_backend.testing.simulation.v41 import TINY_V41_SOURCES, tiny_v41
@@ -26,12 +25,6 @@ from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
 pytestmark = pytest.mark.sglang
 
 TAIL = 128  # sglang's SWA_WINDOW: the tail of a request's extend
-
-
-@pytest.fixture
-def eager_tail(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sglang's decoder tail graphs off (the launch the backend serves)."""
-    monkeypatch.setenv(TAIL_GRAPH_ENV, "0")
 
 
 def _runner(pool: PagedRequestPool, config: DSV4AttentionConfig, **flags: Any) -> Any:
@@ -78,43 +71,64 @@ def _floors(lengths: tuple[int, ...]) -> list[torch.Tensor]:
     return [torch.zeros(n, dtype=torch.int64) for n in lengths]
 
 
-def test_extends_run_their_late_layers_over_the_tail(eager_tail: None) -> None:
-    """Chunked prefills of two requests (200 rows: a tail of the last 128 with its floor at the
-    first; then extends shorter than the tail reading back into the previous chunk's tail),
-    then decodes and a DSpark verify (no tail): every computed row of every layer equals the
-    reference with the tail's window floors, and the late layers' first tail rows differ from
-    the plain window (the check can fail)."""
+def test_extends_run_their_late_layers_over_the_tail_eagerly_and_from_tail_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Chunked prefills of two requests (a tail of each request's last 128 rows with its floor
+    at the first; extends shorter than the tail reading back into the previous chunk's tail),
+    then a DSpark verify (no tail), on two backends: one with the tail run eagerly, one from
+    sglang's decoder tail graphs (``testing.tail_graphs``: buckets of 128 and 256 rows, each
+    captured on first use with two warmups, then replayed). Every computed row of every layer
+    equals the reference with the tail's window floors, the graphs' rows equal the eager ones
+    bit for bit, and the late layers' first tail rows differ from the plain window (the check
+    can fail)."""
+    for op in ("ATTENTION", "LOW_RATIO_SCORES"):  # the host's calls are under test: torch twins
+        monkeypatch.setenv(f"DSV4_{op}_KERNEL", "torch")
     config = tiny_v41(speculative=True, num_draft_tokens=5)
-    lengths = (260, 210)
+    lengths = (260, 120)
     pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(4))
-    backend = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
+    eager = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
+    graphed = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
     model = SglangV41Model(config, lengths)
+    graphs = model.tail_graphs(max_rows=2 * TAIL)
     plain = list(model.expected)
     builder = BatchBuilder(pool)
     floors = _floors(lengths)
-    chunks = [([0, 1], [0, 0], [200, 90]), ([0, 1], [200, 90], [50, 110])]
+    chunks = [
+        ([0, 1], [0, 0], [200, 90]),  # 218 tail rows: the 256-row bucket, captured
+        ([0], [200], [50]),  # 50: the 128-row bucket, captured
+        ([0, 1], [250, 90], [1, 20]),  # 21: the 128-row bucket, replayed
+    ]
     steps: list[Step] = []
     for requests, prefix, extend in chunks:
         steps.append(builder.extend(requests, prefix, extend))
         for r, p, n in zip(requests, prefix, extend, strict=True):
             tail = min(TAIL, n)
             floors[r][p + n - tail : p + n] = max(0, p + n - TAIL)
-    steps += [builder.decode([0, 1], [251, 201]), builder.verify([0, 1], [251, 201], 5)]
+    steps.append(builder.verify([0, 1], [251, 110], 5))
     model.replay_late_layers(floors)
     late = config.late_layer_start
     projected: list[int] = []  # rows the tail's kv source compresses, call by call
     compressor = model.layers[late].compressor
     project = compressor.project
     compressor.project = lambda x: (projected.append(x.shape[0]), project(x))[1]
-    worst, plain_gap = 0.0, 0.0
+    worst, plain_gap, captures = 0.0, 0.0, []
     for step in steps:
-        projected.clear()
-        backend.init_forward_metadata(step.batch)
         is_extend = (
             step.batch.forward_mode.is_extend() and not step.batch.forward_mode.is_target_verify()
         )
-        assert (backend.tail_forward_metadata is not None) == is_extend
-        for layer, (rows, out) in enumerate(model.forward(backend, step)):
+        runs = []
+        for backend, tail_graphs in ((eager, None), (graphed, graphs)):
+            projected.clear()
+            backend.init_forward_metadata(step.batch)
+            assert (backend.tail_forward_metadata is not None) == is_extend
+            runs.append(model.forward(backend, step, tail_graphs))
+            assert projected == [len(step.rows)]  # every row once, not again inside the tail
+            assert not backend.in_late_layer_tail and backend.tail_source_kv_layer_id is None
+        captures.append(graphs.captures)
+        for (rows, out), (graph_rows, graph_out) in zip(*runs, strict=True):
+            assert graph_rows == rows and torch.equal(graph_out, out)
+        for layer, (rows, out) in enumerate(runs[0]):
             assert out.shape[0] == len(rows) and len(rows) <= len(step.rows)
             if is_extend and layer >= late:
                 assert len(rows) == sum(min(TAIL, n) for n in step.batch.extend_seq_lens_cpu)
@@ -122,15 +136,12 @@ def test_extends_run_their_late_layers_over_the_tail(eager_tail: None) -> None:
             if is_extend and layer >= late:
                 want = torch.stack([plain[r].outputs[layer][p] for r, p in rows])
                 plain_gap = max(plain_gap, float((out.float() - want).abs().max()))
-        assert projected == [len(step.rows)]  # every row once, not again inside the tail
-        assert not backend.in_late_layer_tail and backend.tail_source_kv_layer_id is None
+    assert captures == [1, 2, 2, 2] and sorted(graphs.graphs) == [TAIL, 2 * TAIL]
     assert worst < 2e-2, worst  # the output is bf16 (q's dtype)
     assert plain_gap > 0.1, plain_gap
 
 
-def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail(
-    eager_tail: None,
-) -> None:
+def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail() -> None:
     """``--enable-dp-attention``: an extend padded by sglang's ``_pad_inputs_to_size`` with
     tokens of no request (``prepare_mlp_sync_batch``) and a decode padded with requests: the
     tail is the real requests' rows, every computed row equals the reference with the tail's
@@ -160,7 +171,7 @@ def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail(
     assert worst < 2e-2, worst
 
 
-def test_the_tail_outside_an_extend_is_refused(eager_tail: None) -> None:
+def test_the_tail_outside_an_extend_is_refused() -> None:
     config = tiny_v41(speculative=True, num_draft_tokens=5)
     pool = PagedRequestPool(config, (40,), generator=torch.Generator().manual_seed(5))
     backend = DSV4AttentionBackend(_runner(pool, config), cache_format="dense")
@@ -170,24 +181,10 @@ def test_the_tail_outside_an_extend_is_refused(eager_tail: None) -> None:
         backend.enter_late_layer_tail(decode.batch)
 
 
-@pytest.mark.parametrize(
-    ("env", "flags", "config", "named"),
-    [
-        (None, {}, {}, f"{TAIL_GRAPH_ENV}=2048"),  # sglang's default: tail graphs on
-        # The last kv source must also be the candidate source (sglang's model asserts it).
-        ("0", {}, {"candidate_source_layer": 1}, "to be an index source and the candidate"),
-    ],
-    ids=["tail-graphs", "model"],
-)
-def test_what_the_bounded_replay_is_not_served_with_is_refused_when_built(
-    monkeypatch: pytest.MonkeyPatch, env: str | None, flags: dict, config: dict, named: str
-) -> None:
-    if env is None:
-        monkeypatch.delenv(TAIL_GRAPH_ENV, raising=False)
-    else:
-        monkeypatch.setenv(TAIL_GRAPH_ENV, env)
-    sources = TINY_V41_SOURCES.__class__(**{**vars(TINY_V41_SOURCES), **config})
+def test_a_model_the_tail_cannot_serve_is_refused_when_built() -> None:
+    """The last kv source must also be the candidate source (sglang's model asserts it)."""
+    sources = TINY_V41_SOURCES.__class__(**{**vars(TINY_V41_SOURCES), "candidate_source_layer": 1})
     v41 = tiny_v41(v41=sources, speculative=True, num_draft_tokens=5)
     pool = PagedRequestPool(v41, (40,), generator=torch.Generator().manual_seed(6))
-    with pytest.raises(ConfigError, match=named):
-        DSV4AttentionBackend(_runner(pool, v41, **flags), cache_format="dense")
+    with pytest.raises(ConfigError, match="to be an index source and the candidate"):
+        DSV4AttentionBackend(_runner(pool, v41), cache_format="dense")

@@ -78,6 +78,10 @@ COMMANDS = [
     ("pipeline-h20", f"{FLASH} --tp 1 --pp-size 8", {}, None),
     ("prefill-graph", f"{LOW_LATENCY} --cuda-graph-backend-prefill breakable", {},
      "--cuda-graph-backend-prefill"),
+    ("prefill-graph-json", f'{LOW_LATENCY} --cuda-graph-config {{"prefill":{{"backend":"full"}}}}',
+     {}, "--cuda-graph-config with a prefill backend"),
+    ("decode-graph-json", f'{LOW_LATENCY} --cuda-graph-config {{"decode":{{"max_bs":64}}}}', {},
+     None),
     ("v41-layout", LOW_LATENCY, {"SGLANG_DSV4_KV_LAYOUT": "v41"}, "SGLANG_DSV4_KV_LAYOUT"),
 ]  # fmt: skip
 
@@ -154,10 +158,8 @@ V41_COMMANDS = [
     ("v41-flash-tp4", f"{V41_FLASH} {FULL_PREFILL}", None),
     ("v41-flash-tp4-eager", f"{V41_FLASH} {FULL_PREFILL} --cuda-graph-backend-decode disabled",
      None),
-    # sglang's default for V4.1: its decoder tail graphs on (refused, naming the variable);
-    # with them off the late-layer tail runs eagerly (served).
-    ("v41-bounded-replay", f"{V41_FLASH} --enable-decoder-swa-bounded-replay",
-     "SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS=2048"),
+    # The late-layer tail from sglang's decoder tail graphs (its default) or eagerly.
+    ("v41-bounded-replay", f"{V41_FLASH} --enable-decoder-swa-bounded-replay", None),
     ("v41-bounded-replay-eager-tail", f"SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS=0 {V41_FLASH} "
      "--enable-decoder-swa-bounded-replay --speculative-algorithm DSPARK "
      "--speculative-num-steps 1 --speculative-num-draft-tokens 5", None),
@@ -199,6 +201,53 @@ def test_deepseek_v41_launches_are_served_or_refused_at_build_time(
         with pytest.raises(ConfigError) as error:
             build_all(pool, server_args, V41_HF)
         assert refused in str(error.value), str(error.value)
+
+
+#: DeepSeek-V4.1 launches with no bounded-replay flag: sglang's own V4.1 hook resolves it.
+V41_DEFAULT_COMMANDS = [
+    ("v41-flash-tp4-default", V41_FLASH),
+    ("v41-default-dspark", f"{V41_FLASH} --speculative-algorithm DSPARK --speculative-num-steps 1 "
+     "--speculative-num-draft-tokens 5"),
+    ("v41-default-dp-attention", f"{V41_FLASH} --dp 4 --enable-dp-attention"),
+]  # fmt: skip
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("name", "command"), V41_DEFAULT_COMMANDS, ids=[c[0] for c in V41_DEFAULT_COMMANDS]
+)
+def test_default_deepseek_v41_launches_are_served_with_the_bounded_replay(
+    name: str, command: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """sglang's ``validate_deepseek_v41_features`` (``arg_groups/deepseek_v4_hook.py``), run as
+    on a CUDA host (its platform check and the model type it reads from the checkpoint given),
+    resolves ``--enable-decoder-swa-bounded-replay`` on for these launches; the backends built
+    from the resolved arguments serve the late-layer tail, with sglang's default tail graphs
+    (``SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS`` unset)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.arg_groups import deepseek_v4_hook
+    from sglang.srt.arg_groups.cuda_graph_hook import parse_cuda_graph_config
+    from sglang.srt.arg_groups.overrides import resolving_view
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.delenv("SGLANG_DSV4_DECODER_TAIL_GRAPH_MAX_ROWS", raising=False)
+    platform = deepseek_v4_hook.get_platform()
+    cuda = SimpleNamespace(
+        **{name: getattr(platform, name) for name in dir(platform) if name.startswith("is_")}
+    )
+    cuda.is_cuda, cuda.is_hip = True, False
+    monkeypatch.setattr(deepseek_v4_hook, "get_platform", lambda: cuda)
+    checkpoint = SimpleNamespace(hf_config=SimpleNamespace(model_type="deepseek_v41"))
+    monkeypatch.setattr(deepseek_v4_hook, "model_config_of", lambda _: checkpoint)
+    server_args = prepare_server_args(command.split())
+    parse_cuda_graph_config(server_args)  # the prefill graph's default backend, which it reads
+    deepseek_v4_hook.validate_deepseek_v41_features(server_args)
+    resolved = resolving_view(server_args)
+    assert resolved.enable_decoder_swa_bounded_replay is True
+    pool = PagedRequestPool(tiny_v41(), [40], generator=torch.Generator().manual_seed(0))
+    backends = build_all(pool, resolved, V41_HF)
+    assert backends[0].bounded_replay
 
 
 @pytest.mark.parametrize("ratio", [1, 2])
