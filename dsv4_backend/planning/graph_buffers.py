@@ -343,8 +343,9 @@ def read_plan(
     For a prefill context-parallel rank, whose queries are its own rows of the batch while its
     cache and compressor writes are the whole batch's: the rank reads (indexer, attention)
     through this plan and writes through ``plan``. Every write field is a sentinel here (no
-    cache write, no plan record), so this plan cannot write; ``c4.page_indices`` is its own
-    tensor, which the rank's indexer top-k fills. Allocates new tensors (eager use only).
+    cache write, no plan record), so this plan cannot write; ``c4.page_indices`` (and
+    DeepSeek-V4.1's ``c1`` / ``c2`` selections and candidate blocks) are its own tensors, which
+    the rank's index sources fill. Allocates new tensors (eager use only).
     ``ContractError`` for a row index outside ``plan`` or more rows than ``num_rows``.
     """
     if rows.dim() != 1 or (
@@ -359,8 +360,12 @@ def read_plan(
         None if part is None else dataclasses.replace(part, **_read_rows(part, rows))
         for part in (plan.c4, plan.c128)
     )
+    c1, c2 = (
+        None if low is None else dataclasses.replace(low, **_read_rows(low, rows))
+        for low in (plan.c1, plan.c2)
+    )
     subset = dataclasses.replace(
-        plan, num_rows=rows.numel(), c4=c4, c128=c128, pending_checks=None,
+        plan, num_rows=rows.numel(), c4=c4, c128=c128, c1=c1, c2=c2, pending_checks=None,
         **_read_rows(plan, rows),
     )  # fmt: skip
     return pad_plan(config, subset, batch_size=plan.batch_size, num_rows=num_rows)

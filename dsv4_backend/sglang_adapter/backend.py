@@ -101,12 +101,18 @@ from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.sglang_adapter.batch_view import (
     GraphCall,
     batch_view,
+    cp_all_rows,
     cp_rank_rows,
     forward_kind,
     padding_rows,
     readable_ints,
 )
-from dsv4_backend.sglang_adapter.late_layer_tail import TailForward, bounded_replay, plan_tail
+from dsv4_backend.sglang_adapter.late_layer_tail import (
+    TailForward,
+    bounded_replay,
+    plan_tail,
+    prefill_cp,
+)
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
@@ -142,6 +148,13 @@ _STATE_ATTR = "_dsv4_backend_attention_state"
 REGION_COPYING_OPTIONS = (
     ("disaggregation_mode", "null", "--disaggregation-mode"),
     ("enable_hierarchical_cache", False, "--enable-hierarchical-cache"),
+)
+#: DeepSeek-V4.1 under prefill CP: sglang's model all-gathers the window keys and writes them
+#: into its pool (``set_swa_key_buffer_radix_fused_norm_rope``), not through ``store_cache``,
+#: so the backend's window cache must be a view of that pool, like the region-copying options.
+V41_CP_WINDOW_WRITES = (
+    "--attention-context-parallel-size with DeepSeek-V4.1 (its model writes the window keys "
+    "into the pool itself)"
 )
 #: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
 #: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
@@ -235,6 +248,9 @@ class RunnerSettings:
         layers = None
         if config.v41 is not None:
             check_served(args, hf, v41=True)
+            if prefill_cp(args):
+                # sglang's V4.1 model writes a CP prefill's window keys into its pool itself.
+                region_copying += (V41_CP_WINDOW_WRITES,)
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.
             config = dataclasses.replace(config, compress_ratios=(0,), v41=None)
@@ -343,9 +359,9 @@ def shared_state(
     if region_copying and unmovable:
         raise ConfigError(
             f"{', '.join(region_copying)}: sglang copies its DeepSeekV4TokenToKVPool's regions "
-            f"between pools (or to host memory), and they would not carry the dsv4 backend's "
-            f"state: {unmovable}. Serve these with fp8 caches over sglang's pool (V4 layout, "
-            "paged window, offline fp32 c128 state), or leave the options unset"
+            f"between pools (or to host memory) or writes into them, and they would not hold the "
+            f"dsv4 backend's state: {unmovable}. Serve these with fp8 caches over sglang's pool "
+            "(V4 layout, paged window, offline fp32 c128 state), or leave the options unset"
         )
     setattr(pool, _STATE_ATTR, state)
     return state
@@ -1081,13 +1097,17 @@ class DSV4AttentionBackend(AttentionBackend):
         if layer_id == self.tail_source_kv_layer_id:  # write_tail_source_kv compressed it
             run_compressor = False
         if run_compressor and compressor is not None:
-            kv, score = compressor.project(x)
+            written, write_plan = x, metadata
+            if self.cp_read_metadata is not None:  # a CP rank: every rank writes every entry
+                write_plan = self._metadata(forward_batch, None, where)
+                written = cp_all_rows(x, forward_batch, write_plan.num_rows)
+            kv, score = compressor.project(written)
             keys = None
             if indexer is not None and indexer.owns_k:
                 k_norm = indexer.k_norm
                 keys = (indexer.wk.weight, k_norm.weight.float(), float(k_norm.eps))
             compress_low_ratio(
-                self.state, layer_id, metadata, forward_batch.req_pool_indices,
+                self.state, layer_id, write_plan, forward_batch.req_pool_indices,
                 kv.float(), None if score is None else score.float(),
                 compressor.norm.weight.float(), float(compressor.norm.eps),
                 index_key_params=keys,

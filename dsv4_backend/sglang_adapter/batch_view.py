@@ -353,3 +353,14 @@ def draft_extend_graph_view(
         extend_seq_lens=[width] * bs,
         **common,
     )
+
+
+def cp_all_rows(x: torch.Tensor, fb: Any, num_rows: int) -> torch.Tensor:
+    """The batch's ``num_rows`` rows of ``x`` (``[n, ...]``: this context-parallel rank's rows,
+    then padding), all-gathered over the CP group in token order by sglang's
+    ``cp_materialize_global_token_order`` (what its DeepSeek-V4.1 backend gathers before the
+    low-ratio compressors, ``_forward_low_ratio_sources_cp``)."""
+    from sglang.srt.layers.cp.utils import cp_materialize_global_token_order
+
+    stream = torch.cuda.current_stream() if x.is_cuda else None
+    return cp_materialize_global_token_order(x.contiguous(), fb, stream)[:num_rows]

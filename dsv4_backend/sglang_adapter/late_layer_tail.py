@@ -32,6 +32,7 @@ from sglang.srt.layers.attention.deepseek_v4_backend import (
 from sglang.srt.layers.attention.deepseek_v4_backend import late_layer_whole_extend
 
 from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError
 from dsv4_backend.planning import AttentionMetadata, BatchView, late_layer_tail, plan
 
 
@@ -42,7 +43,22 @@ def bounded_replay(args: Any, config: DSV4AttentionConfig) -> bool:
     if not getattr(args, "enable_decoder_swa_bounded_replay", False):
         return False
     config.late_layer_start  # noqa: B018 -- validates the model's layers for the tail
+    if prefill_cp(args):
+        raise ConfigError(
+            "--enable-decoder-swa-bounded-replay with prefill CP (--enable-prefill-cp / "
+            "--attention-context-parallel-size): the dsv4 backend does not plan the late-layer "
+            "tail's CP layout yet (sglang turns the replay off under CP by default); start with "
+            "--no-enable-decoder-swa-bounded-replay"
+        )
     return True
+
+
+def prefill_cp(args: Any) -> bool:
+    """Whether ``args`` (sglang's ``ServerArgs``) split prefills over CP ranks, as sglang's V4.1
+    hook reads it (``--enable-prefill-cp`` before ``attn_cp_size`` resolves, or the size)."""
+    return bool(getattr(args, "enable_prefill_cp", False)) or (
+        int(getattr(args, "attn_cp_size", 1) or 1) > 1
+    )
 
 
 @dataclass(frozen=True)

@@ -138,7 +138,7 @@ REFUSED: tuple[Refused, ...] = (
 _V41 = "sglang 0.5.23 does not serve DeepSeek-V4.1 with it (arg_groups/deepseek_v4_hook.py)"
 #: What DeepSeek-V4.1 (a model config with ``kv_source_layer_ids``) is not served with, on top
 #: of ``REFUSED`` (docs/design.md §8): what sglang's own V4.1 check refuses (other speculative
-#: algorithms, pipeline parallelism, two-batch overlap) and prefill CP (not served yet).
+#: algorithms, pipeline parallelism, two-batch overlap).
 V41_REFUSED: tuple[Refused, ...] = (
     Refused("speculative_algorithm", _other_than("dspark"),
             "--speculative-algorithm (only DSPARK with DeepSeek-V4.1)",
@@ -146,8 +146,6 @@ V41_REFUSED: tuple[Refused, ...] = (
     Refused("pp_size", _above_one, "--pipeline-parallel-size",
             f"{_V41}: a stage may start after the kv source whose caches it reads"),
     Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap", _V41),
-    Refused("attn_cp_size", _above_one, "--attention-context-parallel-size",
-            "prefill CP of DeepSeek-V4.1's shared caches is not served yet"),
 )  # fmt: skip
 
 

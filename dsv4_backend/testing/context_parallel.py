@@ -140,6 +140,27 @@ def own_rows(rank: int, size: int, num_rows: int) -> list[int]:
     return list(range(rank, num_rows, size))
 
 
+class SimulatedCPGroup:
+    """sglang's ``attn_cp_group.all_gather_into_tensor`` for ranks simulated one after another
+    in one process: ``world`` holds every rank's rows of the tensor being gathered (set before
+    the collective), which the collective lays out rank-major, each shard zero-padded to the
+    shard length; the calling rank's own shard must equal its ``world`` entry."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.world: list[torch.Tensor] = []
+        self.gathers = 0
+
+    def all_gather_into_tensor(self, output: torch.Tensor, input_: torch.Tensor) -> None:
+        own = self.world[self.rank]
+        if not torch.equal(input_[: own.shape[0]], own.to(input_.dtype)):
+            raise AssertionError(f"rank {self.rank} gathers rows that are not its own")
+        for shard, rows in zip(output.chunk(len(self.world)), self.world, strict=True):
+            shard.zero_()
+            shard[: rows.shape[0]] = rows
+        self.gathers += 1
+
+
 class GlooCPGroup:
     """sglang's ``attn_cp_group.all_gather_into_tensor`` over the default (gloo) process
     group: the ranks' equal shards, rank-major."""

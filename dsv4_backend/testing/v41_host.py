@@ -174,11 +174,14 @@ class SglangV41Model:
         layer: int,
         feed: V41Feed,
         positions: torch.Tensor | None = None,
+        window_keys: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The backend calls of one layer on ``feed`` (rows at ``positions``, default the
-        batch's): ``[T, H, D]`` in bf16."""
+        batch's): ``[T, H, D]`` in bf16. ``window_keys``: the keys written instead of
+        ``feed.kv`` (a prefill CP rank's: every row of the batch, all-gathered by the model)."""
         spec = self.layers[layer]
-        backend.store_cache(layer_id=layer, swa_k=feed.kv, forward_batch=fb)
+        keys = feed.kv if window_keys is None else window_keys
+        backend.store_cache(layer_id=layer, swa_k=keys, forward_batch=fb)
         if spec.compressor is not None or spec.indexer is not None:
             with torch.no_grad():
                 backend.forward_low_ratio_sources(

@@ -173,6 +173,10 @@ V41_COMMANDS = [
      None),
     ("v41-two-batch-overlap", f"{V41_FLASH} {FULL_PREFILL} --enable-two-batch-overlap",
      "--enable-two-batch-overlap"),
+    # Prefill CP is served with fp8 caches over sglang's pool (tests/serving/
+    # test_v41_context_parallel.py); these builds' dense caches are not its views.
+    ("v41-prefill-cp", f"{V41_FLASH} {FULL_PREFILL} --enable-prefill-cp --cp-strategy interleave",
+     "--attention-context-parallel-size with DeepSeek-V4.1"),
 ]  # fmt: skip
 
 
