@@ -15,7 +15,7 @@ from dsv4_backend.planning.kernels.row_fields import RowFields, row_fields
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
 from dsv4_backend.planning.planner import GRAPH_KINDS, PlanWidths, plan
 from dsv4_backend.planning.tag import PlanInputs
-from dsv4_backend.planning.tail import LateLayerTail, late_layer_tail
+from dsv4_backend.planning.tail import LateLayerTail, TailCPLayout, late_layer_tail, tail_cp_layout
 
 __all__ = [
     "GRAPH_KINDS",
@@ -31,6 +31,7 @@ __all__ = [
     "PlanInputs",
     "PlanWidths",
     "RowFields",
+    "TailCPLayout",
     "compute_compress_plans",
     "dspark_swa_width",
     "late_layer_tail",
@@ -41,4 +42,5 @@ __all__ = [
     "read_plan",
     "row_fields",
     "seq_len_fill_value",
+    "tail_cp_layout",
 ]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -83,3 +84,69 @@ def late_layer_tail(
     )
     contiguous = extend[0] - tails[0] if len(extend) == 1 else None
     return LateLayerTail(tail, token_indices, tails, floors, contiguous)
+
+
+@dataclass(frozen=True)
+class TailCPLayout:
+    """A prefill context-parallel rank's share of a late-layer tail. Under sglang's interleave
+    layout extend token ``i`` is rank ``i % cp``'s, so a tail row is the rank's that owns its
+    token; every rank's tail rows are padded to the largest share for the collectives.
+
+    Attributes
+    ----------
+    rank_rows : host tail rows of each rank.
+    local_rows : ``[n]`` int64 — this rank's tail rows (rows of the tail), in order.
+    gather_index : ``[T]`` int64 — each tail row's row in the rank-major all-gather of every
+        rank's rows, each rank's padded to ``max(rank_rows)``.
+    local_index : ``[max(rank_rows)]`` int64 — ``local_rows``, then this rank's padding rows:
+        rows past the tail, distinct across the ranks.
+    local_token_indices : ``[n]`` int64 — each of this rank's tail rows among the rank's own
+        extend rows (token ``i`` is the rank's row ``i // cp``).
+    local_lens : host tail rows of each request on this rank.
+    """
+
+    rank_rows: list[int]
+    local_rows: torch.Tensor
+    gather_index: torch.Tensor
+    local_index: torch.Tensor
+    local_token_indices: torch.Tensor
+    local_lens: list[int]
+
+    @property
+    def max_rows(self) -> int:
+        """Every rank's padded tail rows."""
+        return max(self.rank_rows)
+
+
+def tail_cp_layout(tail: LateLayerTail, rank: int, size: int) -> TailCPLayout:
+    """Rank ``rank`` of ``size``'s share of ``tail`` (``TailCPLayout``)."""
+    if not 0 <= rank < size:
+        raise BatchError(f"CP rank {rank} of {size}: expected 0 <= rank < size")
+    tokens = tail.token_indices.tolist()
+    owners = [t % size for t in tokens]
+    rank_rows = [owners.count(r) for r in range(size)]
+    width = max(rank_rows, default=0)
+    seen = [0] * size
+    gather, local = [], []
+    for row, owner in enumerate(owners):
+        gather.append(owner * width + seen[owner])
+        seen[owner] += 1
+        if owner == rank:
+            local.append(row)
+    pad_start = len(tokens) + sum(width - n for n in rank_rows[:rank])
+    padding = list(range(pad_start, pad_start + width - rank_rows[rank]))
+    requests = [b for b, n in enumerate(tail.tail_lens) for _ in range(n)]
+    per_request = Counter(requests[row] for row in local)
+    device = tail.token_indices.device
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    return TailCPLayout(
+        rank_rows=rank_rows,
+        local_rows=ints(local),
+        gather_index=ints(gather),
+        local_index=ints(local + padding),
+        local_token_indices=ints([(tokens[row] - rank) // size for row in local]),
+        local_lens=[per_request[b] for b in range(len(tail.tail_lens))],
+    )

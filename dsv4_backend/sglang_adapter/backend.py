@@ -55,7 +55,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.runtime_context import derive_attn_tp_size
+from sglang.srt.layers.dp_attention import get_local_dp_buffer_len, set_local_dp_buffer_len
+from sglang.srt.runtime_context import derive_attn_tp_size, get_parallel
 
 from dsv4_backend.cache import CacheFormat, stage_layers
 from dsv4_backend.compute import (
@@ -647,7 +648,11 @@ class DSV4AttentionBackend(AttentionBackend):
             and view.kind is ForwardKind.EXTEND
             and forward_batch.forward_mode.is_extend_without_speculative()
         ):
-            tail = plan_tail(self.config, view, forward_batch, dspark=self.dspark)
+            cp = None
+            if cp_rows is not None:
+                parallel = get_parallel()
+                cp = (int(parallel.attn_cp_rank), int(parallel.attn_cp_size))
+            tail = plan_tail(self.config, view, forward_batch, dspark=self.dspark, cp=cp)
             if tail.metadata.pending_checks is not None:
                 self.pending_checks.append(tail.metadata.pending_checks)
             self.tail_forward_metadata = tail
@@ -1145,13 +1150,23 @@ class DSV4AttentionBackend(AttentionBackend):
                 "under --enable-decoder-swa-bounded-replay, planned by init_forward_metadata), "
                 "or the tail is entered already"
             )
-        saved = (self.forward_metadata,)
-        self.forward_metadata, self.in_late_layer_tail = tail.metadata, True
+        cp_metadata = tail.late_layer_tail.cp_metadata
+        cp_saved = None
+        if cp_metadata is not None:  # the collectives gather the tail rows (as sglang swaps)
+            cp_saved = (forward_batch.attn_cp_metadata, get_local_dp_buffer_len())
+            forward_batch.attn_cp_metadata = cp_metadata
+            set_local_dp_buffer_len(sum(cp_metadata.per_rank_actual_token))
+        saved = (self.forward_metadata, self.cp_read_metadata, cp_saved)
+        self.forward_metadata, self.cp_read_metadata = tail.metadata, tail.cp_read
+        self.in_late_layer_tail = True
         return saved
 
     def exit_late_layer_tail(self, saved: tuple[Any, ...], forward_batch: ForwardBatch) -> None:
-        """Restore the extend's plan ``enter_late_layer_tail`` saved."""
-        (self.forward_metadata,) = saved
+        """Restore the extend's plan (and a CP rank's layout) ``enter_late_layer_tail`` saved."""
+        self.forward_metadata, self.cp_read_metadata, cp_saved = saved
+        if cp_saved is not None:
+            forward_batch.attn_cp_metadata, dp_buffer_len = cp_saved
+            set_local_dp_buffer_len(dp_buffer_len)
         self.in_late_layer_tail = False
         self.tail_source_kv_layer_id = None
 

@@ -114,8 +114,8 @@ def cp_rank_rows(fb: Any, num_rows: int) -> tuple[torch.Tensor, int] | None:
     shard, ``InterleaveCPStrategy._interleave_shard``) and how many rows its queries have
     (``per_rank_actual_token[rank]``: the tokens, then padding). None when ``fb`` is not a
     context-parallel prefill. ``BatchError`` for a layout this backend does not plan: another
-    strategy's metadata, a late-layer tail's ``local_index`` (DeepSeek-V4.1), or counts that do
-    not add up."""
+    strategy's metadata, a late-layer tail's layout (``local_index``: DeepSeek-V4.1's tail,
+    which ``enter_late_layer_tail`` swaps in), or counts that do not add up."""
     metadata = getattr(fb, "attn_cp_metadata", None)
     if metadata is None:  # every batch outside prefill CP: nothing more on the plan's path
         return None
@@ -133,7 +133,8 @@ def cp_rank_rows(fb: Any, num_rows: int) -> tuple[torch.Tensor, int] | None:
         raise BatchError(
             f"attn_cp_metadata {type(metadata).__name__} (local_index "
             f"{'set' if getattr(metadata, 'local_index', None) is not None else 'None'}): the "
-            "dsv4 backend plans the interleave prefill layout only (no DeepSeek-V4.1 tail)"
+            "dsv4 backend plans a batch of the interleave prefill layout (a DeepSeek-V4.1 "
+            "tail's layout, local_index set, is the backend's own, inside the tail)"
         )
     parallel = get_parallel()
     rank, size = parallel.attn_cp_rank, parallel.attn_cp_size

@@ -17,7 +17,10 @@ tail plan's); a bucket's first use runs them three times (two warmups and the ca
 rewrites the same entries. The prefill-graph tail (``run_in_prefill_graph``) needs the prefill
 CUDA graph, which the backend refuses. Under DP attention the tail is the real requests' rows (an
 extend's padding tokens are no request's); the late layers' DP token counts are the model's
-(``enter_late_layer_dp``).
+(``enter_late_layer_dp``). On a prefill CP rank the late layers run over the rank's share of
+the tail (``planning.tail_cp_layout``), handed with the tail's own
+``InterleaveContextParallelMetadata`` for the collectives (sglang's tail graphs keep such a
+tail eager).
 """
 
 from __future__ import annotations
@@ -32,8 +35,14 @@ from sglang.srt.layers.attention.deepseek_v4_backend import (
 from sglang.srt.layers.attention.deepseek_v4_backend import late_layer_whole_extend
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import ConfigError
-from dsv4_backend.planning import AttentionMetadata, BatchView, late_layer_tail, plan
+from dsv4_backend.planning import (
+    AttentionMetadata,
+    BatchView,
+    late_layer_tail,
+    plan,
+    read_plan,
+    tail_cp_layout,
+)
 
 
 def bounded_replay(args: Any, config: DSV4AttentionConfig) -> bool:
@@ -43,13 +52,6 @@ def bounded_replay(args: Any, config: DSV4AttentionConfig) -> bool:
     if not getattr(args, "enable_decoder_swa_bounded_replay", False):
         return False
     config.late_layer_start  # noqa: B018 -- validates the model's layers for the tail
-    if prefill_cp(args):
-        raise ConfigError(
-            "--enable-decoder-swa-bounded-replay with prefill CP (--enable-prefill-cp / "
-            "--attention-context-parallel-size): the dsv4 backend does not plan the late-layer "
-            "tail's CP layout yet (sglang turns the replay off under CP by default); start with "
-            "--no-enable-decoder-swa-bounded-replay"
-        )
     return True
 
 
@@ -64,17 +66,28 @@ def prefill_cp(args: Any) -> bool:
 @dataclass(frozen=True)
 class TailForward:
     """The backend's ``tail_forward_metadata``: the plan of the tail rows, which
-    ``enter_late_layer_tail`` makes current, and sglang's ``LateLayerTail`` the model reads."""
+    ``enter_late_layer_tail`` makes current, and sglang's ``LateLayerTail`` the model reads;
+    on a prefill CP rank, the rank's rows of the tail plan (``cp_read``, ``planning.read_plan``)
+    its index sources and attention read."""
 
     metadata: AttentionMetadata
     late_layer_tail: SglangLateLayerTail
+    cp_read: AttentionMetadata | None = None
 
 
 def plan_tail(
-    config: DSV4AttentionConfig, view: BatchView, forward_batch: Any, *, dspark: bool
+    config: DSV4AttentionConfig,
+    view: BatchView,
+    forward_batch: Any,
+    *,
+    dspark: bool,
+    cp: tuple[int, int] | None = None,
 ) -> TailForward:
     """The tail of the extend ``view`` (planned from ``forward_batch``; ``dspark``: the
-    server's speculative algorithm is DSpark, whose draft reads tail rows only)."""
+    server's speculative algorithm is DSpark, whose draft reads tail rows only). ``cp``: this
+    prefill CP rank and the CP size, for a split extend: the rank's tail rows are its own
+    extend rows' (``planning.tail_cp_layout``, as sglang's ``_late_layer_tail_cp_layout``),
+    gathered for the collectives by the tail's own ``InterleaveContextParallelMetadata``."""
     whole = late_layer_whole_extend(forward_batch, dspark=dspark)
     tail = late_layer_tail(view, config.window_size, whole)
     metadata = plan(config, tail.batch)
@@ -84,12 +97,34 @@ def plan_tail(
     else:
         positions = positions[tail.token_indices]
     lens = torch.tensor(tail.tail_lens, dtype=torch.int32, device=positions.device)
+    swa_out_cache_loc = metadata.swa_out_loc.to(torch.int32)
+    if cp is None:
+        sglang_tail = SglangLateLayerTail(
+            token_indices=tail.token_indices, positions=positions, extend_seq_lens=lens,
+            extend_seq_lens_cpu=tail.tail_lens, swa_out_cache_loc=swa_out_cache_loc,
+            contiguous_start=tail.contiguous_start,
+        )  # fmt: skip
+        return TailForward(metadata=metadata, late_layer_tail=sglang_tail)
+    from sglang.srt.layers.cp.interleave import InterleaveContextParallelMetadata
+
+    rank, size = cp
+    layout = tail_cp_layout(tail, rank, size)
+    width = layout.max_rows
+    pad_rows = width - layout.rank_rows[rank]
+    cp_metadata = InterleaveContextParallelMetadata(
+        per_rank_actual_token=[width] * size, max_rank_len=[width] * size,
+        total_seq_lens=len(layout.gather_index), bs=len(tail.tail_lens),
+        per_rank_logical_token=layout.rank_rows, gather_index=layout.gather_index,
+        local_index=layout.local_index,
+    )  # fmt: skip
     sglang_tail = SglangLateLayerTail(
-        token_indices=tail.token_indices,
-        positions=positions,
-        extend_seq_lens=lens,
-        extend_seq_lens_cpu=tail.tail_lens,
-        swa_out_cache_loc=metadata.swa_out_loc.to(torch.int32),
-        contiguous_start=tail.contiguous_start,
-    )
-    return TailForward(metadata=metadata, late_layer_tail=sglang_tail)
+        token_indices=layout.local_token_indices,
+        positions=torch.cat([positions[layout.local_rows], positions.new_zeros(pad_rows)]),
+        extend_seq_lens=lens, extend_seq_lens_cpu=tail.tail_lens,
+        swa_out_cache_loc=swa_out_cache_loc, pad_rows=pad_rows, cp_metadata=cp_metadata,
+        local_lens_cpu=layout.local_lens,
+        req_global=torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), lens),
+        pos_global=positions.to(torch.int64),
+    )  # fmt: skip
+    cp_read = read_plan(config, metadata, layout.local_rows, num_rows=width)
+    return TailForward(metadata=metadata, late_layer_tail=sglang_tail, cp_read=cp_read)

@@ -17,9 +17,16 @@ import pytest
 import torch
 
 from dsv4_backend.errors import ConfigError
+from dsv4_backend.planning import late_layer_tail, tail_cp_layout
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.context_parallel import CPRank, SimulatedCPGroup, interleave_cp, own_rows
+from dsv4_backend.testing.context_parallel import (
+    CPRank,
+    SimulatedCPGroup,
+    as_rank,
+    interleave_cp,
+    own_rows,
+)
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
 from dsv4_backend.testing.simulation.v41 import tiny_v41
 from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config, v41_sglang_pool
@@ -32,6 +39,7 @@ CONFIG = tiny_v41(head_dim=512, index_head_dim=128, num_heads=8, speculative=Tru
                   num_draft_tokens=DRAFT)  # fmt: skip
 LAYERS = range(len(CONFIG.compress_ratios))
 FP8_RELATIVE = 0.1  # fp8 window keys and entries: the other V4.1 fp8 tests' bound
+TAIL = 128  # sglang's SWA_WINDOW: the tail of a request's extend
 
 
 def _runner(paged: PagedRequestPool, cp: int, **server_args: Any) -> Any:
@@ -108,21 +116,145 @@ def test_v41_cp_ranks_equal_the_single_rank() -> None:
     assert worst_reference < FP8_RELATIVE, worst_reference
 
 
-@pytest.mark.parametrize(
-    ("flags", "fmt", "named"),
-    [
-        # sglang's V4.1 model writes a CP prefill's window keys into its pool itself.
-        ({}, "dense", "--attention-context-parallel-size with DeepSeek-V4.1"),
-        ({"enable_decoder_swa_bounded_replay": True}, "fp8", "the late-layer tail's CP layout"),
-    ],
-    ids=["dense-caches", "bounded-replay"],
-)
-def test_what_v41_cp_is_not_served_with_is_refused_when_built(
-    flags: dict, fmt: str, named: str
-) -> None:
+def test_v41_cp_over_caches_that_are_not_the_pools_views_is_refused_when_built() -> None:
+    """sglang's V4.1 model writes a CP prefill's window keys into its pool itself."""
     paged = PagedRequestPool(CONFIG, (40,), generator=torch.Generator().manual_seed(0))
-    with pytest.raises(ConfigError, match=named):
-        DSV4AttentionBackend(_runner(paged, SIZE, **flags), cache_format=fmt)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"--attention-context-parallel-size with DeepSeek-V4\.1"):
+        DSV4AttentionBackend(_runner(paged, SIZE), cache_format="dense")
+
+
+@pytest.mark.parametrize("size", [2, 3])
+def test_the_tail_cp_layout_is_sglangs(size: int) -> None:
+    """Each rank's share of a tail of three requests (one shorter than the tail) equals
+    sglang's ``_late_layer_tail_cp_layout`` of the same tail rows."""
+    from sglang.srt.layers.attention.deepseek_v4_backend import DeepseekV4AttnBackend
+
+    paged = PagedRequestPool(CONFIG, (300, 200, 60), generator=torch.Generator().manual_seed(2))
+    view = paged.extend([0, 1, 2], [0, 40, 0], [290, 150, 57])
+    tail = late_layer_tail(view, TAIL)
+    step = harness.BatchBuilder(paged).extend([0, 1, 2], [0, 40, 0], [290, 150, 57])
+    lens = torch.tensor(tail.tail_lens)
+    for rank in range(size):
+        with as_rank(rank, size):
+            want = DeepseekV4AttnBackend._late_layer_tail_cp_layout(
+                None, step.batch, tail.token_indices, lens
+            )
+        got = tail_cp_layout(tail, rank, size)
+        meta = want["cp_metadata"]
+        assert meta.per_rank_logical_token == got.rank_rows
+        assert torch.equal(meta.gather_index, got.gather_index)
+        assert torch.equal(meta.local_index, got.local_index)
+        assert torch.equal(want["local_token_indices"], got.local_token_indices)
+        assert want["local_lens_cpu"] == got.local_lens
+        assert want["pad_rows"] == got.max_rows - got.rank_rows[rank]
+
+
+def _cp_forward(
+    model: SglangV41Model,
+    ranks: list[CPRank],
+    groups: list[SimulatedCPGroup],
+    step: harness.Step,
+    planned: list[harness.Step],
+) -> list[list[tuple[list[Any], torch.Tensor]]]:
+    """Every layer of a CP prefill under the decoder SWA bounded replay, rank by rank and layer
+    by layer, as sglang's ``DeepseekV4Model.forward`` drives a rank: the layers before the tail
+    as in the test above; at ``late_layer_start`` ``write_tail_source_kv`` of the rank's rows
+    (the backend gathers every row), ``enter_late_layer_tail`` (the tail's CP layout), the late
+    layers over the rank's tail rows (``tail.rows``: padded to the largest share) with the
+    whole tail's window keys, then ``exit_late_layer_tail``. Returns each rank's layers' rows
+    and outputs."""
+    late = CONFIG.late_layer_start
+    rows = [local.rows for local in planned]
+    outputs: list[list[tuple[list[Any], torch.Tensor]]] = [[] for _ in ranks]
+    whole_rows, saved = step.rows, [None] * len(ranks)
+
+    def share(layer: int, of: list[list[Any]], whole: list[Any], **run: Any) -> None:
+        owns = [model.feed(r, layer) for r in of]
+        for group in groups:
+            group.world = [
+                own.x[: sum(row is not None for row in r)] for own, r in zip(owns, of, strict=True)
+            ]
+        for i, (rank, local, own) in enumerate(zip(ranks, planned, owns, strict=True)):
+            with rank.context():
+                out = model.run_feed(
+                    rank.backend, local.batch, layer, own, _positions(of[i]),
+                    window_keys=model.feed(whole, layer).kv,
+                )  # fmt: skip
+            outputs[i].append((of[i], out))
+
+    for layer in range(late):
+        share(layer, rows, whole_rows)
+    owns = [model.feed(r, late) for r in rows]
+    for group in groups:
+        group.world = [
+            own.x[: sum(row is not None for row in r)] for own, r in zip(owns, rows, strict=True)
+        ]
+    tail_rows = []
+    for i, (rank, local, own) in enumerate(zip(ranks, planned, owns, strict=True)):
+        with rank.context(), torch.no_grad():
+            rank.backend.write_tail_source_kv(
+                layer=model.layers[late], x=own.x, positions=_positions(rows[i]),
+                forward_batch=local.batch,
+            )  # fmt: skip
+            saved[i] = rank.backend.enter_late_layer_tail(local.batch)
+        tail = rank.backend.tail_forward_metadata.late_layer_tail
+        mine = [rows[i][j] for j in tail.token_indices.tolist()]
+        tail_rows.append(mine + [None] * tail.pad_rows)
+    whole_tail = [row for r in tail_rows for row in r if row is not None]
+    whole_tail.sort(key=lambda row: whole_rows.index(row))
+    for layer in range(late, len(CONFIG.compress_ratios)):
+        share(layer, tail_rows, whole_tail)
+    for rank, local, state in zip(ranks, planned, saved, strict=True):
+        with rank.context():
+            rank.backend.exit_late_layer_tail(state, local.batch)
+    return outputs
+
+
+def test_v41_cp_ranks_run_the_late_layers_over_their_share_of_the_tail() -> None:
+    """``--enable-decoder-swa-bounded-replay`` with prefill CP: two chunked CP prefills whose
+    late layers run over each rank's share of the tail; every rank's rows equal the single
+    rank's eager tail and the reference with the tail's window floors, padding rows 0."""
+    lengths = (280, 150)
+    paged = PagedRequestPool(CONFIG, lengths, generator=torch.Generator().manual_seed(12))
+    model = SglangV41Model(CONFIG, lengths)
+    replay = {"enable_decoder_swa_bounded_replay": True}
+    single = DSV4AttentionBackend(_runner(paged, 1, **replay))
+    groups = [SimulatedCPGroup(rank) for rank in range(SIZE)]
+    ranks = [
+        CPRank(DSV4AttentionBackend(_runner(paged, SIZE, **replay)), r, SIZE, {"attn_cp_group": g})
+        for r, g in enumerate(groups)
+    ]
+    builder = harness.BatchBuilder(paged)
+    chunks = [([0, 1], [0, 0], [200, 101]), ([0, 1], [200, 101], [61, 30])]
+    floors = [torch.zeros(n, dtype=torch.int64) for n in lengths]
+    steps = []
+    for requests, prefix, extend in chunks:
+        steps.append(builder.extend(requests, prefix, extend))
+        for r, p, n in zip(requests, prefix, extend, strict=True):
+            floors[r][p + n - min(TAIL, n) : p + n] = max(0, p + n - TAIL)
+    model.replay_late_layers(floors)
+    worst_single, worst_reference = 0.0, 0.0
+    with interleave_cp(SIZE):
+        for step in steps:
+            single.init_forward_metadata(step.batch)
+            single_out = [
+                dict(zip(rows, out, strict=True)) for rows, out in model.forward(single, step)
+            ]
+            planned = [rank.plan(step) for rank in ranks]
+            for rank_outputs in _cp_forward(model, ranks, groups, step, planned):
+                for layer, (rows, out) in enumerate(rank_outputs):
+                    real = [k for k, row in enumerate(rows) if row is not None]
+                    assert not out[len(real) :].any()
+                    got = out[real].float()
+                    expected = torch.stack([single_out[layer][rows[k]] for k in real]).float()
+                    worst_single = max(worst_single, float((got - expected).abs().max()))
+                    ref = torch.stack(
+                        [model.expected[rows[k][0]].outputs[layer][rows[k][1]] for k in real]
+                    )
+                    error = (got - ref).abs().mean() / ref.abs().mean()
+                    worst_reference = max(worst_reference, float(error))
+    assert worst_single < 2e-2, worst_single
+    assert worst_reference < FP8_RELATIVE, worst_reference
 
 
 def test_the_pd_prefill_cp_dspark_launch_is_served() -> None:
