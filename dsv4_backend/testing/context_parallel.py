@@ -33,6 +33,8 @@ from dsv4_backend.kernels import dispatch
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing.simulation.v41 import tiny_v41
+from dsv4_backend.testing.v41_host import SglangV41Model, V41Feed
 
 
 @contextlib.contextmanager
@@ -161,6 +163,73 @@ class SimulatedCPGroup:
         self.gathers += 1
 
 
+def row_positions(rows: list[Any]) -> torch.Tensor:
+    """``[n]`` positions of ``(request, position)`` rows (0 for padding rows, None)."""
+    return torch.tensor([0 if row is None else row[1] for row in rows])
+
+
+def v41_cp_forward(
+    model: SglangV41Model,
+    ranks: list[CPRank],
+    step: harness.Step,
+    planned: list[harness.Step],
+    tail_tokens: list[int],
+    groups: list[SimulatedCPGroup] | None = None,
+) -> list[list[tuple[list[Any], torch.Tensor]]]:
+    """Every layer of a DeepSeek-V4.1 CP prefill under the decoder SWA bounded replay on
+    ``ranks`` (planned steps ``planned``), as sglang's ``DeepseekV4Model.forward`` drives a
+    rank: each layer's window keys of every row (the model all-gathers them into the pool;
+    ``store_cache`` here) and the rank's own rows otherwise; at ``late_layer_start``
+    ``write_tail_source_kv`` of the rank's rows (the backend gathers every row),
+    ``enter_late_layer_tail`` (the tail's CP layout), the late layers over the rank's share of
+    the tail (``tail.rows``: padded to the largest share) with the window keys of the whole
+    tail (the extend's rows ``tail_tokens``), then ``exit_late_layer_tail``. ``groups``: the
+    simulated collectives of every rank in ``ranks``, given every rank's rows before each
+    gather; None over a real CP group. Returns each rank's layers' rows and outputs."""
+    late = model.config.late_layer_start
+    outputs: list[list[tuple[list[Any], torch.Tensor]]] = [[] for _ in ranks]
+
+    def gathered(layer: int, of: list[list[Any]]) -> list[V41Feed]:
+        owns = [model.feed(rows, layer) for rows in of]
+        for group in groups or ():
+            group.world = [
+                own.x[: sum(row is not None for row in rows)]
+                for own, rows in zip(owns, of, strict=True)
+            ]
+        return owns
+
+    def run(layer: int, of: list[list[Any]], whole: list[Any]) -> None:
+        keys = model.feed(whole, layer).kv
+        owns = gathered(layer, of)
+        for i, (rank, local, own) in enumerate(zip(ranks, planned, owns, strict=True)):
+            with rank.context():
+                out = model.run_feed(
+                    rank.backend, local.batch, layer, own, row_positions(of[i]), window_keys=keys
+                )
+            outputs[i].append((of[i], out))
+
+    rows = [local.rows for local in planned]
+    for layer in range(late):
+        run(layer, rows, step.rows)
+    saved, tail_rows = [], []
+    for rank, local, own, mine in zip(ranks, planned, gathered(late, rows), rows, strict=True):
+        with rank.context(), torch.no_grad():
+            rank.backend.write_tail_source_kv(
+                layer=model.layers[late], x=own.x, positions=row_positions(mine),
+                forward_batch=local.batch,
+            )  # fmt: skip
+            saved.append(rank.backend.enter_late_layer_tail(local.batch))
+        tail = rank.backend.tail_forward_metadata.late_layer_tail
+        tail_rows.append([mine[j] for j in tail.token_indices.tolist()] + [None] * tail.pad_rows)
+    whole_tail = [step.rows[t] for t in tail_tokens]
+    for layer in range(late, len(model.layers)):
+        run(layer, tail_rows, whole_tail)
+    for rank, local, state in zip(ranks, planned, saved, strict=True):
+        with rank.context():
+            rank.backend.exit_late_layer_tail(state, local.batch)
+    return outputs
+
+
 class GlooCPGroup:
     """sglang's ``attn_cp_group.all_gather_into_tensor`` over the default (gloo) process
     group: the ranks' equal shards, rank-major."""
@@ -222,9 +291,67 @@ def gloo_rank(rank: int, size: int, port: int, out_dir: str) -> None:
                 result["padding_zero"] = bool(result["padding_zero"]) and not out[len(mine) :].any()
             result["state"] = _state_digest(me.backend)
             result["single_state"] = _state_digest(single)
+            result.update(_gloo_v41(rank, size))
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+
+
+#: The DeepSeek-V4.1 of the CP tests (sglang's pool hard-codes the Flash widths), DSpark's block.
+V41_CP_CONFIG = tiny_v41(
+    head_dim=512, index_head_dim=128, num_heads=8, speculative=True, num_draft_tokens=5
+)
+
+
+def v41_cp_runner(paged: PagedRequestPool, cp: int, **server_args: Any) -> Any:
+    """A ``V41_CP_CONFIG`` runner of ``cp`` prefill CP ranks (1: none) with DSpark, over sglang's
+    V4.1 pool of its own."""
+    from dsv4_backend.testing.v41_host import v41_hf_config, v41_sglang_pool
+
+    draft = V41_CP_CONFIG.num_draft_tokens
+    runner = harness.mock_runner(
+        paged, v41_hf_config(V41_CP_CONFIG), topk=0, speculative_algorithm="DSPARK",
+        num_draft_tokens=draft, tp_size=cp, attn_cp_size=cp, **server_args,
+    )  # fmt: skip
+    runner.server_args.enable_prefill_cp = cp > 1
+    runner.token_to_kv_pool = v41_sglang_pool(V41_CP_CONFIG, paged, draft)
+    return runner
+
+
+def _gloo_v41(rank: int, size: int) -> dict[str, float | bool]:
+    """DeepSeek-V4.1 as one gloo rank: a CP prefill of two requests under the decoder SWA
+    bounded replay (``v41_cp_forward``: the low-ratio sources' rows and the tail's gathered by
+    sglang's collectives over gloo). The largest difference of the rank's rows to a single
+    backend's, their mean relative error to the reference with the tail's window floors, and
+    whether the padding rows are 0."""
+    from dsv4_backend.testing.v41_host import SglangV41Model
+
+    lengths, extend, tail = (280, 150), [200, 101], V41_CP_CONFIG.window_size
+    paged = PagedRequestPool(V41_CP_CONFIG, lengths, generator=_seeded(5))
+    model = SglangV41Model(V41_CP_CONFIG, lengths)
+    floors = [torch.zeros(n, dtype=torch.int64) for n in lengths]
+    for r, n in enumerate(extend):
+        floors[r][n - min(tail, n) : n] = max(0, n - tail)
+    model.replay_late_layers(floors)
+    replay = {"enable_decoder_swa_bounded_replay": True}
+    single = DSV4AttentionBackend(v41_cp_runner(paged, 1, **replay))
+    group = {"attn_cp_group": GlooCPGroup()}
+    me = CPRank(DSV4AttentionBackend(v41_cp_runner(paged, size, **replay)), rank, size, group)
+    step = harness.BatchBuilder(paged).extend([0, 1], [0, 0], extend)
+    single.init_forward_metadata(step.batch)
+    want = [dict(zip(rows, out, strict=True)) for rows, out in model.forward(single, step)]
+    tail_tokens = single.tail_forward_metadata.late_layer_tail.token_indices.tolist()
+    [outputs] = v41_cp_forward(model, [me], step, [me.plan(step)], tail_tokens)
+    worst, relative, padding_zero = 0.0, 0.0, True
+    for layer, (rows, out) in enumerate(outputs):
+        real = [k for k, row in enumerate(rows) if row is not None]
+        padding_zero = padding_zero and not out[len(real) :].any()
+        got = out[real].float()
+        expected = torch.stack([want[layer][rows[k]] for k in real]).float()
+        worst = max(worst, float((got - expected).abs().max()))
+        ref = torch.stack([model.expected[rows[k][0]].outputs[layer][rows[k][1]] for k in real])
+        relative = max(relative, float((got - ref).abs().mean() / ref.abs().mean()))
+    return {"v41_single": worst, "v41_reference": relative, "v41_padding_zero": padding_zero}
 
 
 def _seeded(seed: int) -> torch.Generator:

@@ -158,7 +158,10 @@ def test_two_processes_over_gloo_equal_the_single_rank(tmp_path) -> None:
     """Two ranks in two processes: each layer's window keys and compressor projections are
     each rank's own rows, all-gathered by sglang's ``cp_materialize_global_token_order`` over
     gloo; the gathered tensors are the batch's, each rank's rows equal the single rank and the
-    reference, padding rows 0, and both ranks' caches and rings equal the single rank's."""
+    reference, padding rows 0, and both ranks' caches and rings equal the single rank's. Then
+    DeepSeek-V4.1 over sglang's pools: a CP prefill under the decoder SWA bounded replay, its
+    low-ratio sources' and tail's rows gathered over gloo, equal to the single rank and the
+    reference with the tail's floors."""
     import torch.multiprocessing as mp
 
     mp.spawn(gloo_rank, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
@@ -167,3 +170,6 @@ def test_two_processes_over_gloo_equal_the_single_rank(tmp_path) -> None:
         assert result["gather"] == 0.0
         assert result["single"] <= 1e-6 and result["reference"] <= ATOL
         assert result["padding_zero"] and result["state"] == result["single_state"]
+        # DeepSeek-V4.1 with its tail: bf16 outputs, fp8 caches against the reference.
+        assert result["v41_single"] < 2e-2 and result["v41_reference"] < 0.1
+        assert result["v41_padding_zero"]

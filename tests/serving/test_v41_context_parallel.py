@@ -6,7 +6,9 @@ the backend under CP: the window keys of every row (the model all-gathers them a
 into the pool, ``set_swa_key_buffer_radix_fused_norm_rope``, a CUDA kernel: mirrored by
 ``store_cache`` of the same keys), the rank's own rows to ``forward_low_ratio_sources`` (whose
 compressors the backend runs over every row, all-gathered through the CP group as sglang's own
-V4.1 backend does) and to the attention.
+V4.1 backend does) and to the attention (``testing.context_parallel.v41_cp_forward`` under the
+decoder SWA bounded replay: each rank over its share of the tail). Over gloo:
+``test_context_parallel.py``.
 """
 
 from __future__ import annotations
@@ -21,39 +23,35 @@ from dsv4_backend.planning import late_layer_tail, tail_cp_layout
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.context_parallel import (
+    V41_CP_CONFIG,
     CPRank,
     SimulatedCPGroup,
     as_rank,
     interleave_cp,
     own_rows,
+    row_positions,
+    v41_cp_forward,
+    v41_cp_runner,
 )
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
-from dsv4_backend.testing.simulation.v41 import tiny_v41
-from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config, v41_sglang_pool
+from dsv4_backend.testing.v41_host import SglangV41Model
 
 pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 
-DRAFT = 5  # DSpark's block
+CONFIG = V41_CP_CONFIG
 SIZE = 2
-CONFIG = tiny_v41(head_dim=512, index_head_dim=128, num_heads=8, speculative=True,
-                  num_draft_tokens=DRAFT)  # fmt: skip
 LAYERS = range(len(CONFIG.compress_ratios))
 FP8_RELATIVE = 0.1  # fp8 window keys and entries: the other V4.1 fp8 tests' bound
 TAIL = 128  # sglang's SWA_WINDOW: the tail of a request's extend
 
 
-def _runner(paged: PagedRequestPool, cp: int, **server_args: Any) -> Any:
-    runner = harness.mock_runner(
-        paged, v41_hf_config(CONFIG), topk=0, speculative_algorithm="DSPARK",
-        num_draft_tokens=DRAFT, tp_size=cp, attn_cp_size=cp, **server_args,
-    )  # fmt: skip
-    runner.server_args.enable_prefill_cp = cp > 1
-    runner.token_to_kv_pool = v41_sglang_pool(CONFIG, paged, DRAFT)
-    return runner
-
-
-def _positions(rows: list[Any]) -> torch.Tensor:
-    return torch.tensor([0 if row is None else row[1] for row in rows])
+def _ranks(paged: PagedRequestPool, groups: list[SimulatedCPGroup], **flags: Any) -> list[CPRank]:
+    """A CP rank per simulated collective, each over its own sglang pool."""
+    return [
+        CPRank(DSV4AttentionBackend(v41_cp_runner(paged, SIZE, **flags)), rank, SIZE,
+               {"attn_cp_group": group})
+        for rank, group in enumerate(groups)
+    ]  # fmt: skip
 
 
 def test_v41_cp_ranks_equal_the_single_rank() -> None:
@@ -64,12 +62,9 @@ def test_v41_cp_ranks_equal_the_single_rank() -> None:
     lengths = (280, 150)
     paged = PagedRequestPool(CONFIG, lengths, generator=torch.Generator().manual_seed(11))
     model = SglangV41Model(CONFIG, lengths)
-    single = DSV4AttentionBackend(_runner(paged, 1))
+    single = DSV4AttentionBackend(v41_cp_runner(paged, 1))
     groups = [SimulatedCPGroup(rank) for rank in range(SIZE)]
-    ranks = [
-        CPRank(DSV4AttentionBackend(_runner(paged, SIZE)), rank, SIZE, {"attn_cp_group": group})
-        for rank, group in enumerate(groups)
-    ]
+    ranks = _ranks(paged, groups)
     builder = harness.BatchBuilder(paged)
     steps = [
         builder.extend([0, 1], [0, 0], [200, 101]),
@@ -95,7 +90,7 @@ def test_v41_cp_ranks_equal_the_single_rank() -> None:
                     with rank.context():
                         if split:
                             out = model.run_feed(
-                                rank.backend, local.batch, layer, own, _positions(local.rows),
+                                rank.backend, local.batch, layer, own, row_positions(local.rows),
                                 window_keys=whole.kv,
                             )  # fmt: skip
                         else:
@@ -120,7 +115,7 @@ def test_v41_cp_over_caches_that_are_not_the_pools_views_is_refused_when_built()
     """sglang's V4.1 model writes a CP prefill's window keys into its pool itself."""
     paged = PagedRequestPool(CONFIG, (40,), generator=torch.Generator().manual_seed(0))
     with pytest.raises(ConfigError, match=r"--attention-context-parallel-size with DeepSeek-V4\.1"):
-        DSV4AttentionBackend(_runner(paged, SIZE), cache_format="dense")
+        DSV4AttentionBackend(v41_cp_runner(paged, SIZE), cache_format="dense")
 
 
 @pytest.mark.parametrize("size", [2, 3])
@@ -149,67 +144,6 @@ def test_the_tail_cp_layout_is_sglangs(size: int) -> None:
         assert want["pad_rows"] == got.max_rows - got.rank_rows[rank]
 
 
-def _cp_forward(
-    model: SglangV41Model,
-    ranks: list[CPRank],
-    groups: list[SimulatedCPGroup],
-    step: harness.Step,
-    planned: list[harness.Step],
-) -> list[list[tuple[list[Any], torch.Tensor]]]:
-    """Every layer of a CP prefill under the decoder SWA bounded replay, rank by rank and layer
-    by layer, as sglang's ``DeepseekV4Model.forward`` drives a rank: the layers before the tail
-    as in the test above; at ``late_layer_start`` ``write_tail_source_kv`` of the rank's rows
-    (the backend gathers every row), ``enter_late_layer_tail`` (the tail's CP layout), the late
-    layers over the rank's tail rows (``tail.rows``: padded to the largest share) with the
-    whole tail's window keys, then ``exit_late_layer_tail``. Returns each rank's layers' rows
-    and outputs."""
-    late = CONFIG.late_layer_start
-    rows = [local.rows for local in planned]
-    outputs: list[list[tuple[list[Any], torch.Tensor]]] = [[] for _ in ranks]
-    whole_rows, saved = step.rows, [None] * len(ranks)
-
-    def share(layer: int, of: list[list[Any]], whole: list[Any], **run: Any) -> None:
-        owns = [model.feed(r, layer) for r in of]
-        for group in groups:
-            group.world = [
-                own.x[: sum(row is not None for row in r)] for own, r in zip(owns, of, strict=True)
-            ]
-        for i, (rank, local, own) in enumerate(zip(ranks, planned, owns, strict=True)):
-            with rank.context():
-                out = model.run_feed(
-                    rank.backend, local.batch, layer, own, _positions(of[i]),
-                    window_keys=model.feed(whole, layer).kv,
-                )  # fmt: skip
-            outputs[i].append((of[i], out))
-
-    for layer in range(late):
-        share(layer, rows, whole_rows)
-    owns = [model.feed(r, late) for r in rows]
-    for group in groups:
-        group.world = [
-            own.x[: sum(row is not None for row in r)] for own, r in zip(owns, rows, strict=True)
-        ]
-    tail_rows = []
-    for i, (rank, local, own) in enumerate(zip(ranks, planned, owns, strict=True)):
-        with rank.context(), torch.no_grad():
-            rank.backend.write_tail_source_kv(
-                layer=model.layers[late], x=own.x, positions=_positions(rows[i]),
-                forward_batch=local.batch,
-            )  # fmt: skip
-            saved[i] = rank.backend.enter_late_layer_tail(local.batch)
-        tail = rank.backend.tail_forward_metadata.late_layer_tail
-        mine = [rows[i][j] for j in tail.token_indices.tolist()]
-        tail_rows.append(mine + [None] * tail.pad_rows)
-    whole_tail = [row for r in tail_rows for row in r if row is not None]
-    whole_tail.sort(key=lambda row: whole_rows.index(row))
-    for layer in range(late, len(CONFIG.compress_ratios)):
-        share(layer, tail_rows, whole_tail)
-    for rank, local, state in zip(ranks, planned, saved, strict=True):
-        with rank.context():
-            rank.backend.exit_late_layer_tail(state, local.batch)
-    return outputs
-
-
 def test_v41_cp_ranks_run_the_late_layers_over_their_share_of_the_tail() -> None:
     """``--enable-decoder-swa-bounded-replay`` with prefill CP: two chunked CP prefills whose
     late layers run over each rank's share of the tail; every rank's rows equal the single
@@ -218,12 +152,9 @@ def test_v41_cp_ranks_run_the_late_layers_over_their_share_of_the_tail() -> None
     paged = PagedRequestPool(CONFIG, lengths, generator=torch.Generator().manual_seed(12))
     model = SglangV41Model(CONFIG, lengths)
     replay = {"enable_decoder_swa_bounded_replay": True}
-    single = DSV4AttentionBackend(_runner(paged, 1, **replay))
+    single = DSV4AttentionBackend(v41_cp_runner(paged, 1, **replay))
     groups = [SimulatedCPGroup(rank) for rank in range(SIZE)]
-    ranks = [
-        CPRank(DSV4AttentionBackend(_runner(paged, SIZE, **replay)), r, SIZE, {"attn_cp_group": g})
-        for r, g in enumerate(groups)
-    ]
+    ranks = _ranks(paged, groups, **replay)
     builder = harness.BatchBuilder(paged)
     chunks = [([0, 1], [0, 0], [200, 101]), ([0, 1], [200, 101], [61, 30])]
     floors = [torch.zeros(n, dtype=torch.int64) for n in lengths]
@@ -241,7 +172,8 @@ def test_v41_cp_ranks_run_the_late_layers_over_their_share_of_the_tail() -> None
                 dict(zip(rows, out, strict=True)) for rows, out in model.forward(single, step)
             ]
             planned = [rank.plan(step) for rank in ranks]
-            for rank_outputs in _cp_forward(model, ranks, groups, step, planned):
+            tail_tokens = single.tail_forward_metadata.late_layer_tail.token_indices.tolist()
+            for rank_outputs in v41_cp_forward(model, ranks, step, planned, tail_tokens, groups):
                 for layer, (rows, out) in enumerate(rank_outputs):
                     real = [k for k, row in enumerate(rows) if row is not None]
                     assert not out[len(real) :].any()
@@ -261,5 +193,5 @@ def test_the_pd_prefill_cp_dspark_launch_is_served() -> None:
     """sglang PR 39746's cell: a V4.1 PD prefill server with prefill CP and DSpark, fp8 caches
     over sglang's pool (its regions carry them to the decode side)."""
     paged = PagedRequestPool(CONFIG, (40,), generator=torch.Generator().manual_seed(0))
-    backend = DSV4AttentionBackend(_runner(paged, SIZE, disaggregation_mode="prefill"))
+    backend = DSV4AttentionBackend(v41_cp_runner(paged, SIZE, disaggregation_mode="prefill"))
     assert backend.dspark and not backend.bounded_replay
