@@ -108,12 +108,7 @@ from dsv4_backend.sglang_adapter.batch_view import (
     padding_rows,
     readable_ints,
 )
-from dsv4_backend.sglang_adapter.late_layer_tail import (
-    TailForward,
-    bounded_replay,
-    plan_tail,
-    prefill_cp,
-)
+from dsv4_backend.sglang_adapter.late_layer_tail import TailForward, bounded_replay, plan_tail
 from dsv4_backend.sglang_adapter.pool_alias import (
     aliased_state,
     log_state_memory,
@@ -249,8 +244,11 @@ class RunnerSettings:
         layers = None
         if config.v41 is not None:
             check_served(args, hf, v41=True)
-            if prefill_cp(args):
-                # sglang's V4.1 model writes a CP prefill's window keys into its pool itself.
+            # sglang's V4.1 model writes a CP prefill's window keys into its pool itself
+            # (--enable-prefill-cp before attn_cp_size resolves, as its V4.1 hook reads it).
+            if getattr(args, "enable_prefill_cp", False) or (
+                int(getattr(args, "attn_cp_size", 1) or 1) > 1
+            ):
                 region_copying += (V41_CP_WINDOW_WRITES,)
         if getattr(runner, "is_draft_worker", False):
             # The draft (MTP) model has one window-only layer, layer_id 0.

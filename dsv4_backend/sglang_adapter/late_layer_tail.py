@@ -55,14 +55,6 @@ def bounded_replay(args: Any, config: DSV4AttentionConfig) -> bool:
     return True
 
 
-def prefill_cp(args: Any) -> bool:
-    """Whether ``args`` (sglang's ``ServerArgs``) split prefills over CP ranks, as sglang's V4.1
-    hook reads it (``--enable-prefill-cp`` before ``attn_cp_size`` resolves, or the size)."""
-    return bool(getattr(args, "enable_prefill_cp", False)) or (
-        int(getattr(args, "attn_cp_size", 1) or 1) > 1
-    )
-
-
 @dataclass(frozen=True)
 class TailForward:
     """The backend's ``tail_forward_metadata``: the plan of the tail rows, which
