@@ -72,7 +72,7 @@ def _floors(lengths: tuple[int, ...]) -> list[torch.Tensor]:
 
 
 def test_extends_run_their_late_layers_over_the_tail_eagerly_and_from_tail_graphs(
-    monkeypatch: pytest.MonkeyPatch,
+    torch_path: None,
 ) -> None:
     """Chunked prefills of two requests (a tail of each request's last 128 rows with its floor
     at the first; extends shorter than the tail reading back into the previous chunk's tail),
@@ -82,8 +82,6 @@ def test_extends_run_their_late_layers_over_the_tail_eagerly_and_from_tail_graph
     equals the reference with the tail's window floors, the graphs' rows equal the eager ones
     bit for bit, and the late layers' first tail rows differ from the plain window (the check
     can fail)."""
-    for op in ("ATTENTION", "LOW_RATIO_SCORES"):  # the host's calls are under test: torch twins
-        monkeypatch.setenv(f"DSV4_{op}_KERNEL", "torch")
     config = tiny_v41(speculative=True, num_draft_tokens=5)
     lengths = (260, 120)
     pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(4))
@@ -141,11 +139,14 @@ def test_extends_run_their_late_layers_over_the_tail_eagerly_and_from_tail_graph
     assert plain_gap > 0.1, plain_gap
 
 
-def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail() -> None:
+def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail(
+    torch_path: None,
+) -> None:
     """``--enable-dp-attention``: an extend padded by sglang's ``_pad_inputs_to_size`` with
     tokens of no request (``prepare_mlp_sync_batch``) and a decode padded with requests: the
-    tail is the real requests' rows, every computed row equals the reference with the tail's
-    floors, and the padded decode's real rows too."""
+    tail is the real requests' rows, run from sglang's decoder tail graphs (``testing.
+    tail_graphs``), every computed row equals the reference with the tail's floors, and the
+    padded decode's real rows too."""
     config = tiny_v41(speculative=True, num_draft_tokens=5)
     lengths = (160, 30)
     pool = PagedRequestPool(config, lengths, generator=torch.Generator().manual_seed(7))
@@ -159,12 +160,14 @@ def test_dp_padded_extends_run_their_late_layers_over_the_real_rows_tail() -> No
     extend = builder.pad(builder.extend([0, 1], [0, 0], [150, 20]), runner, 0, 1, 30)
     decode = builder.pad(builder.decode([0, 1], [151, 21]), runner, 2, 1)
     worst = 0.0
+    graphs = model.tail_graphs(max_rows=2 * TAIL)
     for step in (extend, decode):
         backend.init_forward_metadata(step.batch)
-        outputs = model.forward(backend, step)
+        outputs = model.forward(backend, step, graphs)
         tail_rows = outputs[config.late_layer_start][0]
         if step is extend:
             assert None not in tail_rows and len(tail_rows) == TAIL + 20
+            assert graphs.captures == 1
         worst = max(
             worst, *(model.max_error(rows, i, out) for i, (rows, out) in enumerate(outputs))
         )
