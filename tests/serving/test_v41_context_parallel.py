@@ -77,6 +77,11 @@ def test_v41_cp_ranks_equal_the_single_rank() -> None:
             single.init_forward_metadata(step.batch)
             planned = [rank.plan(step) for rank in ranks]
             split = planned[0].rows is not step.rows
+            # Where sglang's model writes the gathered window keys: every row's slot, any rank.
+            slots = single.get_swa_out_cache_loc(step.batch)
+            for rank, local in zip(ranks, planned, strict=True):
+                with rank.context():
+                    assert torch.equal(rank.backend.get_swa_out_cache_loc(local.batch), slots)
             for layer in LAYERS:
                 want = model.layer(single, step, layer)
                 whole = model.feed(step.rows, layer)
@@ -172,7 +177,12 @@ def test_v41_cp_ranks_run_the_late_layers_over_their_share_of_the_tail() -> None
                 dict(zip(rows, out, strict=True)) for rows, out in model.forward(single, step)
             ]
             planned = [rank.plan(step) for rank in ranks]
-            tail_tokens = single.tail_forward_metadata.late_layer_tail.token_indices.tolist()
+            single_tail = single.tail_forward_metadata.late_layer_tail
+            tail_tokens = single_tail.token_indices.tolist()
+            for rank in ranks:  # the gathered tail's window-key slots: the whole tail's
+                tail = rank.backend.tail_forward_metadata.late_layer_tail
+                assert torch.equal(tail.swa_out_cache_loc, single_tail.swa_out_cache_loc)
+                assert torch.equal(tail.pos_global, single_tail.positions.long())
             for rank_outputs in v41_cp_forward(model, ranks, step, planned, tail_tokens, groups):
                 for layer, (rows, out) in enumerate(rank_outputs):
                     real = [k for k, row in enumerate(rows) if row is not None]
