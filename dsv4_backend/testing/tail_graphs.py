@@ -44,10 +44,9 @@ class _Capture:
 
     cuda_graph: Any
     _barrier_fn: None = None
-    segments: int = 0
 
     def _end_current_segment(self) -> None:
-        self.segments += 1
+        pass
 
     def _begin_new_segment(self) -> None:
         pass
