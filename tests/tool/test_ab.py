@@ -52,6 +52,7 @@ from dsv4_backend.testing.ab.trace import (
     SHARE_TAIL,
     build_trace,
 )
+from dsv4_backend.testing.simulation.v41 import tiny_v41
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
@@ -203,6 +204,50 @@ def test_dspark_trace_matches_reference() -> None:
     perturbed = run_trace(trace, CausalDraft("causal", path="torch"), ReferenceBackend())
     assert not perturbed.passed
     assert {label.split("/")[0] for label in perturbed.failed} == {"dspark"}
+
+
+def test_v41_trace_runs_the_late_layer_tail_on_both_sides() -> None:
+    """``--v41 --bounded-replay``: prefills (eager, graph) whose late layers run over their
+    late-layer tail on both sides (the package plans the tail, the reference gives its rows of
+    the pass with the tail's window floors), then decodes: every row of every layer within
+    tolerance. The package without the tail's window floors fails the prefills only; without
+    the bounded replay on one side the rows of the late layers differ, and the step fails."""
+    trace = build_trace(
+        tiny_v41(), num_requests=2, max_len=300, cycles=0, decode_steps=2, bounded_replay=True
+    )
+    assert [s.label for s in trace.steps] == [
+        "prefill/eager", "prefill/graph", "decode/eager", "decode/graph",
+    ]  # fmt: skip
+    result = run_trace(trace, torch_dsv4(), ReferenceBackend())
+    assert result.passed, result.failed
+    assert all(0 < stats.max_abs_error < 1e-4 for stats in result.modes.values())
+
+    def no_floors(config, batch, **kwargs):
+        return plan(config, dataclasses.replace(batch, window_floors=None), **kwargs)
+
+    perturbed = run_trace(trace, DSV4Backend("no-floors", path="torch", planner=no_floors),
+                          ReferenceBackend())  # fmt: skip
+    assert {label.split("/")[0] for label in perturbed.failed} == {"prefill"}
+    plain = run_trace(dataclasses.replace(trace, bounded_replay=False), torch_dsv4(),
+                      ReferenceBackend())  # fmt: skip
+    assert plain.passed, plain.failed  # the full prefill on both sides
+
+    class TailOnOneSide(DSV4Backend):
+        def prepare(self, trace, device) -> None:
+            super().prepare(dataclasses.replace(trace, bounded_replay=True), device)
+
+    one_sided = run_trace(dataclasses.replace(trace, bounded_replay=False),
+                          TailOnOneSide("tail", path="torch"), ReferenceBackend())  # fmt: skip
+    assert "returned rows" in str(one_sided.modes["prefill/eager"].error)
+
+
+@pytest.mark.sglang
+def test_a_v41_trace_is_refused_by_the_sglang_backends() -> None:
+    from dsv4_backend.testing.ab.sglang_backend import SglangBackend
+
+    trace = build_trace(tiny_v41(), num_requests=1, max_len=40, cycles=0, decode_steps=1)
+    with pytest.raises(ConfigError, match=r"DeepSeek-V4\.1 traces run the dsv4 backends"):
+        SglangBackend("dsv4").prepare(trace, torch.device("cpu"))
 
 
 def test_prefix_share_trace_serves_a_cache_hit(tmp_path: Path, capsys) -> None:
@@ -447,6 +492,9 @@ def _bad_config(tmp_path: Path) -> list[str]:
         (["--atol", "-1"], "--atol '-1': the tolerance must be a finite number >= 0"),
         (["--atol", "verify=nan"], "--atol 'verify=nan': the tolerance must be a finite number"),
         ("out-under-a-file", "is a file, not a folder"),
+        (["--bounded-replay"], "--bounded-replay is DeepSeek-V4.1's (--v41)"),
+        (["--v41", "--layers", "0"], "--v41 is the tiny DeepSeek-V4.1 configuration"),
+        (["--v41", "--cycles", "1"], "a DeepSeek-V4.1 trace has prefills and decodes only"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(

@@ -52,7 +52,9 @@ from dsv4_backend.planning import (
 from dsv4_backend.testing.ab.base import Backend, StepOutput
 from dsv4_backend.testing.ab.trace import Step, Trace
 from dsv4_backend.testing.reference.layer import LayerInputs, reference_layer
+from dsv4_backend.testing.reference.v41_model import V41Result, reference_v41
 from dsv4_backend.testing.simulation import DSparkDraft, RandomModel
+from dsv4_backend.testing.simulation.v41 import V41Served
 
 #: ``plan``'s signature: ``planner(config, batch, widths=None) -> AttentionMetadata``.
 Planner = Callable[..., AttentionMetadata]
@@ -93,6 +95,8 @@ class DSV4Backend(Backend):
         self.trace: Trace | None = None
         self.buffers: GraphMetadataBuffers | None = None
         self.draft: DSparkDraft | None = None
+        #: A DeepSeek-V4.1 trace's model (``model`` is None then).
+        self.v41: V41Served | None = None
         self.device = torch.device("cpu")
 
     @property
@@ -110,9 +114,12 @@ class DSV4Backend(Backend):
         plans, Triton kernels) is not timed.
         """
         self.device = device
+        self.trace = trace
+        if trace.config.v41 is not None:
+            self._prepare_v41(trace, device)
+            return
         self.model = trace.build_model(device, fmt=self.cache_format)
         pool = self.model.pool
-        self.trace = trace
         self.draft = (
             trace.build_draft(pool, device, self.cache_format) if trace.spec == "dspark" else None
         )
@@ -135,6 +142,23 @@ class DSV4Backend(Backend):
             scratch.forward(scratch.pool.extend([0], [0], [6]))
             scratch.forward(scratch.pool.decode([0], [7]))
 
+    def _prepare_v41(self, trace: Trace, device: torch.device) -> None:
+        """``prepare`` of a DeepSeek-V4.1 trace: its model, graph buffers, a warm-up extend
+        and decode on a scratch model."""
+        self.v41 = trace.build_v41(device, fmt=self.cache_format)
+        pool = self.v41.pool
+        self.buffers = GraphMetadataBuffers(
+            trace.config, max_batch_size=pool.num_requests, max_rows=graph_rows(trace.max_rows),
+            widths=PlanWidths.for_max_len(pool.max_context, trace.config.page_size),
+            device=device,
+        )  # fmt: skip
+        scratch = Trace(trace.config, (8,), (), trace.seed).build_v41(device, self.cache_format)
+        with self._paths():
+            scratch.forward(
+                scratch.pool.extend([0], [0], [6]), [(0, p) for p in range(6)], planner=self.planner
+            )
+            scratch.forward(scratch.pool.decode([0], [7]), [(0, 6)], planner=self.planner)
+
     def _planner(self, step: Step) -> Callable[[DSV4AttentionConfig, BatchView], AttentionMetadata]:
         if step.path == "eager":
             return self.planner
@@ -149,6 +173,8 @@ class DSV4Backend(Backend):
     def run(self, step: Step) -> StepOutput:
         if step.mode == "dspark":
             return self._run_dspark(step)
+        if self.v41 is not None:
+            return self._run_v41(step)
         model = self.model
         batch = self.trace.batch(step, model.pool)
         timings: dict[str, float] = {}
@@ -168,6 +194,26 @@ class DSV4Backend(Backend):
             plan_s=timings.get("plan", 0.0),
             kernel_s=timings.get("kernels", 0.0),
         )
+
+    def _run_v41(self, step: Step) -> StepOutput:
+        """A DeepSeek-V4.1 step through the package's steps (``V41Served.forward``; the tail
+        planned eagerly, as sglang plans it)."""
+        served, trace = self.v41, self.trace
+        rows = step.rows()
+        timings: dict[str, float] = {}
+        with self._paths():
+            layer_rows, outputs = served.forward(
+                trace.batch(step, served.pool), rows, planner=self._planner(step),
+                tail_planner=self.planner, bounded_replay=trace.bounded_replay,
+                timings=timings,
+            )  # fmt: skip
+        # Rows past a layer's own are graph padding.
+        kept = [out[: len(r)].float().cpu() for out, r in zip(outputs, layer_rows, strict=True)]
+        return StepOutput(
+            rows=rows, layers=step.layers(trace.config), outputs=kept,
+            plan_s=timings.get("plan", 0.0), kernel_s=timings.get("kernels", 0.0),
+            layer_rows=layer_rows,
+        )  # fmt: skip
 
     def _run_dspark(self, step: Step) -> StepOutput:
         """A DSpark draft block: the committed keys injected, then the block's stages."""
@@ -193,19 +239,33 @@ class ReferenceBackend(Backend):
         self.model: RandomModel | None = None
         self.trace: Trace | None = None
         self.draft: DSparkDraft | None = None
+        #: A DeepSeek-V4.1 trace's ``reference_v41`` of each request, its whole length.
+        self.v41: list[V41Result] | None = None
 
     @property
     def kernel_path(self) -> str:
         return "torch reference (cpu)"
 
     def prepare(self, trace: Trace, device: torch.device) -> None:
-        self.model = trace.build_model("cpu")
         self.trace = trace
+        if trace.config.v41 is not None:
+            # Each request's whole pass; under the bounded replay with the window floors its
+            # prefills' late-layer tails give (trace.late_window_floors).
+            model = trace.build_v41("cpu").model
+            floors = trace.late_window_floors()
+            self.v41 = [
+                reference_v41(trace.config, inputs, floor)
+                for inputs, floor in zip(model.requests, floors, strict=True)
+            ]
+            return
+        self.model = trace.build_model("cpu")
         self.draft = trace.build_draft(self.model.pool) if trace.spec == "dspark" else None
 
     def run(self, step: Step) -> StepOutput:
         if step.mode == "dspark":
             return self._run_dspark(step)
+        if self.v41 is not None:
+            return self._run_v41(step)
         model = self.model
         config = model.config
         rows = step.rows()
@@ -223,6 +283,28 @@ class ReferenceBackend(Backend):
                 out.append(full[positions.start : positions.stop])
             outputs.append(torch.cat(out))
         return StepOutput(rows=rows, layers=layers, outputs=outputs, plan_s=0.0, kernel_s=elapsed)
+
+    def _run_v41(self, step: Step) -> StepOutput:
+        """The rows of ``step`` of each request's ``reference_v41`` pass; under the bounded
+        replay a prefill's late layers give its late-layer tail's rows only."""
+        trace = self.trace
+        config = trace.config
+        rows = step.rows()
+        late = len(config.compress_ratios)
+        if trace.bounded_replay and step.mode == "prefill":
+            late = config.late_layer_start
+        tail = trace.tail_rows(step) if late < len(config.compress_ratios) else rows
+        layer_rows = [
+            rows if layer < late else tail for layer in range(len(config.compress_ratios))
+        ]
+        outputs = [
+            torch.stack([self.v41[r].outputs[layer][p] for r, p in of])
+            for layer, of in enumerate(layer_rows)
+        ]
+        return StepOutput(
+            rows=rows, layers=step.layers(config), outputs=outputs, plan_s=0.0, kernel_s=0.0,
+            layer_rows=layer_rows,
+        )  # fmt: skip
 
     def _run_dspark(self, step: Step) -> StepOutput:
         """``reference_dspark_block`` over each request's committed keys and block."""

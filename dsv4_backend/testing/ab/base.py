@@ -24,6 +24,8 @@ class StepOutput:
     layers : layer ids of ``outputs``.
     outputs : per layer ``[T, H, D]`` float32 on the CPU.
     plan_s, kernel_s : seconds spent planning and in the layers' kernels.
+    layer_rows : the rows of each of ``outputs`` where they are not ``rows`` (DeepSeek-V4.1's
+        late layers under the bounded replay: the late-layer tail's); None: ``rows`` for all.
     """
 
     rows: list[Row]
@@ -31,6 +33,11 @@ class StepOutput:
     outputs: list[torch.Tensor]
     plan_s: float
     kernel_s: float
+    layer_rows: list[list[Row]] | None = None
+
+    def rows_of(self, index: int) -> list[Row]:
+        """The rows of ``outputs[index]``."""
+        return self.rows if self.layer_rows is None else self.layer_rows[index]
 
 
 class Backend(abc.ABC):

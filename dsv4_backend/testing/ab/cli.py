@@ -67,8 +67,8 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="longest request, prompt plus generated tokens (default 300)",
     )  # fmt: skip
     trace.add_argument(
-        "--cycles", type=int, default=4,
-        help="speculative rounds: draft, verify, draft extend (default 4)",
+        "--cycles", type=int,
+        help="speculative rounds: draft, verify, draft extend (default 4; 0 with --v41)",
     )  # fmt: skip
     trace.add_argument("--decode-steps", type=int, default=4, help="decodes (default 4)")
     trace.add_argument("--seed", type=int, default=0, help="lengths, drafts and data (default 0)")
@@ -87,10 +87,20 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="speculative rounds: EAGLE (draft steps, verify, draft extend) or DSpark (a draft "
         "block through the draft head's window-only stages, then the verify) (default eagle)",
     )  # fmt: skip
+    trace.add_argument(
+        "--bounded-replay", action="store_true",
+        help="DeepSeek-V4.1's decoder SWA bounded replay on both sides: a prefill's late "
+        "layers run over its late-layer tail (each request's last 128 rows)",
+    )  # fmt: skip
     model = parser.add_argument_group("model")
     model.add_argument(
         "--config", type=Path, metavar="PATH",
         help="a DeepSeek-V4 config.json for real dimensions (default: the tiny configuration)",
+    )  # fmt: skip
+    model.add_argument(
+        "--v41", action="store_true",
+        help="the tiny DeepSeek-V4.1 configuration (prefills and decodes; a V4.1 --config is "
+        "read as V4.1 already)",
     )  # fmt: skip
     model.add_argument(
         "--layers", metavar="IDS",
@@ -158,10 +168,20 @@ def _device(name: str | None) -> torch.device:
     return device
 
 
-def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
-    """The tiny configuration or ``path``'s, restricted to ``layers``."""
+def _config(path: Path | None, layers: str | None, v41: bool = False) -> DSV4AttentionConfig:
+    """The tiny configuration (DeepSeek-V4.1's with ``v41``) or ``path``'s, restricted to
+    ``layers`` (a DeepSeek-V4.1 model runs every layer: its layers share caches)."""
     from dataclasses import replace
 
+    from dsv4_backend.testing.simulation.v41 import tiny_v41
+
+    if v41:
+        if path is not None or layers is not None:
+            raise ConfigError(
+                "--v41 is the tiny DeepSeek-V4.1 configuration: leave out --config (a V4.1 "
+                "config.json is read as V4.1) and --layers"
+            )
+        return tiny_v41()
     if path is None:
         config = DSV4AttentionConfig.tiny(speculative=True)
         ids = list(range(len(config.compress_ratios)))
@@ -180,6 +200,13 @@ def _config(path: Path | None, layers: str | None) -> DSV4AttentionConfig:
             raise ConfigError(f"--config {path}: {exc}") from None
         ratios = config.compress_ratios
         ids = sorted({ratios.index(r) for r in ratios})
+        if config.v41 is not None:
+            if layers is not None:
+                raise ConfigError(
+                    f"--layers {layers!r}: a DeepSeek-V4.1 model runs every layer (its layers "
+                    "share the kv and index sources' caches)"
+                )
+            return config
     if layers is not None:
         try:
             ids = [int(i) for i in layers.split(",")]
@@ -275,18 +302,20 @@ def run_ab(args: argparse.Namespace) -> int:
             torch.set_num_threads(args.threads)
         a = make_backend(args.a, device)
         b = make_backend(args.b, device)
-        config = _config(args.config, args.layers)
+        config = _config(args.config, args.layers, args.v41)
         atol = _atol(args.atol)
+        cycles = args.cycles if args.cycles is not None else 0 if config.v41 else 4
         trace = build_trace(
             config,
             num_requests=args.requests,
             max_len=args.max_len,
-            cycles=args.cycles,
+            cycles=cycles,
             decode_steps=args.decode_steps,
             seed=args.seed,
             dp_pad=args.dp_pad,
             prefix_share=args.prefix_share,
             spec=args.spec,
+            bounded_replay=args.bounded_replay,
         )
         _prepare_out(args.out)  # the last check: a refused run leaves no folder behind
         # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at

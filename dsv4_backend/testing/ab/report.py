@@ -92,6 +92,8 @@ def build_report(result: ABResult) -> dict[str, Any]:
             "steps": len(trace.steps),
             "seed": trace.seed,
             "dp_pad": trace.dp_pad,
+            "model": "DeepSeek-V4.1" if config.v41 is not None else "DeepSeek-V4",
+            "bounded_replay": trace.bounded_replay,
             "prefix_hits": [
                 {"request": r, "owner": owner, "tokens": pages * config.page_size}
                 for r, (owner, pages) in trace.shared_pages
@@ -160,9 +162,11 @@ def render_markdown(report: dict[str, Any]) -> str:
         f"- device: {report['device']}; A kernels: {a['kernels']}; B kernels: {b['kernels']}",
         f"- config: compress ratios {config['compress_ratios']}, {config['num_heads']} heads, "
         f"head_dim {config['head_dim']}, index_topk {config['index_topk']}",
-        f"- trace: {trace['requests']} requests (lengths {trace['max_lens']}), "
+        f"- trace: {trace['model']}, {trace['requests']} requests (lengths {trace['max_lens']}), "
         f"{trace['steps']} steps, seed {trace['seed']}, DP padding {trace['dp_pad']} "
-        f"requests{_hits(trace['prefix_hits'])}; wall time {report['wall_s']:.1f} s",
+        f"requests{_hits(trace['prefix_hits'])}"
+        f"{'; the late-layer tail on both sides' if trace['bounded_replay'] else ''}; "
+        f"wall time {report['wall_s']:.1f} s",
         "- errors over accepted rows; rel = max|A-B| / max|B|; row = median over rows of "
         "||a-b|| / ||b|| (checked where a bound is given); cos = smallest row cosine",
         _tolerance_line(report),

@@ -219,14 +219,20 @@ def _compare(stats: ModeStats, step: Step, out_a: StepOutput, out_b: StepOutput)
         raise ValueError(f"A ran layers {out_a.layers}, B ran {out_b.layers}")
     if sorted(out_a.rows) != sorted(out_b.rows):
         raise ValueError(f"A returned rows {out_a.rows}, B returned {out_b.rows}")
-    index_b = {row: i for i, row in enumerate(out_b.rows)}
-    keep = [(i, index_b[row]) for i, row in enumerate(out_a.rows) if step.accepted(row)]
-    if not keep or not out_a.layers:
-        return
-    rows_a = torch.tensor([i for i, _ in keep])
-    rows_b = torch.tensor([j for _, j in keep])
-    stats.rows += len(keep)
-    for got, want in zip(out_a.outputs, out_b.outputs, strict=True):
+    if out_a.layers:
+        stats.rows += sum(step.accepted(row) for row in out_a.rows)
+    for layer, (got, want) in enumerate(zip(out_a.outputs, out_b.outputs, strict=True)):
+        layer_a, layer_b = out_a.rows_of(layer), out_b.rows_of(layer)
+        if sorted(layer_a) != sorted(layer_b):
+            raise ValueError(
+                f"layer {out_a.layers[layer]}: A returned rows {layer_a}, B returned {layer_b}"
+            )
+        index_b = {row: i for i, row in enumerate(layer_b)}
+        keep = [(i, index_b[row]) for i, row in enumerate(layer_a) if step.accepted(row)]
+        if not keep:
+            continue
+        rows_a = torch.tensor([i for i, _ in keep])
+        rows_b = torch.tensor([j for _, j in keep])
         got, want = got[rows_a].flatten(1), want[rows_b].flatten(1)
         # NaN anywhere must fail, not vanish in max().
         diff = torch.nan_to_num((got - want).abs(), nan=float("inf"))

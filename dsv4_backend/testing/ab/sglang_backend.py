@@ -66,11 +66,17 @@ class SglangBackend(Backend):
     def prepare(self, trace: Trace, device: torch.device) -> None:
         """Build the mock runner, the target and draft backends and their graph state.
 
-        Raises ``ConfigError`` when sglang cannot build the backend on this runner.
+        Raises ``ConfigError`` when sglang cannot build the backend on this runner, or for a
+        DeepSeek-V4.1 trace (its simulated host drives DeepSeek-V4 models only).
         """
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
         from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
+        if trace.config.v41 is not None:
+            raise ConfigError(
+                f"{self.name}: DeepSeek-V4.1 traces run the dsv4 backends and the reference; "
+                "the sglang:<name> backends' simulated host drives DeepSeek-V4 models only"
+            )
         self.device = device
         model = trace.build_model(device)
         pool = model.pool

@@ -50,6 +50,7 @@ from dsv4_backend.errors import ConfigError
 from dsv4_backend.planning import BatchView, ForwardKind
 from dsv4_backend.testing.simulation import DSparkDraft, PagedRequestPool, RandomModel
 from dsv4_backend.testing.simulation.dspark import NUM_STAGES as DSPARK_STAGES
+from dsv4_backend.testing.simulation.v41 import V41Served
 
 MODES = ("prefill", "draft", "verify", "draft_extend", "decode", "dspark")
 #: Modes whose batches DP attention pads with requests before planning (``--dp-pad``).
@@ -171,6 +172,9 @@ class Trace:
     same_tokens: tuple[tuple[int, tuple[int, int]], ...] = ()
     #: The speculative algorithm of the rounds (``SPECS``).
     spec: str = "eagle"
+    #: DeepSeek-V4.1's decoder SWA bounded replay: a prefill's late layers run over its
+    #: late-layer tail, on both sides of a run (``build_trace``).
+    bounded_replay: bool = False
 
     @property
     def labels(self) -> list[str]:
@@ -208,6 +212,33 @@ class Trace:
             device=device,
         )  # fmt: skip
 
+    def build_v41(self, device: torch.device | str = "cpu", fmt: str = "dense") -> V41Served:
+        """A DeepSeek-V4.1 trace's model served over a fresh pool with ``fmt`` caches; equal
+        data and page layout for equal seeds."""
+        return V41Served.build(self.config, self.max_lens, self.seed, fmt=fmt, device=device)  # type: ignore[arg-type]
+
+    def tail_rows(self, step: Step) -> list[Row]:
+        """The rows a ``prefill`` step's late layers run over under the bounded replay: each
+        request's last ``min(window, extend)`` rows (``planning.late_layer_tail``'s)."""
+        window = self.config.window_size
+        return [
+            (r, p)
+            for i, r in enumerate(step.requests)
+            for p in step.positions(i)[-min(window, step.extend_lens[i]) :]
+        ]
+
+    def late_window_floors(self) -> list[torch.Tensor]:
+        """Per request ``[max_len]`` int64: under the bounded replay the window floor of each
+        position its late layers ran at in a prefill's tail (``seq_len - window``), else 0."""
+        window = self.config.window_size
+        floors = [torch.zeros(n, dtype=torch.int64) for n in self.max_lens]
+        for step in self.steps if self.bounded_replay else ():
+            if step.mode == "prefill":
+                for i, r in enumerate(step.requests):
+                    end = step.lens[i] + step.extend_lens[i]
+                    floors[r][end - min(window, step.extend_lens[i]) : end] = max(0, end - window)
+        return floors
+
     def block_seed(self, step: Step) -> int:
         """The seed of a ``dspark`` step's block data (the same for both backends)."""
         return self.seed * 1_000_003 + sum((i + 1) * n for i, n in enumerate(step.lens))
@@ -224,19 +255,30 @@ def build_trace(
     dp_pad: int = 0,
     prefix_share: bool = False,
     spec: str = "eagle",
+    bounded_replay: bool = False,
 ) -> Trace:
     """The built-in trace (module docstring) over ``num_requests`` requests of at most
     ``max_len`` tokens; ``seed`` draws the lengths, the accepted drafts and the data;
     ``dp_pad`` padding requests join every batch of the ``DP_PADDED_MODES``;
     ``prefix_share`` adds request ``num_requests``, a prefix hit on request 0's prompt;
-    ``spec`` picks EAGLE or DSpark rounds (module docstring).
+    ``spec`` picks EAGLE or DSpark rounds (module docstring). A DeepSeek-V4.1 ``config``
+    (``config.v41``) makes a trace of prefills and decodes (no rounds, DP padding or prefix
+    hit yet); ``bounded_replay`` runs its prefills' late layers over their late-layer tail.
 
     Raises ``ConfigError`` when the sizes cannot make a trace (``max_len`` must leave room for
     a 2-token prompt, the rounds and the decodes; with ``prefix_share``, for a prompt longer
-    than a page).
+    than a page), or for what a DeepSeek-V4.1 trace does not have.
     """
     if spec not in SPECS:
         raise ConfigError(f"spec={spec!r}; expected one of {SPECS}")
+    if config.v41 is None and bounded_replay:
+        raise ConfigError("--bounded-replay is DeepSeek-V4.1's (--v41); this is a V4 config")
+    if config.v41 is not None and (cycles or dp_pad or prefix_share):
+        raise ConfigError(
+            f"a DeepSeek-V4.1 trace has prefills and decodes only: cycles={cycles}, "
+            f"dp_pad={dp_pad}, prefix_share={prefix_share}; use --cycles 0 and neither "
+            "--dp-pad nor --prefix-share"
+        )
     if num_requests < 1 or cycles < 0 or decode_steps < 0 or dp_pad < 0:
         raise ConfigError(
             f"requests={num_requests}, cycles={cycles}, decode_steps={decode_steps}, "
@@ -325,6 +367,7 @@ def build_trace(
         seed=seed,
         dp_pad=dp_pad,
         spec=spec,
+        bounded_replay=bounded_replay,
         **shared,
     )
 
