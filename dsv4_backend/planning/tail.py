@@ -69,12 +69,8 @@ def late_layer_tail(
         max(0, s - t - tail_len) if w else max(0, s - tail_len)
         for s, t, w in zip(seq, tails, whole, strict=True)
     ]
-    ends = list(itertools.accumulate(extend))
-    index_lists = [range(end - t, end) for end, t in zip(ends, tails, strict=True)]
     device = batch.out_cache_loc.device
-    token_indices = torch.tensor(
-        [i for rows in index_lists for i in rows], dtype=torch.int64, device=device
-    )
+    token_indices = torch.tensor(_tail_tokens(extend, tails), dtype=torch.int64, device=device)
     tail = dataclasses.replace(
         batch,
         out_cache_loc=batch.out_cache_loc[token_indices],
@@ -84,6 +80,13 @@ def late_layer_tail(
     )
     contiguous = extend[0] - tails[0] if len(extend) == 1 else None
     return LateLayerTail(tail, token_indices, tails, floors, contiguous)
+
+
+def _tail_tokens(extend: Sequence[int] | torch.Tensor, tails: Sequence[int]) -> list[int]:
+    """Each tail row's row in the extend: request ``b``'s last ``tails[b]`` of ``extend[b]``
+    (host lengths; ``BatchView`` holds them as ints)."""
+    ends = itertools.accumulate(int(n) for n in extend)
+    return [i for end, t in zip(ends, tails, strict=True) for i in range(end - t, end)]
 
 
 @dataclass(frozen=True)
@@ -118,11 +121,13 @@ class TailCPLayout:
         return max(self.rank_rows)
 
 
-def tail_cp_layout(tail: LateLayerTail, rank: int, size: int) -> TailCPLayout:
-    """Rank ``rank`` of ``size``'s share of ``tail`` (``TailCPLayout``)."""
+def tail_cp_layout(batch: BatchView, tail: LateLayerTail, rank: int, size: int) -> TailCPLayout:
+    """Rank ``rank`` of ``size``'s share of ``tail``, the tail of ``batch`` (``TailCPLayout``;
+    from host lengths: no device read)."""
     if not 0 <= rank < size:
         raise BatchError(f"CP rank {rank} of {size}: expected 0 <= rank < size")
-    tokens = tail.token_indices.tolist()
+    assert batch.extend_seq_lens is not None  # an EXTEND batch's (late_layer_tail checks it)
+    tokens = _tail_tokens(batch.extend_seq_lens, tail.tail_lens)
     owners = [t % size for t in tokens]
     rank_rows = [owners.count(r) for r in range(size)]
     width = max(rank_rows, default=0)

@@ -100,7 +100,7 @@ def plan_tail(
     from sglang.srt.layers.cp.interleave import InterleaveContextParallelMetadata
 
     rank, size = cp
-    layout = tail_cp_layout(tail, rank, size)
+    layout = tail_cp_layout(view, tail, rank, size)
     width = layout.max_rows
     pad_rows = width - layout.rank_rows[rank]
     cp_metadata = InterleaveContextParallelMetadata(

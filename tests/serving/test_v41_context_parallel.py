@@ -139,7 +139,7 @@ def test_the_tail_cp_layout_is_sglangs(size: int) -> None:
             want = DeepseekV4AttnBackend._late_layer_tail_cp_layout(
                 None, step.batch, tail.token_indices, lens
             )
-        got = tail_cp_layout(tail, rank, size)
+        got = tail_cp_layout(view, tail, rank, size)
         meta = want["cp_metadata"]
         assert meta.per_rank_logical_token == got.rank_rows
         assert torch.equal(meta.gather_index, got.gather_index)
