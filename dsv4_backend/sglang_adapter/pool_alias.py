@@ -64,8 +64,8 @@ def unaliasable_reason(
         (pool.request_window is None, "its window lives in a per-request window"),
         (pool.swa_kv_pool is not None, "it has no paged window pool"),
         (
-            list(pool.compression_ratios) == list(config.compress_ratios)
-            and (pool._stage_start, pool._stage_end) == (layers.start, layers.stop),
+            _model_layers_of(pool, len(config.compress_ratios))
+            == (list(config.compress_ratios), layers),
             f"its layers (ratios {list(pool.compression_ratios)}, stage "
             f"[{pool._stage_start}, {pool._stage_end})) are not the model's "
             f"{list(config.compress_ratios)} at [{layers.start}, {layers.stop})",
@@ -102,6 +102,17 @@ def unaliasable_reason(
     )
     failed = [why for ok, why in checks if not ok]
     return "sglang's pool: " + "; ".join(failed) if failed else None
+
+
+def _model_layers_of(pool: DeepSeekV4TokenToKVPool, num_layers: int) -> tuple[list[int], range]:
+    """The ratios of the pool's first ``num_layers`` layers (the model's) and its stage within
+    them. sglang's pool keeps the checkpoint's whole ``compress_ratios``, whose entries past
+    ``num_hidden_layers`` are the draft layers' slots (V4's MTP layer, DSpark's stages: their
+    draft workers have pools of their own); a stage ends at ``num_hidden_layers`` at most, and
+    a pool whose stage is the whole list (no layer range given) holds the model's layers too.
+    """
+    ratios = list(pool.compression_ratios)
+    return ratios[:num_layers], range(pool._stage_start, min(pool._stage_end, num_layers))
 
 
 def aliased_state(

@@ -39,6 +39,7 @@ def tiny_hf_config(config: DSV4AttentionConfig, **overrides: Any) -> dict[str, A
     """A DeepSeek-V4 ``config.json`` mapping with ``config``'s attention values."""
     values: dict[str, Any] = {
         "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
         "num_hidden_layers": len(config.compress_ratios),
         "compress_ratios": [*config.compress_ratios, 0],
         "num_attention_heads": config.num_heads,

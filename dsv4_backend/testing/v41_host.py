@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-from sglang.srt.runtime_context import get_context
 
 from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.testing.configured_pool import configured_kv_pool
 from dsv4_backend.testing.harness import Step, tiny_hf_config
 from dsv4_backend.testing.reference.v41_model import V41LayerInputs, reference_v41
 from dsv4_backend.testing.simulation.pool import PagedRequestPool
@@ -34,6 +34,7 @@ def v41_hf_config(config: DSV4AttentionConfig, **overrides: Any) -> dict[str, An
     assert v41 is not None, "a DeepSeek-V4.1 config"
     return tiny_hf_config(
         config,
+        model_type="deepseek_v41",
         kv_source_layer_ids=list(v41.kv_source_layers),
         index_source_layer_ids=list(v41.index_source_layers),
         candidate_source_layer_id=v41.candidate_source_layer,
@@ -52,25 +53,17 @@ def v41_sglang_pool(
     as its configurator builds it (``num_draft_tokens`` > 0: under DSpark, whose pair rings
     hold the block). sglang's pool hard-codes the Flash widths: ``config`` has
     ``head_dim`` 512 and ``index_head_dim`` 128."""
-    v41 = config.v41
-    assert v41 is not None and config.head_dim == 512, "a DeepSeek-V4.1 config of Flash widths"
+    assert config.v41 is not None and config.head_dim == 512, "a V4.1 config of Flash widths"
     full, slots = paged.num_full_slots, paged.num_requests + 1
-    spec = (
+    spec: dict[str, Any] = (
         dict(speculative_algorithm="DSPARK", speculative_num_draft_tokens=num_draft_tokens)
         if num_draft_tokens
         else {}
     )
-    with get_context().override_server_args(device="cpu", **spec):
-        pool = DeepSeekV4TokenToKVPool(
-            max_num_reqs=slots - 1, num_req_slots=slots, swa_size=full, c4_size=256,
-            c128_size=8, c4_state_pool_size=16, c128_state_pool_size=512, page_size=256,
-            swa_page_size=256, dtype=torch.float8_e4m3fn, c4_state_dtype=torch.float32,
-            c128_state_dtype=torch.float32, qk_nope_head_dim=448, qk_rope_head_dim=64,
-            indexer_head_dim=config.index_head_dim, layer_num=len(config.compress_ratios),
-            start_layer=0, end_layer=len(config.compress_ratios), device="cpu",
-            enable_memory_saver=False, compression_ratios=list(config.compress_ratios),
-            full_size=full, kv_source_layers=list(v41.kv_source_layers),
-        )  # fmt: skip
+    pool = configured_kv_pool(
+        v41_hf_config(config), full_size=full, swa_size=full, num_req_slots=slots,
+        c4_state_pool_size=16, c128_state_pool_size=512, **spec,
+    )  # fmt: skip
     pool.register_mapping(paged.full_to_swa)
     return pool
 

@@ -132,11 +132,16 @@ def test_dspark_draft_reads_the_draft_pools_window_buffers() -> None:
     views of the pool's window buffers, where sglang's DSpark model writes the block keys and
     the injected context keys (``set_swa_key_buffer_radix_fused_norm_rope``)."""
     pool = PagedRequestPool(FLASH_WIDTH, [64], generator=torch.Generator().manual_seed(0))
+    hf = harness.tiny_hf_config(FLASH_WIDTH, num_nextn_predict_layers=3)
     runner = harness.mock_runner(
-        pool, harness.tiny_hf_config(FLASH_WIDTH, num_nextn_predict_layers=3), topk=0,
-        num_draft_tokens=4, is_draft_worker=True, speculative_algorithm="DSPARK",
+        pool, hf, topk=0, num_draft_tokens=4, is_draft_worker=True,
+        speculative_algorithm="DSPARK",
     )  # fmt: skip
-    runner.token_to_kv_pool = draft_pool = make_pool(ratios=(0, 0, 0))
+    runner.token_to_kv_pool = draft_pool = make_pool(
+        hf=hf, is_draft_worker=True, speculative_algorithm="DSPARK",
+        speculative_num_draft_tokens=4,
+    )  # fmt: skip
+    assert list(draft_pool.compression_ratios) == [0, 0, 0]  # sglang's draft pool: its stages
     backend = create_dsv4_backend(runner)
     assert isinstance(backend, DSparkDraftBackend)
     for stage in range(3):

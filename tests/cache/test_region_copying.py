@@ -29,7 +29,6 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-from sglang.srt.runtime_context import get_context
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
@@ -37,6 +36,7 @@ from dsv4_backend.planning import per_step_draft_out_cache_loc
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
 from dsv4_backend.testing import harness
+from dsv4_backend.testing.configured_pool import configured_kv_pool
 from dsv4_backend.testing.hicache import HostTier, cpu_kvcacheio, page_slots
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 from dsv4_backend.testing.transfer import RequestSide, transfer_request
@@ -60,37 +60,15 @@ LAYERS = range(len(CONFIG.compress_ratios))
 def sglang_pool(paged: PagedRequestPool, stage: range | None = None) -> DeepSeekV4TokenToKVPool:
     """sglang's pool for ``paged``'s slots, as its configurator builds it under EAGLE
     (``stage``: a pipeline stage's pool, of those layers only)."""
-    stage = stage or range(len(CONFIG.compress_ratios))
     full = paged.num_full_slots
     slots = paged.num_requests + 1
-    with get_context().override_server_args(
-        device="cpu", speculative_algorithm="EAGLE", speculative_eagle_topk=1,
-        speculative_num_steps=NUM_STEPS, speculative_num_draft_tokens=NUM_DRAFT,
-    ):  # fmt: skip
-        pool = DeepSeekV4TokenToKVPool(
-            max_num_reqs=slots - 1,
-            num_req_slots=slots,
-            swa_size=full,
-            c4_size=full // 4,
-            c128_size=full // 128,
-            c4_state_pool_size=(full // 256 + 1) * CONFIG.ring_rows(4),
-            c128_state_pool_size=slots * CONFIG.ring_rows(128),
-            page_size=256,
-            swa_page_size=256,
-            dtype=torch.float8_e4m3fn,
-            c4_state_dtype=torch.float32,
-            c128_state_dtype=torch.float32,
-            qk_nope_head_dim=CONFIG.nope_dim,
-            qk_rope_head_dim=CONFIG.rope_dim,
-            indexer_head_dim=CONFIG.index_head_dim,
-            layer_num=len(stage),
-            device="cpu",
-            enable_memory_saver=False,
-            compression_ratios=list(CONFIG.compress_ratios),
-            full_size=full,
-            start_layer=stage.start,
-            end_layer=stage.stop,
-        )
+    pool = configured_kv_pool(
+        HF, full_size=full, swa_size=full, num_req_slots=slots,
+        c4_state_pool_size=(full // 256 + 1) * CONFIG.ring_rows(4),
+        c128_state_pool_size=slots * CONFIG.ring_rows(128), stage=stage,
+        speculative_algorithm="EAGLE", speculative_eagle_topk=1, speculative_num_steps=NUM_STEPS,
+        speculative_num_draft_tokens=NUM_DRAFT,
+    )  # fmt: skip
     pool.register_mapping(paged.full_to_swa)
     return pool
 

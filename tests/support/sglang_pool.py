@@ -1,57 +1,50 @@
 """A real sglang ``DeepSeekV4TokenToKVPool`` on the CPU, whose buffers the backend's caches
 alias (``cache/test_pool_alias.py``; the DSpark adapter, EAGLE loop and prefix-cache tests).
 
-sglang's pool hard-codes the Flash geometry (448 nope + 64 rope, indexer dim 128), so
-:data:`CONFIG` is Flash-width with four layers.
+Built by sglang's own configurator code (``testing.configured_pool``) from a checkpoint config
+with the MTP slot. sglang's pool hard-codes the Flash geometry (448 nope + 64 rope, indexer dim
+128), so :data:`CONFIG` is Flash-width with four layers.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
-from sglang.srt.runtime_context import get_context
 
 from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.testing import harness
+from dsv4_backend.testing.configured_pool import configured_kv_pool
 
 CONFIG = DSV4AttentionConfig(compress_ratios=(0, 4, 128, 4), num_heads=8, index_topk=16)
+#: The checkpoint config: ``compress_ratios`` carries the MTP layer's slot, as DeepSeek-V4
+#: checkpoints' do, and sglang's pool keeps it.
+HF = harness.tiny_hf_config(CONFIG)
 REQUEST_SLOTS = 4
 
 
 def make_pool(
     swa_size: int = 512,
     full_size: int = 1024,
-    ratios: tuple[int, ...] = CONFIG.compress_ratios,
     stage: range | None = None,
+    hf: dict[str, Any] = HF,
+    **options: Any,
 ) -> DeepSeekV4TokenToKVPool:
-    """A pool as sglang's configurator builds it (page 256, paged window, offline c128), of
-    layers of compress ``ratios``; ``stage``: a pipeline stage's pool, of those layers only
-    (``layer_num``, ``start_layer`` / ``end_layer`` as ``kv_cache_configurator`` passes them)."""
-    stage = stage or range(len(ratios))
-    with get_context().override_server_args(device="cpu"):
-        return DeepSeekV4TokenToKVPool(
-            max_num_reqs=REQUEST_SLOTS - 1,
-            num_req_slots=REQUEST_SLOTS,
-            swa_size=swa_size,
-            c4_size=full_size // 4,
-            c128_size=full_size // 128,
-            c4_state_pool_size=swa_size // 256 * 8,
-            c128_state_pool_size=REQUEST_SLOTS * 128,
-            page_size=256,
-            swa_page_size=256,
-            dtype=torch.float8_e4m3fn,
-            c4_state_dtype=torch.float32,
-            c128_state_dtype=torch.float32,
-            qk_nope_head_dim=448,
-            qk_rope_head_dim=64,
-            indexer_head_dim=128,
-            layer_num=len(stage),
-            start_layer=stage.start,
-            end_layer=stage.stop,
-            device="cpu",
-            enable_memory_saver=False,
-            compression_ratios=list(ratios),
-            full_size=full_size,
-        )
+    """The pool sglang's configurator builds for the checkpoint config ``hf`` (page 256,
+    paged window, offline fp32 c128 state), ``REQUEST_SLOTS`` request rows; ``stage``: a
+    pipeline stage's pool, of those layers only; ``options``: ``configured_kv_pool``'s
+    (``is_draft_worker``, server arguments)."""
+    return configured_kv_pool(
+        hf,
+        full_size=full_size,
+        swa_size=swa_size,
+        num_req_slots=REQUEST_SLOTS,
+        c4_state_pool_size=swa_size // 256 * 8,
+        c128_state_pool_size=REQUEST_SLOTS * 128,
+        stage=stage,
+        **options,
+    )
 
 
 def inside(view: torch.Tensor, buf: torch.Tensor) -> bool:
