@@ -102,6 +102,12 @@ class SlotCache:
         safe = flat.clamp(min=0)
         if self.layout is None:
             out = self.storage[safe].float()
+        elif safe.device.type == "cpu":
+            # Rows of a batch read overlapping windows: decode each distinct slot once (on a
+            # GPU the data-dependent size would sync, and graphs cannot capture it).
+            distinct, where = torch.unique(safe, return_inverse=True)
+            out = self.layout.unpack_tokens(*self.layout.read_tokens(self.storage, distinct))
+            out = out[where]
         else:
             out = self.layout.unpack_tokens(*self.layout.read_tokens(self.storage, safe))
         out = torch.where(valid[:, None], out, torch.zeros((), device=out.device))
