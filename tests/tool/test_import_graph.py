@@ -8,7 +8,7 @@ Layers, bottom to top (a module may import its own layer and the ones below):
 3. ``kernels``
 4. ``planning``, ``compute``
 5. ``sglang_adapter``, ``registration``, ``info``
-6. ``testing`` (the oracle and the tools)
+6. ``testing`` (the oracle and the tools), ``tools`` (the CPU server kit and commands)
 7. ``__main__`` (the command line, which runs the tools)
 
 Every import statement counts, including those inside functions and under ``TYPE_CHECKING``.
@@ -41,6 +41,7 @@ LAYERS: dict[str, int] = {
     "registration": 5,
     "info": 5,
     "testing": 6,
+    "tools": 6,
     "__main__": 7,
 }
 REFERENCE = f"{PACKAGE}.testing.reference"
@@ -112,13 +113,13 @@ def test_no_upward_imports() -> None:
     assert not upward, "\n".join(upward)
 
 
-def test_runtime_never_imports_testing() -> None:
+def test_runtime_never_imports_testing_or_tools() -> None:
     offenders = [
         f"{module} imports {target}"
         for module, targets in GRAPH.items()
         if layer_of(module) < LAYERS["testing"]
         for target in targets
-        if target.startswith(f"{PACKAGE}.testing")
+        if target.startswith((f"{PACKAGE}.testing", f"{PACKAGE}.tools"))
     ]
     assert not offenders, "\n".join(offenders)
 
