@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from dsv4_backend.errors import ConfigError, DSV4Error
 from dsv4_backend.testing.ab.cli import OneLineErrorParser, add_ab_parser
+from dsv4_backend.tools.cpu_server.serve import add_serve_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     _add_info_command(commands)
     add_ab_parser(commands)
+    add_serve_parser(commands)
     # Named in the one-line error for a missing command (argparse names the metavar).
     commands.metavar = "{" + ",".join(commands.choices) + "}"
     return parser
@@ -74,7 +76,11 @@ def _run_info(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` (default ``sys.argv[1:]``), run the command, return its exit status."""
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and not getattr(args, "passes_unknown", False):
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    args.unknown = unknown
     try:
         return args.run(args)
     except DSV4Error as error:  # a bad option value or setting: one line, as usage errors

@@ -21,6 +21,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("DSV4_STRICT_CHECKS", "1")
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -43,10 +44,14 @@ if os.environ.get("CI"):
 #: workers in this order (``--no-loadscope-reorder``), so the short files fill in around them
 #: and the workers finish together.
 COSTLIEST_FIRST = (
+    "test_engine_outputs.py",
     "test_sparse_attention_sm90.py",
     "test_indexer_compressor_sass.py",
+    "test_http_server.py",
     "test_ab.py",
     "test_registration.py",
+    "test_ab_server.py",
+    "test_engine_v41.py",
     "test_prefix_cache.py",
     "test_compressor.py",
     "test_sparse_attention_pipelined_sm90.py",
@@ -84,3 +89,12 @@ def torch_path() -> Iterator[None]:
     """
     with force_path(TORCH):
         yield
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny DeepSeek-V4 checkpoint (variant ``v4``: one MTP layer), written once per
+    worker."""
+    from dsv4_backend.tools.cpu_server.checkpoint import write_tiny_checkpoint
+
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny-v4"), variant="v4")
