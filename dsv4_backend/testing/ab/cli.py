@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, NoReturn
 # torch and the A/B modules load when ``ab`` runs.
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, DSV4Error
+from dsv4_backend.tools.cpu_server.ab_server import add_server_options
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +128,7 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     out.add_argument("--json", action="store_true", help="print the JSON report to stdout")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_server_options(parser)
 
 
 def add_ab_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -293,6 +295,8 @@ def run_ab(args: argparse.Namespace) -> int:
     from dsv4_backend.testing.ab.trace import build_trace
     from dsv4_backend.testing.interpreter import patch_language_once
 
+    if args.server:
+        return _run_server_ab(args)
     if interpreter_enabled():
         patch_language_once()
     try:
@@ -343,6 +347,26 @@ def run_ab(args: argparse.Namespace) -> int:
         print(render_markdown(report).rsplit("\n![", 1)[0])
         print(f"\nwritten: {', '.join(str(p) for p in paths.values())}")
     return 0 if result.passed else 1
+
+
+def _run_server_ab(args: argparse.Namespace) -> int:
+    """``ab --server``: two sglang servers on the same prompts (``tools/cpu_server/ab_server``)."""
+    from dsv4_backend.tools.cpu_server import ab_server
+
+    try:
+        device = _device(args.device).type
+        _prepare_out(args.out)
+        report, status = ab_server.run_server_ab(args, device)
+    except DSV4Error as exc:
+        print(f"dsv4-backend ab: error: {exc}", file=sys.stderr)
+        return 2
+    paths = ab_server.write_report(report, args.out)
+    if args.json:
+        print(json.dumps(report, indent=2))
+    else:
+        print(ab_server.render_markdown(report))
+        print(f"written: {', '.join(str(p) for p in paths)}")
+    return status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
