@@ -25,7 +25,6 @@ import logging
 import pathlib
 import socket
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -39,6 +38,7 @@ from dsv4_backend.tools.cpu_server.checkpoint import (
     tiny_variant,
     write_tiny_checkpoint,
 )
+from dsv4_backend.tools.cpu_server.standins import unscaled_rope_fallback
 
 FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
@@ -216,22 +216,22 @@ def sglang_cpu_process(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> I
     from sglang.srt.layers.dp_attention import initialize_dp_attention
     from sglang.srt.layers.moe import initialize_moe_config
     from sglang.srt.layers.rotary_embedding import base, factory
-    from sglang.srt.runtime_context import SpawnRanks, publish, reset_context
+    from sglang.srt.runtime_context import (
+        SpawnRanks,
+        publish,
+        reset_context,
+        restore_context,
+        snapshot_context,
+    )
     from sglang.srt.server_args import ServerArgs
 
     for name in ("PRE", "POST"):
         monkeypatch.setenv(f"SGLANG_OPT_USE_TILELANG_MHC_{name}", "0")
     monkeypatch.setenv("SGLANG_OPT_USE_FUSED_HASH_TOPK", "0")
     monkeypatch.setattr(base, "_is_cpu", True)
-    yarn_only = factory.get_rope_cpu
-
-    def get_rope_cpu(*args: Any) -> Any:
-        # get_rope_wrapper's call: (head_size, rotary_dim, max_position, base, is_neox_style,
-        # rope_scaling, dtype, partial_rotary_factor, device); get_rope takes the first 8.
-        return factory.get_rope(*args[:8]) if args[5] is None else yarn_only(*args)
-
-    monkeypatch.setattr(factory, "get_rope_cpu", get_rope_cpu)
+    monkeypatch.setattr(factory, "get_rope_cpu", unscaled_rope_fallback(factory.get_rope_cpu))
     server_args = ServerArgs(model_path=str(path), device="cpu", attention_backend="dsv4")
+    saved = snapshot_context()
     reset_context()
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=0, dp_rank=None))
     initialize_moe_config()
@@ -249,7 +249,7 @@ def sglang_cpu_process(path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> I
     finally:
         destroy_model_parallel()
         destroy_distributed_environment()
-        reset_context()
+        restore_context(saved)
 
 
 def load_with_sglang(path: pathlib.Path, draft: str | None) -> Loaded:

@@ -42,20 +42,23 @@ class StandIn:
 
 
 # ----------------------------------------------------------------------------------- RoPE
+def unscaled_rope_fallback(cpu_rope: Callable[..., Any]) -> Callable[..., Any]:
+    """sglang's CPU RoPE factory ``cpu_rope`` (YaRN only) that builds sglang's generic RoPE
+    object for a layer without scaling (DeepSeek-V4's ratio-0 layers)."""
+    from sglang.srt.layers.rotary_embedding import factory
+
+    def get_rope_cpu(*args: Any) -> Any:
+        # get_rope_wrapper's call: (head_size, rotary_dim, max_position, base, is_neox_style,
+        # rope_scaling, dtype, partial_rotary_factor, device); get_rope takes the first 8.
+        return factory.get_rope(*args[:8]) if args[5] is None else cpu_rope(*args)
+
+    return get_rope_cpu
+
+
 def _window_layer_rope() -> None:
     from sglang.srt.layers.rotary_embedding import base, factory
 
-    cpu_rope = factory.get_rope_cpu
-
-    def get_rope_cpu(*args: Any, **kwargs: Any) -> Any:
-        # get_rope_cpu(head_size, rotary_dim, max_position, base, is_neox_style,
-        # rope_scaling, dtype, ...): without scaling, sglang's generic RoPE object.
-        scaling = kwargs["rope_scaling"] if "rope_scaling" in kwargs else args[5]
-        if scaling is None:
-            return factory.get_rope(*args[:7], **kwargs)
-        return cpu_rope(*args, **kwargs)
-
-    factory.get_rope_cpu = get_rope_cpu
+    factory.get_rope_cpu = unscaled_rope_fallback(factory.get_rope_cpu)
     # RotaryEmbedding picks vllm's kernel off CUDA unless it is on the CPU engine; the model
     # calls its own fused RoPE (below), never this object's forward.
     base._is_cpu = True
