@@ -102,16 +102,19 @@ def _hyper_connections() -> None:
     deepseek_v4.DeepseekV4Model.hc_head = hc_head
 
 
+def mhc_combine(
+    x_flat: torch.Tensor, pre: torch.Tensor, hc: int, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """sglang's ``mhc_combine``: ``y[m, h] = sum_k pre[m, k] * x_flat[m, k * H + h]`` in fp32.
+
+    ``x_flat`` ``[M, hc * H]``, ``pre`` ``[M, hc]`` -> ``[M, H]`` of ``out_dtype``."""
+    streams = x_flat.float().unflatten(1, (hc, -1))  # [M, hc, H]
+    return (pre.float().unsqueeze(-1) * streams).sum(dim=1).to(out_dtype)
+
+
 def _sinkhorn_split_and_combine() -> None:
     from sglang.kernels.ops.layernorm import mhc
     from sglang.test.kernels.mhc import hc_split_sinkhorn_torch
-
-    def mhc_combine(
-        x_flat: torch.Tensor, pre: torch.Tensor, hc: int, out_dtype: torch.dtype
-    ) -> torch.Tensor:
-        """``y[m, h] = sum_k pre[m, k] * x_flat[m, k * H + h]`` in fp32 (the kernel's sum)."""
-        streams = x_flat.float().unflatten(1, (hc, -1))  # [M, hc, H]
-        return (pre.float().unsqueeze(-1) * streams).sum(dim=1).to(out_dtype)
 
     # Both are imported from the module at call time by their callers.
     mhc.hc_split_sinkhorn = hc_split_sinkhorn_torch
@@ -139,47 +142,56 @@ def _rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps)
 
 
+def fused_rope_inplace(
+    q: torch.Tensor,
+    k: torch.Tensor | None,
+    freqs_cis: torch.Tensor,
+    positions: torch.Tensor,
+    inverse: bool = False,
+) -> None:
+    """sglang's ``fused_rope_inplace``: RoPE of ``q`` (and ``k``) ``[T, (H,) R]`` in place at
+    ``positions`` ``[T]``, ``freqs_cis`` ``[max_len, R / 2]`` complex64 (``inverse``: undo)."""
+    freqs = freqs_cis[positions.long()]
+    for t in (q, k):
+        if t is not None:
+            heads = t if t.ndim == 3 else t.unsqueeze(1)
+            heads.copy_(_rotate(heads.float(), freqs, inverse).to(t.dtype))
+
+
+def fused_norm_rope_inplace(
+    kv: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    freq_cis: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """sglang's ``fused_norm_rope_inplace``: ``kv`` ``[T, D]`` RMS-normed with ``weight``
+    ``[D]``, its last ``R`` dims roped, in place."""
+    # The kernel rounds the normed row to the activation dtype before its RoPE.
+    x = (_rms(kv.float(), eps) * weight.float()).to(kv.dtype).float()
+    _rope_tail_(x, freq_cis, positions)
+    kv.copy_(x.to(kv.dtype))
+
+
+def fused_q_norm_rope(
+    q_input: torch.Tensor,
+    q_output: torch.Tensor,
+    eps: float | None,
+    freqs_cis: torch.Tensor,
+    positions: torch.Tensor,
+) -> None:
+    """sglang's ``fused_q_norm_rope``: each head of ``q_input`` ``[T, H, D]`` RMS-normed
+    without weight (unless ``eps`` is None), its last ``R`` dims roped, into ``q_output``
+    (bf16, or fp8 rounded through bf16 as the kernel's fp8 path does)."""
+    x = q_input.float()
+    if eps is not None:
+        x = _rms(x, eps).to(q_input.dtype).float()
+    _rope_tail_(x, freqs_cis, positions)
+    q_output.copy_(x.to(q_input.dtype))
+
+
 def _norm_rope() -> None:
     from sglang.srt.models import deepseek_v4, deepseek_v4_dspark
-
-    def fused_rope_inplace(
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        freqs_cis: torch.Tensor,
-        positions: torch.Tensor,
-        inverse: bool = False,
-    ) -> None:
-        freqs = freqs_cis[positions.long()]
-        for t in (q, k):
-            if t is not None:
-                heads = t if t.ndim == 3 else t.unsqueeze(1)
-                heads.copy_(_rotate(heads.float(), freqs, inverse).to(t.dtype))
-
-    def fused_norm_rope_inplace(
-        kv: torch.Tensor,
-        weight: torch.Tensor,
-        eps: float,
-        freq_cis: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> None:
-        # The kernel rounds the normed row to the activation dtype before its RoPE.
-        x = (_rms(kv.float(), eps) * weight.float()).to(kv.dtype).float()
-        _rope_tail_(x, freq_cis, positions)
-        kv.copy_(x.to(kv.dtype))
-
-    def fused_q_norm_rope(
-        q_input: torch.Tensor,
-        q_output: torch.Tensor,
-        eps: float | None,
-        freqs_cis: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> None:
-        x = q_input.float()
-        if eps is not None:  # per-head RMSNorm without weight ("rmsnorm-self")
-            x = _rms(x, eps).to(q_input.dtype).float()
-        _rope_tail_(x, freqs_cis, positions)
-        # bf16 first, as the kernel's fp8 output path rounds through bf16.
-        q_output.copy_(x.to(q_input.dtype))
 
     replacements = {
         "fused_rope_inplace": fused_rope_inplace,
@@ -193,13 +205,16 @@ def _norm_rope() -> None:
 
 
 # ------------------------------------------------------------------------ shared experts
+def silu_and_mul_clamp(input: torch.Tensor, output: torch.Tensor, limit: float) -> None:
+    """sglang's ``silu_and_mul_clamp``: ``input`` ``[M, 2N]`` (gate | up) ->
+    ``silu(min(gate, limit)) * clamp(up, -limit, limit)`` into ``output`` ``[M, N]``."""
+    gate, up = input.float().chunk(2, dim=-1)
+    act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+    output.copy_(act.to(output.dtype))
+
+
 def _swiglu_clamp() -> None:
     from sglang.srt.models import deepseek_v2
-
-    def silu_and_mul_clamp(input: torch.Tensor, output: torch.Tensor, limit: float) -> None:
-        gate, up = input.float().chunk(2, dim=-1)
-        act = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
-        output.copy_(act.to(output.dtype))
 
     deepseek_v2.silu_and_mul_clamp = silu_and_mul_clamp
 
@@ -331,8 +346,10 @@ def load() -> None:
     for stand_in in STAND_INS:
         stand_in.install()
     _installed = True
-    logger.info(
-        "dsv4 CPU serving kit: %d stand-ins outside attention (%s)",
+    # A warning (shown before sglang configures this process's logging): a server with
+    # stand-ins is a test bed, not a deployment.
+    logger.warning(
+        "dsv4 CPU serving kit in this process: %d sglang ops outside attention replaced (%s)",
         len(STAND_INS),
         ", ".join(s.name for s in STAND_INS),
     )
