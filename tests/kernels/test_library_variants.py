@@ -162,7 +162,8 @@ def fake_flash_mla_sparse_fwd(
     s_kv, h_kv, _ = kv.shape
     assert h_kv == 1 and kv.shape[2] == d_qk and s_kv >= 1, kv.shape
     assert indices.dtype == torch.int32 and indices.shape[:2] == (s_q, h_kv), indices.shape
-    assert indices.shape[2] % 64 == 0 and indices.stride(-1) == 1, indices.shape
+    # Hopper's kernel: params.topk % (2 * B_TOPK) == 0, B_TOPK = 64.
+    assert indices.shape[2] % 128 == 0 and indices.stride(-1) == 1, indices.shape
     assert int(indices.min()) >= -1 and int(indices.max()) < s_kv
     assert attn_sink.dtype == torch.float32 and attn_sink.shape == (h_q,)
     assert topk_length.dtype == torch.int32 and topk_length.shape == (s_q,)
@@ -376,7 +377,7 @@ def test_flashmla_prefill_workspace_holds_each_referenced_key_once():
         q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale
     )
     indices, lengths, kv = kw["indices"][:, 0], kw["topk_length"], kw["kv"][:, 0]
-    assert indices.shape == (5, 192) and kw["q"].shape == (5, 64, D)  # 100 + 70 -> 192
+    assert indices.shape == (5, 256) and kw["q"].shape == (5, 64, D)  # 100 + 70 -> 256
     seen = []
     for row in range(5):
         n = int(lengths[row])
@@ -602,7 +603,8 @@ def test_deep_gemm_stand_in_refuses_wrong_arguments(deep_gemm, mistake):
 
 def test_deep_gemm_reasons(deep_gemm, monkeypatch):
     """Each reason names what is missing: the CUDA device, an fp8 key cache of sglang's
-    geometry, the heads, the package (with its import error), the compute capability, and
+    geometry, the heads, the package (with its import error, or a version without the
+    functions the variant calls), the compute capability, and
     the ``fp8`` selection the variant is exact for."""
     fp8 = IndexerKeyCache(64, DI, "fp8")
 
@@ -619,6 +621,14 @@ def test_deep_gemm_reasons(deep_gemm, monkeypatch):
     assert "indexer_selection='exact'" in reason(selection="exact")
     for heads, capability in ((32, (9, 0)), (64, (10, 0)), (64, (12, 0))):
         assert reason(heads=heads, capability=capability) is None
+    # sgl-deep-gemm 0.2.5: no fp8_paged_mqa_logits
+    newer = types.SimpleNamespace(
+        __version__="0.2.5",
+        get_paged_mqa_logits_metadata=deep_gemm.get_paged_mqa_logits_metadata,
+        get_num_sms=deep_gemm.get_num_sms,
+    )
+    monkeypatch.setitem(sys.modules, "deep_gemm", newer)
+    assert "deep_gemm 0.2.5 has no fp8_paged_mqa_logits; install sgl-deep-gemm" in reason()
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import raises ImportError
     assert "deep_gemm does not import (import of deep_gemm halted" in reason()
     q, weights, keys, page_table, num, n = _indexer_args(torch.Generator().manual_seed(8))

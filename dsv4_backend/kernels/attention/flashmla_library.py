@@ -6,7 +6,8 @@ the ``flash_mla`` package sglang 0.5.23 pins (:data:`DISTRIBUTION`) with ``use_l
 the kernels that read sglang's V4 layout. Both take 64 or 128 query heads of dim 512
 (:data:`KERNEL_HEADS`, :data:`HEAD_DIM`; fewer heads are zero-padded to 64, as sglang's
 ``DeepseekV4Attention`` pads a TP rank's heads, ``_kernel_num_heads`` / ``_local_attn_sink``)
-and read indices in blocks of :data:`INDEX_ALIGN` columns. Neither variant imports the other
+and read indices in blocks of :data:`INDEX_ALIGN` columns (the prefill in pairs of them,
+:data:`PREFILL_INDEX_ALIGN`). Neither variant imports the other
 (``tests/tool/test_import_graph.py``).
 """
 
@@ -29,8 +30,12 @@ KERNEL_HEADS = (64, 128)
 #: :data:`ROPE_DIM` of them in bf16 (448 e4m3 + 64 bf16 rope, 584 B a token).
 HEAD_DIM = 512
 ROPE_DIM = 64
-#: FlashMLA reads indices in blocks of this many columns (``topk % 64 == 0``).
+#: FlashMLA's sparse decode reads indices in blocks of this many columns (``topk % 64 == 0``).
 INDEX_ALIGN = 64
+#: Its sparse prefill reads two such blocks a step: Hopper's kernel asserts ``params.topk %
+#: (2 * B_TOPK) == 0`` (``B_TOPK`` 64), as does sm_100's 128-head kernel past 1280 columns;
+#: sglang pads the same call to 128 (``sparse_prefill_kernels.SPARSE_PREFILL_TOPK_ALIGNMENT``).
+PREFILL_INDEX_ALIGN = 128
 
 
 def library_unsupported_reason(

@@ -14,7 +14,8 @@ the same from the op's arguments (:func:`prefill_arguments`):
   bf16 rope fit bf16); any cache format, so dense bf16 caches are taken too;
 * ``indices`` ``[T, 1, W']`` int32: each row's valid window keys, then its valid compressed
   keys, as workspace rows, packed to the front (the order does not change a softmax), -1
-  after them, ``W'`` the op's window + compressed widths rounded up to a multiple of 64;
+  after them, ``W'`` the op's window + compressed widths rounded up to a multiple of 128
+  (``flashmla_library.PREFILL_INDEX_ALIGN``: the kernel reads two 64-column blocks a step);
   ``topk_length`` ``[T]`` int32 the row's valid key count, so the kernel skips the -1 tail;
 * queries and sink zero-padded to 64 heads as for the decode (``flashmla_library``);
   ``sm_scale`` as given, ``d_v = D``; ``use_legacy=True`` as sglang's wrapper
@@ -40,7 +41,7 @@ from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.attention.common import ExtraSpan, check_inputs
 from dsv4_backend.kernels.attention.flashmla_library import (
-    INDEX_ALIGN,
+    PREFILL_INDEX_ALIGN,
     kernel_queries,
     library,
     library_unsupported_reason,
@@ -79,7 +80,7 @@ def prefill_arguments(
     if extra_span is not None:
         spans.append(extra_span)
     width = sum(idx.shape[1] for _, idx, _ in spans)
-    width += -width % INDEX_ALIGN
+    width += -width % PREFILL_INDEX_ALIGN
     # One spare column takes every invalid key's scatter, then is cut off.
     indices = torch.full((rows, width + 1), -1, dtype=torch.int32, device=q.device)
     packed = torch.zeros(rows, dtype=torch.int64, device=q.device)  # keys placed per row

@@ -52,6 +52,9 @@ from dsv4_backend.kernels.indexer.fp8 import E4M3_MAX, MIN_AMAX
 #: The module it calls and the distribution (as sglang 0.5.23 pins it) that provides it.
 PACKAGE = "deep_gemm"
 DISTRIBUTION = "sgl-deep-gemm==0.2.3.post2"
+#: What the variant calls of it (sgl-deep-gemm 0.2.5, newer than sglang's pin, has no
+#: ``fp8_paged_mqa_logits``: the variant is refused there, not failed at its first call).
+FUNCTIONS = ("fp8_paged_mqa_logits", "get_paged_mqa_logits_metadata", "get_num_sms")
 #: ``DSV4AttentionConfig.indexer_selection`` values for which the variant computes the op.
 EXACT_FOR_SELECTIONS = ("fp8",)
 #: Indexer heads DeepGEMM's fp8 paged MQA logits take on sm_90 and sm_100 (DeepSeek-V4: 64).
@@ -96,7 +99,8 @@ def deep_gemm_call_reason(
 ) -> str | None:
     """Why DeepGEMM cannot be called on these inputs (None when it can), in order: a CUDA
     device; an fp8 key cache of sglang's geometry (64-key pages, DI = 128); ``heads`` in
-    :data:`HEADS`, ``dim`` = DI; ``deep_gemm`` importable; a compute capability in
+    :data:`HEADS`, ``dim`` = DI; ``deep_gemm`` importable, with :data:`FUNCTIONS`; a compute
+    capability in
     :data:`ARCH_MAJORS`. ``capability``: None reads it from ``device`` (tests pass one)."""
     if device.type != "cuda":
         return f"DeepGEMM runs on CUDA devices only; the tensors are on {device}"
@@ -116,9 +120,13 @@ def deep_gemm_call_reason(
             f"{' or '.join(map(str, HEADS))} heads of dim {HEAD_DIM}"
         )
     try:
-        importlib.import_module(PACKAGE)
+        module = importlib.import_module(PACKAGE)
     except ImportError as error:  # the wheel, or its extension against this torch
         return f"{PACKAGE} does not import ({error}); install {DISTRIBUTION}"
+    missing = [name for name in FUNCTIONS if not hasattr(module, name)]
+    if missing:  # sgl-deep-gemm 0.2.5 removed fp8_paged_mqa_logits
+        version = getattr(module, "__version__", "of unknown version")
+        return f"{PACKAGE} {version} has no {', '.join(missing)}; install {DISTRIBUTION}"
     major, minor = capability or torch.cuda.get_device_capability(device)
     if major not in ARCH_MAJORS:
         return (
