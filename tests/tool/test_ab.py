@@ -467,7 +467,9 @@ def test_add_ab_parser_wires_the_command() -> None:
     add_ab_parser(parser.add_subparsers(dest="command", required=True))
     args = parser.parse_args(["ab", "--requests", "2", "--atol", "verify=2e-4", "--quiet"])
     assert args.run is run_ab and args.requests == 2 and args.atol == ["verify=2e-4"]
-    assert (args.a, args.b, args.max_len, args.out) == ("dsv4", "reference", 300, Path("ab-report"))
+    # B is resolved by the mode: the reference for a trace, dsv4-torch for --server.
+    assert (args.a, args.b, args.max_len, args.out) == ("dsv4", None, 300, Path("ab-report"))
+    assert not args.server
 
 
 def _bad_config(tmp_path: Path) -> list[str]:

@@ -59,7 +59,7 @@ class OneLineErrorParser(argparse.ArgumentParser):
 def _add_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--a", default="dsv4", metavar="NAME", help="backend A (default dsv4)")
     parser.add_argument(
-        "--b", default="reference", metavar="NAME", help="backend B (default reference)"
+        "--b", metavar="NAME", help="backend B (default reference; with --server dsv4-torch)"
     )
     trace = parser.add_argument_group("trace")
     trace.add_argument("--requests", type=int, default=3, help="requests (default 3)")
@@ -297,6 +297,7 @@ def run_ab(args: argparse.Namespace) -> int:
 
     if args.server:
         return _run_server_ab(args)
+    args.b = args.b or "reference"
     if interpreter_enabled():
         patch_language_once()
     try:
@@ -353,6 +354,7 @@ def _run_server_ab(args: argparse.Namespace) -> int:
     """``ab --server``: two sglang servers on the same prompts (``tools/cpu_server/ab_server``)."""
     from dsv4_backend.tools.cpu_server import ab_server
 
+    args.b = args.b or "dsv4-torch"
     try:
         device = _device(args.device).type
         _prepare_out(args.out)
