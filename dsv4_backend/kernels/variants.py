@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import importlib.util
 import os
 import sys
@@ -141,15 +142,31 @@ def on_cuda(*majors: int) -> Requirement:
     return Requirement(f"CUDA{arch}", unmet)
 
 
-def with_library(module: str) -> Requirement:
-    """Needs the library ``module`` installed (one of :data:`LIBRARIES`)."""
+def with_library(module: str, *functions: str) -> Requirement:
+    """Needs the library ``module`` installed (one of :data:`LIBRARIES`) and, on this host (not
+    a described one), with the ``functions`` the variant calls: a release without one is
+    refused here, not failed at the first call."""
     if module not in LIBRARIES:
         raise ConfigError(f"unknown library {module!r}; expected one of {LIBRARIES}")
 
     def unmet(target: Target) -> str | None:
-        return None if module in target.libraries else f"{module} is not installed"
+        if module not in target.libraries:
+            return f"{module} is not installed"
+        if functions and not target.hypothetical:
+            return missing_functions(module, functions)
+        return None
 
-    return Requirement(module, unmet)
+    return Requirement(f"{module} ({', '.join(functions)})" if functions else module, unmet)
+
+
+def missing_functions(module: str, functions: tuple[str, ...]) -> str | None:
+    """Which of ``functions`` the importable ``module`` lacks, as a reason (None: it has all)."""
+    loaded = importlib.import_module(module)
+    missing = [name for name in functions if not hasattr(loaded, name)]
+    if not missing:
+        return None
+    version = getattr(loaded, "__version__", "of unknown version")
+    return f"{module} {version} has no {', '.join(missing)}"
 
 
 def custom(text: str, unmet: Callable[[Target], str | None]) -> Requirement:

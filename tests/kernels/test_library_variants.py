@@ -52,6 +52,8 @@ from dsv4_backend.kernels.indexer.deep_gemm import (
 )
 from dsv4_backend.kernels.indexer.fp8 import e4m3_round_trip, quantised_view
 from dsv4_backend.kernels.indexer.table import index_scores
+from dsv4_backend.kernels.indexer.topk import FLASHINFER
+from dsv4_backend.kernels.variants import Target
 
 CUDA = torch.device("cuda")  # only named: no test touches a GPU
 D, ROPE = 512, 64
@@ -417,6 +419,32 @@ def test_flashmla_prefill_stand_in_refuses_wrong_arguments(mistake):
     PREFILL_MISTAKES[mistake](kwargs)
     with pytest.raises(AssertionError):
         fake_flash_mla_sparse_fwd(**kwargs)
+
+
+def test_each_library_variant_is_refused_without_a_function_it_calls(flash_mla, monkeypatch):
+    """A release of the library without a function a variant calls refuses that variant when
+    it is chosen, naming the function (sgl-deep-gemm 0.2.5 removed one; see the DeepGEMM
+    reasons), and leaves the variants that do not call it."""
+    fp8 = _token_cache(8, 256, "fp8", torch.Generator().manual_seed(9))
+    del flash_mla.flash_mla_sparse_fwd
+    prefill = flashmla_prefill.flashmla_prefill_unsupported_reason(
+        CUDA, fp8, fp8, 64, D, capability=(9, 0)
+    )
+    assert "flash_mla 1.0.0 has no flash_mla_sparse_fwd; install sgl-flash-mla" in prefill
+    assert flashmla.flashmla_unsupported_reason(CUDA, fp8, fp8, 64, D, capability=(9, 0)) is None
+    del flash_mla.get_mla_metadata
+    decode = flashmla.flashmla_unsupported_reason(CUDA, fp8, fp8, 64, D, capability=(9, 0))
+    assert "has no get_mla_metadata" in decode
+
+    host = Target("triton", "cuda", (9, 0), frozenset({"flashinfer"}))
+    monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(__version__="0.1"))
+    assert FLASHINFER.unmet(host) == "flashinfer 0.1 has no top_k, TopKTieBreak"
+    described = dataclasses.replace(host, hypothetical=True)  # info's CUDA column: no import
+    assert FLASHINFER.unmet(described) is None
+    monkeypatch.setitem(
+        sys.modules, "flashinfer", types.SimpleNamespace(top_k=None, TopKTieBreak=None)
+    )
+    assert FLASHINFER.unmet(host) is None
 
 
 def test_flashmla_prefill_reasons_and_edges(flash_mla, monkeypatch):

@@ -57,6 +57,9 @@ from dsv4_backend.kernels.attention.flashmla_library import (
     library_unsupported_reason,
 )
 
+#: What the variant calls of ``flash_mla``.
+DECODE_FUNCTIONS = ("flash_mla_with_kvcache", "get_mla_metadata")
+
 
 def flashmla_unsupported_reason(
     device: torch.device,
@@ -78,7 +81,7 @@ def flashmla_unsupported_reason(
         reason = None if cache is None else fp8_cache_unsupported_reason(name, cache)
         if reason is not None:
             return reason
-    return library_unsupported_reason(device, heads, dim, capability)
+    return library_unsupported_reason(device, heads, dim, capability, DECODE_FUNCTIONS)
 
 
 def flashmla_schedule() -> Any:

@@ -43,13 +43,15 @@ def library_unsupported_reason(
     heads: int,
     dim: int,
     capability: tuple[int, int] | None,
+    functions: tuple[str, ...],
 ) -> str | None:
     """Why FlashMLA's legacy sparse kernels cannot take ``heads`` query heads of ``dim`` on
     ``device`` (None when they can). ``capability``: the device's compute capability; None
-    reads it from ``device`` (tests pass one). Checked in order: a CUDA device; head dim
-    :data:`HEAD_DIM`; 64 heads or fewer, or 128; ``flash_mla`` importable, with its legacy
-    kernels; Hopper (sm_90) or the Blackwell sm_100 family (``is_sm90a || is_sm100f``; sglang
-    takes sm_120 elsewhere)."""
+    reads it from ``device`` (tests pass one); ``functions``: what the variant calls of
+    ``flash_mla``. Checked in order: a CUDA device; head dim :data:`HEAD_DIM`; 64 heads or
+    fewer, or 128; ``flash_mla`` importable, with ``functions`` and its legacy kernels; Hopper
+    (sm_90) or the Blackwell sm_100 family (``is_sm90a || is_sm100f``; sglang takes sm_120
+    elsewhere)."""
     if device.type != "cuda":
         return f"FlashMLA runs on CUDA devices only; the tensors are on {device}"
     if dim != HEAD_DIM:
@@ -63,6 +65,12 @@ def library_unsupported_reason(
         flash_mla = importlib.import_module(PACKAGE)
     except ImportError as error:  # the wheel, or its CUDA extension against this torch
         return f"{PACKAGE} does not import ({error}); install {DISTRIBUTION}"
+    missing = [name for name in functions if not hasattr(flash_mla, name)]
+    if missing:
+        return (
+            f"{PACKAGE} {getattr(flash_mla, '__version__', '?')} has no {', '.join(missing)}; "
+            f"install {DISTRIBUTION}"
+        )
     has_legacy = getattr(flash_mla, "has_legacy", None)
     if has_legacy is None or not has_legacy():
         return (

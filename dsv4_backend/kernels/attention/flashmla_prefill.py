@@ -47,6 +47,9 @@ from dsv4_backend.kernels.attention.flashmla_library import (
     library_unsupported_reason,
 )
 
+#: What the variant calls of ``flash_mla``.
+PREFILL_FUNCTIONS = ("flash_mla_sparse_fwd",)
+
 
 def flashmla_prefill_unsupported_reason(
     device: torch.device,
@@ -60,7 +63,7 @@ def flashmla_prefill_unsupported_reason(
     """Why :func:`sparse_attention_flashmla_prefill` cannot run on these inputs (None when it
     can): ``flashmla_library.library_unsupported_reason`` for ``heads`` queries of ``dim`` on
     ``device``. The caches are read through ``TokenCache.gather``, so any format serves."""
-    return library_unsupported_reason(device, heads, dim, capability)
+    return library_unsupported_reason(device, heads, dim, capability, PREFILL_FUNCTIONS)
 
 
 def prefill_arguments(

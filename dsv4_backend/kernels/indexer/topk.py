@@ -28,7 +28,8 @@ def sorted_best_columns(masked: torch.Tensor, k: int) -> torch.Tensor:
 
 
 FLASHINFER = Variant(
-    "flashinfer", flashinfer_best_columns, (on_cuda(), with_library("flashinfer")),
+    "flashinfer", flashinfer_best_columns,
+    (on_cuda(), with_library("flashinfer", "top_k", "TopKTieBreak")),
     "any [T, N] fp32 scores; graph-safe, its first call compiles (warm_up_topk)",
     baseline=True,
 )  # fmt: skip
