@@ -20,17 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from dsv4_backend.tools.cpu_server import runs
-from dsv4_backend.tools.cpu_server.checkpoint import SPECIAL_TOKENS
 
 
 def prompts(lengths: Sequence[int], seed: int) -> list[list[int]]:
-    """Random token ids (no special token) of the given lengths."""
-    generator = torch.Generator().manual_seed(seed)
-    low = len(SPECIAL_TOKENS)
-    return [torch.randint(low, 512, (n,), generator=generator).tolist() for n in lengths]
+    """Random token ids of the tiny checkpoints' vocabulary (no special token), one prompt of
+    each length."""
+    return runs.random_prompts(lengths, seed, vocab=512)
 
 
 def assert_agree(

@@ -33,6 +33,8 @@ SERVER_BACKENDS = ("dsv4", "dsv4-torch", "sglang:<name>")
 
 def server_config(name: str, device: str, eagle: bool) -> runs.ServerConfig:
     """The server configuration of backend ``name`` on ``device`` (``cpu`` or ``cuda``)."""
+    if name not in ("dsv4", "dsv4-torch") and not name.startswith("sglang:"):
+        raise ConfigError(f"--a / --b {name!r}: expected one of {SERVER_BACKENDS}")
     spec = EAGLE_ARGS if eagle else {}
     if device == "cpu":
         if name.startswith("sglang:"):
@@ -40,8 +42,6 @@ def server_config(name: str, device: str, eagle: bool) -> runs.ServerConfig:
                 f"--a / --b {name}: sglang's own attention backends run CUDA kernels; on the "
                 "CPU compare dsv4 and dsv4-torch (on a GPU: --a dsv4 --b sglang:dsv4_builtin)"
             )
-        if name not in ("dsv4", "dsv4-torch"):
-            raise ConfigError(f"--a / --b {name!r}: expected one of {SERVER_BACKENDS}")
         triton = name == "dsv4" and os.environ.get("TRITON_INTERPRET") == "1"
         return runs.cpu_config(name, triton=triton, log_level="error", **spec)
     if name == "dsv4-torch":
@@ -49,23 +49,18 @@ def server_config(name: str, device: str, eagle: bool) -> runs.ServerConfig:
             "--a / --b dsv4-torch: on a GPU the server runs the kernels it chooses; compare "
             "dsv4 with sglang:<name> there"
         )
-    backend = name.removeprefix("sglang:") if name.startswith("sglang:") else name
-    if backend != "dsv4" and not name.startswith("sglang:"):
-        raise ConfigError(f"--a / --b {name!r}: expected one of {SERVER_BACKENDS}")
+    backend = name.removeprefix("sglang:")
     return runs.ServerConfig(name, {"attention_backend": backend, "log_level": "error", **spec})
 
 
 def prompt_ids(requests: int, max_len: int, seed: int, vocab: int) -> list[list[int]]:
-    """``requests`` prompts of random token ids below ``vocab`` and past the tiny tokenizer's
-    special tokens, of lengths spread over ``[1, max_len]`` by ``seed``."""
+    """``requests`` prompts of random token ids below ``vocab``, of lengths spread over
+    ``[1, max_len]`` by ``seed``."""
     import torch
-
-    from dsv4_backend.tools.cpu_server.checkpoint import SPECIAL_TOKENS
 
     generator = torch.Generator().manual_seed(seed)
     lengths = torch.randint(1, max_len + 1, (requests,), generator=generator).tolist()
-    low = len(SPECIAL_TOKENS)
-    return [torch.randint(low, vocab, (n,), generator=generator).tolist() for n in lengths]
+    return runs.random_prompts(lengths, seed, vocab)
 
 
 def build_report(a: runs.Run, b: runs.Run, margin: float, setup: dict[str, Any]) -> dict:
@@ -188,6 +183,7 @@ def run_server_ab(args: argparse.Namespace, device: str) -> tuple[dict[str, Any]
 
 
 def write_report(report: dict[str, Any], out: Path) -> list[Path]:
+    """Write ``report.md`` and ``report.json`` into ``out`` (created); return their paths."""
     out.mkdir(parents=True, exist_ok=True)
     markdown, data = out / "report.md", out / "report.json"
     markdown.write_text(render_markdown(report))

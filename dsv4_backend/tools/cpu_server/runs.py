@@ -76,8 +76,20 @@ class Run:
         return sum(len(r.output_ids) for r in self.results) / self.wall_s
 
 
+def random_prompts(lengths: Sequence[int], seed: int, vocab: int) -> list[list[int]]:
+    """Prompts of random token ids below ``vocab``, past the tiny tokenizer's special tokens,
+    one of each length in ``lengths`` (seeded by ``seed``)."""
+    import torch
+
+    from dsv4_backend.tools.cpu_server.checkpoint import SPECIAL_TOKENS
+
+    generator = torch.Generator().manual_seed(seed)
+    low = len(SPECIAL_TOKENS)
+    return [torch.randint(low, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
 @contextlib.contextmanager
-def engine(model_path: str | Path, config: ServerConfig, **overrides: Any) -> Iterator[Any]:
+def engine(model_path: str | Path, config: ServerConfig) -> Iterator[Any]:
     """An ``sglang.Engine`` of ``config`` serving ``model_path``, shut down on exit.
 
     ``config.env`` is set while the ``Engine`` starts (its scheduler process inherits it) and
@@ -93,7 +105,7 @@ def engine(model_path: str | Path, config: ServerConfig, **overrides: Any) -> It
     saved_context = snapshot_context()
     os.environ.update(config.env)
     try:
-        instance = sglang.Engine(model_path=str(model_path), **{**config.engine_args, **overrides})
+        instance = sglang.Engine(model_path=str(model_path), **config.engine_args)
     except BaseException:
         restore_context(saved_context)
         raise
