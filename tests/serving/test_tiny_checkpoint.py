@@ -289,14 +289,17 @@ def load_with_sglang(path: pathlib.Path, draft: str | None) -> Loaded:
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
     loggers = [logging.getLogger(name) for name in LOADER_LOGGERS]
-    for logger in loggers:
+    levels = [logger.level for logger in loggers]
+    for logger in loggers:  # whatever this process's logging was set to
         logger.addHandler(handler)
+        logger.setLevel(logging.WARNING)
     try:
         weights = loader._get_all_weights(model_config, model)
         DefaultModelLoader.load_weights_only(model, tap(weights), torch.device("cpu"))
     finally:
-        for logger in loggers:
+        for logger, level in zip(loggers, levels, strict=True):
             logger.removeHandler(handler)
+            logger.setLevel(level)
     return Loaded(model, params, seen, records)
 
 

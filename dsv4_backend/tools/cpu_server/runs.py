@@ -13,6 +13,7 @@ are compared up to the first step whose top-2 margin (in either run) is below a 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -94,20 +95,30 @@ def engine(model_path: str | Path, config: ServerConfig) -> Iterator[Any]:
 
     ``config.env`` is set while the ``Engine`` starts (its scheduler process inherits it) and
     restored afterwards; the CPU serving kit loads in sglang's processes only, never in this
-    one (``standins.enabled``). What the ``Engine`` publishes into sglang's runtime context in
-    this process (server arguments, parallel layout) is put back on exit with sglang's own
-    ``snapshot_context`` / ``restore_context``, so later code here sees sglang as before.
+    one (``standins.enabled``). What the ``Engine`` changes in this process is put back on
+    exit: sglang's runtime context (server arguments, parallel layout: sglang's own
+    ``snapshot_context`` / ``restore_context``) and the root logger (its ``configure_logger``
+    sets the level to ``log_level`` and replaces the handlers), so later code here sees
+    sglang and logging as before.
     """
     import sglang
     from sglang.srt.runtime_context import restore_context, snapshot_context
 
-    saved_env = {key: os.environ.get(key) for key in config.env}
+    root = logging.getLogger()
+    saved_logging = (root.level, list(root.handlers))
     saved_context = snapshot_context()
+
+    def restore() -> None:
+        restore_context(saved_context)
+        root.setLevel(saved_logging[0])
+        root.handlers[:] = saved_logging[1]
+
+    saved_env = {key: os.environ.get(key) for key in config.env}
     os.environ.update(config.env)
     try:
         instance = sglang.Engine(model_path=str(model_path), **config.engine_args)
     except BaseException:
-        restore_context(saved_context)
+        restore()
         raise
     finally:
         for key, value in saved_env.items():
@@ -119,7 +130,7 @@ def engine(model_path: str | Path, config: ServerConfig) -> Iterator[Any]:
         yield instance
     finally:
         instance.shutdown()
-        restore_context(saved_context)
+        restore()
 
 
 def generate(
