@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     commands = parser.add_subparsers(dest="command", required=True)
     _add_info_command(commands)
+    _add_self_check_command(commands)
     add_ab_parser(commands)
     add_serve_parser(commands)
     # Named in the one-line error for a missing command (argparse names the metavar).
@@ -72,6 +73,67 @@ def _run_info(args: argparse.Namespace) -> int:
     else:
         print("\n".join(info.report(args.device)))
     return 0
+
+
+def _add_self_check_command(commands: argparse._SubParsersAction) -> None:
+    check = commands.add_parser(
+        "self-check",
+        help="judge every op's preferred kernel against its torch twin on this device",
+        description=(
+            "The start-up self-check a backend runs on CUDA (docs/self-check.md), by hand: each "
+            "op's variants in preference order on a small synthetic case, judged against the "
+            "torch twin; the first that passes is the op's default here. On the CPU it checks "
+            "the Triton interpreter's variants. Exit status 0 when every variant judged "
+            "passed, 1 when one failed (the op then runs the next), 3 with nothing to check."
+        ),
+    )
+    check.add_argument("--device", help="cuda:0 where a GPU is visible, else cpu")
+    check.add_argument(
+        "--widths", choices=("tiny", "flash"),
+        help="the synthetic model's widths: tiny (the CPU's default) or DeepSeek-V4-Flash's "
+        "(a GPU's default)",
+    )  # fmt: skip
+    check.add_argument("--fmt", choices=("fp8", "dense"), default="fp8", help="cache format")
+    check.add_argument(
+        "--op", action="append", dest="ops", metavar="OP",
+        help="decide only this op (repeatable; the others run their torch twin in the check)",
+    )  # fmt: skip
+    check.add_argument(
+        "--force", action="store_true", help="run it even where its verdicts are cached"
+    )
+    check.add_argument("--json", action="store_true", help="print the report as JSON")
+    check.set_defaults(run=_run_self_check)
+
+
+def _run_self_check(args: argparse.Namespace) -> int:
+    """Run the self-check (the interpreter on the CPU: set before Triton is imported)."""
+    import dataclasses
+    import json
+    import os
+
+    if (args.device or "").startswith("cuda") or "triton" in sys.modules:
+        pass
+    elif os.environ.get("TRITON_INTERPRET") != "1":
+        os.environ["TRITON_INTERPRET"] = "1"
+    import torch
+
+    from dsv4_backend.self_check.check import CHECKED, PRESETS, self_check
+
+    device = torch.device(args.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"--device {device}: no CUDA device is visible to torch")
+    preset = args.widths or ("flash" if device.type == "cuda" else "tiny")
+    widths = dataclasses.replace(PRESETS[preset], fmt=args.fmt)
+    tables = {table.op: table for table in CHECKED}
+    unknown = sorted(set(args.ops or ()) - set(tables))
+    if unknown:
+        raise ConfigError(f"--op {', '.join(unknown)}: expected one of {tuple(tables)}")
+    ops = None if args.ops is None else [tables[op] for op in args.ops]
+    report = self_check(widths, device, use_cache=not args.force, ops=ops)
+    print(json.dumps(report.as_json(), indent=2) if args.json else "\n".join(report.lines()))
+    if not report.verdicts:
+        return 3
+    return 1 if report.failed else 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -133,11 +133,30 @@ def _flashinfer(gpu: str | None) -> tuple[bool, str]:
     return True, f"on {gpu}"
 
 
-def _choice_lines(device: str) -> list[str]:
-    """Each op's chosen variant here and on CUDA 9.0 / 10.0, then every variant's status."""
-    from dsv4_backend.compute.kernel_choice import describe
+def _self_check(device: str) -> str:
+    """Run the start-up self-check for ``device`` where a backend built there would
+    (``DSV4_SELF_CHECK``; DeepSeek-V4-Flash's widths, fp8 caches; its cached verdicts when it
+    ran before), so the choice shown is the one a backend makes; one line saying what ran."""
+    import torch
 
-    kernels = describe(device)
+    from dsv4_backend.self_check.check import PRESETS, SELF_CHECK_ENV, self_check, setting
+
+    chosen, where = setting(), torch.device(device)
+    if chosen == "0" or (chosen == "auto" and where.type != "cuda"):
+        return f"self-check: not run for {device} ({SELF_CHECK_ENV}={chosen})"
+    report = self_check(PRESETS["flash" if where.type == "cuda" else "tiny"], where,
+                        use_cache=chosen != "force")  # fmt: skip
+    return report.lines()[0]
+
+
+def _choice_lines(device: str) -> list[str]:
+    """Each op's chosen variant here and on CUDA 9.0 / 10.0, then every variant's status in
+    preference order (with the self-check's verdict here when one ran)."""
+    from dsv4_backend.compute.kernel_choice import describe
+    from dsv4_backend.self_check.check import CHECKED
+
+    checked = _self_check(device)
+    kernels = describe(device, {table.op for table in CHECKED})
     labels = [label for label in next(iter(kernels["ops"].values()))["chosen"] if label != "here"]
     chosen = [("op", "here", *labels, "why (here)")]
     variants = []
@@ -148,14 +167,20 @@ def _choice_lines(device: str) -> list[str]:
         for v in entry["variants"]:
             evidence = "gpu-verified" if v["gpu_verified"] else "baseline" if v["baseline"] else ""
             status = "runs here" if v["runs_here"] else f"not here: {v['reason']}"
-            variants.append((f"{op}/{v['name']}", evidence or "opt-in on CUDA", status))
+            if v["self_check"]:
+                status += f"; self-check {v['self_check']['outcome']}"
+            if v["setting"]:
+                status += f"; needs {v['setting']}"
+            variants.append((f"{op}/{v['name']}", evidence or "-", status))
     return [
-        f"  {kernels['target']}; CUDA columns: a CUDA host of that capability with sglang's "
-        "libraries",
+        f"  {kernels['target']}; {checked}",
+        "  CUDA columns: a CUDA host of that capability with sglang's libraries; for the ops the "
+        "self-check decides, the first variant in preference order that runs there (the "
+        "default once it passes the self-check)",
         *_table(chosen),
         "",
-        "  Variants (baseline: the CUDA default from before the GPU check; opt-in: never run on",
-        "  a GPU, chosen by name; gpu-verified: passed scripts/gpu_check.sh)",
+        "  Variants in preference order (baseline: a CUDA default without a self-check; "
+        "gpu-verified: passed scripts/gpu_check.sh)",
         *_table(variants),
     ]
 
@@ -163,6 +188,7 @@ def _choice_lines(device: str) -> list[str]:
 def json_report(device: str | None = None) -> dict[str, object]:
     """``info --json``: versions, the registry's resolution and the kernel choice."""
     from dsv4_backend.compute.kernel_choice import describe
+    from dsv4_backend.self_check.check import CHECKED
 
     return {
         "dsv4_backend": _versions.installed_version("dsv4-backend"),
@@ -171,7 +197,8 @@ def json_report(device: str | None = None) -> dict[str, object]:
             label: _versions.installed_version(distribution) for label, distribution in PACKAGES
         },
         "gpu": _cuda_device(),
-        "kernels": describe(device or default_device()),
+        "self_check": _self_check(device or default_device()),
+        "kernels": describe(device or default_device(), {table.op for table in CHECKED}),
     }
 
 

@@ -9,7 +9,7 @@ object a backend logs is the one planning and the forward run with.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +39,7 @@ from dsv4_backend.kernels.variants import (
     named_rejection,
     resolve,
     unverified_enabled,
+    verdicts_for,
 )
 from dsv4_backend.planning.kernels.table import COMPRESS_PLANS
 from dsv4_backend.planning.planner import LOW_RATIO_PLAN, PLAN
@@ -114,18 +115,38 @@ def _entry(choose_it: Callable[[], Chosen]) -> dict[str, str | None]:
     return {"variant": chosen.name, "why": chosen.reason}
 
 
-def describe(device: torch.device | str) -> dict[str, Any]:
-    """Every op's variants on ``device`` (runs here or why not, what it takes, GPU evidence),
+def preferred(table: OpTable, target: Target) -> Chosen:
+    """The first variant of ``table`` in preference order that runs on ``target`` and needs
+    no setting beyond the defaults: what a backend built there runs once it passes the
+    start-up self-check (``info``'s CUDA columns)."""
+    for variant in table.variants:
+        if variant.setting is None and variant.unmet(target) is None:
+            why = "first in preference order there; the default once it passes the self-check"
+            return Chosen(table.op, variant, why, explicit=False)
+    raise ConfigError(f"no {table.op} variant runs on {target.describe()}")
+
+
+def describe(device: torch.device | str, self_checked: Collection[str] = ()) -> dict[str, Any]:
+    """Every op's variants on ``device`` in preference order (runs here or why not, what it
+    takes, the setting it needs, GPU evidence, the self-check's verdict here when one ran),
     the one chosen there, and the choice on a CUDA host of each
-    :data:`REFERENCE_CAPABILITIES` with the libraries sglang installs."""
+    :data:`REFERENCE_CAPABILITIES` with the libraries sglang installs: for the ops the
+    start-up self-check decides (``self_checked``, their names) the one :func:`preferred`
+    there, for the others the rule without verdicts (a named variant in either case)."""
     target = Target.of(device)
     others = {f"cuda {m}.{n}": Target.cuda_host((m, n)) for m, n in REFERENCE_CAPABILITIES}
     ops = {}
     for table in TABLES:
         explicit, unverified = explicit_choice(table), unverified_enabled()
+        verdicts = {v.variant: v for v in verdicts_for(table, target)}
         chosen = {"here": _entry(functools.partial(resolve, table, device))}
         for label, other in others.items():
-            chosen[label] = _entry(functools.partial(choose, table, other, explicit, unverified))
+            if explicit is None and table.op in self_checked:
+                chosen[label] = _entry(functools.partial(preferred, table, other))
+            else:
+                chosen[label] = _entry(
+                    functools.partial(choose, table, other, explicit, unverified)
+                )
         ops[table.op] = {
             "summary": table.summary,
             "env": table.env,
@@ -135,10 +156,19 @@ def describe(device: torch.device | str) -> dict[str, Any]:
                     "name": variant.name,
                     "takes": variant.takes,
                     "needs": [r.text for r in variant.needs],
+                    "setting": variant.setting,
                     "runs_here": reason is None,
                     "reason": reason,
                     "gpu_verified": variant.gpu_verified,
                     "baseline": variant.baseline,
+                    "self_check": (
+                        None
+                        if variant.name not in verdicts
+                        else {
+                            "outcome": verdicts[variant.name].outcome,
+                            "figure": verdicts[variant.name].figure,
+                        }
+                    ),
                 }
                 for variant, reason in candidates(table, target)
             ],

@@ -13,10 +13,15 @@ libraries of the tensors' host):
 1. the variant pinned by :func:`force_variant`, else the one named by the op's environment
    variable (``DSV4_<OP>_KERNEL``); it must run on the target, or the choice is a
    ``ConfigError`` naming the variant and why (never a silent fallback);
-2. else the first variant that runs on the target and may be its default: off CUDA any that
-   runs (the interpreter therefore runs the newest kernels the tests cover); on CUDA one that
-   is ``gpu_verified`` or ``baseline``, or any with ``DSV4_UNVERIFIED_KERNELS=1``
-   (:func:`force_unverified` pins either rule on every device, for tests).
+2. else the first variant that runs on the target and may be its default: one that passed
+   the start-up self-check on the target (``self_check/check.py`` records a :class:`Verdict`
+   per variant it ran, :func:`record_verdicts`; a variant that failed it, or cannot take the
+   model's inputs, is passed over); else off CUDA any that runs (the interpreter therefore
+   runs the newest kernels the tests cover); on CUDA one that is ``gpu_verified`` or
+   ``baseline``, or any with ``DSV4_UNVERIFIED_KERNELS=1`` (:func:`force_unverified` pins
+   either rule on every device, for tests).
+
+An explicit choice that failed the self-check is a ``ConfigError`` naming its figure.
 
 :func:`resolve` is :func:`choose` for a device, read once per (table, target, settings): every
 call of an op with the same settings gets the same frozen :class:`Chosen`.
@@ -30,7 +35,7 @@ import importlib
 import importlib.util
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -184,7 +189,8 @@ class Variant:
     take given ones (its arguments are the op's, see its ``table.py``); ``gpu_verified``: the
     ``scripts/gpu_check.sh`` run it passed (date and figure), ``None`` if it never has;
     ``baseline``: the CUDA default from before the GPU check, kept until a verified variant
-    replaces it.
+    replaces it; ``setting``: a setting the variant needs beyond the defaults (which its
+    ``rejects`` checks; ``info``'s CUDA columns, which assume the defaults, pass it over).
     """
 
     name: str
@@ -194,6 +200,7 @@ class Variant:
     gpu_verified: str | None = None
     baseline: bool = False
     rejects: Callable[..., str | None] | None = None
+    setting: str | None = None
 
     def unmet(self, target: Target) -> str | None:
         """Why this variant cannot run on ``target`` (``None``: it can)."""
@@ -237,6 +244,55 @@ class OpTable:
             if variant.name == name:
                 return variant
         raise ConfigError(f"unknown {self.op} variant {name!r}; expected one of {self.names}")
+
+
+#: A :class:`Verdict`'s outcomes: it passed, it failed, or it cannot take the model's inputs
+#: (its ``rejects`` said why; not an error).
+PASSED, FAILED, INAPPLICABLE = "pass", "fail", "inapplicable"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the start-up self-check found of one variant of ``op`` on a target: ``outcome``
+    (:data:`PASSED`, :data:`FAILED` or :data:`INAPPLICABLE`) and ``figure``, the worst finding
+    against its bound (or why the variant cannot take the inputs)."""
+
+    op: str
+    variant: str
+    outcome: str
+    figure: str
+
+    def __post_init__(self) -> None:
+        if self.outcome not in (PASSED, FAILED, INAPPLICABLE):
+            raise ConfigError(
+                f"verdict outcome {self.outcome!r}; expected {PASSED}, {FAILED} or {INAPPLICABLE}"
+            )
+
+
+_verdicts: dict[Target, dict[str, tuple[Verdict, ...]]] = {}
+
+
+def record_verdicts(target: Target, verdicts: Iterable[Verdict]) -> None:
+    """Make ``verdicts`` the self-check's findings on ``target``, replacing those of the ops
+    they name (every later :func:`resolve` there follows them)."""
+    by_op: dict[str, list[Verdict]] = {}
+    for verdict in verdicts:
+        by_op.setdefault(verdict.op, []).append(verdict)
+    recorded = _verdicts.setdefault(target, {})
+    recorded.update({op: tuple(found) for op, found in by_op.items()})
+
+
+def clear_verdicts(target: Target | None = None) -> None:
+    """Forget the verdicts recorded on ``target`` (every target: None)."""
+    if target is None:
+        _verdicts.clear()
+    else:
+        _verdicts.pop(target, None)
+
+
+def verdicts_for(table: OpTable, target: Target) -> tuple[Verdict, ...]:
+    """The self-check's verdicts on ``table``'s variants on ``target`` (empty: none ran)."""
+    return _verdicts.get(target, {}).get(table.op, ())
 
 
 @dataclass(frozen=True)
@@ -283,11 +339,14 @@ def choose(
     target: Target,
     override: tuple[str, str] | None,
     unverified: bool | None = None,
+    verdicts: tuple[Verdict, ...] = (),
 ) -> Chosen:
     """The variant of ``table`` for ``target`` (the module docstring's rule); ``override`` is
-    ``(name, why)`` of an explicit choice; ``unverified`` as in ``Variant.may_default``.
-    ``ConfigError`` for an explicit choice that is unknown or cannot run on ``target``, or a
-    target no variant runs on."""
+    ``(name, why)`` of an explicit choice; ``unverified`` as in ``Variant.may_default``;
+    ``verdicts`` the self-check's on ``target`` (:func:`verdicts_for`). ``ConfigError`` for an
+    explicit choice that is unknown, cannot run on ``target`` or failed the self-check there,
+    or a target no variant runs on."""
+    found = {v.variant: v for v in verdicts}
     if override is not None:
         name, why = override
         if name not in table.names:
@@ -298,10 +357,23 @@ def choose(
             raise ConfigError(
                 f"{why}: the {name} {table.op} variant cannot run on {target.describe()}: {reason}"
             )
+        verdict = found.get(name)
+        if verdict is not None and verdict.outcome == FAILED:
+            raise ConfigError(
+                f"{why}: the {name} {table.op} variant failed the start-up self-check on "
+                f"{target.describe()}: {verdict.figure}"
+            )
         return Chosen(table.op, variant, why, explicit=True)
     skipped = []
     for variant in table.variants:
         reason = variant.unmet(target)
+        verdict = found.get(variant.name)
+        if reason is None and verdict is not None:
+            if verdict.outcome == PASSED:
+                why = f"passed the start-up self-check here ({verdict.figure})"
+                return Chosen(table.op, variant, why, False)
+            skipped.append(f"{variant.name}: self-check {verdict.outcome}: {verdict.figure}")
+            continue
         if reason is None and variant.may_default(target, unverified):
             return Chosen(table.op, variant, _why_default(variant, target, unverified), False)
         skipped.append(f"{variant.name}: {reason or 'has not passed scripts/gpu_check.sh'}")
@@ -322,15 +394,23 @@ def _why_default(variant: Variant, target: Target, unverified: bool | None) -> s
 
 @functools.cache
 def _choose_cached(
-    table: OpTable, target: Target, override: tuple[str, str] | None, unverified: bool | None
+    table: OpTable,
+    target: Target,
+    override: tuple[str, str] | None,
+    unverified: bool | None,
+    verdicts: tuple[Verdict, ...],
 ) -> Chosen:
-    return choose(table, target, override, unverified)
+    return choose(table, target, override, unverified, verdicts)
 
 
 def resolve(table: OpTable, device: torch.device | str) -> Chosen:
     """The variant ``table``'s op runs for tensors on ``device`` under the current settings
-    (``force_path``, ``force_variant``, the environment); the same object for the same ones."""
-    return _choose_cached(table, Target.of(device), explicit_choice(table), unverified_enabled())
+    (``force_path``, ``force_variant``, the environment, the self-check's verdicts); the same
+    object for the same ones."""
+    target = Target.of(device)
+    return _choose_cached(
+        table, target, explicit_choice(table), unverified_enabled(), verdicts_for(table, target)
+    )
 
 
 def unverified_enabled() -> bool | None:

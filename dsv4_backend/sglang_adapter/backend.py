@@ -99,6 +99,7 @@ from dsv4_backend.planning import (
 from dsv4_backend.planning.checks import PendingChecks, run_checks, strict_checks_enabled
 from dsv4_backend.planning.draft_slots import draft_step_slots
 from dsv4_backend.planning.tag import BatchTag
+from dsv4_backend.self_check.check import at_startup
 from dsv4_backend.sglang_adapter.batch_view import (
     GraphCall,
     batch_view,
@@ -549,8 +550,11 @@ class DSV4AttentionBackend(AttentionBackend):
             model_runner, self.config, cache_format, settings.region_copying, settings.layers
         )
         #: What every op runs here (``compute/kernel_choice.py``), logged once per process;
-        #: a variant named in the environment that cannot run or take these caches is refused
-        #: when built, not at the first forward.
+        #: on CUDA the start-up self-check decides the defaults first (``self_check/``); a
+        #: variant named in the environment that cannot run, take these caches or pass the
+        #: self-check is refused when built, not at the first forward.
+        window_format = self.state.pools.window(self.state.pools.layers.start).fmt
+        self.self_check = at_startup(self.config, window_format, self.local_heads, self.device)
         self.kernels = kernel_choice(self.device)
         for heads in sorted({self.local_heads, self.split_heads}):
             reason = explicit_choice_refusal(self.device, self.state.pools, self.config, heads)

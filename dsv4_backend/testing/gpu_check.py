@@ -67,10 +67,18 @@ _AB_CONFIG = json.dumps(
      "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536}}
 )  # fmt: skip
 
+#: The A/B's prompts: one drawn length, and lengths of 3 (mod 4) just past c128 boundaries
+#: (a public wrong-token report on DeepSeek-V4 serving stacks at such lengths).
+AB_PROMPT_LENS = (97, 131, 259, 387)
+
 #: The steps, most valuable first.
 STEPS: tuple[Step, ...] = (
     Step("versions", 4, ("{python}", "-m", "dsv4_backend.testing.gpu_check", "versions",
          "{figures}"), True, "the device, torch, triton, flash_mla, deep_gemm, flashinfer"),
+    Step("self-check", 30, ("{python}", "-m", "dsv4_backend.testing.gpu_check", "self-check",
+         "{figures}"), True,
+         "the start-up self-check at DeepSeek-V4-Flash's widths (fp8 caches): each op's "
+         "preferred variant against its torch twin, its verdicts, its cost cold and cached"),
     Step("default-kernels-fp8", 70, _verdict("--fmt", "fp8", "--query-dtype", "bfloat16"), True,
          "the CUDA default kernels, every serving mode, fp8 caches, bf16 queries (tie-aware)"),
     Step("default-kernels-dense", 40, _verdict("--fmt", "dense", "--query-dtype", "float32"),
@@ -97,7 +105,7 @@ STEPS: tuple[Step, ...] = (
          "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes"),
     Step("sglang-ab", 26, ("{python}", "-m", "dsv4_backend.testing.gpu_check", "ab", "{out}"),
          True, "this backend against sglang's built-in (Flash's attention widths, one layer "
-         "of each ratio) where the built-in starts"),
+         "of each ratio; prompts of 3 (mod 4) past c128 boundaries) where the built-in starts"),
 )  # fmt: skip
 
 
@@ -248,6 +256,27 @@ def versions(figures: str) -> int:
     return 0
 
 
+def self_check_step(figures: str) -> int:
+    """The ``self-check`` step: the start-up self-check at DeepSeek-V4-Flash's widths, cold
+    (the cache ignored) then cached, its verdicts and both times written to ``figures``.
+    Passes when it ran; a variant that failed is reported (its op runs the next one)."""
+    import torch
+
+    from dsv4_backend.self_check.check import PRESETS, self_check
+
+    if not torch.cuda.is_available():
+        print("self-check: no CUDA device (torch.cuda.is_available() is False)")
+        return SKIPPED
+    cold = self_check(PRESETS["flash"], "cuda", use_cache=False)
+    warm = self_check(PRESETS["flash"], "cuda")
+    body = {**cold.as_json(), "cached_seconds": round(warm.seconds, 4)}
+    Path(figures).write_text(json.dumps(body, indent=1) + "\n")
+    print("\n".join(cold.lines()))
+    print(f"self-check: {cold.seconds:.1f} s cold, {warm.seconds * 1000:.1f} ms cached; "
+          f"{len(cold.failed)} variant(s) failed; defaults {cold.chosen}")  # fmt: skip
+    return 0
+
+
 def sglang_ab(out: str) -> int:
     """The ``sglang-ab`` step: ``dsv4 ab`` of this backend against sglang's built-in in the
     simulated host; skipped (with the first thing the built-in lacks) where it cannot start
@@ -257,7 +286,8 @@ def sglang_ab(out: str) -> int:
     report = Path(out) / "ab-report"
     command = [sys.executable, "-m", "dsv4_backend", "ab", "--device", "cuda", "--a",
                "sglang:dsv4", "--b", "sglang:dsv4_builtin", "--config", str(config), "--out",
-               str(report), "--quiet"]  # fmt: skip
+               str(report), "--quiet", "--max-len", "440", "--prompt-lens",
+               *map(str, AB_PROMPT_LENS)]  # fmt: skip
     run = subprocess.run(command, stderr=subprocess.PIPE, text=True)
     sys.stderr.write(run.stderr)
     if run.returncode == 2:  # refused before the run: the line names what is missing
@@ -282,6 +312,8 @@ def main(argv: list[str] | None = None) -> int:
         return versions(argv[1])
     if argv[:1] == ["ab"]:
         return sglang_ab(argv[1])
+    if argv[:1] == ["self-check"]:
+        return self_check_step(argv[1])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--budget", type=float, default=DEFAULT_BUDGET, help="seconds in all")
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT") or "gpu-check"))

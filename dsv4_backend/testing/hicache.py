@@ -45,7 +45,7 @@ from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import (
 from sglang.srt.mem_cache.memory_pool_host import DeepSeekV4PagedHostPool, DeepSeekV4StateHostPool
 
 from dsv4_backend.errors import ContractError
-from dsv4_backend.testing.simulation.pool import PagedRequestPool
+from dsv4_backend.self_check.requests import PagedRequestPool
 
 IO_BACKEND = "direct"
 LAYOUT = "layer_first"

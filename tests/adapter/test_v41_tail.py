@@ -16,9 +16,9 @@ import torch
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.planning import late_layer_tail
+from dsv4_backend.self_check.requests import PagedRequestPool
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing.harness import BatchBuilder, Step, mock_runner
-from dsv4_backend.testing.simulation.pool import PagedRequestPool
 from dsv4_backend.testing.simulation.v41 import TINY_V41_SOURCES, tiny_v41
 from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
 

@@ -19,8 +19,10 @@ the end-to-end comparisons, and tested apart with an injected compute capability
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import types
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -33,7 +35,7 @@ from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.attention import flashmla, flashmla_prefill
+from dsv4_backend.kernels.attention import flashmla, flashmla_library, flashmla_prefill
 from dsv4_backend.kernels.attention.flashmla import (
     flashmla_arguments,
     flashmla_unsupported_reason,
@@ -250,6 +252,30 @@ def test_flashmla_matches_the_torch_path(flash_mla, monkeypatch, heads, layer):
         assert (out[2] == 0).all()
 
 
+def test_flashmla_takes_the_prefill_kernel_above_sglangs_threshold(flash_mla, monkeypatch):
+    """As sglang's built-in: a call of more than ``PREFILL_ROWS`` rows (lowered here) goes
+    through the stand-in's sparse prefill, the others through its decode; both give the torch
+    path's output."""
+    monkeypatch.setattr(flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
+    calls: list[str] = []
+    for name in ("flash_mla_with_kvcache", "flash_mla_sparse_fwd"):
+        real = getattr(flash_mla, name)
+        monkeypatch.setattr(flash_mla, name, functools.partial(_recorded, calls, name, real))
+    args = _attention_args(64, "c4", torch.Generator().manual_seed(3))
+    expected = sparse_attention_torch(*args)
+    assert flashmla.PREFILL_ROWS == 11673
+    for threshold, kernel in ((5, "flash_mla_with_kvcache"), (4, "flash_mla_sparse_fwd")):
+        with flashmla.flashmla_prefill_above(threshold):
+            out = sparse_attention_flashmla(*args)  # 5 rows
+        assert calls.pop() == kernel and not calls
+        torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def _recorded(calls: list[str], name: str, real: Callable[..., Any], **kwargs: Any) -> Any:
+    calls.append(name)
+    return real(**kwargs)
+
+
 def test_flashmla_schedule_is_shared_and_splits_are_checked(flash_mla, monkeypatch):
     """A given schedule is the one FlashMLA fills (and reuses); a fresh one otherwise; a bad
     ``num_splits`` is refused; no rows give an empty result without a call."""
@@ -375,7 +401,7 @@ def test_flashmla_prefill_workspace_holds_each_referenced_key_once():
     g = torch.Generator().manual_seed(6)
     q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = _attention_args(16, "c4", g)
     assert ext is not None and ext_idx is not None and ext_len is not None
-    kw = flashmla_prefill.prefill_arguments(
+    kw = flashmla_library.prefill_arguments(
         q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale
     )
     indices, lengths, kv = kw["indices"][:, 0], kw["topk_length"], kw["kv"][:, 0]
@@ -412,7 +438,7 @@ def test_flashmla_prefill_stand_in_refuses_wrong_arguments(mistake):
         16, "c4", torch.Generator().manual_seed(7)
     )
     assert ext is not None and ext_idx is not None and ext_len is not None
-    kwargs = flashmla_prefill.prefill_arguments(
+    kwargs = flashmla_library.prefill_arguments(
         q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale
     )
     fake_flash_mla_sparse_fwd(**kwargs)  # as built: accepted
@@ -424,17 +450,19 @@ def test_flashmla_prefill_stand_in_refuses_wrong_arguments(mistake):
 def test_each_library_variant_is_refused_without_a_function_it_calls(flash_mla, monkeypatch):
     """A release of the library without a function a variant calls refuses that variant when
     it is chosen, naming the function (sgl-deep-gemm 0.2.5 removed one; see the DeepGEMM
-    reasons), and leaves the variants that do not call it."""
+    reasons), and leaves the variants that do not call it (``flashmla`` calls the prefill
+    above ``PREFILL_ROWS`` rows, so it needs both kernels)."""
     fp8 = _token_cache(8, 256, "fp8", torch.Generator().manual_seed(9))
-    del flash_mla.flash_mla_sparse_fwd
-    prefill = flashmla_prefill.flashmla_prefill_unsupported_reason(
-        CUDA, fp8, fp8, 64, D, capability=(9, 0)
-    )
-    assert "flash_mla 1.0.0 has no flash_mla_sparse_fwd; install sgl-flash-mla" in prefill
-    assert flashmla.flashmla_unsupported_reason(CUDA, fp8, fp8, 64, D, capability=(9, 0)) is None
     del flash_mla.get_mla_metadata
     decode = flashmla.flashmla_unsupported_reason(CUDA, fp8, fp8, 64, D, capability=(9, 0))
     assert "has no get_mla_metadata" in decode
+    prefill = flashmla_prefill.flashmla_prefill_unsupported_reason
+    assert prefill(CUDA, fp8, fp8, 64, D, capability=(9, 0)) is None
+    del flash_mla.flash_mla_sparse_fwd
+    missing = "flash_mla 1.0.0 has no flash_mla_sparse_fwd; install sgl-flash-mla"
+    assert missing in prefill(CUDA, fp8, fp8, 64, D, capability=(9, 0))
+    both = flashmla.flashmla_unsupported_reason(CUDA, fp8, fp8, 64, D, capability=(9, 0))
+    assert "get_mla_metadata, flash_mla_sparse_fwd" in both
 
     host = Target("triton", "cuda", (9, 0), frozenset({"flashinfer"}))
     monkeypatch.setitem(sys.modules, "flashinfer", types.SimpleNamespace(__version__="0.1"))

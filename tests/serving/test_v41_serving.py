@@ -14,8 +14,8 @@ import torch
 from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.kernels.dispatch import TORCH, force_path
 from dsv4_backend.planning import GraphMetadataBuffers, PlanWidths, plan
+from dsv4_backend.self_check.requests import PagedRequestPool
 from dsv4_backend.testing.reference.v41_model import reference_v41
-from dsv4_backend.testing.simulation.pool import PagedRequestPool
 from dsv4_backend.testing.simulation.v41 import TINY_V41_RATIOS as RATIOS
 from dsv4_backend.testing.simulation.v41 import V41Model, tiny_v41, v41_inputs
 

@@ -123,6 +123,23 @@ def test_trace_fits_its_pool_and_covers_every_mode(
             assert trace.max_lens[r] // BOUNDARY > (start - 1) // BOUNDARY
 
 
+def test_given_prompt_lengths_make_one_request_each() -> None:
+    """``--prompt-lens``: the GPU check's prompts of 3 (mod 4) past c128 boundaries; a length
+    without room for the rounds and decodes is refused, naming the range."""
+    trace = build_trace(CONFIG, max_len=300, cycles=2, decode_steps=2, prompt_lens=(131, 259))
+    first, rest = (s.extend_lens for s in trace.steps if s.mode == "prefill")
+    assert [a + b for a, b in zip(first, rest, strict=True)] == [131, 259]
+    assert len(trace.max_lens) == 2
+    pool = trace.build_model().pool
+    assert all(step.batch(pool).num_rows == len(step.rows()) for step in trace.steps)
+    with pytest.raises(
+        ConfigError,
+        match=r"prompt lengths \[131, 299\]; expected one or more "
+        r"in \[2, 290\]",
+    ):
+        build_trace(CONFIG, max_len=300, cycles=2, decode_steps=2, prompt_lens=(131, 299))
+
+
 # ------------------------------------------------------------------------------ the verdict
 def test_reference_against_itself_is_exact(tiny_trace) -> None:
     result = run_trace(tiny_trace, ReferenceBackend(), ReferenceBackend())

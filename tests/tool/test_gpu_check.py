@@ -42,7 +42,17 @@ def test_dry_run_lists_every_step_within_the_budget(tmp_path: Path) -> None:
     assert sum(s["budget_s"] for s in steps) <= 420 + 0.1 * len(steps)  # rounded to 0.1 s
     for step in gc.STEPS:
         assert step.name in run.stdout
-    assert steps[1]["step"] == "default-kernels-fp8" and steps[1]["gates"]
+    assert steps[1]["step"] == "self-check" and steps[1]["gates"]  # first, before the verdicts
+    assert steps[2]["step"] == "default-kernels-fp8" and steps[2]["gates"]
+    ab = next(s for s in gc.STEPS if s.name == "sglang-ab")
+    assert "past c128 boundaries" in ab.description
+    assert all(n % 4 == 3 and n % 128 == 3 for n in gc.AB_PROMPT_LENS[1:])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message path")
+def test_the_self_check_step_is_skipped_without_a_gpu(tmp_path: Path, capsys) -> None:
+    assert gc.main(["self-check", str(tmp_path / "figures.json")]) == gc.SKIPPED
+    assert "self-check: no CUDA device" in capsys.readouterr().out
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message path")

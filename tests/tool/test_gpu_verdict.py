@@ -13,16 +13,18 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.self_check import bounds
+from dsv4_backend.self_check import judge as jm
 from dsv4_backend.testing import gpu_verdict as gv
 
 BF16 = torch.bfloat16
 
 
-def _failed_steps(judge: gv.StepwiseJudge) -> set[str]:
+def _failed_steps(judge: jm.StepwiseJudge) -> set[str]:
     return {f.step for f in judge.findings if not f.passed}
 
 
-def _run(judge: gv.StepwiseJudge, schedule: gv.Schedule = gv.FULL_SCHEDULE) -> gv.StepwiseJudge:
+def _run(judge: jm.StepwiseJudge, schedule: jm.Schedule = jm.FULL_SCHEDULE) -> jm.StepwiseJudge:
     for mode, batch in schedule.batches(judge.model.pool):
         judge.forward(batch, mode)
     return judge
@@ -42,10 +44,10 @@ def test_score_bound_covers_bf16_operands() -> None:
     rounded = score(q.to(BF16).float(), w.to(BF16).float(), k.to(BF16).float(), torch.float32)
     exact = score(q, w, k, torch.float64)
     error = (rounded.double() - exact).abs()
-    bound = gv.score_bound(q, w, k, BF16).double()
+    bound = bounds.score_bound(q, w, k, BF16).double()
     assert (error <= bound).all()
     assert (error / bound).max() > 0.05
-    assert (gv.score_bound(q, w, k, torch.float32) < bound / 100).all()
+    assert (bounds.score_bound(q, w, k, torch.float32) < bound / 100).all()
 
 
 @given(st.integers(0, 2**31 - 1), st.integers(1, 12), st.integers(0, 30))
@@ -61,29 +63,33 @@ def test_check_selection(seed: int, topk: int, num: int) -> None:
     selected = torch.full((1, topk), -1)
     selected[0, :keep] = candidates[0, order[0, :keep]]
     tight = torch.full_like(scores, 1e-9)
-    assert gv.check_selection(selected, candidates, scores, tight, topk) == (0.0, "")
+    assert bounds.check_selection(selected, candidates, scores, tight, topk) == (0.0, "")
     if keep:
         twice = selected.clone()
         twice[0, keep - 1] = twice[0, 0] if keep > 1 else 7
-        assert gv.check_selection(twice, candidates, scores, tight, topk)[0] == math.inf
+        assert bounds.check_selection(twice, candidates, scores, tight, topk)[0] == math.inf
         short = selected.clone()
         short[0, keep - 1] = -1
-        assert gv.check_selection(short, candidates, scores, tight, topk)[0] == math.inf
+        assert bounds.check_selection(short, candidates, scores, tight, topk)[0] == math.inf
     if num > topk:  # swap the last kept entry for the first dropped one
         swapped = selected.clone()
         swapped[0, keep - 1] = candidates[0, order[0, keep]]
         gap = float(scores[0, order[0, keep - 1]] - scores[0, order[0, keep]])
         loose = torch.full_like(scores, gap / 2 + 1e-6)
-        assert gv.check_selection(swapped, candidates, scores, loose, topk) == (0.0, "")
+        assert bounds.check_selection(swapped, candidates, scores, loose, topk) == (0.0, "")
         if gap > 1e-6:
-            excess, detail = gv.check_selection(swapped, candidates, scores, tight, topk)
+            excess, detail = bounds.check_selection(swapped, candidates, scores, tight, topk)
             assert excess > 1 and "row 0" in detail
 
 
 def test_interpreter_kernels_pass_with_fp8_caches_and_bf16_queries() -> None:
     """Every step of every mode, the Triton kernels in the interpreter against the torch path."""
     judge = gv.judge_serving_modes(
-        "cpu", dispatch.TRITON_INTERPRETER, schedule=gv.SHORT_SCHEDULE, fmt="fp8", query_dtype=BF16
+        "cpu",
+        dispatch.TRITON_INTERPRETER,
+        schedule=jm.SHORT_SCHEDULE,
+        fmt="fp8",
+        query_dtype=BF16,
     )
     steps = {f.step for f in judge.findings}
     assert {"plan", "window-store", "indexer-scores", "indexer-selection", "attention"} <= steps
@@ -92,14 +98,14 @@ def test_interpreter_kernels_pass_with_fp8_caches_and_bf16_queries() -> None:
 
 
 def test_stores_of_the_interpreter_kernels_equal_the_torch_bytes() -> None:
-    findings = gv.judge_stores("cpu", dispatch.TRITON_INTERPRETER)
+    findings = jm.judge_stores("cpu", dispatch.TRITON_INTERPRETER)
     assert len(findings) == 16 and all(f.passed for f in findings)
 
 
-def _bf16_indexer(judge: gv.StepwiseJudge, monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def _bf16_indexer(judge: jm.StepwiseJudge, monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Make the state under test select from bf16-rounded queries and keys (a GPU's operands);
     returns a list that gains, per call, the rows whose selection differs from the exact one."""
-    real = gv.select_c4_entries
+    real = jm.select_c4_entries
     changed: list[int] = []
 
     def rounded(state, layer, metadata, index_q, index_weights):
@@ -114,7 +120,7 @@ def _bf16_indexer(judge: gv.StepwiseJudge, monkeypatch: pytest.MonkeyPatch) -> l
         storage.copy_(exact_keys)
         changed.append(int((metadata.c4.page_indices != exact).any(1).sum()))
 
-    monkeypatch.setattr(gv, "select_c4_entries", rounded)
+    monkeypatch.setattr(jm, "select_c4_entries", rounded)
     return changed
 
 
@@ -133,8 +139,8 @@ def test_a_bf16_indexer_passes_the_tie_aware_check(monkeypatch: pytest.MonkeyPat
 
 def test_an_attention_bug_fails_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state under test drops each row's newest window key."""
-    judge = gv.make_judge("cpu", dispatch.TORCH, schedule=gv.SHORT_SCHEDULE)
-    real = gv.attend
+    judge = gv.make_judge("cpu", dispatch.TORCH, schedule=jm.SHORT_SCHEDULE)
+    real = jm.attend
 
     def dropping(state, layer, metadata, q, sink):
         if state is not judge.model.state:
@@ -147,14 +153,14 @@ def test_an_attention_bug_fails_attention(monkeypatch: pytest.MonkeyPatch) -> No
         finally:
             lengths.copy_(saved)
 
-    monkeypatch.setattr(gv, "attend", dropping)
-    assert _failed_steps(_run(judge, gv.SHORT_SCHEDULE)) == {"attention", "reference"}
+    monkeypatch.setattr(jm, "attend", dropping)
+    assert _failed_steps(_run(judge, jm.SHORT_SCHEDULE)) == {"attention", "reference"}
 
 
 def test_a_store_bug_fails_the_window_store(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state under test writes one key with a flipped bit."""
-    judge = gv.make_judge("cpu", dispatch.TORCH, schedule=gv.SHORT_SCHEDULE)
-    real = gv.store_window_keys
+    judge = gv.make_judge("cpu", dispatch.TORCH, schedule=jm.SHORT_SCHEDULE)
+    real = jm.store_window_keys
 
     def flipping(state, layer, metadata, kv):
         if state is not judge.model.state:
@@ -163,28 +169,28 @@ def test_a_store_bug_fails_the_window_store(monkeypatch: pytest.MonkeyPatch) -> 
         kv.view(torch.int32)[0, 3] ^= 1 << 20
         return real(state, layer, metadata, kv)
 
-    monkeypatch.setattr(gv, "store_window_keys", flipping)
-    failed = _failed_steps(_run(judge, gv.SHORT_SCHEDULE))
+    monkeypatch.setattr(jm, "store_window_keys", flipping)
+    failed = _failed_steps(_run(judge, jm.SHORT_SCHEDULE))
     assert "window-store" in failed and failed <= {"window-store", "reference"}
 
 
 def test_a_store_kernel_bug_fails_the_stores(monkeypatch: pytest.MonkeyPatch) -> None:
-    real = gv.store_rows
+    real = jm.store_rows
 
     def off_by_one(cache, rows, slots):
         if dispatch.select_path(rows.device) == dispatch.TORCH:
             return real(cache, rows, slots)
         return real(cache, rows, torch.where(slots >= 0, (slots + 1) % cache.num_slots, -1))
 
-    monkeypatch.setattr(gv, "store_rows", off_by_one)
-    findings = gv.judge_stores("cpu", dispatch.TRITON_INTERPRETER)
+    monkeypatch.setattr(jm, "store_rows", off_by_one)
+    findings = jm.judge_stores("cpu", dispatch.TRITON_INTERPRETER)
     assert not any(f.passed for f in findings)
 
 
 def test_a_wrong_topk_fails_the_selection(monkeypatch: pytest.MonkeyPatch) -> None:
     """The state under test keeps each long row's first ``topk`` candidates."""
-    judge = gv.make_judge("cpu", dispatch.TORCH, schedule=gv.SHORT_SCHEDULE)
-    real = gv.select_c4_entries
+    judge = gv.make_judge("cpu", dispatch.TORCH, schedule=jm.SHORT_SCHEDULE)
+    real = jm.select_c4_entries
     topk = judge.model.config.index_topk
 
     def first_entries(state, layer, metadata, index_q, index_weights):
@@ -192,11 +198,11 @@ def test_a_wrong_topk_fails_the_selection(monkeypatch: pytest.MonkeyPatch) -> No
         if state is judge.model.state:
             comp = metadata.c4
             long_rows = comp.topk_lengths_raw > topk
-            first = gv.entry_slots(
+            first = jm.entry_slots(
                 metadata.page_table, torch.arange(topk).expand(len(long_rows), -1)
             )
             comp.page_indices[long_rows] = first[long_rows].int()
 
-    monkeypatch.setattr(gv, "select_c4_entries", first_entries)
-    failed = _failed_steps(_run(judge, gv.SHORT_SCHEDULE))
+    monkeypatch.setattr(jm, "select_c4_entries", first_entries)
+    failed = _failed_steps(_run(judge, jm.SHORT_SCHEDULE))
     assert failed == {"indexer-selection"}  # attention is judged on the same selection

@@ -6,7 +6,7 @@ Layers, bottom to top (a module may import its own layer and the ones below):
 1. ``config``
 2. ``cache``, ``ops``
 3. ``kernels``
-4. ``planning``, ``compute``
+4. ``planning``, ``compute``, ``self_check`` (the start-up self-check and its judge)
 5. ``sglang_adapter``, ``registration``, ``info``
 6. ``testing`` (the oracle and the tools), ``tools`` (the CPU server kit and commands)
 7. ``__main__`` (the command line, which runs the tools)
@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "kernels": 3,
     "planning": 4,
     "compute": 4,
+    "self_check": 4,
     "sglang_adapter": 5,
     "registration": 5,
     "info": 5,

@@ -16,8 +16,12 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.variants import resolve
+from dsv4_backend.self_check.check import CHECKED
 
-VARIANT_KEYS = {"name", "takes", "needs", "runs_here", "reason", "gpu_verified", "baseline"}
+VARIANT_KEYS = {
+    "name", "takes", "needs", "setting", "runs_here", "reason", "gpu_verified", "baseline",
+    "self_check",
+}  # fmt: skip
 
 
 def test_every_table_is_chosen_once_and_the_ops_use_that_choice() -> None:
@@ -32,7 +36,11 @@ def test_every_table_is_chosen_once_and_the_ops_use_that_choice() -> None:
 
 
 def test_describe_lists_every_variant_and_the_cuda_choices() -> None:
-    kernels = json.loads(json.dumps(describe("cpu")))  # JSON as info --json prints it
+    """The CUDA columns: the ops the self-check decides show the first variant in preference
+    order that runs there (FlashMLA for attention on sglang's fp8 caches; DeepGEMM needs the
+    fp8 selection, not the default), the others the rule without verdicts."""
+    checked = {table.op for table in CHECKED}
+    kernels = json.loads(json.dumps(describe("cpu", checked)))  # as info --json prints it
     assert set(kernels["ops"]) == {t.op for t in TABLES}
     for table in TABLES:
         entry = kernels["ops"][table.op]
@@ -41,9 +49,13 @@ def test_describe_lists_every_variant_and_the_cuda_choices() -> None:
         assert all(v["runs_here"] == (v["reason"] is None) for v in entry["variants"])
         assert set(entry["chosen"]) == {"here", "cuda 9.0", "cuda 10.0"}
     attention = kernels["ops"]["attention"]
-    for capability in ("cuda 9.0", "cuda 10.0"):  # a GPU runs the Triton kernels, not torch
-        assert attention["chosen"][capability]["variant"] == "triton"
-        assert kernels["ops"]["indexer_topk"]["chosen"][capability]["variant"] == "flashinfer"
+    without = describe("cpu")["ops"]
+    for capability in ("cuda 9.0", "cuda 10.0"):
+        picks = {op: entry["chosen"][capability]["variant"] for op, entry in kernels["ops"].items()}
+        assert picks["attention"] == "flashmla" and picks["indexer"] == "bounded"
+        assert picks["indexer_topk"] == "flashinfer" and picks["compressor"] == "fused"
+        assert picks["low_ratio_rows"] == picks["low_ratio_scores"] == "torch"  # not checked
+        assert without["attention"]["chosen"][capability]["variant"] == "triton"
     ws = next(v for v in attention["variants"] if v["name"] == "ws")
     assert not ws["runs_here"] and ws["gpu_verified"] is None and not ws["baseline"]
 
@@ -60,7 +72,8 @@ def test_info_json_and_device(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["info", "--json", "--device", "cpu"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["kernels"]["device"] == "cpu"
-    assert report["kernels"]["ops"]["attention"]["chosen"]["cuda 9.0"]["variant"] != "torch"
+    assert report["kernels"]["ops"]["attention"]["chosen"]["cuda 9.0"]["variant"] == "flashmla"
+    assert report["self_check"] == "self-check: not run for cpu (DSV4_SELF_CHECK=auto)"
     assert cli.main(["info", "--device", "cpu"]) == 0
     text = capsys.readouterr().out
     assert "Kernel variant of each op for tensors on cpu" in text and "attention/ws" in text

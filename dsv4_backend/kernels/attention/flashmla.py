@@ -31,10 +31,13 @@ for fp32 queries the op's other paths give fp32 and the caller casts). ``num_spl
 accepted (and checked) so the variant is called like the other kernels; FlashMLA's scheduler
 picks its own splits, which do not change the result.
 
-Prefill: sglang runs a non-speculative extend of more than 11673 query rows (or any with
-``SGLANG_OPT_FLASHMLA_SPARSE_PREFILL``) through ``flash_mla_sparse_fwd`` instead; that call is
-the ``flashmla_prefill`` variant (``flashmla_prefill.py``). This one runs every row, extend
-rows included, through the decode kernel, as sglang does below that threshold.
+Prefill: sglang runs a non-speculative extend of more than 11673 query rows
+(:data:`PREFILL_ROWS`; or any with ``SGLANG_OPT_FLASHMLA_SPARSE_PREFILL``) through
+``flash_mla_sparse_fwd`` instead, and so does this variant for a call of more than
+:data:`PREFILL_ROWS` rows outside a CUDA-graph capture (``flashmla_library.sparse_prefill``,
+which synchronises once; the ``flashmla_prefill`` variant runs every call through it). Every
+other call, extend rows included, goes through the decode kernel, as sglang does below that
+threshold.
 
 Not run here: ``flash_mla`` needs CUDA; the tests check the arguments against its documented
 signature with a stand-in module and compare the result with ``sparse_attention_torch``.
@@ -42,6 +45,8 @@ signature with a stand-in module and compare the result with ``sparse_attention_
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -50,15 +55,33 @@ from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.attention.common import ExtraSpan, check_inputs, checked_num_splits
 from dsv4_backend.kernels.attention.flashmla_library import (
+    PREFILL_FUNCTIONS,
     aligned_columns,
     fp8_cache_unsupported_reason,
     kernel_queries,
     library,
     library_unsupported_reason,
+    sparse_prefill,
 )
 
-#: What the variant calls of ``flash_mla``.
+#: What the variant's decode calls of ``flash_mla``.
 DECODE_FUNCTIONS = ("flash_mla_with_kvcache", "get_mla_metadata")
+#: sglang's built-in runs a non-speculative extend of more query rows than this through
+#: FlashMLA's sparse prefill (``srt/layers/attention/dsv4/metadata.py``,
+#: ``_LARGE_INDEXER_QUERY_THRESHOLD``).
+PREFILL_ROWS = 11673
+_prefill_rows: list[int] = []
+
+
+@contextlib.contextmanager
+def flashmla_prefill_above(rows: int) -> Iterator[None]:
+    """Inside the block, the variant takes the prefill kernel for calls of more than ``rows``
+    rows (the self-check lowers it so that its extends check that kernel too)."""
+    _prefill_rows.append(rows)
+    try:
+        yield
+    finally:
+        _prefill_rows.pop()
 
 
 def flashmla_unsupported_reason(
@@ -81,7 +104,8 @@ def flashmla_unsupported_reason(
         reason = None if cache is None else fp8_cache_unsupported_reason(name, cache)
         if reason is not None:
             return reason
-    return library_unsupported_reason(device, heads, dim, capability, DECODE_FUNCTIONS)
+    functions = DECODE_FUNCTIONS + PREFILL_FUNCTIONS
+    return library_unsupported_reason(device, heads, dim, capability, functions)
 
 
 def flashmla_schedule() -> Any:
@@ -175,10 +199,10 @@ def sparse_attention_flashmla(
     schedule: Any = None,
     rows_per_group: int = 1,
 ) -> torch.Tensor:
-    """``sparse_attention_with_sink`` on FlashMLA's sparse FP8 decode: the same arguments
-    (``[T, H, D]`` queries, window and extra caches with their ``[T, W]`` int32 slots and
-    ``[T]`` int32 lengths, ``[H]`` fp32 sink) and result, ``[T, H, D]`` bf16; rows without a
-    valid key are 0.
+    """``sparse_attention_with_sink`` on FlashMLA's sparse FP8 decode (its sparse prefill above
+    :data:`PREFILL_ROWS` rows, the module docstring): the same arguments (``[T, H, D]``
+    queries, window and extra caches with their ``[T, W]`` int32 slots and ``[T]`` int32
+    lengths, ``[H]`` fp32 sink) and result, ``[T, H, D]`` bf16; rows without a valid key are 0.
 
     ``num_splits``: checked, else unused (FlashMLA schedules its own splits);
     ``rows_per_group``, the op's argument, is not used (one row a query). ``schedule``: a
@@ -196,6 +220,10 @@ def sparse_attention_flashmla(
     reason = flashmla_unsupported_reason(q.device, window, extra, heads, dim)
     if reason is not None:
         raise BatchError(reason)
+    threshold = _prefill_rows[-1] if _prefill_rows else PREFILL_ROWS
+    capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
+    if rows > threshold and not capturing:
+        return sparse_prefill(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)
     if rows == 0:  # FlashMLA needs a batch
         return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
     kwargs = flashmla_arguments(

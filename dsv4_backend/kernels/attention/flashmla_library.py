@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from dsv4_backend.cache.token_cache import TokenCache
+from dsv4_backend.kernels.attention.common import ExtraSpan
 
 #: The module both variants call and the distribution (as sglang 0.5.23 pins it) that has it.
 PACKAGE = "flash_mla"
@@ -132,3 +134,76 @@ def aligned_columns(indices: torch.Tensor) -> torch.Tensor:
 def library() -> ModuleType:
     """The ``flash_mla`` module (imported where :func:`library_unsupported_reason` found it)."""
     return importlib.import_module(PACKAGE)
+
+
+#: What the sparse prefill calls of ``flash_mla``.
+PREFILL_FUNCTIONS = ("flash_mla_sparse_fwd",)
+
+
+def prefill_arguments(
+    q: torch.Tensor,
+    window: TokenCache,
+    swa_indices: torch.Tensor,
+    swa_lengths: torch.Tensor,
+    extra_span: ExtraSpan | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+) -> dict[str, Any]:
+    """Keyword arguments of ``flash_mla.flash_mla_sparse_fwd`` for the op's inputs (already
+    checked by ``check_inputs``, which returned ``extra_span``); ``flashmla_prefill.py``'s
+    docstring maps them. Pure torch: runs on any device (one host synchronisation,
+    ``torch.unique``)."""
+    rows, _, dim = q.shape
+    spans = [(window, swa_indices, swa_lengths)]
+    if extra_span is not None:
+        spans.append(extra_span)
+    width = sum(idx.shape[1] for _, idx, _ in spans)
+    width += -width % PREFILL_INDEX_ALIGN
+    # One spare column takes every invalid key's scatter, then is cut off.
+    indices = torch.full((rows, width + 1), -1, dtype=torch.int32, device=q.device)
+    packed = torch.zeros(rows, dtype=torch.int64, device=q.device)  # keys placed per row
+    keys = []
+    first_row = 0  # workspace row of the span's first distinct slot
+    for cache, idx, lengths in spans:
+        columns = torch.arange(idx.shape[1], device=idx.device)
+        valid = (columns[None, :] < lengths[:, None]) & (idx >= 0)
+        slots, rank = torch.unique(idx[valid], return_inverse=True)
+        keys.append(cache.gather(slots))
+        workspace_rows = torch.full_like(idx, -1)
+        workspace_rows[valid] = rank.to(torch.int32) + first_row
+        target = torch.where(valid, packed[:, None] + valid.cumsum(1) - 1, width)
+        indices.scatter_(1, target, workspace_rows)
+        packed += valid.sum(1)
+        first_row += slots.numel()
+    kv = torch.cat(keys) if first_row else torch.zeros((1, dim), device=q.device)
+    q, sink = kernel_queries(q, sink)
+    return dict(
+        q=q,
+        kv=kv.to(torch.bfloat16)[:, None, :],
+        indices=indices[:, :width].contiguous()[:, None, :],
+        sm_scale=softmax_scale,
+        d_v=dim,
+        attn_sink=sink,
+        topk_length=packed.to(torch.int32),
+        use_legacy=True,
+        return_log2_lse=False,
+    )
+
+
+def sparse_prefill(
+    q: torch.Tensor,
+    window: TokenCache,
+    swa_indices: torch.Tensor,
+    swa_lengths: torch.Tensor,
+    extra_span: ExtraSpan | None,
+    sink: torch.Tensor,
+    softmax_scale: float,
+) -> torch.Tensor:
+    """FlashMLA's sparse prefill of the op's inputs (checked, and the library's
+    ``PREFILL_FUNCTIONS`` found): ``[T, H, D]`` bf16, rows without a valid key 0."""
+    rows, heads, dim = q.shape
+    if rows == 0:  # FlashMLA needs a query
+        return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
+    kwargs = prefill_arguments(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)
+    out = library().flash_mla_sparse_fwd(**kwargs)[0][:, :heads]  # [T, H, D] bf16
+    return out.masked_fill((kwargs["topk_length"] == 0)[:, None, None], 0).contiguous()

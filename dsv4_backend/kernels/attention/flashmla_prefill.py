@@ -6,7 +6,7 @@ sglang 0.5.23 runs a non-speculative extend of more than 11673 query rows (or an
 (``srt/layers/attention/deepseek_v4_backend.py``, ``_use_sparse_prefill`` /
 ``_forward_prefill_sparse``): it dequantises each request's window and compressed entries into
 a flat bf16 workspace and hands the kernel per-row indices rebased into it. This variant does
-the same from the op's arguments (:func:`prefill_arguments`):
+the same from the op's arguments (``flashmla_library.prefill_arguments``):
 
 * workspace ``kv`` ``[U, 1, D]`` bf16: the distinct slots the rows reference (valid columns
   only: below the row's length and not -1), window slots first, then the compressed cache's,
@@ -33,22 +33,16 @@ signature with a stand-in module and compare the result with ``sparse_attention_
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.attention.common import ExtraSpan, check_inputs
+from dsv4_backend.kernels.attention.common import check_inputs
 from dsv4_backend.kernels.attention.flashmla_library import (
-    PREFILL_INDEX_ALIGN,
-    kernel_queries,
-    library,
+    PREFILL_FUNCTIONS,
     library_unsupported_reason,
+    sparse_prefill,
 )
-
-#: What the variant calls of ``flash_mla``.
-PREFILL_FUNCTIONS = ("flash_mla_sparse_fwd",)
 
 
 def flashmla_prefill_unsupported_reason(
@@ -64,55 +58,6 @@ def flashmla_prefill_unsupported_reason(
     can): ``flashmla_library.library_unsupported_reason`` for ``heads`` queries of ``dim`` on
     ``device``. The caches are read through ``TokenCache.gather``, so any format serves."""
     return library_unsupported_reason(device, heads, dim, capability, PREFILL_FUNCTIONS)
-
-
-def prefill_arguments(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra_span: ExtraSpan | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> dict[str, Any]:
-    """Keyword arguments of ``flash_mla.flash_mla_sparse_fwd`` for the op's inputs (already
-    checked by ``check_inputs``, which returned ``extra_span``); the module docstring maps
-    them. Pure torch: runs on any device (one host synchronisation, ``torch.unique``)."""
-    rows, _, dim = q.shape
-    spans = [(window, swa_indices, swa_lengths)]
-    if extra_span is not None:
-        spans.append(extra_span)
-    width = sum(idx.shape[1] for _, idx, _ in spans)
-    width += -width % PREFILL_INDEX_ALIGN
-    # One spare column takes every invalid key's scatter, then is cut off.
-    indices = torch.full((rows, width + 1), -1, dtype=torch.int32, device=q.device)
-    packed = torch.zeros(rows, dtype=torch.int64, device=q.device)  # keys placed per row
-    keys = []
-    first_row = 0  # workspace row of the span's first distinct slot
-    for cache, idx, lengths in spans:
-        columns = torch.arange(idx.shape[1], device=idx.device)
-        valid = (columns[None, :] < lengths[:, None]) & (idx >= 0)
-        slots, rank = torch.unique(idx[valid], return_inverse=True)
-        keys.append(cache.gather(slots))
-        workspace_rows = torch.full_like(idx, -1)
-        workspace_rows[valid] = rank.to(torch.int32) + first_row
-        target = torch.where(valid, packed[:, None] + valid.cumsum(1) - 1, width)
-        indices.scatter_(1, target, workspace_rows)
-        packed += valid.sum(1)
-        first_row += slots.numel()
-    kv = torch.cat(keys) if first_row else torch.zeros((1, dim), device=q.device)
-    q, sink = kernel_queries(q, sink)
-    return dict(
-        q=q,
-        kv=kv.to(torch.bfloat16)[:, None, :],
-        indices=indices[:, :width].contiguous()[:, None, :],
-        sm_scale=softmax_scale,
-        d_v=dim,
-        attn_sink=sink,
-        topk_length=packed.to(torch.int32),
-        use_legacy=True,
-        return_log2_lse=False,
-    )
 
 
 def sparse_attention_flashmla_prefill(
@@ -139,12 +84,8 @@ def sparse_attention_flashmla_prefill(
         q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
         softmax_scale,
     )  # fmt: skip
-    rows, heads, dim = q.shape
+    _, heads, dim = q.shape
     reason = flashmla_prefill_unsupported_reason(q.device, window, extra, heads, dim)
     if reason is not None:
         raise BatchError(reason)
-    if rows == 0:  # FlashMLA needs a query
-        return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
-    kwargs = prefill_arguments(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)
-    out = library().flash_mla_sparse_fwd(**kwargs)[0][:, :heads]  # [T, H, D] bf16
-    return out.masked_fill((kwargs["topk_length"] == 0)[:, None, None], 0).contiguous()
+    return sparse_prefill(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)

@@ -1,12 +1,20 @@
 """The sparse-attention op: its variants (:data:`ATTENTION`, ``kernels/variants.py``) and its
 entry point :func:`sparse_attention_with_sink`.
 
-``triton`` (``triton.py``, the CUDA baseline and the interpreter's default) and ``torch``
-(``torch.py``, the torch path) serve every cache and shape; ``pipelined`` (``pipelined.py``),
-``ws`` (``ws.py``, Gluon, compiled GPUs only), ``flashmla`` (``flashmla.py``, FlashMLA's
-sparse FP8 decode) and ``flashmla_prefill`` (``flashmla_prefill.py``, FlashMLA's sparse
-prefill over gathered bf16 keys) have never run on a GPU and run only when named
-(``DSV4_ATTENTION_KERNEL``). A named variant that cannot take a backend's caches is refused
+In order of preference:
+
+* ``flashmla`` (``flashmla.py``): FlashMLA as sglang's built-in DeepSeek-V4 backend runs it,
+  the field's GPU-proven kernel: its sparse FP8 decode for fp8 caches, and its sparse prefill
+  for a call of more than ``flashmla.PREFILL_ROWS`` rows outside a CUDA-graph capture. It is
+  a CUDA default once it passes the start-up self-check on the device (``self_check/``);
+* ``triton`` (``triton.py``): the project's kernel, every cache and shape; the CUDA baseline
+  and the interpreter's default;
+* ``pipelined`` (``pipelined.py``), ``ws`` (``ws.py``, Gluon, compiled GPUs only) and
+  ``flashmla_prefill`` (``flashmla_prefill.py``: every call through FlashMLA's prefill
+  kernel, over a bf16 gather of the keys, any cache format);
+* ``torch`` (``torch.py``): the torch path and every other path's twin.
+
+A named variant (``DSV4_ATTENTION_KERNEL``) that cannot take a backend's caches is refused
 when the backend is built (``variants.named_rejection``); at a forward the variant's own
 checks raise.
 """
@@ -19,9 +27,12 @@ from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.attention.common import output_dtype, pipelined_unsupported_reason
 from dsv4_backend.kernels.attention.flashmla import (
+    DECODE_FUNCTIONS,
+    PREFILL_ROWS,
     flashmla_unsupported_reason,
     sparse_attention_flashmla,
 )
+from dsv4_backend.kernels.attention.flashmla_library import PREFILL_FUNCTIONS
 from dsv4_backend.kernels.attention.flashmla_prefill import (
     flashmla_prefill_unsupported_reason,
     sparse_attention_flashmla_prefill,
@@ -55,6 +66,14 @@ ATTENTION = OpTable(
     "sparse attention with sink over window keys plus compressed keys",
     (
         Variant(
+            "flashmla", sparse_attention_flashmla,
+            (on_paths(dispatch.TRITON), on_cuda(9, 10),
+             with_library("flash_mla", *DECODE_FUNCTIONS, *PREFILL_FUNCTIONS)),
+            "FlashMLA as sglang runs it (sgl-flash-mla): its sparse FP8 decode, its sparse "
+            f"prefill above {PREFILL_ROWS} rows; fp8 caches, heads of dim 512",
+            rejects=flashmla_unsupported_reason,
+        ),
+        Variant(
             "triton", sparse_attention_triton, (TRITON_PATHS,),
             "every cache format and shape; rows of a request grouped below 64 heads",
             baseline=True,
@@ -70,16 +89,12 @@ ATTENTION = OpTable(
             "of dim 512", rejects=ws_unsupported_reason,
         ),
         Variant(
-            "flashmla", sparse_attention_flashmla,
-            (on_paths(dispatch.TRITON), on_cuda(9, 10), with_library("flash_mla")),
-            "FlashMLA's sparse FP8 decode (sgl-flash-mla): fp8 caches, heads of dim 512",
-            rejects=flashmla_unsupported_reason,
-        ),
-        Variant(
             "flashmla_prefill", sparse_attention_flashmla_prefill,
-            (on_paths(dispatch.TRITON), on_cuda(9, 10), with_library("flash_mla")),
-            "FlashMLA's sparse prefill (sgl-flash-mla) over a bf16 gather of the keys: any "
-            "cache format, heads of dim 512", rejects=flashmla_prefill_unsupported_reason,
+            (on_paths(dispatch.TRITON), on_cuda(9, 10),
+             with_library("flash_mla", *PREFILL_FUNCTIONS)),
+            "FlashMLA's sparse prefill (sgl-flash-mla) for every call, over a bf16 gather of "
+            "the keys: any cache format, heads of dim 512",
+            rejects=flashmla_prefill_unsupported_reason,
         ),
         Variant("torch", sparse_attention_torch, (), "every cache format and shape",
                 baseline=True),

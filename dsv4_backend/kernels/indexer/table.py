@@ -20,13 +20,15 @@ The entry points here (:func:`index_scores`, :func:`select_topk`, :func:`run_ind
 the variant :data:`INDEXER` chooses (``kernels/variants.py``); every one selects the same set
 (ties go to the smaller index):
 
-* ``bounded`` (``bounded.py``; the interpreter's default, opt-in on CUDA until it passes
-  ``scripts/gpu_check.sh``): three launches whose work follows each row's own candidate count.
+* ``deep_gemm`` (``deep_gemm.py``): DeepGEMM's fp8 paged MQA logits (the field's GPU-proven
+  kernel, as sglang's built-in scores), then the same selection; for
+  ``indexer_selection="fp8"`` only (it is exact for it). A CUDA default once it passes the
+  start-up self-check on the device (``self_check/``).
+* ``bounded`` (``bounded.py``; the interpreter's default): three launches whose work follows
+  each row's own candidate count.
 * ``triton`` (``triton.py``; the CUDA baseline): scores over the page table's width, then the
   top-k of the whole matrix and the slots (``slots.py``, ``topk.py``).
-* ``deep_gemm`` (``deep_gemm.py``; opt-in): DeepGEMM's fp8 paged MQA logits, then the same
-  selection; exact for ``indexer_selection="fp8"`` only.
-* ``torch`` (``torch.py``): the plain implementation (the torch path).
+* ``torch`` (``torch.py``): the plain implementation (the torch path, every path's twin).
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ from dsv4_backend.kernels.indexer.common import (
     IndexerKernels,
     _check_inputs,
     _check_selection,
+)
+from dsv4_backend.kernels.indexer.deep_gemm import (
+    FUNCTIONS as DEEP_GEMM_FUNCTIONS,
 )
 from dsv4_backend.kernels.indexer.deep_gemm import (
     deep_gemm_unsupported_reason,
@@ -76,6 +81,15 @@ INDEXER = OpTable(
     "the lightning indexer: scores of each row's c4 candidates and their top-k as slots",
     (
         Variant(
+            "deep_gemm",
+            IndexerKernels(index_scores_deep_gemm, select_slots, select_padded_slots),
+            (on_paths(dispatch.TRITON), on_cuda(9, 10, 12),
+             with_library("deep_gemm", *DEEP_GEMM_FUNCTIONS)),
+            "DeepGEMM's fp8 paged MQA logits: fp8 keys, 32 / 64 heads of dim 128, "
+            "indexer_selection='fp8'", rejects=deep_gemm_unsupported_reason,
+            setting="DSV4_BACKEND_INDEXER_SELECTION=fp8",
+        ),
+        Variant(
             "bounded",
             IndexerKernels(index_scores_bounded, select_topk_bounded, select_topk_bounded,
                            run_indexer_bounded),
@@ -86,13 +100,6 @@ INDEXER = OpTable(
             IndexerKernels(_index_scores_triton, select_slots, select_padded_slots),
             (TRITON_PATHS,), "dense or fp8 keys; work follows the page table's width",
             baseline=True,
-        ),
-        Variant(
-            "deep_gemm",
-            IndexerKernels(index_scores_deep_gemm, select_slots, select_padded_slots),
-            (on_paths(dispatch.TRITON), on_cuda(9, 10, 12), with_library("deep_gemm")),
-            "DeepGEMM's fp8 paged MQA logits: fp8 keys, 32 / 64 heads of dim 128, "
-            "indexer_selection='fp8'", rejects=deep_gemm_unsupported_reason,
         ),
         Variant(
             "torch", IndexerKernels(_index_scores_torch, _select_topk_torch, _select_topk_torch),

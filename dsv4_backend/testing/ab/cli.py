@@ -72,6 +72,10 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
         help="speculative rounds: draft, verify, draft extend (default 4; 0 with --v41)",
     )  # fmt: skip
     trace.add_argument("--decode-steps", type=int, default=4, help="decodes (default 4)")
+    trace.add_argument(
+        "--prompt-lens", type=int, nargs="+", metavar="N",
+        help="these prompt lengths, one request each, instead of --requests drawn ones",
+    )  # fmt: skip
     trace.add_argument("--seed", type=int, default=0, help="lengths, drafts and data (default 0)")
     trace.add_argument(
         "--dp-pad", type=int, default=0, metavar="N",
@@ -321,6 +325,7 @@ def run_ab(args: argparse.Namespace) -> int:
             prefix_share=args.prefix_share,
             spec=args.spec,
             bounded_replay=args.bounded_replay,
+            prompt_lens=args.prompt_lens,
         )
         _prepare_out(args.out)  # the last check: a refused run leaves no folder behind
         # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at

@@ -41,6 +41,7 @@ boundaries), so the rounds and decodes that follow cross it.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -256,6 +257,7 @@ def build_trace(
     prefix_share: bool = False,
     spec: str = "eagle",
     bounded_replay: bool = False,
+    prompt_lens: Sequence[int] | None = None,
 ) -> Trace:
     """The built-in trace (module docstring) over ``num_requests`` requests of at most
     ``max_len`` tokens; ``seed`` draws the lengths, the accepted drafts and the data;
@@ -264,6 +266,8 @@ def build_trace(
     ``spec`` picks EAGLE or DSpark rounds (module docstring). A DeepSeek-V4.1 ``config``
     (``config.v41``) makes a trace of prefills and decodes (no rounds, DP padding or prefix
     hit yet); ``bounded_replay`` runs its prefills' late layers over their late-layer tail.
+    ``prompt_lens``: the requests' prompt lengths (one request each) instead of drawn ones,
+    e.g. lengths of 3 (mod 4) just past a c128 boundary (``scripts/gpu_check.sh``'s A/B).
 
     Raises ``ConfigError`` when the sizes cannot make a trace (``max_len`` must leave room for
     a 2-token prompt, the rounds and the decodes; with ``prefix_share``, for a prompt longer
@@ -295,7 +299,16 @@ def build_trace(
         )
     rng = random.Random(seed)
     longest = max_len - headroom
-    prompts = _prompt_lengths(rng, num_requests, longest, cycles + decode_steps)
+    if prompt_lens is not None:
+        prompts = [int(n) for n in prompt_lens]
+        if not prompts or not all(2 <= n <= longest for n in prompts):
+            raise ConfigError(
+                f"prompt lengths {prompts}; expected one or more in [2, {longest}] (max_len "
+                f"{max_len} less {headroom} positions for the rounds and decodes)"
+            )
+        num_requests = len(prompts)
+    else:
+        prompts = _prompt_lengths(rng, num_requests, longest, cycles + decode_steps)
     page = config.page_size
     share: tuple[int, int] | None = None  # (hit, the sharing request's prompt)
     if prefix_share:

@@ -38,9 +38,9 @@ from dsv4_backend.planning import (
     dspark_swa_width,
     plan_dspark_block,
 )
+from dsv4_backend.self_check.requests import PagedRequestPool
 from dsv4_backend.testing.reference import make_random_layer, reference_dspark_block
 from dsv4_backend.testing.simulation.model import timed
-from dsv4_backend.testing.simulation.pool import PagedRequestPool
 
 #: Window-only attention stages of the DSpark draft head of the official checkpoints.
 NUM_STAGES = 3

@@ -11,16 +11,17 @@ from dataclasses import dataclass, fields
 import torch
 
 from dsv4_backend import ops
-from dsv4_backend.compute import AttentionState, forward_layer
+from dsv4_backend.compute import forward_layer
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.planning import AttentionMetadata, BatchView, plan
+from dsv4_backend.self_check.judge import plan_rows, pool_state, served_layers
+from dsv4_backend.self_check.requests import PagedRequestPool
 from dsv4_backend.testing.reference.layer import (
     LayerInputs,
     LayerParams,
     make_random_layer,
     reference_layer,
 )
-from dsv4_backend.testing.simulation.pool import PagedRequestPool
 
 Planner = Callable[[DSV4AttentionConfig, BatchView], AttentionMetadata]
 
@@ -98,14 +99,7 @@ class RandomModel:
             self.runtime_params.append(_to(per_request[0][1], self.device, ops.LayerParams))
             self.inputs.append([_to(x, self.device) for x in inputs])
         self._expected: dict[tuple[int, int], torch.Tensor] = {}
-        self.state = AttentionState.allocate(
-            config,
-            num_full_slots=pool.num_full_slots,
-            num_swa_slots=pool.num_full_slots,
-            num_request_slots=pool.num_requests + 1,
-            fmt=fmt,  # type: ignore[arg-type]
-            device=self.device,
-        )
+        self.state = pool_state(config, pool, fmt, self.device)
 
     def expected(self, layer: int, rows: Sequence[tuple[int, int]]) -> torch.Tensor:
         """``[T, H, D]`` rows of the full causal pass (computed once per request)."""
@@ -164,16 +158,8 @@ class RandomModel:
             rejected=dict(rejected or {}),
         )  # fmt: skip
 
-    @staticmethod
-    def rows(metadata: AttentionMetadata, batch: BatchView) -> list[tuple[int, int]]:
-        """``(request, position)`` of every row of ``metadata``, a plan of ``batch``."""
-        requests = [int(i) - 1 for i in batch.req_pool_indices.tolist()]
-        return [
-            (requests[b], p)
-            for b, p in zip(
-                metadata.row_batch_ids.tolist(), metadata.positions_causal.tolist(), strict=True
-            )
-        ]
+    #: ``(request, position)`` of every row of a plan of a batch (``judge.plan_rows``).
+    rows = staticmethod(plan_rows)
 
     def layer_inputs(
         self,
@@ -198,8 +184,7 @@ class RandomModel:
 
     def layers_served(self, metadata: AttentionMetadata) -> list[int]:
         """Layers a plan can serve: all, or the window-only ones for a window-only plan."""
-        ratios = self.config.compress_ratios
-        return [i for i, r in enumerate(ratios) if r == 0 or metadata.compressed(r) is not None]
+        return served_layers(self.config, metadata)
 
 
 @contextlib.contextmanager

@@ -20,10 +20,10 @@ from dsv4_backend.compute.low_ratio import compress_low_ratio, select_low_ratio_
 from dsv4_backend.config import DSV4AttentionConfig, V41Sources
 from dsv4_backend.planning import BatchView, ForwardKind, late_layer_tail
 from dsv4_backend.planning.metadata import AttentionMetadata
+from dsv4_backend.self_check.requests import PagedRequestPool
 from dsv4_backend.testing.reference.low_ratio import index_head_weights
 from dsv4_backend.testing.reference.v41_model import V41LayerInputs
 from dsv4_backend.testing.simulation.model import timed
-from dsv4_backend.testing.simulation.pool import PagedRequestPool
 
 #: A query row: ``(request, position)``.
 Row = tuple[int, int]

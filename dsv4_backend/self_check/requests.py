@@ -206,19 +206,20 @@ class PagedRequestPool:
         """``view`` with ``extra`` requests appended as data-parallel padding lays them out
         (sglang's ``ForwardBatch._pad_inputs_to_size``): pool row 0, ``seq_lens`` 1, every write
         slot 0. For the uniform kinds (DECODE, draft steps, TARGET_VERIFY, DSPARK_BLOCK)."""
-        if view.rows_per_request is None or view.kind is ForwardKind.IDLE:
+        rows_per_request = view.rows_per_request
+        if rows_per_request is None or view.kind is ForwardKind.IDLE:
             raise BatchError(
                 f"{view.kind.name}: request padding is for DECODE, draft steps, TARGET_VERIFY "
                 "and DSPARK_BLOCK"
             )
         draft = view.draft
-        slots_per_request = draft.topk * draft.num_steps if draft else view.rows_per_request
+        slots_per_request = draft.topk * draft.num_steps if draft else rows_per_request
         zeros = torch.zeros(extra, dtype=torch.int64, device=self.device)
         return BatchView(
             kind=view.kind,
             req_pool_indices=torch.cat([view.req_pool_indices, zeros]),
             seq_lens=torch.cat([view.seq_lens, zeros + 1]),
-            seq_lens_cpu=[*view.host_seq_lens, *[1] * extra],
+            seq_lens_cpu=[*(view.host_seq_lens or view.seq_lens.tolist()), *[1] * extra],
             out_cache_loc=torch.cat(
                 [view.out_cache_loc, zeros.new_zeros(extra * slots_per_request)]
             ),
