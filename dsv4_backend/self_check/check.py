@@ -560,7 +560,15 @@ def at_startup(
     if done is not None and chosen != "force":
         record_verdicts(Target.of(device), done.verdicts)
         return done
-    report = self_check(widths, device, use_cache=chosen != "force")
+    try:
+        report = self_check(widths, device, use_cache=chosen != "force")
+    except ConfigError:
+        raise
+    except Exception as error:  # the check itself broke: say so, and the way around it
+        raise ConfigError(
+            f"the start-up self-check could not run on {device}: {type(error).__name__}: "
+            f"{error}; {SELF_CHECK_ENV}=0 starts without it (the ops then run their baselines)"
+        ) from error
     _checked[(widths, str(device))] = report
     return report
 

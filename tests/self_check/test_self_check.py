@@ -207,6 +207,23 @@ def test_the_setting_selects_where_it_runs(
         check.at_startup(config, "fp8", 8, torch.device("cpu"))
 
 
+def test_a_check_that_cannot_run_refuses_the_backend_naming_the_way_out(
+    attention_variants, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> None:
+        raise ValueError("out of memory (a stand-in)")
+
+    attention_variants(_variant("right", exact))
+    monkeypatch.setattr(check, "run_self_check", broken)
+    monkeypatch.setenv(check.SELF_CHECK_ENV, "1")
+    with pytest.raises(
+        ConfigError,
+        match=r"the start-up self-check could not run on cpu: "
+        r"ValueError: out of memory \(a stand-in\); DSV4_SELF_CHECK=0 starts",
+    ):
+        check.at_startup(DSV4AttentionConfig.tiny(), "fp8", 8, torch.device("cpu"))
+
+
 def test_every_op_ends_with_a_twin_that_needs_nothing() -> None:
     """The twin the self-check judges against runs anywhere; every checked op is in the
     kernel choice and every judged step has owners among them."""
