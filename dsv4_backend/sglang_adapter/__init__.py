@@ -1,9 +1,18 @@
-"""The thin layer between sglang and this package (the only runtime code that knows sglang).
+"""The thin layer between sglang and this package (the only runtime code that knows sglang),
+along the roles of an attention backend:
 
-``factory`` holds the functions sglang calls (registered by :mod:`dsv4_backend.registration`);
-``backend`` and ``draft`` hold the backend classes they build, ``batch_view`` maps a
-``ForwardBatch`` onto the planner's ``BatchView`` and ``pool_alias`` views sglang's KV pool.
+* ``settings``: what the backend serves of a model runner (``RunnerSettings``), read and
+  validated once;
+* ``pool_alias``: the shared ``AttentionState``, its sizes, and its caches as views of
+  sglang's KV pool;
+* ``batch_read``: the one read of a ``ForwardBatch`` (the planner's view, padding, CP rows,
+  the planning inputs; what a consumer's batch offers to the match);
+* ``plan_session``: the plan's life between planning and its consumers (no sglang class);
+* ``backend``: sglang's calls (``DSV4AttentionBackend``); ``draft`` and ``dspark`` the draft
+  backends; ``late_layer_tail`` DeepSeek-V4.1's tail; ``refusals`` the refusal table;
+* ``factory``: the functions sglang calls (registered by :mod:`dsv4_backend.registration`).
+
 Importing this package or ``factory`` imports neither sglang nor the kernels (the factories
-import ``backend`` when called); ``backend``, ``draft``, ``batch_view`` and ``pool_alias``
-import sglang at import time.
+import ``backend`` when called); the other modules but ``plan_session`` import sglang at
+import time.
 """

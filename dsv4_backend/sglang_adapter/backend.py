@@ -44,23 +44,19 @@ backend; the draft runner's draft-extend backend and its per-step backends).
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import logging
-import math
-import os
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-from sglang.srt.layers.dp_attention import get_local_dp_buffer_len, set_local_dp_buffer_len
-from sglang.srt.runtime_context import derive_attn_tp_size, get_parallel
+from sglang.srt.runtime_context import get_parallel
 
-from dsv4_backend.cache import CacheFormat, stage_layers
+from dsv4_backend.cache import CacheFormat
 from dsv4_backend.compute import (
-    AttentionState,
     attend,
     compress_and_store,
     compress_low_ratio,
@@ -74,49 +70,39 @@ from dsv4_backend.compute.kernel_choice import (
     explicit_choice_refusal,
     kernel_choice,
 )
-from dsv4_backend.config import (
-    INDEXER_SELECTIONS,
-    REQUIRED_PAGE_SIZE,
-    DSV4AttentionConfig,
-)
-from dsv4_backend.errors import BatchError, ConfigError, ContractError
+from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels.indexer.topk import warm_up_topk
-from dsv4_backend.ops.rope import apply_rope
+from dsv4_backend.ops.rope import RopeTable, apply_rope
 from dsv4_backend.planning import (
-    SUPPORTED_DRAFT_TOPK,
     AttentionMetadata,
     BatchView,
     DraftStep,
-    ForwardKind,
     GraphMetadataBuffers,
-    PlanInputs,
     PlanWidths,
-    pad_plan,
     plan,
-    read_plan,
     seq_len_fill_value,
 )
-from dsv4_backend.planning.checks import PendingChecks, run_checks, strict_checks_enabled
-from dsv4_backend.planning.draft_slots import draft_step_slots
-from dsv4_backend.planning.tag import BatchTag
 from dsv4_backend.self_check.check import at_startup
-from dsv4_backend.sglang_adapter.batch_view import (
+from dsv4_backend.sglang_adapter.batch_read import (
     GraphCall,
-    batch_view,
+    KindOf,
     cp_all_rows,
-    cp_rank_rows,
     forward_kind,
-    padding_rows,
-    readable_ints,
+    idle_window_slots,
+    is_idle,
+    read_batch,
+    read_consumer,
+    written_rows,
 )
-from dsv4_backend.sglang_adapter.late_layer_tail import TailForward, bounded_replay, plan_tail
-from dsv4_backend.sglang_adapter.pool_alias import (
-    aliased_state,
-    log_state_memory,
-    unaliasable_reason,
-    unmovable_reason,
+from dsv4_backend.sglang_adapter.late_layer_tail import (
+    TailForward,
+    plan_tail,
+    restore_cp_layout,
+    swap_cp_layout,
 )
-from dsv4_backend.sglang_adapter.refusals import check_served
+from dsv4_backend.sglang_adapter.plan_session import PlanSession
+from dsv4_backend.sglang_adapter.pool_alias import shared_state, state_sizes
+from dsv4_backend.sglang_adapter.settings import RunnerSettings
 
 if TYPE_CHECKING:
     from sglang.srt.layers.attention.dsv4.compressor import Compressor
@@ -136,174 +122,6 @@ def _log_kernels(kernels: KernelChoice) -> None:
         logger.info("dsv4 kernels on %s: %s", kernels.target.describe(), "; ".join(kernels.lines()))
 
 
-#: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
-_STATE_ATTR = "_dsv4_backend_attention_state"
-#: Server options that copy the pool's regions (``get_contiguous_buf_infos``,
-#: ``get_state_buf_infos``, ``get_request_state_buf_infos``) between pools or to host memory:
-#: ``(ServerArgs field, value that is off, CLI flag)``. Served only where every cache and ring
-#: of the backend is a view of those regions (``pool_alias.unmovable_reason``), refused otherwise.
-REGION_COPYING_OPTIONS = (
-    ("disaggregation_mode", "null", "--disaggregation-mode"),
-    ("enable_hierarchical_cache", False, "--enable-hierarchical-cache"),
-)
-#: DeepSeek-V4.1 under prefill CP: sglang's model all-gathers the window keys and writes them
-#: into its pool (``set_swa_key_buffer_radix_fused_norm_rope``), not through ``store_cache``,
-#: so the backend's window cache must be a view of that pool, like the region-copying options.
-V41_CP_WINDOW_WRITES = (
-    "--attention-context-parallel-size with DeepSeek-V4.1 (its model writes the window keys "
-    "into the pool itself)"
-)
-#: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
-#: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
-INDEXER_SELECTION_ENV = "DSV4_BACKEND_INDEXER_SELECTION"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunnerSettings:
-    """What the backend reads from an sglang model runner, validated."""
-
-    config: DSV4AttentionConfig
-    draft_topk: int
-    num_draft_tokens: int
-    device: torch.device
-    #: Attention tensor-parallel ranks: each serves ``config.num_heads // attn_tp_size`` heads.
-    attn_tp_size: int = 1
-    #: The ``REGION_COPYING_OPTIONS`` set, as ``"option=value (flag)"``.
-    region_copying: tuple[str, ...] = ()
-    #: The model layer ids this runner serves: its pipeline stage's ``[start_layer,
-    #: end_layer)`` (every layer without pipeline parallelism, and on a draft worker).
-    layers: range | None = None
-    #: ``--enable-cp-decode-attn-tp``: the prefill-CP ranks split the query heads of every
-    #: batch that is not a CP prefill over themselves (sglang's ``CpDecodeAttnTpContext``).
-    decode_attn_tp_size: int = 1
-    #: DeepSeek-V4.1's decoder SWA bounded replay: extends plan their late-layer tail
-    #: (``sglang_adapter/late_layer_tail.py``).
-    bounded_replay: bool = False
-    #: The server's speculative algorithm is DSpark.
-    dspark: bool = False
-
-    @property
-    def local_heads(self) -> int:
-        """Query heads of this rank (sglang's ``n_local_heads``)."""
-        return self.config.num_heads // self.attn_tp_size
-
-    @property
-    def split_heads(self) -> int:
-        """Query heads of this rank in a batch that is not a CP prefill: ``local_heads``, or
-        a ``decode_attn_tp_size``-th of them under ``--enable-cp-decode-attn-tp``."""
-        return self.local_heads // self.decode_attn_tp_size
-
-    @classmethod
-    def from_runner(cls, runner: ModelRunner, topk: int = 0) -> RunnerSettings:
-        """Read and validate ``runner``; ``ConfigError`` names the option that cannot be served.
-
-        Reads ``page_size``, ``device``, ``is_draft_worker``, ``layer_info`` (the pipeline
-        stage's ``start_layer`` / ``end_layer``), ``model_config.hf_config`` and
-        ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
-        ``speculative_num_draft_tokens``, ``tp_size``, ``attn_dp_size`` (or
-        ``enable_dp_attention`` with ``dp_size``), every option of the refusal table
-        (``refusals.REFUSED``) and the ``REGION_COPYING_OPTIONS``), and the environment
-        variables ``INDEXER_SELECTION_ENV`` and the kernel tables' ``DSV4_<OP>_KERNEL``
-        (``compute/kernel_choice.py``).
-        """
-        if runner.page_size != REQUIRED_PAGE_SIZE:
-            raise ConfigError(
-                f"page_size={runner.page_size}; the dsv4 backend needs page_size "
-                f"{REQUIRED_PAGE_SIZE} (--page-size {REQUIRED_PAGE_SIZE})"
-            )
-        args = runner.server_args
-        draft_topk = max(int(topk or 0), int(getattr(args, "speculative_eagle_topk", 0) or 0))
-        if draft_topk and draft_topk not in SUPPORTED_DRAFT_TOPK:
-            raise ConfigError(
-                f"speculative_eagle_topk={draft_topk}; the dsv4 backend serves EAGLE with "
-                f"--speculative-eagle-topk {max(SUPPORTED_DRAFT_TOPK)} only (no draft trees)"
-            )
-        hf = runner.model_config.hf_config
-        check_served(args, hf)
-        region_copying = tuple(
-            f"{option}={getattr(args, option)!r} ({flag})"
-            for option, off, flag in REGION_COPYING_OPTIONS
-            if getattr(args, option, off) not in (off, None)
-        )
-        selection = os.environ.get(INDEXER_SELECTION_ENV, "exact")
-        if selection not in INDEXER_SELECTIONS:
-            raise ConfigError(
-                f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
-            )
-        speculative = getattr(args, "speculative_algorithm", None) is not None
-        # The config object itself (not to_dict()): its attributes are what sglang's model reads.
-        # sglang's own reading of the window (its model config resolves the same keys).
-        window = getattr(runner.model_config, "sliding_window_size", None)
-        num_draft_tokens = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
-        config = DSV4AttentionConfig.from_hf_config(
-            hf,
-            {"window_size": window},
-            speculative=speculative,
-            num_draft_tokens=num_draft_tokens if speculative else 0,
-            indexer_selection=selection,
-        )
-        layers = None
-        if config.v41 is not None:
-            check_served(args, hf, v41=True)
-            # sglang's V4.1 model writes a CP prefill's window keys into its pool itself
-            # (--enable-prefill-cp before attn_cp_size resolves, as its V4.1 hook reads it).
-            if getattr(args, "enable_prefill_cp", False) or (
-                int(getattr(args, "attn_cp_size", 1) or 1) > 1
-            ):
-                region_copying += (V41_CP_WINDOW_WRITES,)
-        if getattr(runner, "is_draft_worker", False):
-            # The draft (MTP) model has one window-only layer, layer_id 0.
-            config = dataclasses.replace(config, compress_ratios=(0,), v41=None)
-        elif getattr(runner, "layer_info", None) is not None:  # sglang's ModelLayerInfo
-            info = runner.layer_info
-            layers = stage_layers(config, range(info.start_layer, info.end_layer))
-        attn_dp_size = int(getattr(args, "attn_dp_size", 1) or 1)
-        if attn_dp_size == 1 and getattr(args, "enable_dp_attention", False):
-            # The deprecated spelling, before sglang resolves it to attn_dp_size.
-            attn_dp_size = int(getattr(args, "dp_size", 1) or 1)
-        attn_cp_size = int(getattr(args, "attn_cp_size", 1) or 1)
-        if attn_cp_size > 1 and not getattr(args, "enable_prefill_cp", False):
-            raise ConfigError(
-                f"attn_cp_size={attn_cp_size} without --enable-prefill-cp: the dsv4 backend "
-                "serves context parallelism as sglang's DeepSeek-V4 prefill CP (--enable-prefill-"
-                "cp --cp-strategy interleave, --attention-context-parallel-size)"
-            )
-        attn_tp_size = derive_attn_tp_size(
-            tp_size=int(getattr(args, "tp_size", 1) or 1),
-            attn_cp_size=attn_cp_size,
-            attn_dp_size=attn_dp_size,
-        )
-        decode_attn_tp_size = (
-            attn_cp_size if getattr(args, "enable_cp_decode_attn_tp", False) else 1
-        )
-        if attn_tp_size < 1 or config.num_heads % (attn_tp_size * decode_attn_tp_size):
-            raise ConfigError(
-                f"num_attention_heads={config.num_heads} cannot be split over an attention "
-                f"tensor-parallel group of {attn_tp_size} ranks (tp_size / attn_dp_size)"
-                + (
-                    f" and then over {decode_attn_tp_size} CP ranks (--enable-cp-decode-attn-tp)"
-                    if decode_attn_tp_size > 1
-                    else ""
-                )
-                + "; choose --tp-size / --attention-data-parallel-size so that it divides the "
-                "heads"
-            )
-        algorithm = getattr(args, "speculative_algorithm", None)
-        return cls(
-            config=config,
-            draft_topk=draft_topk,
-            num_draft_tokens=num_draft_tokens,
-            device=torch.device(runner.device),
-            attn_tp_size=attn_tp_size,
-            region_copying=region_copying,
-            layers=layers,
-            decode_attn_tp_size=decode_attn_tp_size,
-            bounded_replay=not getattr(runner, "is_draft_worker", False)
-            and bounded_replay(args, config),
-            dspark=str(getattr(algorithm, "name", algorithm)).upper() == "DSPARK",
-        )
-
-
 class CudaStreams:
     """The two stream calls of sglang's multi-stream indexer path (``torch.cuda``): the
     current stream, and a context making another stream current. A backend's ``streams``
@@ -318,156 +136,41 @@ class CudaStreams:
         return torch.cuda.stream(stream)
 
 
-def shared_state(
-    runner: ModelRunner,
-    config: DSV4AttentionConfig,
-    fmt: CacheFormat,
-    region_copying: Sequence[str] = (),
-    layers: range | None = None,
-) -> AttentionState:
-    """The runner's ``AttentionState`` of ``layers`` (a pipeline stage's; None: every layer),
-    built on first use and kept on its KV pool.
-
-    Sizes (``state_sizes``): full and window slots as sglang sizes its own buffers, c4 rings
-    one per window page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is
-    sglang's padding slot and stays addressable. With an fp8 format and an sglang
-    ``DeepSeekV4TokenToKVPool`` the caches are views of that pool's buffers (``pool_alias``;
-    ``ConfigError`` when one is too small), otherwise allocated; one INFO line says which.
-    ``region_copying`` (the ``REGION_COPYING_OPTIONS`` set): ``ConfigError`` unless every
-    cache and ring is such a view, naming what sglang's regions would not carry.
-    """
-    pool = runner.token_to_kv_pool
-    state = getattr(pool, _STATE_ATTR, None)
-    layers = stage_layers(config, layers)
-    if state is not None:
-        if state.config != config or state.pools.layers != layers:
-            raise ConfigError(
-                "backends of one runner disagree on the attention configuration: "
-                f"{state.config} of layers {state.pools.layers} vs {config} of {layers}"
-            )
-        return state
-    sizes = state_sizes(runner, config)
-    reason = unaliasable_reason(pool, config, fmt, layers)
-    if reason is None:
-        state = aliased_state(pool, config, **sizes, layers=layers)
-    else:
-        state = AttentionState.allocate(
-            config, **sizes, fmt=fmt, device=runner.device, layers=layers
-        )
-    log_state_memory(state, pool, reason)
-    unmovable = unmovable_reason(state, pool, reason)
-    if region_copying and unmovable:
-        raise ConfigError(
-            f"{', '.join(region_copying)}: sglang copies its DeepSeekV4TokenToKVPool's regions "
-            f"between pools (or to host memory) or writes into them, and they would not hold the "
-            f"dsv4 backend's state: {unmovable}. Serve these with fp8 caches over sglang's pool "
-            "(V4 layout, paged window, offline fp32 c128 state), or leave the options unset"
-        )
-    setattr(pool, _STATE_ATTR, state)
-    return state
+def index_weights(c4_indexer: C4Indexer, x: torch.Tensor) -> torch.Tensor:
+    """``[T, HI]`` float32 head weights: the projection times ``weight_scale`` in fp32."""
+    return c4_indexer.compute_weights(x, skip_scale=True).float() * c4_indexer.weight_scale
 
 
-class StateSizes(TypedDict):
-    """The sizes ``AttentionState.allocate`` and ``aliased_state`` take."""
-
-    num_full_slots: int
-    num_swa_slots: int
-    num_request_slots: int
-    max_positions: int
-
-
-def state_sizes(runner: ModelRunner, config: DSV4AttentionConfig) -> StateSizes:
-    """``AttentionState`` sizes of ``runner``, as sglang sizes its pool's buffers.
-
-    sglang's paged allocators hand out pages ``1 ... size / 256`` (page 0 is the padding page,
-    ``PagedTokenToKVPoolAllocator.clear``), so slots reach ``size + 255`` on both sides (full
-    ``full_size``, window ``swa_size``; ``size`` where a pool has no split) and sglang's buffers
-    hold ``size + 256`` slots (``deepseek_v4_memory_pool._num_dsv4_physical_kv_pages``). Both
-    are sized that way here, rounded up to whole pages; the c4 rings follow the window slots
-    (``ring_slots``).
-    """
-    pool = runner.token_to_kv_pool
-    page = config.page_size
-    full = getattr(pool, "full_size", None) or pool.size
-    swa = getattr(pool, "swa_size", None) or pool.size
-    return StateSizes(
-        num_full_slots=math.ceil((full + page) / page) * page,
-        num_swa_slots=math.ceil((swa + page) / page) * page,
-        num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
-        max_positions=runner.req_to_token_pool.req_to_token.shape[1],
-    )
+def index_queries(
+    c4_indexer: C4Indexer, q_lora: torch.Tensor, rope: RopeTable, metadata: AttentionMetadata
+) -> torch.Tensor:
+    """``[T, HI, DI]`` float32 indexer queries, roped (``rope``) at each row's position."""
+    q, _ = c4_indexer.wq_b(q_lora)
+    q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
+    cos, sin = rope.cos_sin(metadata.positions_causal)
+    return apply_rope(q, cos, sin)
 
 
-@dataclasses.dataclass(frozen=True)
-class PlannedBatch:
-    """What the backend remembers of the batch its current plan was made for.
-
-    ``inputs``: the planning inputs, matched by value against a batch object the consumers get
-    that is not ``accepted`` (``PlanInputs``: sglang's eager runner forwards a copy of the
-    planned batch, a draft step rebinds ``out_cache_loc``, data-parallel padding grows it).
-    ``accepted``: the last ``ForwardBatch`` object matched (the planned one at first) and its
-    ``req_pool_indices`` / ``seq_lens`` / ``out_cache_loc`` with their in-place versions: the
-    same objects, unchanged, pass without a value check.
-    """
-
-    inputs: PlanInputs
-    accepted: BatchTag
-
-
-def _batch_objects(fb: Any) -> dict[str, Any]:
-    """``fb`` and its three planning tensors, by the names ``BatchTag`` messages use."""
-    return dict(
-        forward_batch=fb,
-        req_pool_indices=fb.req_pool_indices,
-        seq_lens=fb.seq_lens,
-        out_cache_loc=fb.out_cache_loc,
-    )
-
-
-def _kept(planned: torch.Tensor) -> torch.Tensor:
-    """``planned`` itself, or a copy for an inference tensor: its in-place writes bump no
-    version, so the values planned from must be kept apart (sglang's registry buffers are
-    refilled by the next batch)."""
-    return planned.clone() if planned.is_inference() else planned
-
-
-def _capturing() -> bool:
-    """Whether a CUDA graph is being captured on the current stream (no value check may run:
-    it would be recorded into the graph)."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
-def _host_values(name: str, values: Any) -> list[int] | None:
-    """``values`` as host ints when readable without a device sync, or in strict mode."""
-    return readable_ints(name, values, sync_ok=strict_checks_enabled())
-
-
-def _is_idle(fb: Any, rows: torch.Tensor, where: str) -> bool:
-    """Whether ``fb`` is IDLE. An IDLE batch's rows are data-parallel padding (one per
-    ``out_cache_loc`` slot): nothing is written for them and ``forward`` outputs zeros.
-    ``ContractError`` when an IDLE call is handed another number of rows."""
-    if not fb.forward_mode.is_idle():
-        return False
-    padding = 0 if fb.out_cache_loc is None else fb.out_cache_loc.shape[0]
-    if rows.shape[0] != padding:
+def attention_queries(
+    q: torch.Tensor, attn_sink: torch.Tensor | None, head_dim: int, where: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q`` as ``[T, H, head_dim]`` (from ``[T, H * head_dim]`` too) and ``attn_sink``
+    ``[H]``, checked: ``ContractError`` for a missing sink or shapes that do not fit."""
+    if attn_sink is None:
+        raise ContractError(f"{where}: attn_sink is required (the per-head sink logits)")
+    if q.dim() == 2 and q.shape[1] % head_dim == 0:
+        q = q.view(q.shape[0], -1, head_dim)
+    if q.dim() != 3 or q.shape[2] != head_dim:
         raise ContractError(
-            f"{where}: an IDLE batch has {padding} rows (data-parallel padding only), but "
-            f"{where} got a tensor of shape {tuple(rows.shape)}"
+            f"{where}: q has shape {tuple(q.shape)}; expected [T, H, {head_dim}] or "
+            f"[T, H * {head_dim}] (head_dim={head_dim})"
         )
-    return True
-
-
-def _check_padding_slots(out_cache_loc: torch.Tensor, first: int, where: str) -> None:
-    """Padding tokens (``out_cache_loc[first:]``) write slot 0, where readable without a sync:
-    a real token taken for padding would write no key (``BatchError`` naming it)."""
-    tail = _host_values("out_cache_loc", out_cache_loc[first:])
-    bad = [(first + i, v) for i, v in enumerate(tail or ()) if v != 0]
-    if bad:
-        index, value = bad[0]
-        raise BatchError(
-            f"{where}: out_cache_loc[{index}]={value} is past the requests' rows, where only "
-            "data-parallel padding tokens (slot 0) may be; check extend_seq_lens_cpu"
+    if attn_sink.shape != (q.shape[1],):
+        raise ContractError(
+            f"{where}: attn_sink has shape {tuple(attn_sink.shape)}; expected one logit per "
+            f"query head, ({q.shape[1]},)"
         )
+    return q, attn_sink
 
 
 def original_ape(compressor: Compressor) -> torch.Tensor:
@@ -494,12 +197,10 @@ class DSV4AttentionBackend(AttentionBackend):
         ``speculative_step_id``.
     cache_format : ``"fp8"`` (sglang's FP8 layout) or ``"dense"`` (tests).
 
-    Raises ``ConfigError`` for page size != 256, EAGLE topk > 1, compress ratios other than
-    0 / 4 / 128, a configuration of the refusal table (``refusals.REFUSED``: other attention
-    kernels' pool layouts, DeepSeek-V4.1, state moved outside the backend, decode context
-    parallelism, ...), attention CP without prefill CP, PD disaggregation or HiCache
-    (``REGION_COPYING_OPTIONS``) over caches that are not views of sglang's pool, or heads
-    that the attention TP group does not divide.
+    Raises ``ConfigError`` for what cannot be served (``settings.RunnerSettings``: page
+    size, EAGLE topk, the refusal table, region copying over caches that are not views of
+    sglang's pool, heads the attention TP group does not divide) and for a kernel that cannot
+    run or fails the start-up self-check.
 
     Side effect: sets the process environment variable ``SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE``
     to ``True`` (sglang's ``MQALayer`` reads it on every layer call and, only when it is true,
@@ -564,25 +265,17 @@ class DSV4AttentionBackend(AttentionBackend):
         sizes = state_sizes(model_runner, self.config)
         self.num_cache_slots = sizes["num_full_slots"]
         self.num_swa_slots = sizes["num_swa_slots"]
-        self.forward_metadata: AttentionMetadata | None = None
-        #: A prefill context-parallel rank's own rows of ``forward_metadata``, which its
-        #: indexer and attention read (``planning.read_plan``); None for any other batch.
-        self.cp_read_metadata: AttentionMetadata | None = None
-        self.planned: PlannedBatch | None = None
-        #: Device-side planning checks not read yet (CUDA without strict mode).
-        self.pending_checks: list[PendingChecks] = []
+        #: The plan's life (``plan_session.py``); DSpark's draft backend gives its own planner
+        #: and the kind it plans each sglang mode as (``kind_of``).
+        self.session = PlanSession(
+            self.config, self.plan_view, draft_step=self.draft_step is not None
+        )
+        self.kind_of: KindOf = forward_kind
         self.graph_buffers: GraphMetadataBuffers | None = None
         #: Columns of the graph buffers' ``swa_page_indices`` (None: the config's window).
         self.graph_swa_width: int | None = None
         self.streams = CudaStreams()
         self.bounded_replay, self.dspark = settings.bounded_replay, settings.dspark
-        #: DeepSeek-V4.1's decoder SWA bounded replay: the late-layer tail of the extend planned
-        #: last (None for other batches); the model reads its ``late_layer_tail``.
-        self.tail_forward_metadata: TailForward | None = None
-        #: The kv source whose compressor ``write_tail_source_kv`` ran over every row, until
-        #: ``exit_late_layer_tail``: its pass inside the tail skips the compressor.
-        self.tail_source_kv_layer_id: int | None = None
-        self.in_late_layer_tail = False
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
@@ -591,15 +284,32 @@ class DSV4AttentionBackend(AttentionBackend):
         """What this backend serves of ``model_runner`` (``RunnerSettings.from_runner``)."""
         return RunnerSettings.from_runner(model_runner, topk)
 
+    @property
+    def forward_metadata(self) -> AttentionMetadata | None:
+        """The current plan (sglang's model reads it; ``PlanSession.forward_metadata``)."""
+        return self.session.forward_metadata
+
+    @forward_metadata.setter
+    def forward_metadata(self, metadata: AttentionMetadata | None) -> None:
+        # sglang's eager runner drops the plan of an unpadded idle batch (sets None).
+        self.session.forward_metadata = metadata
+
+    @property
+    def tail_forward_metadata(self) -> TailForward | None:
+        """DeepSeek-V4.1's late-layer tail of the extend planned last (None for other
+        batches); sglang's model reads its ``late_layer_tail``."""
+        return self.session.tail
+
     # ------------------------------------------------------------------------- planning
     def _plan(
         self,
         forward_batch: ForwardBatch,
         buffers: GraphMetadataBuffers | None,
         graph: GraphCall | None = None,
-    ) -> AttentionMetadata:
+    ) -> None:
         """Plan ``forward_batch``: eager (``buffers`` None) or into the graph buffers (the
-        same planning body), as the graph runner hands it (``graph``).
+        same planning body), as the graph runner hands it (``graph``); then, under
+        DeepSeek-V4.1's bounded replay, an eager whole extend's late-layer tail.
 
         A radix-cache hit is an EXTEND whose ``extend_prefix_lens`` is the cached, page-aligned
         prefix (sglang matches whole 256-token pages), in a fresh pool row whose
@@ -607,15 +317,9 @@ class DSV4AttentionBackend(AttentionBackend):
         compressors read the prefix's last c4 block from the prefix's own window page (page-
         scoped rings) and nothing of the c128 ring (no c128 entry spans a page boundary), so
         nothing is reset: no forward reads a ring row it did not write.
-
-        First raises the verdict of earlier batches' device-side checks that has reached the
-        host (the next safe point after them, ``planning/checks.py``).
         """
-        self.raise_pending_checks(wait=False)
-        self.forward_metadata = self.planned = self.cp_read_metadata = None
-        self.tail_forward_metadata, self.tail_source_kv_layer_id = None, None
-        self.in_late_layer_tail = False
-        view = batch_view(
+        read = functools.partial(
+            read_batch,
             forward_batch,
             req_to_token=self.req_to_token_pool.req_to_token,
             full_to_swa=getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None),
@@ -625,99 +329,27 @@ class DSV4AttentionBackend(AttentionBackend):
             num_swa_slots=self.num_swa_slots,
             graph=graph,
         )
-        metadata = self._plan_view(view, buffers)
-        padding = padding_rows(forward_batch, view)
-        if padding > 0:
-            _check_padding_slots(forward_batch.out_cache_loc, view.num_rows, "plan")
-            # Data-parallel padding tokens (EXTEND / DRAFT_EXTEND_V2, eager only): sentinel rows
-            # that write nothing and output 0, as sglang's own backend plans them.
-            metadata = pad_plan(
-                self.config,
-                metadata,
-                batch_size=metadata.batch_size,
-                num_rows=metadata.num_rows + padding,
-            )
-        if metadata.pending_checks is not None:
-            self.pending_checks.append(metadata.pending_checks)
-        cp_rows = cp_rank_rows(forward_batch, metadata.num_rows)
-        if cp_rows is not None:  # the batch's plan writes; the rank's rows of it read
-            rows, physical = cp_rows
-            self.cp_read_metadata = read_plan(self.config, metadata, rows, num_rows=physical)
-        self.planned = self._planned_batch(forward_batch, view)
-        if (
-            self.bounded_replay
-            and buffers is None
-            and view.kind is ForwardKind.EXTEND
-            and forward_batch.forward_mode.is_extend_without_speculative()
-        ):
+        _, batch = self.session.plan(read, buffers)
+        if self.bounded_replay and buffers is None and batch.whole_extend:
             cp = None
-            if cp_rows is not None:
+            if batch.cp_rows is not None:
                 parallel = get_parallel()
                 cp = (int(parallel.attn_cp_rank), int(parallel.attn_cp_size))
-            tail = plan_tail(self.config, view, forward_batch, dspark=self.dspark, cp=cp)
-            if tail.metadata.pending_checks is not None:
-                self.pending_checks.append(tail.metadata.pending_checks)
-            self.tail_forward_metadata = tail
-        return metadata
+            tail = plan_tail(self.config, batch.view, forward_batch, dspark=self.dspark, cp=cp)
+            self.session.add_tail(tail)
 
-    def _plan_view(
-        self, view: BatchView, buffers: GraphMetadataBuffers | None
-    ) -> AttentionMetadata:
-        """The plan of ``view``: eager, or into the graph buffers."""
+    def plan_view(self, view: BatchView, buffers: GraphMetadataBuffers | None) -> AttentionMetadata:
+        """The session's planner: ``view`` eagerly, or into the graph buffers."""
         return plan(self.config, view) if buffers is None else buffers.plan(view)
 
-    def _forward_kind(self, forward_batch: ForwardBatch) -> ForwardKind:
-        """The planner kind this backend plans ``forward_batch``'s mode as."""
-        return forward_kind(forward_batch.forward_mode)
-
-    def _planned_batch(self, fb: Any, view: BatchView) -> PlannedBatch:
-        """What a consumer's batch is matched against (``PlannedBatch``): ``view``'s requests,
-        and the rows' write slots as the forward's batch holds them (a draft step's own row
-        of the ``[bs, topk, num_steps]`` layout; an extend kind's padding tokens included)."""
-        loc, seq_lens = view.out_cache_loc, view.seq_lens
-        seq_lens_cpu = view.host_seq_lens if view.seq_lens_cpu is not None else None
-        if view.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
-            loc = fb.out_cache_loc
-        elif view.draft is not None:
-            loc = draft_step_slots(loc, view.batch_size, view.draft)
-        if view.kind is ForwardKind.DRAFT_EXTEND:
-            # A draft-extend graph's padding requests are planned longer than handed.
-            seq_lens = fb.seq_lens[: view.batch_size]
-            host = self._host_seq_lens(fb)
-            seq_lens_cpu = None if host is None else host[: view.batch_size]
-        inputs = PlanInputs(
-            req_pool_indices=_kept(view.req_pool_indices),
-            seq_lens=_kept(seq_lens),
-            out_cache_loc=_kept(loc),
-            seq_lens_cpu=seq_lens_cpu,
-            sources=BatchTag(
-                req_pool_indices=fb.req_pool_indices,
-                seq_lens=fb.seq_lens,
-                out_cache_loc=fb.out_cache_loc,
-            ),
-        )
-        return PlannedBatch(inputs=inputs, accepted=BatchTag(**_batch_objects(fb)))
-
     def raise_pending_checks(self, wait: bool = True) -> None:
-        """Raise ``BatchError`` for a failed device-side planning check of an earlier batch.
-
-        ``wait=False`` reads only the verdicts already on the host (no sync); the sglang path
-        calls it at every plan. A host may call it with ``wait=True`` at any safe point.
-        """
-        pending, self.pending_checks = self.pending_checks, []
-        for i, checks in enumerate(pending):
-            if wait or checks.ready():
-                try:
-                    checks.raise_if_failed()
-                except BatchError:
-                    self.pending_checks = [c for c in pending[i + 1 :] if not c.ready()]
-                    raise
-            else:
-                self.pending_checks.append(checks)
+        """Raise ``BatchError`` for a failed device-side planning check of an earlier batch
+        (``PlanSession.raise_pending_checks``)."""
+        self.session.raise_pending_checks(wait)
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         """Eager: plan ``forward_batch`` as it is now (after data-parallel padding)."""
-        self.forward_metadata = self._plan(forward_batch, None)
+        self._plan(forward_batch, None)
 
     def init_forward_metadata_out_graph(
         self, forward_batch: ForwardBatch, in_capture: bool = False
@@ -728,7 +360,7 @@ class DSV4AttentionBackend(AttentionBackend):
         each replay), so every kind is accepted, not only ``GRAPH_KINDS`` (DECODE, draft steps,
         TARGET_VERIFY, IDLE: planned without a host sync): sglang 0.5.23 also graphs
         DRAFT_EXTEND_V2 batches (``eagle_draft_extend_cuda_graph_runner``), whose rows come
-        from host lengths (``batch_view.draft_extend_graph_view``). Needs
+        from host lengths (``batch_read.draft_extend_graph_view``). Needs
         ``init_cuda_graph_state`` first.
         """
         if self.graph_buffers is None:
@@ -737,7 +369,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 "buffers do not exist yet"
             )
         graph = GraphCall.CAPTURE if in_capture else GraphCall.REPLAY
-        self.forward_metadata = self._plan(forward_batch, self.graph_buffers, graph)
+        self._plan(forward_batch, self.graph_buffers, graph)
 
     def init_forward_metadata_in_graph(self, forward_batch: ForwardBatch) -> None:
         """Nothing to record: the whole plan is built (and copied into buffers) outside."""
@@ -772,118 +404,15 @@ class DSV4AttentionBackend(AttentionBackend):
     def _metadata(
         self, forward_batch: ForwardBatch, num_rows: int | None, where: str
     ) -> AttentionMetadata:
-        """The current plan, checked against this batch (``ContractError`` when stale).
-
-        ``num_rows``: the rows the caller got (None when it has none to compare: then the
-        batch's size, kind and values are checked). The planned object, or the last one
-        matched, with its tensors unchanged passes at once; another object is matched by value
-        (``_match``). Inside the late-layer tail the rows are the tail plan's: sglang's tail
-        graphs hand each break a copy of the batch whose ``out_cache_loc`` is cut to the tail's
-        row count (``deepseek_v4_attention_with_output``), so only its requests are matched.
-        """
-        metadata, planned = self.forward_metadata, self.planned
-        if metadata is None or planned is None:
-            raise ContractError(
-                f"{where}: no attention metadata was planned; the host must call "
-                "init_forward_metadata (eager, after padding) or init_forward_metadata_out_graph "
-                "(CUDA graph) before the forward"
-            )
-        kind = self._forward_kind(forward_batch)
-        if kind is not metadata.kind:
-            raise ContractError(
-                f"{where}: attention metadata was planned for {metadata.kind.name} but the batch "
-                f"is {forward_batch.forward_mode.name}; plan each batch before its forward"
-            )
-        rows = metadata.num_rows if num_rows is None else num_rows
-        if planned.accepted.mismatch(**_batch_objects(forward_batch)) is not None:
-            metadata = self._match(forward_batch, planned, metadata, rows, where)
-        metadata.check_matches(batch_size=forward_batch.batch_size, num_rows=rows, where=where)
-        return metadata
+        """The current plan, checked against this batch (``PlanSession.metadata``)."""
+        return self.session.metadata(read_consumer(forward_batch, self.kind_of), num_rows, where)
 
     def _read_metadata(
         self, forward_batch: ForwardBatch, num_rows: int, where: str
     ) -> AttentionMetadata:
-        """The plan the query side reads (indexer queries and top-k, attention), checked as
-        ``_metadata`` checks it: the batch's plan, or on a prefill context-parallel rank its
-        own rows of it (``cp_read_metadata``: ``num_rows`` local query rows)."""
-        local = self.cp_read_metadata
-        metadata = self._metadata(forward_batch, None if local is not None else num_rows, where)
-        if local is None:
-            return metadata
-        local.check_matches(batch_size=forward_batch.batch_size, num_rows=num_rows, where=where)
-        return local
-
-    def _match(
-        self,
-        fb: ForwardBatch,
-        planned: PlannedBatch,
-        metadata: AttentionMetadata,
-        num_rows: int,
-        where: str,
-    ) -> AttentionMetadata:
-        """Accept ``fb`` (not the object last matched) for the plan when its planning inputs
-        equal the planned ones (``PlanInputs``), and return the plan for it: grown by padding
-        rows (they write nothing, output 0) when ``fb`` is the planned batch padded for
-        data-parallel sync after planning, as sglang pads draft and draft-extend batches.
-
-        ``ContractError`` for a plan of another batch: host lengths at once; device values at
-        once on the CPU or in strict mode, else read at the next plan (``planning/checks.py``).
-        During CUDA-graph capture only the shapes are checked.
-        """
-        stale = planned.inputs.stale() or planned.inputs.host_mismatch(self._host_seq_lens(fb))
-        if stale is not None:
-            raise self._stale(metadata, stale, where)
-        capturing = _capturing()
-        grown = fb.batch_size > metadata.batch_size or num_rows > metadata.num_rows
-        may_grow = self._grows_after_planning(metadata) and not capturing
-        shrunk = fb.batch_size < metadata.batch_size or num_rows < metadata.num_rows
-        if shrunk or (grown and not may_grow):
-            metadata.check_matches(batch_size=fb.batch_size, num_rows=num_rows, where=where)
-        if not capturing:
-            checks = planned.inputs.checks(
-                req_pool_indices=fb.req_pool_indices,
-                seq_lens=fb.seq_lens,
-                out_cache_loc=None if self.in_late_layer_tail else fb.out_cache_loc[:num_rows],
-            )
-            try:
-                pending = run_checks(
-                    checks,
-                    fb.seq_lens.device,
-                    f"{where}'s batch against its plan",
-                    error=ContractError,
-                    consequence="the forward ran on that plan",
-                )
-            except ContractError as mismatch:
-                raise self._stale(metadata, str(mismatch), where) from None
-            if pending is not None:
-                self.pending_checks.append(pending)
-        if grown:
-            metadata = pad_plan(self.config, metadata, batch_size=fb.batch_size, num_rows=num_rows)
-            self.forward_metadata = metadata
-        self.planned = dataclasses.replace(planned, accepted=BatchTag(**_batch_objects(fb)))
-        return metadata
-
-    def _grows_after_planning(self, metadata: AttentionMetadata) -> bool:
-        """Whether sglang pads batches of this plan's kind after planning them: the EAGLE v2
-        worker plans and marks its draft batch (``eagle_worker_v2.py`` ``draft``) and its draft
-        extend (``_draft_extend_for_decode``) before ``ModelRunner.forward``, whose
-        ``_prepare_eager_forward_batch`` pads for data-parallel sync. Every other kind is
-        planned after padding (the lazy-init contract), so a grown batch is a stale plan."""
-        return metadata.kind is ForwardKind.DRAFT_EXTEND or self.draft_step is not None
-
-    @staticmethod
-    def _stale(metadata: AttentionMetadata, mismatch: str, where: str) -> ContractError:
-        return ContractError(
-            f"{where}: the attention metadata ({metadata.kind.name}, batch_size="
-            f"{metadata.batch_size}, num_rows={metadata.num_rows}) was made for another batch: "
-            f"{mismatch}. Plan every batch before its forward (init_forward_metadata after "
-            "padding, or init_forward_metadata_out_graph)."
-        )
-
-    @staticmethod
-    def _host_seq_lens(fb: Any) -> list[int] | None:
-        """``fb``'s ``seq_lens_cpu`` as host ints (None when absent)."""
-        return readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
+        """The plan the query side reads (``PlanSession.read_metadata``)."""
+        batch = read_consumer(forward_batch, self.kind_of)
+        return self.session.read_metadata(batch, num_rows, where)
 
     def get_swa_out_cache_loc(self, forward_batch: ForwardBatch) -> torch.Tensor:
         """``[T]`` int32 window slot each row writes (its own step's slots for a draft step),
@@ -897,13 +426,10 @@ class DSV4AttentionBackend(AttentionBackend):
         identity are checked).
         """
         if forward_batch.forward_mode.is_idle():
-            loc = forward_batch.out_cache_loc
-            if loc is None:
-                return torch.zeros(0, dtype=torch.int32, device=self.device)
             mapping = getattr(self.token_to_kv_pool, "full_to_swa_index_mapping", None)
-            return (loc if mapping is None else mapping[loc.long()]).to(torch.int32)
-        rows = forward_batch.out_cache_loc.shape[0]
-        if self.draft_step is not None or self.in_late_layer_tail:  # not out_cache_loc's rows
+            return idle_window_slots(forward_batch, mapping).to(self.device)
+        rows: int | None = written_rows(forward_batch)
+        if self.draft_step is not None or self.session.in_tail:  # not out_cache_loc's rows
             rows = None
         metadata = self._metadata(forward_batch, rows, "get_swa_out_cache_loc")
         return metadata.swa_out_loc.to(torch.int32)
@@ -922,7 +448,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """Write the window keys ``swa_k`` ``[T, D]`` (normed, roped) of layer ``layer_id``."""
         where = f"store_cache (layer {layer_id})"
         self._enter_layer(layer_id, where)
-        if _is_idle(forward_batch, swa_k, where):
+        if is_idle(forward_batch, swa_k, where):
             return
         metadata = self._metadata(forward_batch, swa_k.shape[0], where)
         store_window_keys(self.state, layer_id, metadata, swa_k.float())
@@ -940,7 +466,7 @@ class DSV4AttentionBackend(AttentionBackend):
         """
         where = f"compressor (layer {layer_id}, ratio {compressor.ratio})"
         self._enter_layer(layer_id, where)
-        if _is_idle(forward_batch, x, where):
+        if is_idle(forward_batch, x, where):
             return
         self._compress(x, forward_batch, layer_id, compressor, where)
 
@@ -959,13 +485,14 @@ class DSV4AttentionBackend(AttentionBackend):
         ``compute_kv_score`` all-gathers the projections of every rank's, so the plan is
         checked against ``kv_score``, which every rank writes whole."""
         kv_score = compressor.compute_kv_score(x, forward_batch).float()
-        metadata = self._metadata(forward_batch, kv_score.shape[0], where)
+        batch = read_consumer(forward_batch, self.kind_of)
+        metadata = self.session.metadata(batch, kv_score.shape[0], where)
         half = kv_score.shape[-1] // 2
         compress_and_store(
             self.state,
             layer_id,
             metadata,
-            forward_batch.req_pool_indices,
+            batch.req_pool_indices,
             kv_score[:, :half],
             kv_score[:, half:],
             original_ape(compressor),
@@ -1003,7 +530,7 @@ class DSV4AttentionBackend(AttentionBackend):
         before the top-k. ``q_lora_ready`` without ``enable_multi_stream`` is a
         ``ContractError`` (sglang asserts it is None).
         """
-        if _is_idle(forward_batch, x, "c4 indexer"):
+        if is_idle(forward_batch, x, "c4 indexer"):
             return
         layer_id = c4_indexer.layer_id
         where = f"c4 indexer (layer {layer_id})"
@@ -1032,34 +559,20 @@ class DSV4AttentionBackend(AttentionBackend):
             if not skip_compressor:
                 self._compress(x, forward_batch, layer_id, c4_indexer.compressor, where)
             with streams.use(stream_weights):
-                weights = self._index_weights(c4_indexer, x)
+                weights = index_weights(c4_indexer, x)
                 weights_ready = stream_weights.record_event()
             with streams.use(stream_q):
                 if q_lora_ready is not None:
                     stream_q.wait_event(q_lora_ready)
                 stream_q.wait_event(weights_ready)
-                q = self._index_queries(c4_indexer, q_lora, metadata)
+                q = index_queries(c4_indexer, q_lora, self.state.rope, metadata)
             current.wait_stream(stream_q)
         else:
             if not skip_compressor:
                 self._compress(x, forward_batch, layer_id, c4_indexer.compressor, where)
-            weights = self._index_weights(c4_indexer, x)
-            q = self._index_queries(c4_indexer, q_lora, metadata)
+            weights = index_weights(c4_indexer, x)
+            q = index_queries(c4_indexer, q_lora, self.state.rope, metadata)
         select_c4_entries(self.state, layer_id, metadata, q, weights)
-
-    @staticmethod
-    def _index_weights(c4_indexer: C4Indexer, x: torch.Tensor) -> torch.Tensor:
-        """``[T, HI]`` float32 head weights: the projection times ``weight_scale`` in fp32."""
-        return c4_indexer.compute_weights(x, skip_scale=True).float() * c4_indexer.weight_scale
-
-    def _index_queries(
-        self, c4_indexer: C4Indexer, q_lora: torch.Tensor, metadata: AttentionMetadata
-    ) -> torch.Tensor:
-        """``[T, HI, DI]`` float32 indexer queries, roped at each row's position."""
-        q, _ = c4_indexer.wq_b(q_lora)
-        q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
-        cos, sin = self.state.rope.cos_sin(metadata.positions_causal)
-        return apply_rope(q, cos, sin)
 
     def forward_low_ratio_sources(
         self,
@@ -1093,7 +606,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: layer {layer_id} has compress ratio {ratio}; the low-ratio sources "
                 "run on DeepSeek-V4.1's ratio-1 / ratio-2 layers"
             )
-        if _is_idle(forward_batch, x, where):
+        if is_idle(forward_batch, x, where):
             return
         metadata = self._read_metadata(forward_batch, x.shape[0], where)
         if positions.shape[0] != x.shape[0]:
@@ -1101,12 +614,13 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: positions has {positions.shape[0]} rows but x has {x.shape[0]}"
             )
         compressor, indexer = layer.compressor, layer.indexer
-        if layer_id == self.tail_source_kv_layer_id:  # write_tail_source_kv compressed it
+        if layer_id == self.session.tail_source_kv_layer_id:  # write_tail_source_kv ran it
             run_compressor = False
         if run_compressor and compressor is not None:
+            batch = read_consumer(forward_batch, self.kind_of)
             written, write_plan = x, metadata
-            if self.cp_read_metadata is not None:  # a CP rank: every rank writes every entry
-                write_plan = self._metadata(forward_batch, None, where)
+            if self.session.cp_read_metadata is not None:  # a CP rank writes every entry
+                write_plan = self.session.metadata(batch, None, where)
                 written = cp_all_rows(x, forward_batch, write_plan.num_rows)
             kv, score = compressor.project(written)
             keys = None
@@ -1114,7 +628,7 @@ class DSV4AttentionBackend(AttentionBackend):
                 k_norm = indexer.k_norm
                 keys = (indexer.wk.weight, k_norm.weight.float(), float(k_norm.eps))
             compress_low_ratio(
-                self.state, layer_id, write_plan, forward_batch.req_pool_indices,
+                self.state, layer_id, write_plan, batch.req_pool_indices,
                 kv.float(), None if score is None else score.float(),
                 compressor.norm.weight.float(), float(compressor.norm.eps),
                 index_key_params=keys,
@@ -1139,38 +653,21 @@ class DSV4AttentionBackend(AttentionBackend):
                 layer=layer, x=x, q_lora=None, positions=positions, forward_batch=forward_batch,
                 run_indexer=False,
             )  # fmt: skip
-        self.tail_source_kv_layer_id = layer.layer_id
+        self.session.tail_source_kv_layer_id = layer.layer_id
 
     def enter_late_layer_tail(self, forward_batch: ForwardBatch) -> tuple[Any, ...]:
         """Make the tail's plan current: the late layers run over the tail rows
-        (``tail_forward_metadata.late_layer_tail``); returns what ``exit_late_layer_tail``
-        restores."""
-        tail = self.tail_forward_metadata
-        if tail is None or self.in_late_layer_tail:
-            raise ContractError(
-                "enter_late_layer_tail: no late-layer tail was planned for this batch (an extend "
-                "under --enable-decoder-swa-bounded-replay, planned by init_forward_metadata), "
-                "or the tail is entered already"
-            )
-        cp_metadata = tail.late_layer_tail.cp_metadata
-        cp_saved = None
-        if cp_metadata is not None:  # the collectives gather the tail rows (as sglang swaps)
-            cp_saved = (forward_batch.attn_cp_metadata, get_local_dp_buffer_len())
-            forward_batch.attn_cp_metadata = cp_metadata
-            set_local_dp_buffer_len(sum(cp_metadata.per_rank_actual_token))
-        saved = (self.forward_metadata, self.cp_read_metadata, cp_saved)
-        self.forward_metadata, self.cp_read_metadata = tail.metadata, tail.cp_read
-        self.in_late_layer_tail = True
-        return saved
+        (``tail_forward_metadata.late_layer_tail``), a CP rank's collectives over the tail's
+        layout; returns what ``exit_late_layer_tail`` restores."""
+        saved = self.session.enter_tail()
+        assert self.session.tail is not None  # enter_tail raised otherwise
+        return saved, swap_cp_layout(forward_batch, self.session.tail)
 
     def exit_late_layer_tail(self, saved: tuple[Any, ...], forward_batch: ForwardBatch) -> None:
         """Restore the extend's plan (and a CP rank's layout) ``enter_late_layer_tail`` saved."""
-        self.forward_metadata, self.cp_read_metadata, cp_saved = saved
-        if cp_saved is not None:
-            forward_batch.attn_cp_metadata, dp_buffer_len = cp_saved
-            set_local_dp_buffer_len(dp_buffer_len)
-        self.in_late_layer_tail = False
-        self.tail_source_kv_layer_id = None
+        plans, cp_saved = saved
+        restore_cp_layout(forward_batch, cp_saved)
+        self.session.exit_tail(plans)
 
     # -------------------------------------------------------------------------- forward
     def forward(
@@ -1185,7 +682,7 @@ class DSV4AttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """IDLE: zeros of ``q``'s shape (rows that data-parallel padding gave an idle rank);
         otherwise sglang's dispatch to decode / extend."""
-        if _is_idle(forward_batch, q, "forward"):
+        if is_idle(forward_batch, q, "forward"):
             return q.new_zeros(q.shape)
         return super().forward(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
@@ -1219,24 +716,10 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{where}: compress_ratio={compress_ratio} but the model config gives layer "
                 f"{layer_id} ratio {ratio}"
             )
-        if attn_sink is None:
-            raise ContractError(f"{where}: attn_sink is required (the per-head sink logits)")
-        head_dim = self.config.head_dim
-        if q.dim() == 2 and q.shape[1] % head_dim == 0:
-            q = q.view(q.shape[0], -1, head_dim)
-        if q.dim() != 3 or q.shape[2] != head_dim:
-            raise ContractError(
-                f"{where}: q has shape {tuple(q.shape)}; expected [T, H, {head_dim}] or "
-                f"[T, H * {head_dim}] (head_dim={head_dim})"
-            )
-        if attn_sink.shape != (q.shape[1],):
-            raise ContractError(
-                f"{where}: attn_sink has shape {tuple(attn_sink.shape)}; expected one logit per "
-                f"query head, ({q.shape[1]},)"
-            )
+        q, attn_sink = attention_queries(q, attn_sink, self.config.head_dim, where)
         metadata = self._read_metadata(forward_batch, q.shape[0], where)
         # A CP prefill keeps every head of the rank; other batches may split them further.
-        heads = self.local_heads if self.cp_read_metadata is not None else self.split_heads
+        heads = self.local_heads if self.session.cp_read_metadata is not None else self.split_heads
         layer_heads = getattr(layer, "tp_q_head_num", heads)
         if layer_heads != heads or q.shape[1] < heads:
             raise ContractError(

@@ -39,12 +39,14 @@ from dsv4_backend.planning import (
     dspark_swa_width,
     plan_dspark_block,
 )
-from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend, RunnerSettings
-from dsv4_backend.sglang_adapter.batch_view import forward_kind
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.sglang_adapter.batch_read import forward_kind
+from dsv4_backend.sglang_adapter.plan_session import PlanSession
 from dsv4_backend.sglang_adapter.pool_alias import unaliasable_reason
+from dsv4_backend.sglang_adapter.settings import RunnerSettings
 
 if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 
@@ -133,6 +135,8 @@ class DSparkDraftBackend(DSV4AttentionBackend):
             self.req_to_token_pool.req_to_token.shape[1], self.config.page_size
         )
         self.graph_swa_width = dspark_swa_width(self.config, self.block_size)
+        self.session = PlanSession(self.config, self._plan_blocks)
+        self.kind_of = dspark_kind
 
     @classmethod
     def runner_settings(cls, model_runner: ModelRunner, topk: int = 0) -> RunnerSettings:
@@ -142,19 +146,23 @@ class DSparkDraftBackend(DSV4AttentionBackend):
         config = dataclasses.replace(settings.config, compress_ratios=(0,) * stages)
         return dataclasses.replace(settings, config=config)
 
-    def _forward_kind(self, forward_batch: ForwardBatch) -> ForwardKind:
-        kind = forward_kind(forward_batch.forward_mode)
-        return ForwardKind.DSPARK_BLOCK if kind is ForwardKind.TARGET_VERIFY else kind
-
-    def _plan_view(
+    def _plan_blocks(
         self, view: BatchView, buffers: GraphMetadataBuffers | None
     ) -> AttentionMetadata:
-        """A TARGET_VERIFY batch of the draft runner is a block of ``g`` rows per request."""
+        """The session's planner: a TARGET_VERIFY batch of the draft runner is a block of
+        ``g`` rows per request; other batches plan as the base backend's."""
         if view.kind is not ForwardKind.TARGET_VERIFY:
-            return super()._plan_view(view, buffers)
+            return self.plan_view(view, buffers)
         block = dataclasses.replace(view, kind=ForwardKind.DSPARK_BLOCK)
         # sglang's per-row mark of the first position whose draft key the request wrote (0
         # unless PD or a ring restart set it; None on pools without it).
         valid_from = getattr(self.token_to_kv_pool, "swa_valid_from", None)
         metadata = plan_dspark_block(self.config, block, widths=self.widths, valid_from=valid_from)
         return metadata if buffers is None else buffers.load(metadata)
+
+
+def dspark_kind(forward_mode: ForwardMode) -> ForwardKind:
+    """The draft runner's planner kind of an sglang mode: its TARGET_VERIFY batches are DSpark
+    blocks."""
+    kind = forward_kind(forward_mode)
+    return ForwardKind.DSPARK_BLOCK if kind is ForwardKind.TARGET_VERIFY else kind

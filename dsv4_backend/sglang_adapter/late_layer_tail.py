@@ -33,6 +33,7 @@ from sglang.srt.layers.attention.deepseek_v4_backend import (
     LateLayerTail as SglangLateLayerTail,
 )
 from sglang.srt.layers.attention.deepseek_v4_backend import late_layer_whole_extend
+from sglang.srt.layers.dp_attention import get_local_dp_buffer_len, set_local_dp_buffer_len
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.planning import (
@@ -120,3 +121,23 @@ def plan_tail(
     )  # fmt: skip
     cp_read = read_plan(config, metadata, layout.local_rows, num_rows=width)
     return TailForward(metadata=metadata, late_layer_tail=sglang_tail, cp_read=cp_read)
+
+
+def swap_cp_layout(fb: Any, tail: TailForward) -> tuple[Any, int] | None:
+    """Inside the tail a prefill context-parallel rank's collectives gather the tail's rows, as
+    sglang swaps them: ``fb``'s ``attn_cp_metadata`` and the local data-parallel buffer length
+    become the tail's; returns what :func:`restore_cp_layout` puts back (None without CP)."""
+    cp_metadata = tail.late_layer_tail.cp_metadata
+    if cp_metadata is None:
+        return None
+    saved = (fb.attn_cp_metadata, get_local_dp_buffer_len())
+    fb.attn_cp_metadata = cp_metadata
+    set_local_dp_buffer_len(sum(cp_metadata.per_rank_actual_token))
+    return saved
+
+
+def restore_cp_layout(fb: Any, saved: tuple[Any, int] | None) -> None:
+    """Put back what :func:`swap_cp_layout` swapped (nothing for None)."""
+    if saved is not None:
+        fb.attn_cp_metadata, dp_buffer_len = saved
+        set_local_dp_buffer_len(dp_buffer_len)

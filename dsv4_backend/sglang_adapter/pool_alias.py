@@ -31,6 +31,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from sglang.srt.mem_cache.deepseek_v4_compress_state import CompressStatePool
@@ -39,13 +42,99 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
     DeepSeekV4TokenToKVPool,
 )
 
-from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools
+from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools, stage_layers
 from dsv4_backend.cache.fp4_format import FP4_INDEX_PAGE_TOKENS
 from dsv4_backend.cache.state import compressed_rope, ring_slots
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import LOW_RATIOS, DSV4AttentionConfig
+from dsv4_backend.errors import ConfigError
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+#: Attribute of the runner's ``token_to_kv_pool`` holding the shared ``AttentionState``.
+_STATE_ATTR = "_dsv4_backend_attention_state"
+
+
+def shared_state(
+    runner: ModelRunner,
+    config: DSV4AttentionConfig,
+    fmt: CacheFormat,
+    region_copying: Sequence[str] = (),
+    layers: range | None = None,
+) -> AttentionState:
+    """The runner's ``AttentionState`` of ``layers`` (a pipeline stage's; None: every layer),
+    built on first use and kept on its KV pool.
+
+    Sizes (``state_sizes``): full and window slots as sglang sizes its own buffers, c4 rings
+    one per window page of 256 slots, c128 rings one per ``req_to_token`` row. Slot 0 is
+    sglang's padding slot and stays addressable. With an fp8 format and an sglang
+    ``DeepSeekV4TokenToKVPool`` the caches are views of that pool's buffers (``pool_alias``;
+    ``ConfigError`` when one is too small), otherwise allocated; one INFO line says which.
+    ``region_copying`` (the ``REGION_COPYING_OPTIONS`` set): ``ConfigError`` unless every
+    cache and ring is such a view, naming what sglang's regions would not carry.
+    """
+    pool = runner.token_to_kv_pool
+    state = getattr(pool, _STATE_ATTR, None)
+    layers = stage_layers(config, layers)
+    if state is not None:
+        if state.config != config or state.pools.layers != layers:
+            raise ConfigError(
+                "backends of one runner disagree on the attention configuration: "
+                f"{state.config} of layers {state.pools.layers} vs {config} of {layers}"
+            )
+        return state
+    sizes = state_sizes(runner, config)
+    reason = unaliasable_reason(pool, config, fmt, layers)
+    if reason is None:
+        state = aliased_state(pool, config, **sizes, layers=layers)
+    else:
+        state = AttentionState.allocate(
+            config, **sizes, fmt=fmt, device=runner.device, layers=layers
+        )
+    log_state_memory(state, pool, reason)
+    unmovable = unmovable_reason(state, pool, reason)
+    if region_copying and unmovable:
+        raise ConfigError(
+            f"{', '.join(region_copying)}: sglang copies its DeepSeekV4TokenToKVPool's regions "
+            f"between pools (or to host memory) or writes into them, and they would not hold the "
+            f"dsv4 backend's state: {unmovable}. Serve these with fp8 caches over sglang's pool "
+            "(V4 layout, paged window, offline fp32 c128 state), or leave the options unset"
+        )
+    setattr(pool, _STATE_ATTR, state)
+    return state
+
+
+class StateSizes(TypedDict):
+    """The sizes ``AttentionState.allocate`` and ``aliased_state`` take."""
+
+    num_full_slots: int
+    num_swa_slots: int
+    num_request_slots: int
+    max_positions: int
+
+
+def state_sizes(runner: ModelRunner, config: DSV4AttentionConfig) -> StateSizes:
+    """``AttentionState`` sizes of ``runner``, as sglang sizes its pool's buffers.
+
+    sglang's paged allocators hand out pages ``1 ... size / 256`` (page 0 is the padding page,
+    ``PagedTokenToKVPoolAllocator.clear``), so slots reach ``size + 255`` on both sides (full
+    ``full_size``, window ``swa_size``; ``size`` where a pool has no split) and sglang's buffers
+    hold ``size + 256`` slots (``deepseek_v4_memory_pool._num_dsv4_physical_kv_pages``). Both
+    are sized that way here, rounded up to whole pages; the c4 rings follow the window slots
+    (``ring_slots``).
+    """
+    pool = runner.token_to_kv_pool
+    page = config.page_size
+    full = getattr(pool, "full_size", None) or pool.size
+    swa = getattr(pool, "swa_size", None) or pool.size
+    return StateSizes(
+        num_full_slots=math.ceil((full + page) / page) * page,
+        num_swa_slots=math.ceil((swa + page) / page) * page,
+        num_request_slots=runner.req_to_token_pool.req_to_token.shape[0],
+        max_positions=runner.req_to_token_pool.req_to_token.shape[1],
+    )
 
 
 def unaliasable_reason(

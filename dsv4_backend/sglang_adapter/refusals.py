@@ -12,9 +12,9 @@ attention kernels, state kept or moved outside the backend, layers split over ra
 ``V41_REFUSED`` adds what DeepSeek-V4.1 is not served with yet (checked for a V4.1 model).
 Checked elsewhere because they need more than the arguments: ``page_size`` (the runner's),
 EAGLE ``topk`` (the draft factory's too) and heads that the attention TP group must divide
-(``backend.RunnerSettings``); compress ratios (``DSV4AttentionConfig``); the platform
+(``settings.RunnerSettings``); compress ratios (``DSV4AttentionConfig``); the platform
 (``registration``: on HIP, NPU and the other non-CUDA platforms sglang keeps ``dsv4``); PD
-disaggregation and HiCache (``backend.REGION_COPYING_OPTIONS``: served where every cache and
+disaggregation and HiCache (``settings.REGION_COPYING_OPTIONS``: served where every cache and
 ring is a view of sglang's pool, refused otherwise); the DSpark draft's own conditions
 (``sglang_adapter.dspark``).
 """

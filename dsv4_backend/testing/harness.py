@@ -28,7 +28,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.planning import BatchView
-from dsv4_backend.sglang_adapter.batch_view import KIND_OF_MODE
+from dsv4_backend.sglang_adapter.batch_read import KIND_OF_MODE
 from dsv4_backend.testing.reference.rope import apply_rope, rope_cos_sin
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
@@ -140,7 +140,7 @@ class Step:
     rows: list[Row]
 
 
-#: The sglang forward mode of each planner kind (the inverse of ``batch_view``'s mapping).
+#: The sglang forward mode of each planner kind (the inverse of ``batch_read``'s mapping).
 #: The sglang mode each kind is built as (MIXED is an EXTEND kind too: ``BatchBuilder.mixed``).
 FORWARD_MODES = {kind: mode for mode, kind in KIND_OF_MODE.items() if mode is not ForwardMode.MIXED}
 
@@ -148,7 +148,7 @@ FORWARD_MODES = {kind: mode for mode, kind in KIND_OF_MODE.items() if mode is no
 def forward_batch(view: BatchView, rows: Sequence[Row]) -> Step:
     """The sglang ``ForwardBatch`` of a simulation ``view`` whose query rows are ``rows``.
 
-    Laid out as sglang's EAGLE v2 workers hand it over (``batch_view``'s table): a draft step's
+    Laid out as sglang's EAGLE v2 workers hand it over (``batch_read``'s table): a draft step's
     ``out_cache_loc`` is the whole ``[bs, 1, num_steps]`` buffer and its ``positions`` are the
     step's; extend kinds carry host and device extend lengths.
     """

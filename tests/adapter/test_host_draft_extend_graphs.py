@@ -58,7 +58,7 @@ from sglang.srt.speculative.eagle_draft_extend_cuda_graph_runner import (
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 from dsv4_backend.errors import BatchError
-from dsv4_backend.sglang_adapter.batch_view import GraphCall, batch_view
+from dsv4_backend.sglang_adapter.batch_read import GraphCall, batch_view
 
 pytestmark = pytest.mark.sglang
 
@@ -168,13 +168,14 @@ def test_the_capture_batches_are_planned_as_padding(monkeypatch: pytest.MonkeyPa
         host.prefill()
         views = Views(host)
         calls: list[Any] = []
-        plan = host.draft_extend._plan_view
+        session = host.draft_extend.session
+        plan = session.planner
 
         def planned(view: Any, buffers: Any) -> Any:
             calls.append(view)
             return plan(view, buffers)
 
-        host.draft_extend._plan_view = planned  # type: ignore[method-assign]
+        session.planner = planned
         runner = draft_extend_graphs(host, monkeypatch)
         assert len(views.captures) == len(CAPTURE_BS) and len(calls) == len(CAPTURE_BS)
         for fb, view in zip(views.captures, calls, strict=True):

@@ -18,7 +18,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.planning import BatchView, ForwardKind, per_step_draft_out_cache_loc, plan
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
-from dsv4_backend.sglang_adapter.batch_view import batch_view
+from dsv4_backend.sglang_adapter.batch_read import batch_view
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel

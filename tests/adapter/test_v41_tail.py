@@ -122,7 +122,7 @@ def test_extends_run_their_late_layers_over_the_tail_eagerly_and_from_tail_graph
             assert (backend.tail_forward_metadata is not None) == is_extend
             runs.append(model.forward(backend, step, tail_graphs))
             assert projected == [len(step.rows)]  # every row once, not again inside the tail
-            assert not backend.in_late_layer_tail and backend.tail_source_kv_layer_id is None
+            assert not backend.session.in_tail and backend.session.tail_source_kv_layer_id is None
         captures.append(graphs.captures)
         for (rows, out), (graph_rows, graph_out) in zip(*runs, strict=True):
             assert graph_rows == rows and torch.equal(graph_out, out)

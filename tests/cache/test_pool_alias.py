@@ -19,8 +19,11 @@ from sglang_pool import CONFIG, REQUEST_SLOTS, inside, make_pool
 from dsv4_backend.cache import DSV4CachePools, IndexerKeyCache, TokenCache
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.cache_store.table import store_rows
-from dsv4_backend.sglang_adapter.backend import shared_state
-from dsv4_backend.sglang_adapter.pool_alias import unaliasable_reason, unmovable_reason
+from dsv4_backend.sglang_adapter.pool_alias import (
+    shared_state,
+    unaliasable_reason,
+    unmovable_reason,
+)
 
 
 def make_runner(pool: DeepSeekV4TokenToKVPool) -> SimpleNamespace:

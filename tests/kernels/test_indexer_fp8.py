@@ -12,7 +12,8 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.kernels.indexer.fp8 import E4M3_MAX, hadamard, quantised_view
-from dsv4_backend.sglang_adapter.backend import INDEXER_SELECTION_ENV, DSV4AttentionBackend
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.sglang_adapter.settings import INDEXER_SELECTION_ENV
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 

@@ -76,7 +76,8 @@ def test_cp_ranks_equal_the_single_rank(size: int) -> None:
                     assert not out[real.shape[0] :].any()  # padding rows: 0
                     assert sim.max_error(local.rows, layer, out) <= ATOL
                     if ratio == 4:  # the rank's top-k: the single rank's at its rows
-                        read = rank.backend.cp_read_metadata or rank.backend.forward_metadata
+                        session = rank.backend.session
+                        read = session.cp_read_metadata or session.forward_metadata
                         full = single.forward_metadata
                         assert read is not None and read.c4 is not None
                         assert full is not None and full.c4 is not None

@@ -436,8 +436,8 @@ def test_parallel_layouts_serve_the_rank_s_heads(
 def test_refusals_name_a_real_server_option() -> None:
     """Every option the backend refuses is a field of sglang 0.5.23's ``ServerArgs``, and
     sglang's default value of each is served."""
-    from dsv4_backend.sglang_adapter.backend import REGION_COPYING_OPTIONS
     from dsv4_backend.sglang_adapter.refusals import REFUSED
+    from dsv4_backend.sglang_adapter.settings import REGION_COPYING_OPTIONS
 
     args = server_args()
     for row in REFUSED:

@@ -1,5 +1,9 @@
-"""Map an sglang 0.5.23 ``ForwardBatch`` onto the planner's ``BatchView`` (the one place that
-knows how sglang lays out each forward mode).
+"""The one read of an sglang 0.5.23 ``ForwardBatch``: the planner's ``BatchView`` (the one place
+that knows how sglang lays out each forward mode), with the padding rows, a context-parallel
+rank's rows and the planning inputs a plan is matched by (:func:`read_batch`,
+:class:`BatchRead`), and what a consumer's batch offers to that match (:func:`read_consumer`,
+:class:`ConsumerBatch`). The backend reads no ``ForwardBatch`` field but ``forward_mode``
+itself: it calls the functions here.
 
 ==================  ==============  =======================================================
 sglang mode         ForwardKind     what sglang hands over (``L`` = committed length)
@@ -54,14 +58,25 @@ padding). ``cp_rank_rows`` gives a rank its rows of the plan.
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
-from dsv4_backend.errors import BatchError
-from dsv4_backend.planning import BatchView, DraftStep, ForwardKind, seq_len_fill_value
+from dsv4_backend.errors import BatchError, ContractError
+from dsv4_backend.planning import (
+    BatchView,
+    DraftStep,
+    ForwardKind,
+    PlanInputs,
+    seq_len_fill_value,
+)
 from dsv4_backend.planning.batch import host_ints
+from dsv4_backend.planning.checks import strict_checks_enabled
+from dsv4_backend.planning.draft_slots import draft_step_slots
+from dsv4_backend.planning.tag import BatchTag
+from dsv4_backend.sglang_adapter.plan_session import BatchRead, ConsumerBatch, PlannedBatch
 
 #: The planner kind of each supported sglang forward mode.
 KIND_OF_MODE = {
@@ -365,3 +380,131 @@ def cp_all_rows(x: torch.Tensor, fb: Any, num_rows: int) -> torch.Tensor:
 
     stream = torch.cuda.current_stream() if x.is_cuda else None
     return cp_materialize_global_token_order(x.contiguous(), fb, stream)[:num_rows]
+
+
+# ------------------------------------------------------------------- the one read of a batch
+#: The planner kind a backend plans an sglang forward mode as (``forward_kind``; DSpark's
+#: draft backend plans TARGET_VERIFY as DSPARK_BLOCK).
+KindOf = Callable[[ForwardMode], ForwardKind]
+
+
+def _batch_objects(fb: Any) -> dict[str, Any]:
+    """``fb`` and its three planning tensors, by the names ``BatchTag`` messages use."""
+    return dict(
+        forward_batch=fb,
+        req_pool_indices=fb.req_pool_indices,
+        seq_lens=fb.seq_lens,
+        out_cache_loc=fb.out_cache_loc,
+    )
+
+
+def host_seq_lens(fb: Any) -> list[int] | None:
+    """``fb``'s ``seq_lens_cpu`` as host ints (None when absent)."""
+    return readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
+
+
+def read_consumer(fb: Any, kind_of: KindOf = forward_kind) -> ConsumerBatch:
+    """``fb`` as a consumer hands it over (:class:`ConsumerBatch`)."""
+    return ConsumerBatch(
+        kind=kind_of(fb.forward_mode),
+        mode=fb.forward_mode.name,
+        batch_size=fb.batch_size,
+        objects=_batch_objects(fb),
+        host_seq_lens=host_seq_lens(fb),
+    )
+
+
+def _kept(planned: torch.Tensor) -> torch.Tensor:
+    """``planned`` itself, or a copy for an inference tensor: its in-place writes bump no
+    version, so the values planned from must be kept apart (sglang's registry buffers are
+    refilled by the next batch)."""
+    return planned.clone() if planned.is_inference() else planned
+
+
+def _planned_batch(fb: Any, view: BatchView) -> PlannedBatch:
+    """What a consumer's batch is matched against (``PlannedBatch``): ``view``'s requests,
+    and the rows' write slots as the forward's batch holds them (a draft step's own row of
+    the ``[bs, topk, num_steps]`` layout; an extend kind's padding tokens included)."""
+    loc, seq_lens = view.out_cache_loc, view.seq_lens
+    seq_lens_cpu = view.host_seq_lens if view.seq_lens_cpu is not None else None
+    if view.kind in (ForwardKind.EXTEND, ForwardKind.DRAFT_EXTEND):
+        loc = fb.out_cache_loc
+    elif view.draft is not None:
+        loc = draft_step_slots(loc, view.batch_size, view.draft)
+    if view.kind is ForwardKind.DRAFT_EXTEND:
+        # A draft-extend graph's padding requests are planned longer than handed.
+        seq_lens = fb.seq_lens[: view.batch_size]
+        host = host_seq_lens(fb)
+        seq_lens_cpu = None if host is None else host[: view.batch_size]
+    inputs = PlanInputs(
+        req_pool_indices=_kept(view.req_pool_indices),
+        seq_lens=_kept(seq_lens),
+        out_cache_loc=_kept(loc),
+        seq_lens_cpu=seq_lens_cpu,
+        sources=BatchTag(
+            req_pool_indices=fb.req_pool_indices,
+            seq_lens=fb.seq_lens,
+            out_cache_loc=fb.out_cache_loc,
+        ),
+    )
+    return PlannedBatch(inputs=inputs, accepted=BatchTag(**_batch_objects(fb)))
+
+
+def _check_padding_slots(out_cache_loc: torch.Tensor, first: int, where: str) -> None:
+    """Padding tokens (``out_cache_loc[first:]``) write slot 0, where readable without a sync:
+    a real token taken for padding would write no key (``BatchError`` naming it)."""
+    tail = readable_ints("out_cache_loc", out_cache_loc[first:], sync_ok=strict_checks_enabled())
+    bad = [(first + i, v) for i, v in enumerate(tail or ()) if v != 0]
+    if bad:
+        index, value = bad[0]
+        raise BatchError(
+            f"{where}: out_cache_loc[{index}]={value} is past the requests' rows, where only "
+            "data-parallel padding tokens (slot 0) may be; check extend_seq_lens_cpu"
+        )
+
+
+def read_batch(fb: Any, **view_options: Any) -> BatchRead:
+    """Read ``fb`` for planning (:class:`BatchRead`); ``view_options`` as :func:`batch_view`
+    takes them. ``BatchError`` for a batch that cannot be planned, or padding tokens that do
+    not write slot 0."""
+    view = batch_view(fb, **view_options)
+    padding = padding_rows(fb, view)
+    if padding > 0:
+        _check_padding_slots(fb.out_cache_loc, view.num_rows, "plan")
+    return BatchRead(
+        view=view,
+        padding=padding,
+        cp_rows=cp_rank_rows(fb, view.num_rows + max(padding, 0)),
+        planned=_planned_batch(fb, view),
+        whole_extend=view.kind is ForwardKind.EXTEND
+        and fb.forward_mode.is_extend_without_speculative(),
+    )
+
+
+def is_idle(fb: Any, rows: torch.Tensor, where: str) -> bool:
+    """Whether ``fb`` is IDLE. An IDLE batch's rows are data-parallel padding (one per
+    ``out_cache_loc`` slot): nothing is written for them and ``forward`` outputs zeros.
+    ``ContractError`` when an IDLE call is handed another number of rows."""
+    if not fb.forward_mode.is_idle():
+        return False
+    padding = 0 if fb.out_cache_loc is None else fb.out_cache_loc.shape[0]
+    if rows.shape[0] != padding:
+        raise ContractError(
+            f"{where}: an IDLE batch has {padding} rows (data-parallel padding only), but "
+            f"{where} got a tensor of shape {tuple(rows.shape)}"
+        )
+    return True
+
+
+def written_rows(fb: Any) -> int:
+    """The rows ``fb`` writes: its ``out_cache_loc`` slots."""
+    return int(fb.out_cache_loc.shape[0])
+
+
+def idle_window_slots(fb: Any, full_to_swa: torch.Tensor | None) -> torch.Tensor:
+    """``[T]`` int32 window slots of an IDLE ``fb``'s padding rows: its ``out_cache_loc``
+    (slot 0) through the pool's ``full_to_swa`` (None: identity); empty without one."""
+    loc = fb.out_cache_loc
+    if loc is None:
+        return torch.zeros(0, dtype=torch.int32)
+    return (loc if full_to_swa is None else full_to_swa[loc.long()]).to(torch.int32)
