@@ -61,6 +61,7 @@ from dsv4_backend.kernels.attention.flashmla_library import (
     kernel_queries,
     library,
     library_unsupported_reason,
+    prefill_arguments,
     sparse_prefill,
 )
 
@@ -223,7 +224,10 @@ def sparse_attention_flashmla(
     threshold = _prefill_rows[-1] if _prefill_rows else PREFILL_ROWS
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if rows > threshold and not capturing:
-        return sparse_prefill(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)
+        arguments = prefill_arguments(
+            q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale
+        )
+        return sparse_prefill(arguments, heads)
     if rows == 0:  # FlashMLA needs a batch
         return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
     kwargs = flashmla_arguments(

@@ -190,20 +190,12 @@ def prefill_arguments(
     )
 
 
-def sparse_prefill(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra_span: ExtraSpan | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> torch.Tensor:
-    """FlashMLA's sparse prefill of the op's inputs (checked, and the library's
-    ``PREFILL_FUNCTIONS`` found): ``[T, H, D]`` bf16, rows without a valid key 0."""
-    rows, heads, dim = q.shape
+def sparse_prefill(arguments: dict[str, Any], heads: int) -> torch.Tensor:
+    """FlashMLA's sparse prefill called with ``arguments`` (:func:`prefill_arguments` of the
+    op's checked inputs; the library's ``PREFILL_FUNCTIONS`` found): ``[T, heads, D]`` bf16,
+    rows without a valid key 0."""
+    rows, dim = arguments["q"].shape[0], arguments["d_v"]
     if rows == 0:  # FlashMLA needs a query
-        return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
-    kwargs = prefill_arguments(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)
-    out = library().flash_mla_sparse_fwd(**kwargs)[0][:, :heads]  # [T, H, D] bf16
-    return out.masked_fill((kwargs["topk_length"] == 0)[:, None, None], 0).contiguous()
+        return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=arguments["q"].device)
+    out = library().flash_mla_sparse_fwd(**arguments)[0][:, :heads]  # [T, H, D] bf16
+    return out.masked_fill((arguments["topk_length"] == 0)[:, None, None], 0).contiguous()

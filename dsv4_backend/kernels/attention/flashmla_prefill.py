@@ -41,6 +41,7 @@ from dsv4_backend.kernels.attention.common import check_inputs
 from dsv4_backend.kernels.attention.flashmla_library import (
     PREFILL_FUNCTIONS,
     library_unsupported_reason,
+    prefill_arguments,
     sparse_prefill,
 )
 
@@ -88,4 +89,7 @@ def sparse_attention_flashmla_prefill(
     reason = flashmla_prefill_unsupported_reason(q.device, window, extra, heads, dim)
     if reason is not None:
         raise BatchError(reason)
-    return sparse_prefill(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale)
+    arguments = prefill_arguments(
+        q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale
+    )
+    return sparse_prefill(arguments, heads)
