@@ -55,8 +55,8 @@ from dsv4_backend.kernels.dispatch import (  # noqa: E402
     force_path,
 )
 from dsv4_backend.planning import plan  # noqa: E402
-from dsv4_backend.testing.op_counter import LaunchCounter  # noqa: E402
 from dsv4_backend.testing.simulation import PagedRequestPool  # noqa: E402
+from dsv4_backend.tools.op_counter import LaunchCounter  # noqa: E402
 
 #: Layers: 0 window only, 1 ratio 4, 2 ratio 128.
 RATIOS = (0, 4, 128)

@@ -46,7 +46,7 @@ from dsv4_backend.planning import (
     planner,
 )
 from dsv4_backend.planning.checks import strict_checks
-from dsv4_backend.testing.op_counter import LaunchCounter
+from dsv4_backend.tools.op_counter import LaunchCounter
 
 PAGE = 256
 MAX_CONTEXT = 8192

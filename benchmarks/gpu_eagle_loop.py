@@ -36,7 +36,7 @@ LAYERS = list(range(len(CONFIG.compress_ratios)))
 #: order and the rounding of the attention dots' operands (bf16 on a GPU), hence a tolerance
 #: derived from that dtype. The c4 layers are left out of the reference comparison: a bf16
 #: indexer may swap a near tie at the top-k boundary, which this bound does not cover
-#: (``dsv4_backend/testing/gpu_verdict.py`` judges them, tie-aware).
+#: (``dsv4_backend/tools/gpu_verdict.py`` judges them, tie-aware).
 REPLAY_ATOL = 1e-5
 REFERENCE_ATOL = attention_tolerance(torch.device("cuda"))
 

@@ -2,7 +2,7 @@
 
     python benchmarks/sass_report.py [--json] [--target sm_90a] [--target sm_100a] [NAME ...]
 
-Compiles each configuration of :mod:`dsv4_backend.testing.aot_compile` (every attention launch
+Compiles each configuration of :mod:`dsv4_backend.tools.aot_compile` (every attention launch
 at DeepSeek-V4-Flash shapes, the indexer, compressor and planner kernels, then the opt-in
 pipelined and ws attention kernels) ahead of time for sm_90a (H200) and sm_100a (B200) with
 Triton's bundled ptxas, disassembles it with cuobjdump and reads its main loop
@@ -10,7 +10,7 @@ Triton's bundled ptxas, disassembles it with cuobjdump and reads its main loop
 registers, spills (bytes stored), shared memory (KiB), warps, the main loop's instructions an
 iteration and warp-instructions a key, its asynchronous copies, the MMA shapes, issue and HBM
 ns a key, and the criteria met (``--json``: the whole report, one JSON object a line, as
-``python -m dsv4_backend.testing.aot_compile`` prints it).
+``python -m dsv4_backend.tools.aot_compile`` prints it).
 
 The figures come from compiled code only; nothing here is timed on a device.
 """
@@ -21,7 +21,7 @@ import argparse
 import json
 import sys
 
-from dsv4_backend.testing.aot_compile.roofline import DEVICES, reports
+from dsv4_backend.tools.aot_compile.roofline import DEVICES, reports
 
 
 def _row(r: dict) -> str:

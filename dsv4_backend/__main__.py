@@ -11,7 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from dsv4_backend.errors import ConfigError, DSV4Error
-from dsv4_backend.testing.ab.cli import OneLineErrorParser, add_ab_parser
+from dsv4_backend.tools.ab.cli import OneLineErrorParser, add_ab_parser
 from dsv4_backend.tools.cpu_server.serve import add_serve_parser
 
 

@@ -20,7 +20,7 @@ done
 "$PYTHON" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 \
     -d "$repo/.gpu-bundle/whl" "${specs[@]}"
-TRITON_INTERPRET=0 "$PYTHON" -m dsv4_backend.testing.precompile --target sm_90a \
+TRITON_INTERPRET=0 "$PYTHON" -m dsv4_backend.tools.precompile --target sm_90a \
     --out "$repo/.gpu-bundle/precompiled"
 bytes=$(du -sb "$repo/.gpu-bundle" | cut -f1)
 limit=$((64 * 1024 * 1024))

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU check, one time-boxed command (dsv4_backend/testing/gpu_check.py; docs/gpu-check.md):
+# The GPU check, one time-boxed command (dsv4_backend/tools/gpu_check.py; docs/gpu-check.md):
 #   scripts/gpu_check.sh [--budget SECONDS] [--out DIR] [--only STEP ...] [--dry-run]
 # Steps ordered by value, each under its own timeout, each verdict written to
 # OUT/gpu-check.json as it ends (OUT: --out, else $OUT, else gpu-check/). Without a CUDA device
@@ -14,4 +14,4 @@ export TRITON_INTERPRET=0
 if [ -z "${DSV4_PRECOMPILED_DIR:-}" ] && [ -d "$repo/.gpu-bundle/precompiled" ]; then
     export DSV4_PRECOMPILED_DIR=$repo/.gpu-bundle/precompiled
 fi
-exec "$py" -m dsv4_backend.testing.gpu_check --python "$py" "$@"
+exec "$py" -m dsv4_backend.tools.gpu_check --python "$py" "$@"

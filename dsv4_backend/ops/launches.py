@@ -1,4 +1,4 @@
-"""Hooks that let a launch counter (``testing.op_counter.LaunchCounter``) see the launches the
+"""Hooks that let a launch counter (``tools.op_counter.LaunchCounter``) see the launches the
 torch dispatcher cannot: kernels called through TVM or flashinfer declare themselves with
 ``launch(name)``, and CPU-only host checks run ``uncounted()``. Without a counter active both
 are free (a list check and an integer increment)."""

@@ -1,6 +1,6 @@
 """The bounds a kernel path is judged by against the torch path on the same inputs
 (docs/gpu-check.md derives them): the start-up self-check (``self_check/check.py``) and the GPU
-check's verdict (``testing/gpu_verdict.py``) both apply them through ``judge.py``.
+check's verdict (``tools/gpu_verdict.py``) both apply them through ``judge.py``.
 
 Tie-aware selection: with fp32 scores ``s`` and a bound ``b`` on each score's error, a set ``K``
 is the top-k of some scores within ``b`` of ``s`` exactly when it holds ``min(topk, candidates)``

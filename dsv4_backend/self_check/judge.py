@@ -1,6 +1,6 @@
 """A kernel path judged step by step against the torch path on the same inputs, so that a near
 tie in the indexer's ranking is not read as a kernel error; the start-up self-check
-(``check.py``) and the GPU check's verdict (``testing/gpu_verdict.py``) run it.
+(``check.py``) and the GPU check's verdict (``tools/gpu_verdict.py``) run it.
 
 docs/gpu-check.md derives the bounds (``bounds.py``). A batch is planned on the path under test
 and on the torch path (the plans must be equal), then each layer runs as the backend runs it
@@ -411,7 +411,7 @@ class StepwiseJudge:
         rejected: Mapping[int, int],
         out: torch.Tensor,
     ) -> None:
-        """Called with each layer's output under test ``out`` (``testing/gpu_verdict.py`` judges
+        """Called with each layer's output under test ``out`` (``tools/gpu_verdict.py`` judges
         it against the full causal pass); nothing here."""
 
 

@@ -58,6 +58,7 @@ from sglang.srt.model_executor.runner import decode_cuda_graph_runner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.runtime_context import get_context
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from v41_host import SglangV41Model, v41_hf_config
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
@@ -66,7 +67,6 @@ from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 from dsv4_backend.testing.simulation.v41 import tiny_v41
-from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
 
 pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 from sglang_pool import inside
+from v41_host import SglangV41Model, v41_hf_config, v41_sglang_pool
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
@@ -22,7 +23,6 @@ from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.pool_alias import shared_state
 from dsv4_backend.testing.harness import BatchBuilder, Step, mock_runner
 from dsv4_backend.testing.simulation.v41 import tiny_v41
-from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config, v41_sglang_pool
 
 pytestmark = pytest.mark.sglang
 

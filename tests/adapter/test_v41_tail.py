@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from v41_host import SglangV41Model, v41_hf_config
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, ContractError
@@ -20,7 +21,6 @@ from dsv4_backend.self_check.requests import PagedRequestPool
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing.harness import BatchBuilder, Step, mock_runner
 from dsv4_backend.testing.simulation.v41 import TINY_V41_SOURCES, tiny_v41
-from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config
 
 pytestmark = pytest.mark.sglang
 

@@ -28,7 +28,10 @@ from typing import Any
 
 import pytest
 import torch
+from configured_pool import configured_kv_pool
+from hicache import HostTier, cpu_kvcacheio, page_slots
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+from transfer import RequestSide, transfer_request
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
@@ -36,10 +39,7 @@ from dsv4_backend.planning import per_step_draft_out_cache_loc
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.configured_pool import configured_kv_pool
-from dsv4_backend.testing.hicache import HostTier, cpu_kvcacheio, page_slots
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
-from dsv4_backend.testing.transfer import RequestSide, transfer_request
 
 pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 

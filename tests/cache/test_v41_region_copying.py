@@ -22,15 +22,15 @@ from typing import Any
 
 import pytest
 import torch
+from hicache import HostTier, cpu_kvcacheio, page_slots
 from sglang.srt.mem_cache.hybrid_cache.hybrid_pool_assembler import _dsv4_low_ratio_regions
+from transfer import RequestSide, transfer_request
+from v41_host import SglangV41Model, v41_hf_config, v41_sglang_pool
 
 from dsv4_backend.self_check.requests import PagedRequestPool
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.hicache import HostTier, cpu_kvcacheio, page_slots
 from dsv4_backend.testing.simulation.v41 import tiny_v41
-from dsv4_backend.testing.transfer import RequestSide, transfer_request
-from dsv4_backend.testing.v41_host import SglangV41Model, v41_hf_config, v41_sglang_pool
 
 pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 

@@ -1,5 +1,5 @@
 """The indexer and compressor kernels compiled ahead of time for sm_90a (H200) and sm_100a
-(B200) on the CPU (``python -m dsv4_backend.testing.aot_compile --target``; no GPU needed).
+(B200) on the CPU (``python -m dsv4_backend.tools.aot_compile --target``; no GPU needed).
 
 Checks what the SASS says: every kernel compiles for both targets without spills; the
 length-bounded indexer's FP8 keys go through the hardware e4m3 conversion (``F2FP`` unpacks,

@@ -1,10 +1,10 @@
-"""The SASS loop reader (dsv4_backend/testing/sass.py) on small hand-written listings."""
+"""The SASS loop reader (dsv4_backend/tools/sass.py) on small hand-written listings."""
 
 from __future__ import annotations
 
 import pytest
 
-from dsv4_backend.testing import sass
+from dsv4_backend.tools import sass
 
 # A key loop at 0x30 with a branch diamond (0x50-0x70 or 0x80), an MMA, and an out-of-line
 # mbarrier wait (0xf0, past the EXIT) that spins on itself and branches back into the body.

@@ -1,6 +1,6 @@
 """The opt-in FP8 attention kernels compiled ahead of time on the CPU and read from their SASS.
 
-``dsv4_backend.testing.aot_compile`` compiles, at DeepSeek-V4-Flash shapes, the pipelined kernel for
+``dsv4_backend.tools.aot_compile`` compiles, at DeepSeek-V4-Flash shapes, the pipelined kernel for
 sm_90a and sm_100a (a c4 decode layer with 8 splits, whose last one merges; under
 ``DSV4_STRESS=1`` also a window-only decode layer with one split and a c128 verify layer at 16
 heads a rank, 4 rows a program), the Gluon ws kernels (the c4 layer, 8 splits: Hopper's for

@@ -2,7 +2,7 @@
 its merge and key-union kernels and the planner's kernels (``test_nothing_spills`` covers
 all); and the attention kernels for sm_100a (B200: tcgen05 dots).
 
-``benchmarks/sass_report.py`` (on ``dsv4_backend.testing.aot_compile``) compiles the launch
+``benchmarks/sass_report.py`` (on ``dsv4_backend.tools.aot_compile``) compiles the launch
 configurations the backend makes at DeepSeek-V4-Flash shapes (H = 64, D = 512; window-only, c4
 and c128 layers; dense bf16 and fp8 caches; one split and several; the merge kernel; the c4
 layer at 16 and 32 heads a rank; :data:`QUICK`, every one under ``DSV4_STRESS=1``) with

@@ -29,8 +29,8 @@ from dsv4_backend.kernels.indexer import table as indexer
 from dsv4_backend.kernels.indexer import topk as indexer_topk
 from dsv4_backend.kernels.indexer.common import select_entries
 from dsv4_backend.kernels.variants import Target, choose, force_unverified
-from dsv4_backend.testing.op_counter import LaunchCounter
 from dsv4_backend.testing.reference import make_random_layer, reference_layer
+from dsv4_backend.tools.op_counter import LaunchCounter
 
 CFG = DSV4AttentionConfig.tiny()
 HI, DI, TOPK = CFG.index_n_heads, CFG.index_head_dim, CFG.index_topk

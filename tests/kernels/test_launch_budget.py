@@ -26,8 +26,8 @@ from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
 from dsv4_backend.kernels.variants import force_unverified
 from dsv4_backend.planning import ForwardKind, GraphMetadataBuffers, PlanWidths, checks, plan
-from dsv4_backend.testing.op_counter import LaunchCounter
 from dsv4_backend.testing.simulation import PagedRequestPool
+from dsv4_backend.tools.op_counter import LaunchCounter
 
 CONFIG = DSV4AttentionConfig.tiny(compress_ratios=(4, 128))
 LENGTHS = [130, 7]

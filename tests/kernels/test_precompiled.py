@@ -1,4 +1,4 @@
-"""Precompiled kernels (``kernels/device/precompiled.py``, built by ``testing/precompile.py``).
+"""Precompiled kernels (``kernels/device/precompiled.py``, built by ``tools/precompile.py``).
 
 Hopper's ws attention kernel is compiled here for sm_90a (once a session, in a subprocess with
 ``TRITON_INTERPRET=0``) into a package; its metadata is checked against the PTX ``.entry``
@@ -52,7 +52,7 @@ def _launch(block_s: int = 8, fp8: bool = True, has_extra: bool = True) -> tuple
 def package(tmp_path_factory) -> tuple[Path, precompiled.PrecompiledKernel, str]:
     """The package directory holding :data:`CONFIG` for sm_90a, its kernel and its PTX."""
     out = tmp_path_factory.mktemp("precompiled")
-    command = [sys.executable, "-m", "dsv4_backend.testing.precompile", "--target", "sm_90a"]
+    command = [sys.executable, "-m", "dsv4_backend.tools.precompile", "--target", "sm_90a"]
     subprocess.run(
         [*command, "--out", str(out), "--ptx", CONFIG],
         check=True,

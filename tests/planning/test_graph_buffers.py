@@ -27,8 +27,8 @@ from dsv4_backend.planning import (
     plan,
 )
 from dsv4_backend.planning.planner import LOW_RATIO_PLAN
-from dsv4_backend.testing.op_counter import LaunchCounter, OpCounter
 from dsv4_backend.testing.simulation.v41 import tiny_v41
+from dsv4_backend.tools.op_counter import LaunchCounter, OpCounter
 
 CONFIG = DSV4AttentionConfig.tiny()
 WIDTHS = PlanWidths(page_table=20, c128=40)  # covers 5120 tokens

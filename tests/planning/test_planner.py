@@ -26,8 +26,8 @@ from dsv4_backend.planning import (
     plan,
     row_fields,
 )
-from dsv4_backend.testing.op_counter import OpCounter
 from dsv4_backend.testing.simulation.v41 import tiny_v41
+from dsv4_backend.tools.op_counter import OpCounter
 
 CONFIG = DSV4AttentionConfig.tiny()
 D, E, V = ForwardKind.DECODE, ForwardKind.EXTEND, ForwardKind.TARGET_VERIFY

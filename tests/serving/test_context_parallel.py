@@ -1,6 +1,6 @@
 """Prefill context parallelism (``--enable-prefill-cp --cp-strategy interleave``) on the CPU:
 ``cp`` ranks, each a backend of its own, fed what sglang 0.5.23 hands a rank, laid out by
-sglang's own CP code (``dsv4_backend.testing.context_parallel``): simulated in one process,
+sglang's own CP code (``context_parallel``): simulated in one process,
 and two processes over gloo, where sglang's ``cp_materialize_global_token_order`` all-gathers
 each rank's window keys and projections.
 
@@ -18,18 +18,18 @@ import socket
 
 import pytest
 import torch
-
-from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import BatchError, ContractError
-from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
-from dsv4_backend.testing import harness
-from dsv4_backend.testing.context_parallel import (
+from context_parallel import (
     CPRank,
     as_rank,
     gloo_rank,
     interleave_cp,
     own_rows,
 )
+
+from dsv4_backend.config import DSV4AttentionConfig
+from dsv4_backend.errors import BatchError, ContractError
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]

@@ -42,11 +42,11 @@ from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import ForwardKind, plan
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
-from dsv4_backend.testing.ab.cli import main
-from dsv4_backend.testing.ab.runner import run_trace
-from dsv4_backend.testing.ab.trace import build_trace
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.tools.ab.backends import DSV4Backend, ReferenceBackend
+from dsv4_backend.tools.ab.cli import main
+from dsv4_backend.tools.ab.runner import run_trace
+from dsv4_backend.tools.ab.trace import build_trace
 
 pytestmark = pytest.mark.usefixtures("torch_path")
 

@@ -16,8 +16,8 @@ from dsv4_backend.kernels.attention.common import force_num_splits
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.kernels.variants import force_unverified
 from dsv4_backend.planning import BatchView
-from dsv4_backend.testing.gpu_verdict import judge_serving_modes
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.tools.gpu_verdict import judge_serving_modes
 
 pytestmark = pytest.mark.usefixtures("torch_path")
 
@@ -146,7 +146,7 @@ def test_compiled_kernels_on_cuda(new: bool, fmt: str) -> None:
     yet the default (``kernels.variants.force_unverified``), fp8 caches with bf16 queries as a
     deployment runs them, and dense fp32 caches.
 
-    Judged step by step against the torch path (``testing/gpu_verdict.py``): the indexer's
+    Judged step by step against the torch path (``tools/gpu_verdict.py``): the indexer's
     bf16 dots may swap a near tie at the top-k boundary, which is not an attention error.
     """
     query_dtype = torch.bfloat16 if fmt == "fp8" else None

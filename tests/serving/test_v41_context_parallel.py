@@ -17,13 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-
-from dsv4_backend.errors import ConfigError
-from dsv4_backend.planning import late_layer_tail, tail_cp_layout
-from dsv4_backend.self_check.requests import PagedRequestPool
-from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
-from dsv4_backend.testing import harness
-from dsv4_backend.testing.context_parallel import (
+from context_parallel import (
     V41_CP_CONFIG,
     CPRank,
     SimulatedCPGroup,
@@ -34,7 +28,13 @@ from dsv4_backend.testing.context_parallel import (
     v41_cp_forward,
     v41_cp_runner,
 )
-from dsv4_backend.testing.v41_host import SglangV41Model
+from v41_host import SglangV41Model
+
+from dsv4_backend.errors import ConfigError
+from dsv4_backend.planning import late_layer_tail, tail_cp_layout
+from dsv4_backend.self_check.requests import PagedRequestPool
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.testing import harness
 
 pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 

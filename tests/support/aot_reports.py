@@ -1,4 +1,4 @@
-"""The reports of the ahead-of-time compile tool (``dsv4_backend.testing.aot_compile``), for the
+"""The reports of the ahead-of-time compile tool (``dsv4_backend.tools.aot_compile``), for the
 tests in ``tests/compiled/``. It runs in a fresh interpreter: the test session's
 ``TRITON_INTERPRET=1`` turns every ``@triton.jit`` function into an interpreted one."""
 
@@ -13,7 +13,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 #: The tool, and ``benchmarks/sass_report.py`` printing the same reports.
-AOT_COMPILE = (sys.executable, "-m", "dsv4_backend.testing.aot_compile")
+AOT_COMPILE = (sys.executable, "-m", "dsv4_backend.tools.aot_compile")
 SASS_REPORT = (sys.executable, str(REPO / "benchmarks" / "sass_report.py"), "--json")
 
 

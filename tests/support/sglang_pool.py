@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from configured_pool import configured_kv_pool
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.configured_pool import configured_kv_pool
 
 CONFIG = DSV4AttentionConfig(compress_ratios=(0, 4, 128, 4), num_heads=8, index_topk=16)
 #: The checkpoint config: ``compress_ratios`` carries the MTP layer's slot, as DeepSeek-V4

@@ -24,9 +24,10 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.planning import ForwardKind, per_step_draft_out_cache_loc, plan
-from dsv4_backend.testing.ab.backends import DSV4Backend, ReferenceBackend
-from dsv4_backend.testing.ab.cli import add_ab_parser, main, run_ab
-from dsv4_backend.testing.ab.report import (
+from dsv4_backend.testing.simulation.v41 import tiny_v41
+from dsv4_backend.tools.ab.backends import DSV4Backend, ReferenceBackend
+from dsv4_backend.tools.ab.cli import add_ab_parser, main, run_ab
+from dsv4_backend.tools.ab.report import (
     ERROR_RATIO_LIMITS,
     FAIL_COLOUR,
     TIME_MS_LIMITS,
@@ -36,14 +37,14 @@ from dsv4_backend.testing.ab.report import (
     plot_times,
     render_markdown,
 )
-from dsv4_backend.testing.ab.runner import run_trace
-from dsv4_backend.testing.ab.tolerance import (
+from dsv4_backend.tools.ab.runner import run_trace
+from dsv4_backend.tools.ab.tolerance import (
     CPU_ATOL,
     E4M3_RMS_ROUNDOFF,
     default_tolerance,
     same_format_atol,
 )
-from dsv4_backend.testing.ab.trace import (
+from dsv4_backend.tools.ab.trace import (
     BOUNDARY,
     MODES,
     NUM_DRAFT_STEPS,
@@ -52,7 +53,6 @@ from dsv4_backend.testing.ab.trace import (
     SHARE_TAIL,
     build_trace,
 )
-from dsv4_backend.testing.simulation.v41 import tiny_v41
 
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 SMALL = dict(num_requests=2, max_len=150, cycles=2, decode_steps=2)
@@ -260,7 +260,7 @@ def test_v41_trace_runs_the_late_layer_tail_on_both_sides() -> None:
 
 @pytest.mark.sglang
 def test_a_v41_trace_is_refused_by_the_sglang_backends() -> None:
-    from dsv4_backend.testing.ab.sglang_backend import SglangBackend
+    from dsv4_backend.tools.ab.sglang_backend import SglangBackend
 
     trace = build_trace(tiny_v41(), num_requests=1, max_len=40, cycles=0, decode_steps=1)
     with pytest.raises(ConfigError, match=r"DeepSeek-V4\.1 traces run the dsv4 backends"):
@@ -379,7 +379,7 @@ def test_sglang_registry_backend_runs_the_trace(tiny_trace) -> None:
     """``sglang:dsv4`` (this package's adapter, FP8 caches, built through sglang's registry and
     draft factory) equals ``dsv4-fp8``. The CLI allows it on CUDA only; the driver itself is
     host-agnostic, so it is exercised here through the Python API."""
-    from dsv4_backend.testing.ab.sglang_backend import SglangBackend
+    from dsv4_backend.tools.ab.sglang_backend import SglangBackend
 
     with force_path("torch"):
         result = run_trace(tiny_trace, SglangBackend("dsv4"), torch_dsv4(fmt="fp8"))
@@ -542,7 +542,7 @@ def test_unwritable_out_is_refused_before_the_trace_runs(out: str, capsys, monke
     def no_run(*args, **kwargs):
         raise AssertionError("the trace ran")
 
-    monkeypatch.setattr("dsv4_backend.testing.ab.runner.run_trace", no_run)
+    monkeypatch.setattr("dsv4_backend.tools.ab.runner.run_trace", no_run)
     status = main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", out, "--quiet"])
     err = capsys.readouterr().err
     assert status == 2 and err.count("\n") == 1
@@ -557,7 +557,7 @@ def test_out_is_made_before_the_run_and_keeps_no_probe(tmp_path: Path, monkeypat
         seen.append(out.is_dir())
         raise ConfigError("stop here")
 
-    monkeypatch.setattr("dsv4_backend.testing.ab.runner.run_trace", run_trace_seeing_out)
+    monkeypatch.setattr("dsv4_backend.tools.ab.runner.run_trace", run_trace_seeing_out)
     assert main(["--a", "dsv4-torch", *SMALL_ARGS, "--out", str(out), "--quiet"]) == 2
     assert seen == [True] and list(out.iterdir()) == []
 

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from dsv4_backend.errors import ConfigError
-from dsv4_backend.testing.ab.cli import main
+from dsv4_backend.tools.ab.cli import main
 from dsv4_backend.tools.cpu_server import ab_server, runs
 
 

@@ -1,4 +1,4 @@
-"""``scripts/gpu_check.sh``'s runner (``testing/gpu_check.py``) on the CPU: the dry run lists
+"""``scripts/gpu_check.sh``'s runner (``tools/gpu_check.py``) on the CPU: the dry run lists
 every step within the budget and writes the JSON skeleton; a run writes each verdict as its
 step ends, times steps out, skips what the budget no longer holds and gates on the right steps.
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dsv4_backend.testing import gpu_check as gc
+from dsv4_backend.tools import gpu_check as gc
 
 REPO = Path(__file__).resolve().parents[2]
 FIELDS = {"step", "verdict", "reason", "seconds", "figures", "budget_s", "gates", "log"}

@@ -1,4 +1,4 @@
-"""The GPU check's verdict (``testing/gpu_verdict.py``) on the CPU: it passes the kernels in the
+"""The GPU check's verdict (``tools/gpu_verdict.py``) on the CPU: it passes the kernels in the
 interpreter with fp8 caches and bf16 queries and a bf16-rounded indexer whose selections differ
 from the exact ones at near ties, and it catches an injected attention bug, store bug and wrong
 top-k, each in the step that made it."""
@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.self_check import bounds
 from dsv4_backend.self_check import judge as jm
-from dsv4_backend.testing import gpu_verdict as gv
+from dsv4_backend.tools import gpu_verdict as gv
 
 BF16 = torch.bfloat16
 

@@ -8,8 +8,12 @@ Layers, bottom to top (a module may import its own layer and the ones below):
 3. ``kernels``
 4. ``planning``, ``compute``, ``self_check`` (the start-up self-check and its judge)
 5. ``sglang_adapter``, ``registration``, ``info``
-6. ``testing`` (the oracle and the tools), ``tools`` (the CPU server kit and commands)
-7. ``__main__`` (the command line, which runs the tools)
+6. ``testing`` (the oracle: the reference, the simulation, the simulated host)
+7. ``tools`` (the shipped commands: A/B, GPU check, AOT / SASS, precompile, the CPU server)
+8. ``__main__`` (the command line, which runs the tools)
+
+Every module of ``testing`` is one a tool needs (reached from ``tools`` or the command line);
+a helper only tests use lives in ``tests/support/``.
 
 Every import statement counts, including those inside functions and under ``TYPE_CHECKING``.
 The reference (``testing.reference``) must stay independent of what it checks: it may import
@@ -42,8 +46,8 @@ LAYERS: dict[str, int] = {
     "registration": 5,
     "info": 5,
     "testing": 6,
-    "tools": 6,
-    "__main__": 7,
+    "tools": 7,
+    "__main__": 8,
 }
 REFERENCE = f"{PACKAGE}.testing.reference"
 REFERENCE_MAY_IMPORT = (f"{PACKAGE}.config", f"{PACKAGE}.errors")
@@ -179,7 +183,23 @@ def test_find_cycle(graph: dict[str, set[str]], cyclic: bool) -> None:
 def test_the_graph_is_read() -> None:
     # The checks above would pass vacuously on an empty graph.
     assert f"{PACKAGE}.kernels.cache_store.table" in GRAPH[f"{PACKAGE}.compute.layer"]
-    assert f"{PACKAGE}.testing.ab.sglang_backend" in GRAPH[f"{PACKAGE}.testing.ab.backends"]
+    assert f"{PACKAGE}.tools.ab.sglang_backend" in GRAPH[f"{PACKAGE}.tools.ab.backends"]
+
+
+def test_testing_holds_only_what_the_tools_need() -> None:
+    """A module of ``testing`` that no tool and not the command line reaches serves tests
+    only: it belongs in ``tests/support/``."""
+    reached: set[str] = set()
+    for module in GRAPH:
+        if module.startswith((f"{PACKAGE}.tools", f"{PACKAGE}.__main__")):
+            reached |= _reach(module)
+    unused = sorted(
+        module
+        for module in GRAPH
+        if module.startswith(f"{PACKAGE}.testing.")
+        and not any(r == module or r.startswith(module + ".") for r in reached)
+    )
+    assert not unused, f"only tests import these; move them to tests/support/: {unused}"
 
 
 def _reach(module: str) -> set[str]:

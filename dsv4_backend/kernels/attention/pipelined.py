@@ -33,7 +33,7 @@ against the reference. What it takes from FlashMLA's SM90 sparse FP8 decode:
 * The accumulator's rescale (128 multiplies a thread a block at D = 512) runs only when a
   line's block max passes the reference max by more than 2^``RESCALE_SLACK``.
 
-What plain Triton 3.8 does not give (read from the compile, ``testing/aot_compile``):
+What plain Triton 3.8 does not give (read from the compile, ``tools/aot_compile``):
 ``tl.range(..., warp_specialize=True)`` leaves this loop unpartitioned on Hopper (no producer
 warps: the consumers dequantise), Triton's rule for a dot feeding a dot puts all 8 warps along
 M, so at M = 64 both warpgroups compute the whole ``q k^T``, and the dequantised tile plus the
@@ -311,7 +311,7 @@ def _merge_splits(
 def _block_n(dim: int) -> int:
     """Keys a block. At D = 512 the consumers hold the fp32 accumulator (128 registers a
     thread) and the dequantised block: 16 keys compile without spills (245 registers, sm_90a),
-    32 spill (testing/aot_compile); smaller heads take 64-key blocks."""
+    32 spill (tools/aot_compile); smaller heads take 64-key blocks."""
     return 16 if dim > 256 else 64
 
 

@@ -20,12 +20,12 @@ Hopper (sm_90a, this module):
 
 On Blackwell (sm_100a) :func:`sparse_attention_ws` runs ``kernels/attention/ws_sm100.py``
 (tcgen05 into tensor memory) instead. Gluon does not run in the Triton interpreter: both are
-compiled ahead of time on the CPU (``python -m dsv4_backend.testing.aot_compile``) and have
+compiled ahead of time on the CPU (``python -m dsv4_backend.tools.aot_compile``) and have
 never run, so they are checked from their SASS only.
 
 Both use Gluon APIs of Triton 3.8 (:data:`GLUON_APIS`). Under an older Triton the launcher runs
 a kernel precompiled with 3.8 (``kernels/device/precompiled.py``, from
-``DSV4_PRECOMPILED_DIR``; built by ``python -m dsv4_backend.testing.precompile``) where one
+``DSV4_PRECOMPILED_DIR``; built by ``python -m dsv4_backend.tools.precompile``) where one
 exists for the launch, and
 :func:`ws_unsupported_reason` names the missing kernel where none does.
 """
@@ -390,7 +390,7 @@ def _precompiled_reason(
             f"Triton {version} cannot compile the Gluon ws kernels (it lacks "
             f"{', '.join(missing)}; they need Triton 3.8) and no precompiled "
             f"{kernel.fn.__name__} for {target} with {constexprs} was found ({where}); build "
-            f"one with Triton 3.8: python -m dsv4_backend.testing.precompile --target {target} "
+            f"one with Triton 3.8: python -m dsv4_backend.tools.precompile --target {target} "
             "--out DIR"
         )
     return None

@@ -14,7 +14,7 @@ gather and dequantisation into a ring of bf16 key buffers), with Blackwell consu
 
 ``s`` ``[64, 64]`` and ``o`` ``[64, 512]`` fp32 share the 512 columns of tensor memory (M = 64
 blocks use half its lanes). Gluon has no interpreter: compiled ahead of time on the CPU
-(``python -m dsv4_backend.testing.aot_compile``), never run.
+(``python -m dsv4_backend.tools.aot_compile``), never run.
 """
 
 from __future__ import annotations

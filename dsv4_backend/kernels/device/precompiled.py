@@ -2,7 +2,7 @@
 
 The Gluon ``ws`` attention kernels use Triton 3.8's APIs; a host with an older Triton (the GPU
 check's image has Triton 3.6) cannot compile them, so they are compiled elsewhere with 3.8
-(``dsv4_backend.testing.precompile``) and carried as cubins with their launch metadata. This
+(``dsv4_backend.tools.precompile``) and carried as cubins with their launch metadata. This
 module needs neither Triton nor a GPU to import; :meth:`PrecompiledKernel.launch` needs the
 driver (``libcuda.so.1``, through ctypes) and a CUDA device.
 

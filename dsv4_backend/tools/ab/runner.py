@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dsv4_backend.testing.ab.backends import Backend, StepOutput
-from dsv4_backend.testing.ab.tolerance import Tolerance, default_tolerance
-from dsv4_backend.testing.ab.trace import MODES, PATHS, Step, Trace
+from dsv4_backend.tools.ab.backends import Backend, StepOutput
+from dsv4_backend.tools.ab.tolerance import Tolerance, default_tolerance
+from dsv4_backend.tools.ab.trace import MODES, PATHS, Step, Trace
 
 
 @dataclass

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from v41_host import SglangV41Model, V41Feed
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.kernels import dispatch
@@ -34,7 +35,6 @@ from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 from dsv4_backend.testing.simulation.v41 import tiny_v41
-from dsv4_backend.testing.v41_host import SglangV41Model, V41Feed
 
 
 @contextlib.contextmanager
@@ -306,7 +306,7 @@ V41_CP_CONFIG = tiny_v41(
 def v41_cp_runner(paged: PagedRequestPool, cp: int, **server_args: Any) -> Any:
     """A ``V41_CP_CONFIG`` runner of ``cp`` prefill CP ranks (1: none) with DSpark, over sglang's
     V4.1 pool of its own."""
-    from dsv4_backend.testing.v41_host import v41_hf_config, v41_sglang_pool
+    from v41_host import v41_hf_config, v41_sglang_pool
 
     draft = V41_CP_CONFIG.num_draft_tokens
     runner = harness.mock_runner(
@@ -324,7 +324,7 @@ def _gloo_v41(rank: int, size: int) -> dict[str, float | bool]:
     sglang's collectives over gloo). The largest difference of the rank's rows to a single
     backend's, their mean relative error to the reference with the tail's window floors, and
     whether the padding rows are 0."""
-    from dsv4_backend.testing.v41_host import SglangV41Model
+    from v41_host import SglangV41Model
 
     lengths, extend, tail = (280, 150), [200, 101], V41_CP_CONFIG.window_size
     paged = PagedRequestPool(V41_CP_CONFIG, lengths, generator=_seeded(5))

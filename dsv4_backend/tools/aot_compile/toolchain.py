@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
-from dsv4_backend.testing import sass
+from dsv4_backend.tools import sass
 
 #: Hopper (H100 / H200) and Blackwell datacenter parts (B200 / B300 / GB200 / GB300).
 TARGETS = {"sm_90a": GPUTarget("cuda", 90, 32), "sm_100a": GPUTarget("cuda", 100, 32)}
@@ -164,7 +164,7 @@ def sass_facts(listing: str) -> dict[str, int]:
     """Instruction facts of a ``cuobjdump -sass`` listing: ``instructions`` in all,
     ``integer_ops`` (``INTEGER_OPCODES``), ``e4m3_converts`` (``F2FP`` unpacking e4m3: the
     hardware fp8 conversion), ``main_loop_calls`` (subroutine calls in the body of the
-    main loop, ``testing.sass.main_loop``: a 64-bit division or modulo is one) and
+    main loop, ``tools.sass.main_loop``: a 64-bit division or modulo is one) and
     ``local_ops`` (local-memory loads and stores, ``LDL`` / ``STL``: what a stack frame costs;
     ptxas may reserve a frame the code never touches)."""
     opcodes = re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)[.\s;]", listing)

@@ -1,7 +1,7 @@
 """Compile the Triton and Gluon kernels ahead of time for sm_90a (Hopper: H100 / H200) and
 sm_100a (Blackwell: B200 / B300 / GB200 / GB300) on the CPU, and read the compiled code.
 
-    python -m dsv4_backend.testing.aot_compile [--target sm_90a] [--target sm_100a] [NAME ...]
+    python -m dsv4_backend.tools.aot_compile [--target sm_90a] [--target sm_100a] [NAME ...]
 
 No GPU is needed: Triton's backend for the target and its bundled ptxas and cuobjdump do the
 work. The compile tests (``tests/compiled/``) run it in a subprocess, because their session's

@@ -1,6 +1,6 @@
 """A compiled kernel's main loop read for a roofline model: ``kernel_report``.
 
-The main loop is the loop with the most MMAs (:mod:`dsv4_backend.testing.sass`: an attention
+The main loop is the loop with the most MMAs (:mod:`dsv4_backend.tools.sass`: an attention
 kernel's key-block loop). Per configuration and target the report adds to
 :func:`.toolchain.compile_report`'s figures:
 
@@ -42,8 +42,8 @@ from dataclasses import dataclass, field
 
 from triton.compiler import ASTSource
 
-from dsv4_backend.testing import sass
-from dsv4_backend.testing.aot_compile import configurations, toolchain
+from dsv4_backend.tools import sass
+from dsv4_backend.tools.aot_compile import configurations, toolchain
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """Compile the Gluon ``ws`` attention kernels ahead of time into a precompiled-kernel package.
 
-``python -m dsv4_backend.testing.precompile --target sm_90a --out DIR [--list] [--ptx]
+``python -m dsv4_backend.tools.precompile --target sm_90a --out DIR [--list] [--ptx]
 [NAME ...]`` (with ``TRITON_INTERPRET=0``: the interpreter turns every kernel into an
 interpreted function) compiles with the installed Triton, which must be 3.8, and writes
 ``kernels/device/precompiled.py``'s format: ``<key>.cubin`` and ``<key>.json`` a kernel, found

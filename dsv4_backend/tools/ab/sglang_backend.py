@@ -32,8 +32,8 @@ import torch
 
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.testing import harness
-from dsv4_backend.testing.ab.base import Backend, StepOutput
-from dsv4_backend.testing.ab.trace import NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS, Step, Trace
+from dsv4_backend.tools.ab.base import Backend, StepOutput
+from dsv4_backend.tools.ab.trace import NUM_DRAFT_STEPS, NUM_DRAFT_TOKENS, Step, Trace
 
 
 class SglangBackend(Backend):

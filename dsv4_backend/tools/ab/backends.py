@@ -49,12 +49,12 @@ from dsv4_backend.planning import (
     PlanWidths,
     plan,
 )
-from dsv4_backend.testing.ab.base import Backend, StepOutput
-from dsv4_backend.testing.ab.trace import Step, Trace
 from dsv4_backend.testing.reference.layer import LayerInputs, reference_layer
 from dsv4_backend.testing.reference.v41_model import V41Result, reference_v41
 from dsv4_backend.testing.simulation import DSparkDraft, RandomModel
 from dsv4_backend.testing.simulation.v41 import V41Served
+from dsv4_backend.tools.ab.base import Backend, StepOutput
+from dsv4_backend.tools.ab.trace import Step, Trace
 
 #: ``plan``'s signature: ``planner(config, batch, widths=None) -> AttentionMetadata``.
 Planner = Callable[..., AttentionMetadata]
@@ -348,7 +348,7 @@ def make_backend(name: str, device: torch.device) -> Backend:
                 "and reference"
             )
         # Imported here: it imports sglang, which the other backends never need.
-        from dsv4_backend.testing.ab.sglang_backend import SglangBackend
+        from dsv4_backend.tools.ab.sglang_backend import SglangBackend
 
         return SglangBackend(name[len(SGLANG_PREFIX) :])
     raise ConfigError(

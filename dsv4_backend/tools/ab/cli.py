@@ -227,8 +227,8 @@ def _config(path: Path | None, layers: str | None, v41: bool = False) -> DSV4Att
 
 def _atol(values: list[str]) -> dict[str, float]:
     """``["1e-4", "verify=2e-4"]`` -> ``{"*": 1e-4, "verify": 2e-4}``."""
-    from dsv4_backend.testing.ab.runner import check_atol_keys
-    from dsv4_backend.testing.ab.trace import MODES
+    from dsv4_backend.tools.ab.runner import check_atol_keys
+    from dsv4_backend.tools.ab.trace import MODES
 
     out = {}
     for value in values:
@@ -293,11 +293,11 @@ def run_ab(args: argparse.Namespace) -> int:
 
     from dsv4_backend.kernels.dispatch import interpreter_enabled
     from dsv4_backend.planning.checks import STRICT_ENV, strict_checks
-    from dsv4_backend.testing.ab.backends import make_backend
-    from dsv4_backend.testing.ab.report import build_report, render_markdown, write_report
-    from dsv4_backend.testing.ab.runner import run_trace
-    from dsv4_backend.testing.ab.trace import build_trace
     from dsv4_backend.testing.interpreter import patch_language_once
+    from dsv4_backend.tools.ab.backends import make_backend
+    from dsv4_backend.tools.ab.report import build_report, render_markdown, write_report
+    from dsv4_backend.tools.ab.runner import run_trace
+    from dsv4_backend.tools.ab.trace import build_trace
 
     if args.server:
         return _run_server_ab(args)

@@ -1,6 +1,6 @@
 """The GPU check as one time-boxed run: steps ordered by value, each under its own timeout, each
 verdict written to ``OUT/gpu-check.json`` as the step ends (a run cut short keeps what came
-before the cut). ``scripts/gpu_check.sh`` runs ``python -m dsv4_backend.testing.gpu_check``.
+before the cut). ``scripts/gpu_check.sh`` runs ``python -m dsv4_backend.tools.gpu_check``.
 
     scripts/gpu_check.sh [--budget SECONDS] [--out DIR] [--only STEP ...] [--dry-run]
 
@@ -8,7 +8,7 @@ before the cut). ``scripts/gpu_check.sh`` runs ``python -m dsv4_backend.testing.
 (:data:`STEPS`), so the step budgets sum to it; a step gets at most what is left of the total,
 and none starts with under :data:`MIN_STEP_SECONDS` left. ``--out`` defaults to ``$OUT`` (the
 device tool's folder) or ``gpu-check/``; each step's output goes to ``OUT/logs/STEP.log`` and,
-where the step writes figures (``--json`` of :mod:`dsv4_backend.testing.gpu_verdict`), they go
+where the step writes figures (``--json`` of :mod:`dsv4_backend.tools.gpu_verdict`), they go
 into its record. ``--dry-run`` prints the steps and their budgets and writes the JSON skeleton
 without a GPU.
 
@@ -55,7 +55,7 @@ class Step:
 
 
 def _verdict(*options: str) -> tuple[str, ...]:
-    return ("{python}", "-m", "dsv4_backend.testing.gpu_verdict", "--json", "{figures}", *options)
+    return ("{python}", "-m", "dsv4_backend.tools.gpu_verdict", "--json", "{figures}", *options)
 
 
 UNVERIFIED = {"DSV4_UNVERIFIED_KERNELS": "1"}
@@ -73,9 +73,9 @@ AB_PROMPT_LENS = (97, 131, 259, 387)
 
 #: The steps, most valuable first.
 STEPS: tuple[Step, ...] = (
-    Step("versions", 4, ("{python}", "-m", "dsv4_backend.testing.gpu_check", "versions",
+    Step("versions", 4, ("{python}", "-m", "dsv4_backend.tools.gpu_check", "versions",
          "{figures}"), True, "the device, torch, triton, flash_mla, deep_gemm, flashinfer"),
-    Step("self-check", 30, ("{python}", "-m", "dsv4_backend.testing.gpu_check", "self-check",
+    Step("self-check", 30, ("{python}", "-m", "dsv4_backend.tools.gpu_check", "self-check",
          "{figures}"), True,
          "the start-up self-check at DeepSeek-V4-Flash's widths (fp8 caches): each op's "
          "preferred variant against its torch twin, its verdicts, its cost cold and cached"),
@@ -103,7 +103,7 @@ STEPS: tuple[Step, ...] = (
     Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "all",
          "--against", "flashmla", "--batch", "8", "64", "128"), False,
          "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes"),
-    Step("sglang-ab", 26, ("{python}", "-m", "dsv4_backend.testing.gpu_check", "ab", "{out}"),
+    Step("sglang-ab", 26, ("{python}", "-m", "dsv4_backend.tools.gpu_check", "ab", "{out}"),
          True, "this backend against sglang's built-in (Flash's attention widths, one layer "
          "of each ratio; prompts of 3 (mod 4) past c128 boundaries) where the built-in starts"),
 )  # fmt: skip

@@ -36,8 +36,8 @@ from dsv4_backend.kernels.indexer import triton as indexer_triton
 from dsv4_backend.kernels.indexer.common import BLOCK_N as INDEXER_BLOCK_N
 from dsv4_backend.kernels.low_ratio import triton as low_ratio_triton
 from dsv4_backend.planning.kernels import plan_fields
-from dsv4_backend.testing.aot_compile.toolchain import TARGETS
-from dsv4_backend.testing.precompile import DIM, ROPE
+from dsv4_backend.tools.aot_compile.toolchain import TARGETS
+from dsv4_backend.tools.precompile import DIM, ROPE
 
 #: A launch: its name, the kernel's source (signature, constexprs, alignment) and its options.
 Configuration = tuple[str, ASTSource, dict]

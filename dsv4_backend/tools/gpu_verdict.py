@@ -9,7 +9,7 @@ reference          window-only and c128 layers of dense caches  ``attention_tole
                    against the full causal pass
 =================  ===========================================  ===============================
 
-``python -m dsv4_backend.testing.gpu_verdict --device cuda --fmt fp8`` runs every serving mode
+``python -m dsv4_backend.tools.gpu_verdict --device cuda --fmt fp8`` runs every serving mode
 (:func:`judge_serving_modes`) and the stores, prints one line a finding and writes them as JSON
 (``--json``); exit status 0 when every finding passed, 1 otherwise, 3 without the device. On a
 GPU it first runs (or reads) the start-up self-check at the run's widths, so the kernels judged

@@ -1,4 +1,4 @@
-"""``python -m dsv4_backend.testing.aot_compile``: one JSON report a configuration and target
+"""``python -m dsv4_backend.tools.aot_compile``: one JSON report a configuration and target
 (the package docstring)."""
 
 from __future__ import annotations
@@ -7,12 +7,12 @@ import argparse
 import json
 import sys
 
-from dsv4_backend.testing.aot_compile import roofline, toolchain
+from dsv4_backend.tools.aot_compile import roofline, toolchain
 
 
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m dsv4_backend.testing.aot_compile",
+        prog="python -m dsv4_backend.tools.aot_compile",
         description="Compile the kernels ahead of time for sm_90a / sm_100a and report them.",
     )
     parser.add_argument("--target", action="append", choices=sorted(toolchain.TARGETS),

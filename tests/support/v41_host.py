@@ -14,14 +14,14 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+from configured_pool import configured_kv_pool
 from sglang.srt.mem_cache.deepseek_v4_memory_pool import DeepSeekV4TokenToKVPool
+from tail_graphs import LayerCall, TailGraphs
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.self_check.requests import PagedRequestPool
-from dsv4_backend.testing.configured_pool import configured_kv_pool
 from dsv4_backend.testing.harness import Step, tiny_hf_config
 from dsv4_backend.testing.reference.v41_model import V41LayerInputs, reference_v41
-from dsv4_backend.testing.tail_graphs import LayerCall, TailGraphs
 
 HIDDEN, Q_LORA = 96, 48
 #: A request's query row: ``(request, position)``; None is a graph bucket's padding row.

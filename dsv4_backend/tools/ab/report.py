@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from dsv4_backend.testing.ab.runner import ABResult, ModeStats
+from dsv4_backend.tools.ab.runner import ABResult, ModeStats
 
 REPORT_MD = "report.md"
 REPORT_JSON = "report.json"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_backend.testing.ab.trace import Row, Step, Trace
+from dsv4_backend.tools.ab.trace import Row, Step, Trace
 
 
 @dataclass
