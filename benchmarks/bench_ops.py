@@ -146,7 +146,7 @@ def _compare_batch(
     (``kernels/indexer/deep_gemm.py``), and their largest difference relative to the largest
     score, on one decode batch."""
     from dsv4_backend.kernels.cache_store.table import store_rows
-    from dsv4_backend.kernels.indexer.bounded import _row_scores_triton
+    from dsv4_backend.kernels.indexer.bounded import row_scores_triton
     from dsv4_backend.kernels.indexer.common import c4_entry_slots
     from dsv4_backend.kernels.indexer.deep_gemm import index_scores_deep_gemm, paged_mqa_schedule
     from dsv4_backend.kernels.indexer.fp8 import e4m3_round_trip
@@ -175,7 +175,7 @@ def _compare_batch(
     schedule = paged_mqa_schedule(num, width)  # built once a forward, as sglang does
 
     def run_ours() -> None:
-        _row_scores_triton(q, weights, cache, page_table, num, ours)
+        row_scores_triton(q, weights, cache, page_table, num, ours)
 
     def run_deep_gemm() -> torch.Tensor:
         return index_scores_deep_gemm(q, weights, cache, page_table, num, width, schedule=schedule)

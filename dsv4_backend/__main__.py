@@ -111,10 +111,12 @@ def _run_self_check(args: argparse.Namespace) -> int:
     import json
     import os
 
+    from dsv4_backend import envs
+
     if (args.device or "").startswith("cuda") or "triton" in sys.modules:
         pass
-    elif os.environ.get("TRITON_INTERPRET") != "1":
-        os.environ["TRITON_INTERPRET"] = "1"
+    elif envs.TRITON_INTERPRET.get() != "1":
+        os.environ[envs.TRITON_INTERPRET.name] = "1"
     import torch
 
     from dsv4_backend.self_check.check import CHECKED, PRESETS, self_check

@@ -12,7 +12,7 @@ import platform
 from collections.abc import Callable, Iterable, Sequence
 from importlib import metadata
 
-from dsv4_backend import _versions
+from dsv4_backend import _versions, envs
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.sglang_adapter import factory
 from dsv4_backend.sglang_adapter.factory import BACKEND_NAME, BUILTIN_NAME
@@ -52,9 +52,20 @@ def report(device: str | None = None) -> list[str]:
         f"Kernel variant of each op for tensors on {device}",
         *_choice_lines(device),
         "",
+        "Environment variables (dsv4_backend/envs.py; DSV4_<OP>_KERNEL names an op's variant)",
+        *_table(_variable_rows()),
+        "",
         "sglang attention registry (after sglang.srt.plugins.load_plugins())",
         *_registry_lines(),
     ]
+
+
+def _variable_rows() -> list[tuple[str, str, str]]:
+    rows = []
+    for var in envs.VARIABLES.values():
+        value = os.environ.get(var.name) or f"unset ({var.default or 'empty'})"
+        rows.append((var.name, value, var.meaning))
+    return rows
 
 
 def _version_lines() -> list[str]:
@@ -107,7 +118,7 @@ def _triton_gpu(gpu: str | None) -> tuple[bool, str]:
 def _triton_interpreter() -> tuple[bool, str]:
     if _versions.installed_version("triton") is None:
         return False, "triton not installed"
-    if os.environ.get("TRITON_INTERPRET") != "1":
+    if envs.TRITON_INTERPRET.get() != "1":
         return False, "TRITON_INTERPRET is not 1 (set it before triton is imported)"
     return True, "TRITON_INTERPRET=1: kernels run on the CPU, slowly"
 
@@ -197,6 +208,7 @@ def json_report(device: str | None = None) -> dict[str, object]:
             label: _versions.installed_version(distribution) for label, distribution in PACKAGES
         },
         "gpu": _cuda_device(),
+        "environment": {name: os.environ.get(name) for name in envs.VARIABLES},
         "self_check": _self_check(device or default_device()),
         "kernels": describe(device or default_device(), {table.op for table in CHECKED}),
     }

@@ -18,7 +18,7 @@ from typing import Literal
 
 import torch
 
-from dsv4_backend.cache.fp8_format import PagedLayout, _check_width
+from dsv4_backend.cache.fp8_format import PagedLayout, check_width
 from dsv4_backend.cache.token_cache import CacheFormat, SlotCache
 from dsv4_backend.errors import ConfigError, ContractError
 
@@ -176,7 +176,7 @@ class Fp4IndexKeyLayout(PagedLayout):
     def pack_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[N, dim]`` float -> ``(payload [N, dim / 2], exponents [N, dim / 32])``
         uint8; exact for values already on the fp4 grid (``fp4_round_ue8m0``)."""
-        _check_width(x, self.dim, "x")
+        check_width(x, self.dim, "x")
         return pack_ue8m0(x)
 
     def unpack_tokens(self, data: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -216,7 +216,7 @@ class Fp4IndexKeyCache(SlotCache):
         slot -1 writes the padding slot 0 instead (sglang's reserved page 0, which no entry
         occupies), so the store needs no host sync and a CUDA graph captures it."""
         self.check_slots(slots)
-        _check_width(rows, self.dim, "rows")
+        check_width(rows, self.dim, "rows")
         kept = slots.long().clamp(min=0)
         if self.layout is None:
             self.storage[kept] = rows.float()

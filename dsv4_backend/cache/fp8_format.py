@@ -223,7 +223,7 @@ class Fp8TokenLayout(PagedLayout):
         Returns ``data`` ``[N, token_bytes]`` uint8 (e4m3 nope bytes, then bf16 rope bytes) and
         ``scales`` ``[N, 8]`` uint8 (ue8m0 exponents, zero padded).
         """
-        _check_width(x, self.head_dim, "x")
+        check_width(x, self.head_dim, "x")
         n = x.shape[0]
         groups = x[:, : self.nope_dim].float().reshape(n, self.num_scales, SCALE_GROUP)
         e = ue8m0_exponent(groups.abs().amax(dim=-1))  # [N, G]
@@ -284,7 +284,7 @@ class Fp8IndexerLayout(PagedLayout):
 
         ``scales`` holds the bytes of the fp32 scale.
         """
-        _check_width(x, self.dim, "x")
+        check_width(x, self.dim, "x")
         x = x.float()
         amax = x.abs().amax(dim=1, keepdim=True)
         scale = torch.where(amax == 0, torch.ones_like(amax), amax / E4M3_MAX)
@@ -299,7 +299,7 @@ def _arange(n: int, like: torch.Tensor) -> torch.Tensor:
     return torch.arange(n, device=like.device)
 
 
-def _check_width(x: torch.Tensor, width: int, name: str) -> None:
+def check_width(x: torch.Tensor, width: int, name: str) -> None:
     if x.dim() != 2 or x.shape[1] != width or not x.is_floating_point():
         raise BatchError(
             f"{name} has shape {tuple(x.shape)} and dtype {x.dtype}; expected a float tensor "

@@ -15,11 +15,11 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib.util
-import os
 from collections.abc import Iterator
 
 import torch
 
+from dsv4_backend import envs
 from dsv4_backend.errors import ConfigError
 
 TRITON = "triton"
@@ -31,7 +31,7 @@ _forced: list[str] = []
 
 
 def interpreter_enabled() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return envs.TRITON_INTERPRET.get() == "1"
 
 
 @functools.cache

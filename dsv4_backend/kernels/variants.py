@@ -41,11 +41,10 @@ from typing import Any
 
 import torch
 
+from dsv4_backend import envs
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels import dispatch
 
-#: Set to ``1`` to let variants that have not passed the GPU check be CUDA defaults.
-UNVERIFIED_ENV = "DSV4_UNVERIFIED_KERNELS"
 #: Libraries a variant may need (module names); an sglang GPU host installs all of them.
 LIBRARIES = ("flashinfer", "flash_mla", "deep_gemm", "tvm", "tvm_ffi")
 
@@ -230,7 +229,7 @@ class OpTable:
 
     def __post_init__(self) -> None:
         if not self.env:
-            object.__setattr__(self, "env", f"DSV4_{self.op.upper()}_KERNEL")
+            object.__setattr__(self, "env", envs.kernel_variable(self.op))
         names = [v.name for v in self.variants]
         if len(set(names)) != len(names) or not names:
             raise ConfigError(f"op {self.op!r}: variant names {names} must be unique, non-empty")
@@ -386,7 +385,7 @@ def _why_default(variant: Variant, target: Target, unverified: bool | None) -> s
     if not variant.baseline and unverified is None:
         return "the first variant that runs here (off CUDA)"
     if not variant.baseline:
-        return f"unverified variants allowed ({UNVERIFIED_ENV}=1 or force_unverified)"
+        return f"unverified variants allowed ({envs.UNVERIFIED_KERNELS.name}=1 or force_unverified)"
     if target.device_type == "cuda" or unverified is False:
         return "the baseline"
     return "the first variant that runs here"
@@ -419,7 +418,7 @@ def unverified_enabled() -> bool | None:
     CUDA only)."""
     if _forced_unverified:
         return _forced_unverified[-1]
-    return True if os.environ.get(UNVERIFIED_ENV) == "1" else None
+    return True if envs.UNVERIFIED_KERNELS.get() == "1" else None
 
 
 @contextlib.contextmanager

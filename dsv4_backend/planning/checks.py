@@ -24,16 +24,14 @@ and the A/B tool set it) or inside ``strict_checks()``.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
+from dsv4_backend import envs
 from dsv4_backend.errors import BatchError, DSV4Error
 
-#: Environment variable that turns strict mode on (``1``) or off (anything else).
-STRICT_ENV = "DSV4_STRICT_CHECKS"
 _strict_override: list[bool] = []
 
 
@@ -41,7 +39,7 @@ def strict_checks_enabled() -> bool:
     """Whether device-side checks are read (one host sync per plan) before anything is written."""
     if _strict_override:
         return _strict_override[-1]
-    return os.environ.get(STRICT_ENV, "0") == "1"
+    return envs.STRICT_CHECKS.get() == "1"
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from dsv4_backend import _versions
+from dsv4_backend import _versions, envs
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.compute.kernel_choice import TABLES
 from dsv4_backend.config import DSV4AttentionConfig
@@ -91,11 +91,9 @@ from dsv4_backend.self_check.requests import PagedRequestPool
 
 logger = logging.getLogger(__name__)
 
-SELF_CHECK_ENV = "DSV4_SELF_CHECK"
-#: ``DSV4_SELF_CHECK`` values (the module docstring).
-MODES = ("auto", "0", "1", "force")
+SELF_CHECK_ENV = envs.SELF_CHECK.name
 #: Where the verdicts are kept (default ``$XDG_CACHE_HOME/dsv4_backend/self-check``).
-CACHE_DIR_ENV = "DSV4_SELF_CHECK_DIR"
+CACHE_DIR_ENV = envs.SELF_CHECK_DIR.name
 #: Bumped when what a cached verdict means changes.
 CACHE_SCHEMA = 1
 #: Extends of more rows than this take FlashMLA's prefill kernel in the check (``flashmla``
@@ -410,14 +408,11 @@ def _probe_model(widths: CheckWidths, device: torch.device) -> SyntheticModel:
 # ---------------------------------------------------------------------------- the cache
 def setting() -> str:
     """``DSV4_SELF_CHECK`` (``auto`` when unset); ``ConfigError`` for another value."""
-    value = os.environ.get(SELF_CHECK_ENV, "") or "auto"
-    if value not in MODES:
-        raise ConfigError(f"{SELF_CHECK_ENV}={value!r}; expected one of {MODES}")
-    return value
+    return envs.SELF_CHECK.get()
 
 
 def cache_dir() -> Path:
-    configured = os.environ.get(CACHE_DIR_ENV)
+    configured = envs.SELF_CHECK_DIR.get()
     if configured:
         return Path(configured)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")

@@ -7,15 +7,16 @@ cannot be served is a ``ConfigError`` naming the option."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from typing import TYPE_CHECKING
 
 import torch
 from sglang.srt.runtime_context import derive_attn_tp_size
 
+from dsv4_backend import envs
 from dsv4_backend.cache import stage_layers
-from dsv4_backend.config import INDEXER_SELECTIONS, REQUIRED_PAGE_SIZE, DSV4AttentionConfig
+from dsv4_backend.config import REQUIRED_PAGE_SIZE, DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
+from dsv4_backend.hf_config import config_from_hf
 from dsv4_backend.planning import SUPPORTED_DRAFT_TOPK
 from dsv4_backend.sglang_adapter.late_layer_tail import bounded_replay
 from dsv4_backend.sglang_adapter.refusals import check_served
@@ -40,7 +41,7 @@ V41_CP_WINDOW_WRITES = (
 )
 #: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
 #: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
-INDEXER_SELECTION_ENV = "DSV4_BACKEND_INDEXER_SELECTION"
+INDEXER_SELECTION_ENV = envs.INDEXER_SELECTION.name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,17 +111,13 @@ class RunnerSettings:
             for option, off, flag in REGION_COPYING_OPTIONS
             if getattr(args, option, off) not in (off, None)
         )
-        selection = os.environ.get(INDEXER_SELECTION_ENV, "exact")
-        if selection not in INDEXER_SELECTIONS:
-            raise ConfigError(
-                f"{INDEXER_SELECTION_ENV}={selection!r}; expected one of {INDEXER_SELECTIONS}"
-            )
+        selection = envs.INDEXER_SELECTION.get()
         speculative = getattr(args, "speculative_algorithm", None) is not None
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.
         # sglang's own reading of the window (its model config resolves the same keys).
         window = getattr(runner.model_config, "sliding_window_size", None)
         num_draft_tokens = int(getattr(args, "speculative_num_draft_tokens", 0) or 0)
-        config = DSV4AttentionConfig.from_hf_config(
+        config = config_from_hf(
             hf,
             {"window_size": window},
             speculative=speculative,

@@ -130,7 +130,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--config", choices=tuple(CONFIGS), default="tiny")
     parser.add_argument(
         "--indexer-selection", choices=INDEXER_SELECTIONS, default="exact",
-        help="exact scores, or sglang's fp8 ones (DSV4_INDEXER_SELECTION)",
+        help="exact scores, or sglang's fp8 ones (DSV4_BACKEND_INDEXER_SELECTION)",
     )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the findings to this file")

@@ -9,8 +9,9 @@ import pytest
 from sglang.srt.utils.hf_transformers.common import _CONFIG_REGISTRY
 from transformers import DeepseekV4Config
 
-from dsv4_backend.config import DSV4AttentionConfig, read_hf_config
+from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
+from dsv4_backend.hf_config import config_from_hf, read_hf_config
 
 #: YaRN values unlike the dataclass defaults, so a fallback to a default cannot pass.
 YARN = {
@@ -77,7 +78,7 @@ FORMS = {"hub": lambda v: v, "transformers": transformers_object, "sglang": sgla
 @pytest.mark.sglang
 @pytest.mark.parametrize("form", FORMS)
 def test_every_form_gives_the_same_config(form: str) -> None:
-    assert DSV4AttentionConfig.from_hf_config(FORMS[form](hub())) == EXPECTED
+    assert config_from_hf(FORMS[form](hub())) == EXPECTED
 
 
 @pytest.mark.sglang
@@ -99,7 +100,7 @@ def test_transformers_layer_types_and_compress_rates() -> None:
 def test_no_scaling_means_no_yarn(form: str) -> None:
     values = hub()
     del values["rope_scaling"]
-    config = DSV4AttentionConfig.from_hf_config(FORMS[form](values))
+    config = config_from_hf(FORMS[form](values))
     assert config.yarn_original_max_position == 0
     assert (config.rope_theta, config.compress_rope_theta) == (20000.0, 40000.0)
 
@@ -134,7 +135,7 @@ def test_a_rope_scaling_edited_by_transformers_keeps_the_hub_thetas() -> None:
     values = hub()
     sglang_object(values)
     assert values["rope_scaling"].get("rope_theta") == 20000.0
-    assert DSV4AttentionConfig.from_hf_config(values) == EXPECTED
+    assert config_from_hf(values) == EXPECTED
 
 
 def test_main_theta_missing_everywhere_is_refused() -> None:
@@ -156,7 +157,7 @@ def test_a_window_only_model_needs_no_compressed_fields() -> None:
     }
     with pytest.raises(ConfigError, match="sliding_window / window_size"):
         read_hf_config(values)
-    config = DSV4AttentionConfig.from_hf_config(values, {"window_size": 128})
+    config = config_from_hf(values, {"window_size": 128})
     assert config == DSV4AttentionConfig(compress_ratios=(0,), yarn_original_max_position=0)
     with pytest.raises(ConfigError, match="index_n_heads"):
         read_hf_config({**values, "compress_ratios": [0, 4]}, {"window_size": 128})

@@ -17,6 +17,7 @@ import torch
 from dsv4_backend.compute import forward_layer
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
+from dsv4_backend.hf_config import config_from_hf
 from dsv4_backend.planning import checks, plan
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
@@ -357,7 +358,7 @@ def test_two_dimensional_q_of_the_wrong_width_is_refused(host: SimpleNamespace) 
 )
 def test_config_values_of_the_wrong_type_name_the_field(field, value, message) -> None:
     with pytest.raises(ConfigError) as refused:
-        DSV4AttentionConfig.from_hf_config({**HF, field: value})
+        config_from_hf({**HF, field: value})
     assert message in str(refused.value)
 
 

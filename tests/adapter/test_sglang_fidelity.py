@@ -15,6 +15,7 @@ from sglang.srt.utils.hf_transformers.common import _CONFIG_REGISTRY
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
+from dsv4_backend.hf_config import config_from_hf
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
@@ -175,9 +176,7 @@ def test_backend_reads_sglangs_config_object(pool) -> None:
     backend = make_backend(pool, _CONFIG_REGISTRY["deepseek_v4"](**values()))
     assert backend.config.yarn_factor == 4.0
     assert backend.config.yarn_original_max_position == 2048
-    assert backend.config == DSV4AttentionConfig.from_hf_config(
-        values(), speculative=True, num_draft_tokens=4
-    )
+    assert backend.config == config_from_hf(values(), speculative=True, num_draft_tokens=4)
 
 
 # -------------------------------------------------------------- data-parallel padding

@@ -17,6 +17,7 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig, V41Sources
 from dsv4_backend.errors import ConfigError
+from dsv4_backend.hf_config import config_from_hf
 from dsv4_backend.testing.reference import (
     candidate_blocks,
     fake_quant_e4m3,
@@ -52,7 +53,7 @@ FLASH_V41: dict[str, Any] = dict(
 def test_the_v41_flash_config_through_sglangs_config_class() -> None:
     from sglang.srt.configs.deepseek_v41 import DeepseekV41Config
 
-    config = DSV4AttentionConfig.from_hf_config(DeepseekV41Config(**FLASH_V41))
+    config = config_from_hf(DeepseekV41Config(**FLASH_V41))
     assert config.compress_ratios == tuple([0, 0] + [2] * 18 + [1] * 20)  # stage slots dropped
     assert config.v41 == V41Sources(
         kv_source_layers=(2, 8, 14, 20), index_source_layers=(2, 8, 14, 20, 24, 28, 32, 36),
@@ -81,12 +82,12 @@ def test_the_v41_flash_config_through_sglangs_config_class() -> None:
 )
 def test_v41_sources_that_do_not_fit_the_layers_are_refused(change: dict, message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        DSV4AttentionConfig.from_hf_config({**FLASH_V41, **change})
+        config_from_hf({**FLASH_V41, **change})
 
 
 def test_low_ratios_without_v41_sources_are_refused() -> None:
     with pytest.raises(ConfigError, match=r"compress_ratios contains \[1, 2\].*DeepSeek-V4.1"):
-        DSV4AttentionConfig.from_hf_config({**FLASH_V41, "kv_source_layer_ids": []})
+        config_from_hf({**FLASH_V41, "kv_source_layer_ids": []})
 
 
 # ---------------------------------------------------------------------------- fp4 rounding
@@ -162,7 +163,7 @@ def test_low_ratio_latents_equal_sglangs_compressor(ratio: int) -> None:
     from sglang.kernels.ops.quantization.fp4_fake_quant import fake_quant_compressed_kv
     from sglang.srt.layers.attention.dsv4.dsv41_sparse import DeepseekV41Compressor, rope_tail
 
-    config = DSV4AttentionConfig.from_hf_config(FLASH_V41)
+    config = config_from_hf(FLASH_V41)
     head_dim, rope_dim, hidden, tokens = config.head_dim, config.rope_dim, 96, 37
     g = torch.Generator().manual_seed(ratio)
     module = DeepseekV41Compressor(
@@ -204,7 +205,7 @@ def _indexer(layer: int = 20) -> tuple[Any, DSV4AttentionConfig]:
 
     from sglang.srt.layers.attention.dsv4.dsv41_sparse import DeepseekV41Indexer
 
-    config = DSV4AttentionConfig.from_hf_config(FLASH_V41)
+    config = config_from_hf(FLASH_V41)
     hf = SimpleNamespace(**FLASH_V41, q_lora_rank=48, hidden_size=96)
     module = DeepseekV41Indexer(hf, layer, config.head_dim, None, "indexer")
     g = torch.Generator().manual_seed(layer)
@@ -317,8 +318,8 @@ def test_pair_ring_rows_are_sglangs() -> None:
     count, so the rings alias its pair state pool."""
     from sglang.srt.mem_cache.deepseek_v4_memory_pool import get_compress_state_ring_size
 
-    plain = DSV4AttentionConfig.from_hf_config(FLASH_V41)
+    plain = config_from_hf(FLASH_V41)
     assert plain.ring_rows(2) == get_compress_state_ring_size(2, 0)
     for n in range(1, 9):
-        config = DSV4AttentionConfig.from_hf_config(FLASH_V41, speculative=True, num_draft_tokens=n)
+        config = config_from_hf(FLASH_V41, speculative=True, num_draft_tokens=n)
         assert config.ring_rows(2) == get_compress_state_ring_size(2, n), n

@@ -11,10 +11,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from dsv4_backend.envs import UNVERIFIED_KERNELS
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.variants import (
-    UNVERIFIED_ENV,
     OpTable,
     Target,
     Variant,
@@ -132,11 +132,11 @@ def test_unverified_variants_need_the_opt_in_on_cuda_only(monkeypatch: pytest.Mo
     )
     assert choose(table, HOPPER, None).name == "old"
     assert choose(table, HOPPER, None).reason == "the baseline"
-    assert UNVERIFIED_ENV in choose(table, HOPPER, None, unverified=True).reason
+    assert UNVERIFIED_KERNELS.name in choose(table, HOPPER, None, unverified=True).reason
     assert choose(table, CPU, None).name == "new"  # the interpreter runs what the tests cover
     assert choose(table, CPU, None, unverified=False).name == "old"
     assert unverified_enabled() is None
-    monkeypatch.setenv(UNVERIFIED_ENV, "1")
+    monkeypatch.setenv(UNVERIFIED_KERNELS.name, "1")
     assert unverified_enabled() is True
     with force_unverified(False):
         assert unverified_enabled() is False

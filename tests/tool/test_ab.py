@@ -31,9 +31,9 @@ from dsv4_backend.tools.ab.report import (
     ERROR_RATIO_LIMITS,
     FAIL_COLOUR,
     TIME_MS_LIMITS,
-    _plot_errors,
-    _plot_times,
     build_report,
+    plot_errors,
+    plot_step_times,
     plot_times,
     render_markdown,
 )
@@ -407,8 +407,8 @@ def test_plot_shows_the_verdict_zero_bars_and_fixed_scales(tiny_trace, tmp_path:
     assert corners["passed"] == pytest.approx((1.0, 1.0, 1.0))
     fig, axes = plt.subplots(2, 2)
     for column, report in enumerate((passed, failed)):
-        _plot_errors(axes[0, column], report["modes"])
-        _plot_times(axes[1, column], report, "plan")
+        plot_errors(axes[0, column], report["modes"])
+        plot_step_times(axes[1, column], report, "plan")
         assert axes[0, column].get_ylim() == pytest.approx(ERROR_RATIO_LIMITS)
         assert axes[1, column].get_ylim() == pytest.approx(TIME_MS_LIMITS)
     labels = [[t.get_text() for t in ax.texts] for ax in axes.flat]

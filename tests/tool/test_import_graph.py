@@ -2,8 +2,8 @@
 
 Layers, bottom to top (a module may import its own layer and the ones below):
 
-0. ``errors``, ``_versions`` (and the package's ``__init__``)
-1. ``config``
+0. ``errors``, ``_versions``, ``envs`` (and the package's ``__init__``)
+1. ``config``, ``hf_config`` (its reader)
 2. ``cache``, ``ops``
 3. ``kernels``
 4. ``planning``, ``compute``, ``self_check`` (the start-up self-check and its judge)
@@ -35,7 +35,9 @@ LAYERS: dict[str, int] = {
     "": 0,
     "errors": 0,
     "_versions": 0,
+    "envs": 0,
     "config": 1,
+    "hf_config": 1,
     "cache": 2,
     "ops": 2,
     "kernels": 3,

@@ -14,7 +14,7 @@ LOG2E = tl.constexpr(math.log2(math.e))
 
 
 @triton.jit
-def _e4m3_rebiased_bf16(code):
+def e4m3_rebiased_bf16(code):
     """uint8 e4m3fn bit patterns (any shape) -> bf16 of value * 2^-120, exact: the 7 exponent
     and mantissa bits go under bf16's exponent field, where bias 127 reads bias 7 (e4m3
     subnormals land on bf16 subnormals alike). The NaN codes 0x7F / 0xFF become finite (no

@@ -82,7 +82,7 @@ from dsv4_backend.kernels.attention.common import (
     launch_num_splits,
     output_dtype,
 )
-from dsv4_backend.kernels.attention.device import LOG2E, _e4m3_rebiased_bf16
+from dsv4_backend.kernels.attention.device import LOG2E, e4m3_rebiased_bf16
 from dsv4_backend.kernels.device.fp8 import (
     bf16_bits_to_fp32,
     fp8_token_addresses,
@@ -150,7 +150,7 @@ def _load_key_block(
             nope = (((c & 0x7F) << 20) | ((c & 0x80) << 24)).to(tl.float32, bitcast=True)
             k = tl.where(is_nope, nope * scale, bf16_bits_to_fp32(rope))
         else:  # bf16 throughout: a power-of-two scale keeps the product exact
-            nope = _e4m3_rebiased_bf16(code) * scale.to(tl.bfloat16)
+            nope = e4m3_rebiased_bf16(code) * scale.to(tl.bfloat16)
             k = tl.where(is_nope, nope, rope.to(tl.bfloat16, bitcast=True))
         k = tl.reshape(k, [mask_n.shape[0], BLOCK_D]).to(OP_DTYPE)
     else:

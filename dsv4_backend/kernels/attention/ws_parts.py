@@ -21,7 +21,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
-from dsv4_backend.kernels.attention.device import LOG2E, _e4m3_rebiased_bf16
+from dsv4_backend.kernels.attention.device import LOG2E, e4m3_rebiased_bf16
 from dsv4_backend.kernels.device.fp8 import pow2_of_biased
 
 #: Keys a block (the N of ``q k^T``).
@@ -237,7 +237,7 @@ def _fp8_producer(
             # As the default kernel: the rebiased codes are the keys times 2^-120, and the
             # group's scale times 2^120 is 2^(E - 7), exact in bf16 (E <= 134).
             scale = pow2_of_biased(gl.minimum(e + 120, 255)).to(gl.bfloat16)
-            k_buf.slice(g * 64, 64, dim=1).store(_e4m3_rebiased_bf16(code) * scale[:, None])
+            k_buf.slice(g * 64, 64, dim=1).store(e4m3_rebiased_bf16(code) * scale[:, None])
         valid_ring.index(buf).store(rows[3].to(gl.int8))  # which keys warpgroup 0 masks
         rows = next_rows
         next_slots = later_slots

@@ -10,7 +10,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _slot_tile(
+def slot_tile(
     kv_ptr,
     score_ptr,
     ape_ptr,
@@ -38,7 +38,7 @@ def _slot_tile(
 
 
 @triton.jit
-def _online_softmax_step(m, l, acc, kv, score):
+def online_softmax_step(m, l, acc, kv, score):
     """Fold a ``[BLOCK_S, BLOCK_P]`` chunk into the per-channel running max / sum / kv sum."""
     m_new = tl.maximum(m, tl.max(score, axis=0))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # all slots so far missing
@@ -60,7 +60,7 @@ def _zero_rows(out_ptr, start, stop, D, stride_out, BLOCK_D: tl.constexpr, ZERO_
 
 
 @triton.jit
-def _zero_gaps(
+def zero_gaps(
     plan_ptr,
     out_ptr,
     rec,
@@ -89,7 +89,7 @@ def _zero_gaps(
 
 
 @triton.jit
-def _span_sources(
+def span_sources(
     j,  # [BLOCK_S] span slots
     pos,  # int64 the entry's last position
     window_len,  # int64 the span's rows from this forward
@@ -126,7 +126,7 @@ def _span_sources(
 
 
 @triton.jit
-def _ring_write_row(
+def ring_write_row(
     kv_ptr,
     score_ptr,
     ape_ptr,

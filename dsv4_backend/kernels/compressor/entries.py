@@ -14,11 +14,11 @@ from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.compressor.common import POOL_TILE, entry_cos_sin
 from dsv4_backend.kernels.compressor.device import (
-    _online_softmax_step,
-    _ring_write_row,
-    _slot_tile,
-    _span_sources,
-    _zero_gaps,
+    online_softmax_step,
+    ring_write_row,
+    slot_tile,
+    span_sources,
+    zero_gaps,
 )
 from dsv4_backend.ops.rope import CosSin, RopeTable
 
@@ -70,9 +70,7 @@ def _compress_entry_kernel(
     row is written exactly once without a separate fill.
     """
     rec = tl.program_id(0)
-    ragged = _zero_gaps(
-        plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, 2 * BLOCK_P, 1
-    )
+    ragged = zero_gaps(plan_ptr, out_ptr, rec, num_rows, D, stride_plan, stride_out, 2 * BLOCK_P, 1)
     pair = tl.arange(0, BLOCK_P)
     pair_ok = pair < D // 2
     zeros = tl.zeros([BLOCK_P], tl.float32)
@@ -88,7 +86,7 @@ def _compress_entry_kernel(
         m_o, l_e, l_o, acc_e, acc_o = m_e, zeros, zeros, zeros, zeros
         for j0 in range(0, SPAN, BLOCK_S):
             j = j0 + tl.arange(0, BLOCK_S)
-            from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+            from_rows, from_ring, rows, ring_base, ape_row = span_sources(
                 j, pos, window_len, row, request_ring, window_ptr, ring_rows,
                 stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
             )  # fmt: skip
@@ -97,17 +95,17 @@ def _compress_entry_kernel(
             m_rows = from_rows[:, None] & pair_ok[None, :]
             m_ring = from_ring[:, None] & pair_ok[None, :]
             args = (stride_kv, stride_score, stride_ape, OVERLAP * D)
-            kv, score = _slot_tile(
+            kv, score = slot_tile(
                 kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring, *args
             )
             score = tl.where(pair_ok[None, :], score, 0.0)  # padded channels: finite, unused
-            m_e, l_e, acc_e = _online_softmax_step(m_e, l_e, acc_e, kv, score)
-            kv, score = _slot_tile(
+            m_e, l_e, acc_e = online_softmax_step(m_e, l_e, acc_e, kv, score)
+            kv, score = slot_tile(
                 kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col + 1, m_rows, m_ring,
                 *args,
             )  # fmt: skip
             score = tl.where(pair_ok[None, :], score, 0.0)
-            m_o, l_o, acc_o = _online_softmax_step(m_o, l_o, acc_o, kv, score)
+            m_o, l_o, acc_o = online_softmax_step(m_o, l_o, acc_o, kv, score)
         even, odd = acc_e / l_e, acc_o / l_o
         # RMSNorm over the D channels (padded pairs pooled to 0).
         inv = tl.math.rsqrt((tl.sum(even * even, axis=0) + tl.sum(odd * odd, axis=0)) / D + eps)
@@ -148,7 +146,7 @@ def _ring_write_kernel(
     BLOCK: tl.constexpr,
 ):
     """One (record, column block): ``ring[slot, p % R] = [kv | score + ape[p % RATIO]]``."""
-    _ring_write_row(
+    ring_write_row(
         kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
         tl.program_id(0), tl.program_id(1) * BLOCK, CD, ring_rows,
         stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,

@@ -31,11 +31,11 @@ from dsv4_backend.kernels.compressor.common import (
     ring_write_is_safe,
 )
 from dsv4_backend.kernels.compressor.device import (
-    _online_softmax_step,
-    _ring_write_row,
-    _slot_tile,
-    _span_sources,
-    _zero_gaps,
+    online_softmax_step,
+    ring_write_row,
+    slot_tile,
+    span_sources,
+    zero_gaps,
 )
 from dsv4_backend.kernels.device.cache_rows import row_store_constexprs, store_row
 from dsv4_backend.ops.rope import CosSin, RopeTable
@@ -94,7 +94,7 @@ def _pool_channels(
     l_run, acc = zeros, zeros
     for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
         j = j0 + tl.arange(0, BLOCK_S)
-        from_rows, from_ring, rows, ring_base, ape_row = _span_sources(
+        from_rows, from_ring, rows, ring_base, ape_row = span_sources(
             j, pos, window_len, row, request_ring, window_ptr, ring_rows,
             stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
         )  # fmt: skip
@@ -104,12 +104,12 @@ def _pool_channels(
             col = d.to(tl.int64)[None, :]
         m_rows = from_rows[:, None] & d_ok[None, :]
         m_ring = from_ring[:, None] & d_ok[None, :]
-        kv, score = _slot_tile(
+        kv, score = slot_tile(
             kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring,
             stride_kv, stride_score, stride_ape, OVERLAP * D,
         )  # fmt: skip
         score = tl.where(d_ok[None, :], score, 0.0)  # padded channels: finite, unused
-        m_run, l_run, acc = _online_softmax_step(m_run, l_run, acc, kv, score)
+        m_run, l_run, acc = online_softmax_step(m_run, l_run, acc, kv, score)
     return acc / l_run
 
 
@@ -449,7 +449,7 @@ def _record_entries(
                                             ring_rows, stride_window, SPAN,
                                             WINDOW_PAGE)  # fmt: skip
                     if deferred:
-                        _ring_write_row(*writes, j, 0, *write_strides, RATIO, WINDOW_PAGE,
+                        ring_write_row(*writes, j, 0, *write_strides, RATIO, WINDOW_PAGE,
                                         BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
                 j += 1
                 go = go & (j < num_rows)
@@ -500,7 +500,7 @@ def _record_ring_write(
             waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos, ring_rows,
                                  stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
     if not waits:
-        _ring_write_row(kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr,
+        ring_write_row(kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr,
                         write_plan_ptr, rec, 0, CD, ring_rows, stride_kv, stride_score,
                         stride_ape, stride_ring_slot, stride_ring_row, stride_window,
                         stride_plan, RATIO, WINDOW_PAGE, COLUMNS, BLOCK_W)  # fmt: skip
@@ -589,7 +589,7 @@ def _compress_fused_kernel(
                    stride_ring_slot, stride_ring_row, stride_window, stride_plan)  # fmt: skip
     if CHANNEL_SPLITS == 1:  # every program is a record's (under a pid bound check, the c4
         # kernels compile to twice the instructions)
-        ragged = _zero_gaps(
+        ragged = zero_gaps(
             plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
         )
         # The ring write first: one that does not wait replaces no row an entry reads.
@@ -602,7 +602,7 @@ def _compress_fused_kernel(
                 BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
             )  # fmt: skip
     elif pid < num_rows:  # a record's program: the gap before it, the ring write
-        _zero_gaps(plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D,
+        zero_gaps(plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D,
                    ZERO_ROWS)  # fmt: skip
         _record_ring_write(*writes, pid, *write_sizes, RATIO, SPAN, WINDOW_PAGE,
                            BLOCK_D * OVERLAP, BLOCK_W, DEFER_WRITES)  # fmt: skip

@@ -43,10 +43,11 @@ from typing import Any
 
 import torch
 
+from dsv4_backend import envs
 from dsv4_backend.errors import ContractError
 
 #: Environment variable naming the directory of precompiled kernels.
-DIRECTORY_ENV = "DSV4_PRECOMPILED_DIR"
+DIRECTORY_ENV = envs.PRECOMPILED_DIR.name
 #: Version of the JSON layout (a loader refuses another).
 FORMAT = 1
 #: The pointers Triton 3.8's launcher appends after a kernel's parameters, in order.
@@ -153,7 +154,7 @@ def kernel_key(function: Any, launch: Mapping[str, Any], target: str) -> str:
 
 def precompiled_directory() -> Path | None:
     """The directory :data:`DIRECTORY_ENV` names (None when it is unset or empty)."""
-    value = os.environ.get(DIRECTORY_ENV, "")
+    value = envs.PRECOMPILED_DIR.get()
     return Path(value) if value else None
 
 

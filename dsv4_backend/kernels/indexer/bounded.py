@@ -27,8 +27,8 @@ from dsv4_backend.kernels.device.fp8 import (
     fp8_indexer_addresses,
     load_dense_block,
 )
-from dsv4_backend.kernels.indexer.common import BLOCK_N, C4_ENTRIES_PER_PAGE, _check_selection
-from dsv4_backend.kernels.indexer.device import _candidate_slots, _row_queries
+from dsv4_backend.kernels.indexer.common import BLOCK_N, C4_ENTRIES_PER_PAGE, check_selection
+from dsv4_backend.kernels.indexer.device import candidate_slots, row_queries
 
 if TYPE_CHECKING:
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
@@ -84,7 +84,7 @@ def _row_scores_kernel(
     num = tl.minimum(tl.load(num_ptr + row), num_cols)
     if split * BLOCK_N < num:
         d = tl.arange(0, BLOCK_D)
-        q, w = _row_queries(
+        q, w = row_queries(
             q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
             HI, DIM, BLOCK_H, BLOCK_D,
         )  # fmt: skip
@@ -92,7 +92,7 @@ def _row_scores_kernel(
         for n0 in range(split * BLOCK_N, num, step):
             cols = n0 + tl.arange(0, BLOCK_N)
             valid = cols < num
-            slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
+            slots = candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
             if FP8:
                 data, scale_at, _ = fp8_indexer_addresses(slots, valid, DIM, PAGE_TOKENS)
                 m = valid[:, None] & (d < DIM)[None, :]
@@ -278,7 +278,7 @@ def score_splits(rows: int, max_candidates: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(max_candidates, BLOCK_N), splits))
 
 
-def _row_scores_triton(
+def row_scores_triton(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
     keys: IndexerKeyCache,
@@ -372,7 +372,7 @@ def index_scores_bounded(
 ) -> torch.Tensor:
     """``table.index_scores``: the row scores over ``-inf``."""
     out = torch.full((q_idx.shape[0], max_candidates), float("-inf"), device=q_idx.device)
-    _row_scores_triton(q_idx, weights, keys, page_table, num_candidates, out)
+    row_scores_triton(q_idx, weights, keys, page_table, num_candidates, out)
     return out
 
 
@@ -405,6 +405,6 @@ def run_indexer_bounded(
     batch's total, which the plan does not carry.
     """
     scores = torch.empty(q_idx.shape[0], max_candidates, device=q_idx.device)
-    _row_scores_triton(q_idx, weights, keys, page_table, num_candidates, scores)
-    _check_selection(scores, num_candidates, page_table, topk, out)
+    row_scores_triton(q_idx, weights, keys, page_table, num_candidates, scores)
+    check_selection(scores, num_candidates, page_table, topk, out)
     _topk_slots_triton(scores, num_candidates, page_table, topk, out)

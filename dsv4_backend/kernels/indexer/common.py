@@ -22,7 +22,7 @@ C4_ENTRIES_PER_PAGE = 64
 BLOCK_N = 64
 
 
-def _check_inputs(
+def check_inputs(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
     keys: IndexerKeyCache,
@@ -114,7 +114,7 @@ def select_entries(scores: torch.Tensor, num_candidates: torch.Tensor, topk: int
     return torch.nn.functional.pad(picked, (0, topk - picked.shape[1]), value=-1)
 
 
-def _check_selection(
+def check_selection(
     scores: torch.Tensor,
     num_candidates: torch.Tensor,
     page_table: torch.Tensor,

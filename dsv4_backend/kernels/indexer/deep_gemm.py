@@ -46,7 +46,7 @@ import torch
 from dsv4_backend.cache.fp8_format import INDEXER_PAGE_TOKENS
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.indexer.common import _check_inputs
+from dsv4_backend.kernels.indexer.common import check_inputs
 from dsv4_backend.kernels.indexer.fp8 import E4M3_MAX, MIN_AMAX
 
 #: The module it calls and the distribution (as sglang 0.5.23 pins it) that provides it.
@@ -209,7 +209,7 @@ def index_scores_deep_gemm(
     one. Raises ``ContractError`` for bad inputs (the op's checks) and ``BatchError`` naming
     :func:`deep_gemm_call_reason`'s reason.
     """
-    _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
     rows, heads, dim = q_idx.shape
     reason = deep_gemm_call_reason(q_idx.device, keys, heads, dim)
     if reason is not None:

@@ -9,7 +9,7 @@ from dsv4_backend.kernels.device.fp4 import load_fp4_index_block
 
 
 @triton.jit
-def _row_queries(
+def row_queries(
     q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
     HI: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -26,7 +26,7 @@ def _row_queries(
 
 
 @triton.jit
-def _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E: tl.constexpr):
+def candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E: tl.constexpr):
     """Slots (int64) of row ``row``'s entries ``cols`` (``E`` entries a full-cache page: c4
     64, c1 256, c2 128); -1 where not ``valid``."""
     page_ptrs = page_table_ptr + row * stride_pt_t + (cols // E) * stride_pt_p
@@ -35,7 +35,7 @@ def _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p,
 
 
 @triton.jit
-def _fp4_row_dots(
+def fp4_row_dots(
     q_ptr, key_ptr, row, slots, valid, stride_qt, stride_qh, stride_qd,
     HI: tl.constexpr, DIM: tl.constexpr, PAGE_TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
     BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,

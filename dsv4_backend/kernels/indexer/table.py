@@ -46,8 +46,8 @@ from dsv4_backend.kernels.indexer.bounded import (
 from dsv4_backend.kernels.indexer.common import (
     C4_ENTRIES_PER_PAGE,
     IndexerKernels,
-    _check_inputs,
-    _check_selection,
+    check_inputs,
+    check_selection,
 )
 from dsv4_backend.kernels.indexer.deep_gemm import (
     FUNCTIONS as DEEP_GEMM_FUNCTIONS,
@@ -57,8 +57,8 @@ from dsv4_backend.kernels.indexer.deep_gemm import (
     index_scores_deep_gemm,
 )
 from dsv4_backend.kernels.indexer.slots import select_padded_slots, select_slots
-from dsv4_backend.kernels.indexer.torch import _index_scores_torch, _select_topk_torch
-from dsv4_backend.kernels.indexer.triton import _index_scores_triton
+from dsv4_backend.kernels.indexer.torch import indexer_scores_torch, select_topk_torch
+from dsv4_backend.kernels.indexer.triton import indexer_scores_triton
 from dsv4_backend.kernels.variants import (
     TRITON_PATHS,
     OpTable,
@@ -97,12 +97,12 @@ INDEXER = OpTable(
         ),
         Variant(
             "triton",
-            IndexerKernels(_index_scores_triton, select_slots, select_padded_slots),
+            IndexerKernels(indexer_scores_triton, select_slots, select_padded_slots),
             (TRITON_PATHS,), "dense or fp8 keys; work follows the page table's width",
             baseline=True,
         ),
         Variant(
-            "torch", IndexerKernels(_index_scores_torch, _select_topk_torch, _select_topk_torch),
+            "torch", IndexerKernels(indexer_scores_torch, select_topk_torch, select_topk_torch),
             (), "dense or fp8 keys", baseline=True,
         ),
     ),
@@ -135,7 +135,7 @@ def index_scores(
 
     Returns ``[T, N]`` fp32 scores, ``-inf`` at columns ``>= num_candidates``.
     """
-    _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
     return _kernels(q_idx.device).scores(
         q_idx, weights, keys, page_table, num_candidates, max_candidates
     )
@@ -159,7 +159,7 @@ def select_topk(
     out : ``[T, K]`` int32, e.g. ``c4.page_indices``; receives the slots of the selected
         entries in ascending entry order, then ``-1`` (rows with 0 candidates are all ``-1``).
     """
-    _check_selection(scores, num_candidates, page_table, topk, out)
+    check_selection(scores, num_candidates, page_table, topk, out)
     _kernels(scores.device).select(scores, num_candidates, page_table, topk, out)
 
 
@@ -181,11 +181,11 @@ def run_indexer(
     """
     if max_candidates is None:
         max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
-    _check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
     kernels = _kernels(q_idx.device)
     if kernels.run is not None:
         kernels.run(q_idx, weights, keys, page_table, num_candidates, topk, out, max_candidates)
         return
     scores = kernels.scores(q_idx, weights, keys, page_table, num_candidates, max_candidates)
-    _check_selection(scores, num_candidates, page_table, topk, out)
+    check_selection(scores, num_candidates, page_table, topk, out)
     kernels.select_padded(scores, num_candidates, page_table, topk, out)

@@ -14,7 +14,7 @@ if TYPE_CHECKING:
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 
 
-def _index_scores_torch(
+def indexer_scores_torch(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
     keys: IndexerKeyCache | Fp4IndexKeyCache,
@@ -34,7 +34,7 @@ def _index_scores_torch(
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def _select_topk_torch(
+def select_topk_torch(
     scores: torch.Tensor,
     num_candidates: torch.Tensor,
     page_table: torch.Tensor,

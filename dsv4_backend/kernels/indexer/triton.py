@@ -15,7 +15,7 @@ import triton.language as tl
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyLayout
 from dsv4_backend.kernels.device.fp8 import load_dense_block, load_fp8_indexer_block
 from dsv4_backend.kernels.indexer.common import BLOCK_N, C4_ENTRIES_PER_PAGE
-from dsv4_backend.kernels.indexer.device import _candidate_slots, _fp4_row_dots, _row_queries
+from dsv4_backend.kernels.indexer.device import candidate_slots, fp4_row_dots, row_queries
 
 if TYPE_CHECKING:
     from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
@@ -74,14 +74,14 @@ def _indexer_scores_kernel(
     if n0 < num:
         valid = cols < num
         d = tl.arange(0, BLOCK_D)
-        q, w = _row_queries(
+        q, w = row_queries(
             q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
             HI, DIM, BLOCK_H, BLOCK_D,
         )  # fmt: skip
         q = q.to(tl.float32)  # [BLOCK_H, BLOCK_D]
-        slots = _candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
+        slots = candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
         if KEYS == FP4_KEYS:
-            dots = _fp4_row_dots(
+            dots = fp4_row_dots(
                 q_ptr, key_ptr, row, slots, valid, stride_qt, stride_qh, stride_qd,
                 HI, DIM, PAGE_TOKENS, BLOCK_H, BLOCK_N, DOT_BF16,
             )  # fmt: skip
@@ -100,7 +100,7 @@ def _indexer_scores_kernel(
         tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_matrix)
 
 
-def _index_scores_triton(
+def indexer_scores_triton(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
     keys: IndexerKeyCache | Fp4IndexKeyCache,

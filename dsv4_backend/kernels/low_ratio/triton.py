@@ -45,7 +45,7 @@ from dsv4_backend.kernels.device.fp8 import (
     fp32_to_bf16_bits,
     fp32_to_e4m3,
 )
-from dsv4_backend.kernels.indexer.triton import _index_scores_triton
+from dsv4_backend.kernels.indexer.triton import indexer_scores_triton
 
 # The format's constants as the kernels read them (a compiled kernel reads constexpr globals).
 _MAX = tl.constexpr(E2M1_MAX)
@@ -221,7 +221,7 @@ def index_scores_triton(
     width: int,
 ) -> torch.Tensor:
     """``table.low_ratio_scores`` by the lightning indexer's scores kernel."""
-    return _index_scores_triton(
+    return indexer_scores_triton(
         q, weights, keys, page_table, visible.int(), width, entries_per_page(ratio)
     )
 

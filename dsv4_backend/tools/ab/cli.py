@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, NoReturn
 # torch and the A/B modules load when ``ab`` runs.
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError, DSV4Error
+from dsv4_backend.hf_config import config_from_hf
 from dsv4_backend.tools.cpu_server.ab_server import add_server_options
 
 if TYPE_CHECKING:
@@ -201,7 +201,7 @@ def _config(path: Path | None, layers: str | None, v41: bool = False) -> DSV4Att
         if not isinstance(hf, dict):
             raise ConfigError(f"--config {path}: expected a JSON object, got {type(hf).__name__}")
         try:
-            config = DSV4AttentionConfig.from_hf_config(hf, speculative=True)
+            config = config_from_hf(hf, speculative=True)
         except (ValueError, TypeError) as exc:  # ConfigError, or a field of the wrong type
             raise ConfigError(f"--config {path}: {exc}") from None
         ratios = config.compress_ratios
@@ -291,8 +291,9 @@ def run_ab(args: argparse.Namespace) -> int:
     """Run the ``ab`` command from parsed arguments; return the exit status."""
     import torch
 
+    from dsv4_backend import envs
     from dsv4_backend.kernels.dispatch import interpreter_enabled
-    from dsv4_backend.planning.checks import STRICT_ENV, strict_checks
+    from dsv4_backend.planning.checks import strict_checks
     from dsv4_backend.testing.interpreter import patch_language_once
     from dsv4_backend.tools.ab.backends import make_backend
     from dsv4_backend.tools.ab.report import build_report, render_markdown, write_report
@@ -330,7 +331,8 @@ def run_ab(args: argparse.Namespace) -> int:
         _prepare_out(args.out)  # the last check: a refused run leaves no folder behind
         # Strict mode (planning/checks.py) unless DSV4_STRICT_CHECKS=0: a bad batch raises at
         # once, against its mode.
-        with strict_checks(os.environ.get(STRICT_ENV, "1") == "1"):
+        strict = not envs.STRICT_CHECKS.is_set() or envs.STRICT_CHECKS.get() == "1"
+        with strict_checks(strict):
             result = run_trace(trace, a, b, device=device, atol=atol, progress=not args.quiet)
     except DSV4Error as exc:
         print(f"dsv4-backend ab: error: {exc}", file=sys.stderr)

@@ -218,7 +218,7 @@ def _ratio(error: float | None, bound: float) -> float:
     return error / bound if bound > 0 else float("inf")
 
 
-def _plot_errors(ax: Any, modes: list[dict[str, Any]]) -> None:
+def plot_errors(ax: Any, modes: list[dict[str, Any]]) -> None:
     """Per mode: max |A-B| / atol and, where bounded, median row error / its bound; green
     within tolerance, red over it; a mode whose backend raised gets a red ERROR bar."""
     low, high = ERROR_RATIO_LIMITS
@@ -253,7 +253,7 @@ def _plot_errors(ax: Any, modes: list[dict[str, Any]]) -> None:
     ax.grid(axis="y", alpha=0.3)
 
 
-def _plot_times(ax: Any, report: dict[str, Any], kind: str) -> None:
+def plot_step_times(ax: Any, report: dict[str, Any], kind: str) -> None:
     """Median ms per step of ``kind`` (plan / kernel), A beside B, p90 as error bars; a zero
     median (the reference does not plan) is labelled ``0``, a mode that never ran ``n/a``."""
     low, high = TIME_MS_LIMITS
@@ -292,9 +292,9 @@ def plot_times(report: dict[str, Any], path: Path) -> None:
 
     modes = report["modes"]
     fig, axes = plt.subplots(3, 1, figsize=(max(6.0, 0.9 * len(modes) + 2), 10), sharex=True)
-    _plot_errors(axes[0], modes)
+    plot_errors(axes[0], modes)
     for ax, kind in zip(axes[1:], KINDS, strict=True):
-        _plot_times(ax, report, kind)
+        plot_step_times(ax, report, kind)
     axes[-1].set_xticks(np.arange(len(modes)), [m["label"] for m in modes], rotation=45, ha="right")
     axes[-1].set_xlim(-0.6, len(modes) - 0.4)
     passed = report["passed"]

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from dsv4_backend import envs
+
 #: ``1`` loads the CPU serving kit (``standins.py``) in sglang's processes.
-ENABLE_ENV = "DSV4_CPU_SERVING_KIT"
+ENABLE_ENV = envs.CPU_SERVING_KIT.name
 #: sglang's own environment switches from its TileLang / fused kernels to its torch code.
 SGLANG_TORCH_SWITCHES = {
     "SGLANG_OPT_USE_TILELANG_MHC_PRE": "0",

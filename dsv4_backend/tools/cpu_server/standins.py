@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dsv4_backend import envs
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.tools.cpu_server.environment import ENABLE_ENV, SGLANG_TORCH_SWITCHES
 
@@ -319,7 +320,7 @@ def enabled() -> bool:
     sglang started (its scheduler, where the model runs; detokenizer, ...). The process that
     starts the server or an ``Engine`` runs no model and keeps sglang unpatched, so a test
     process that starts an ``Engine`` serves its other tests sglang's own code."""
-    return os.environ.get(ENABLE_ENV) == "1" and multiprocessing.parent_process() is not None
+    return envs.CPU_SERVING_KIT.get() == "1" and multiprocessing.parent_process() is not None
 
 
 _installed = False
