@@ -26,8 +26,8 @@ the variant :data:`INDEXER` chooses (``kernels/variants.py``); every one selects
   start-up self-check on the device (``self_check/``).
 * ``bounded`` (``bounded.py``; the interpreter's default): three launches whose work follows
   each row's own candidate count.
-* ``triton`` (``triton.py``; the CUDA baseline): scores over the page table's width, then the
-  top-k of the whole matrix and the slots (``slots.py``, ``topk.py``).
+* ``full_width`` (``triton.py``; the CUDA baseline): Triton scores over the page table's whole
+  width, then the top-k of the whole matrix and the slots (``slots.py``, ``topk.py``).
 * ``torch`` (``torch.py``): the plain implementation (the torch path, every path's twin).
 """
 
@@ -96,7 +96,7 @@ INDEXER = OpTable(
             (TRITON_PATHS,), "dense or fp8 keys; work follows each row's candidate count",
         ),
         Variant(
-            "triton",
+            "full_width",
             IndexerKernels(indexer_scores_triton, select_slots, select_padded_slots),
             (TRITON_PATHS,), "dense or fp8 keys; work follows the page table's width",
             baseline=True,
