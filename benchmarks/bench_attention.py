@@ -67,7 +67,7 @@ if not ON_GPU:
 from dsv4_backend.cache import TokenCache  # noqa: E402
 from dsv4_backend.config import WINDOW_PAGE_TOKENS  # noqa: E402
 from dsv4_backend.kernels import dispatch  # noqa: E402
-from dsv4_backend.kernels.attention.common import group_rows  # noqa: E402
+from dsv4_backend.kernels.attention.common import AttentionCall, group_rows  # noqa: E402
 from dsv4_backend.kernels.attention.flashmla import (  # noqa: E402
     flashmla_schedule,
     flashmla_unsupported_reason,
@@ -305,7 +305,7 @@ def compare_flashmla(opts, shapes: dict, device: str, g: torch.Generator) -> Non
                 continue
             theirs = flashmla_call(args)
             fm = theirs().float()
-            ref_diff = (fm - sparse_attention_torch(*args)).abs().max().item()
+            ref_diff = (fm - sparse_attention_torch(AttentionCall.of(*args))).abs().max().item()
             t_fm = time_call(theirs, opts.reps)
             for kernel in opts.kernel:
                 ours, why = kernel_call(kernel, args, opts.splits)
@@ -374,7 +374,7 @@ def main() -> None:
             for batch in batches:
                 args = make_inputs(batch, layer, fmt, shapes, device, g)
                 moved, fl = cost(batch, layer, fmt, shapes)
-                reference = sparse_attention_torch(*args)
+                reference = sparse_attention_torch(AttentionCall.of(*args))
                 calls = [("torch", functools.partial(sparse_attention_torch, *args), "")]
                 calls += [(k, *kernel_call(k, args, opts.splits)) for k in opts.kernel]
                 for path, fn, why in calls:
@@ -402,7 +402,7 @@ def time_verify(opts, shapes: dict, device: str, matched, g: torch.Generator) ->
         for fmt in opts.fmt:
             args = make_verify_inputs(requests, draft, heads, layer, fmt, shapes, device, g)
             c = verify_cost(requests, draft, heads, layer, fmt, shapes, g)
-            reference = sparse_attention_torch(*args)
+            reference = sparse_attention_torch(AttentionCall.of(*args))
             for schedule, rows in (("per-row", 1), ("grouped", draft)):
                 fn = functools.partial(
                     sparse_attention_triton, *args, num_splits=opts.splits, rows_per_group=rows

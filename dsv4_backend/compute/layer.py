@@ -15,6 +15,7 @@ import torch
 from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.config import LOW_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
+from dsv4_backend.kernels.attention.common import AttentionCall
 from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.compressor.table import compress_forward
@@ -142,7 +143,7 @@ def attend(
             raise ContractError(f"{where}: compress ratio {ratio} but the metadata has no c{ratio}")
     elif ratio:
         comp = _compressed(metadata, ratio, where)
-    return sparse_attention_with_sink(
+    call = AttentionCall.of(
         q,
         state.pools.window(layer),
         metadata.swa_page_indices,
@@ -154,6 +155,7 @@ def attend(
         state.config.softmax_scale,
         rows_per_group=_rows_per_request(metadata),
     )
+    return sparse_attention_with_sink(call)
 
 
 def _rows_per_request(metadata: AttentionMetadata) -> int:

@@ -19,7 +19,7 @@ import torch
 from attention_inputs import PAGE_TOKENS, make_cache, random_indices, random_keys
 
 from dsv4_backend.cache import TokenCache
-from dsv4_backend.kernels.attention.common import attention_tolerance
+from dsv4_backend.kernels.attention.common import AttentionCall, attention_tolerance
 from dsv4_backend.kernels.attention.table import ATTENTION, variant_reason
 from dsv4_backend.kernels.attention.torch import sparse_attention_torch
 
@@ -65,12 +65,12 @@ def test_matches_torch_on_cuda(kernel, ratio, splits):
         if reason is not None:
             pytest.skip(reason)
     if "num_splits" in inspect.signature(variant.entry).parameters:
-        out = variant.entry(*args, num_splits=splits)
+        out = variant.entry(AttentionCall.of(*args), num_splits=splits)
     elif splits is None:
-        out = variant.entry(*args)
+        out = variant.entry(AttentionCall.of(*args))
     else:
         pytest.skip(f"{variant.name} schedules its own splits")
-    expected = sparse_attention_torch(*args)
+    expected = sparse_attention_torch(AttentionCall.of(*args))
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(
         out.float(), expected, atol=attention_tolerance("cuda"), rtol=2**-8, msg=kernel

@@ -36,6 +36,7 @@ from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.attention import flashmla, flashmla_library, flashmla_prefill
+from dsv4_backend.kernels.attention.common import AttentionCall
 from dsv4_backend.kernels.attention.flashmla import (
     flashmla_arguments,
     flashmla_unsupported_reason,
@@ -144,10 +145,11 @@ def fake_flash_mla_with_kvcache(
         assert tile_scheduler_metadata.config == config, "sched_meta reused for other shapes"
     tile_scheduler_metadata.have_initialized, tile_scheduler_metadata.config = True, config
     ext, ext_indices, ext_lengths = extra_args
-    out = sparse_attention_torch(
+    call = AttentionCall.of(
         q[:, 0].float(), window, indices[:, 0], topk_length, ext, ext_indices, ext_lengths,
         attn_sink, softmax_scale,
     )  # fmt: skip
+    out = sparse_attention_torch(call)
     return out.bfloat16()[:, None], torch.zeros(b, h_q, s_q)
 
 
@@ -244,8 +246,8 @@ def test_flashmla_matches_the_torch_path(flash_mla, monkeypatch, heads, layer):
     caches, lengths of 0, past the width and negative, -1 holes."""
     monkeypatch.setattr(flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
     args = _attention_args(heads, layer, torch.Generator().manual_seed(heads + len(layer)))
-    out = sparse_attention_flashmla(*args)
-    expected = sparse_attention_torch(*args)
+    out = sparse_attention_flashmla(AttentionCall.of(*args))
+    expected = sparse_attention_torch(AttentionCall.of(*args))
     assert out.dtype == torch.bfloat16 and out.shape == expected.shape and out.is_contiguous()
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
     if layer == "window":  # row 2 has no key: 0
@@ -262,11 +264,11 @@ def test_flashmla_takes_the_prefill_kernel_above_sglangs_threshold(flash_mla, mo
         real = getattr(flash_mla, name)
         monkeypatch.setattr(flash_mla, name, functools.partial(_recorded, calls, name, real))
     args = _attention_args(64, "c4", torch.Generator().manual_seed(3))
-    expected = sparse_attention_torch(*args)
+    expected = sparse_attention_torch(AttentionCall.of(*args))
     assert flashmla.PREFILL_ROWS == 11673
     for threshold, kernel in ((5, "flash_mla_with_kvcache"), (4, "flash_mla_sparse_fwd")):
         with flashmla.flashmla_prefill_above(threshold):
-            out = sparse_attention_flashmla(*args)  # 5 rows
+            out = sparse_attention_flashmla(AttentionCall.of(*args))  # 5 rows
         assert calls.pop() == kernel and not calls
         torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
 
@@ -282,15 +284,17 @@ def test_flashmla_schedule_is_shared_and_splits_are_checked(flash_mla, monkeypat
     monkeypatch.setattr(flashmla, "flashmla_unsupported_reason", lambda *a, **k: None)
     args = _attention_args(64, "c4", torch.Generator().manual_seed(1))
     schedule = flashmla.flashmla_schedule()
-    first = sparse_attention_flashmla(*args, schedule=schedule, num_splits=4)
+    first = sparse_attention_flashmla(AttentionCall.of(*args), schedule=schedule, num_splits=4)
     assert schedule.have_initialized
-    torch.testing.assert_close(sparse_attention_flashmla(*args, schedule=schedule), first)
+    torch.testing.assert_close(
+        sparse_attention_flashmla(AttentionCall.of(*args), schedule=schedule), first
+    )
     with pytest.raises(BatchError, match="num_splits=0"):
-        sparse_attention_flashmla(*args, num_splits=0)
+        sparse_attention_flashmla(AttentionCall.of(*args), num_splits=0)
     q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = args
     assert ext_idx is not None and ext_len is not None
     empty = (q[:0], window, swa_idx[:0], swa_len[:0], ext, ext_idx[:0], ext_len[:0], sink, scale)
-    assert sparse_attention_flashmla(*empty).shape == (0, 64, D)
+    assert sparse_attention_flashmla(AttentionCall.of(*empty)).shape == (0, 64, D)
 
 
 def test_flashmla_reads_a_one_page_cache(flash_mla, monkeypatch):
@@ -306,8 +310,10 @@ def test_flashmla_reads_a_one_page_cache(flash_mla, monkeypatch):
     q = torch.randn(2, 64, D, generator=g).bfloat16().float()
     idx, lens = _slots([3, 200], 64, 200, g)
     args = (q, window, idx, lens, None, None, None, torch.randn(64, generator=g), D**-0.5)
-    out = sparse_attention_flashmla(*args)
-    torch.testing.assert_close(out.float(), sparse_attention_torch(*args), atol=1e-2, rtol=1e-2)
+    out = sparse_attention_flashmla(AttentionCall.of(*args))
+    torch.testing.assert_close(
+        out.float(), sparse_attention_torch(AttentionCall.of(*args)), atol=1e-2, rtol=1e-2
+    )
 
 
 def _flashmla_kwargs(g: torch.Generator) -> dict[str, Any]:
@@ -372,7 +378,7 @@ def test_flashmla_reasons(monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_mla", None)  # import raises ImportError
     assert "flash_mla does not import (import of flash_mla halted" in reason()
     with pytest.raises(BatchError, match="CUDA devices only"):
-        sparse_attention_flashmla(*_attention_args(8, "window", g))
+        sparse_attention_flashmla(AttentionCall.of(*_attention_args(8, "window", g)))
 
 
 # ------------------------------------------------------------- FlashMLA prefill tests
@@ -386,8 +392,8 @@ def test_flashmla_prefill_matches_the_torch_path(flash_mla, monkeypatch, heads, 
     key is 0 although the stand-in leaves NaN there."""
     monkeypatch.setattr(flashmla_prefill, "library_unsupported_reason", lambda *a, **k: None)
     args = _attention_args(heads, layer, torch.Generator().manual_seed(heads + len(layer)), fmt)
-    out = sparse_attention_flashmla_prefill(*args)
-    expected = sparse_attention_torch(*args)
+    out = sparse_attention_flashmla_prefill(AttentionCall.of(*args))
+    expected = sparse_attention_torch(AttentionCall.of(*args))
     assert out.dtype == torch.bfloat16 and out.shape == expected.shape and out.is_contiguous()
     torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
     if layer == "window":  # row 2 has no key: 0
@@ -495,13 +501,15 @@ def test_flashmla_prefill_reasons_and_edges(flash_mla, monkeypatch):
     monkeypatch.setitem(sys.modules, "flash_mla", _fake_flash_mla(legacy=False))
     assert "no legacy kernels" in reason()
     with pytest.raises(BatchError, match="CUDA devices only"):
-        sparse_attention_flashmla_prefill(*_attention_args(8, "window", g))
+        sparse_attention_flashmla_prefill(AttentionCall.of(*_attention_args(8, "window", g)))
     monkeypatch.setattr(flashmla_prefill, "library_unsupported_reason", lambda *a, **k: None)
     q, window, swa_idx, swa_len, *_, sink, scale = _attention_args(8, "window", g)
     empty = (q[:0], window, swa_idx[:0], swa_len[:0], None, None, None, sink, scale)
-    assert sparse_attention_flashmla_prefill(*empty).shape == (0, 8, D)
+    assert sparse_attention_flashmla_prefill(AttentionCall.of(*empty)).shape == (0, 8, D)
     none = torch.zeros_like(swa_len)  # no row has a key: a one-row zero workspace
-    out = sparse_attention_flashmla_prefill(q, window, swa_idx, none, None, None, None, sink, scale)
+    out = sparse_attention_flashmla_prefill(
+        AttentionCall.of(q, window, swa_idx, none, None, None, None, sink, scale)
+    )
     assert (out == 0).all()
 
 

@@ -27,7 +27,7 @@ from attention_inputs import make_cache, random_indices, random_keys
 
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.attention import ws as wa
-from dsv4_backend.kernels.attention.common import key_spans
+from dsv4_backend.kernels.attention.common import AttentionCall, key_spans
 from dsv4_backend.kernels.device import precompiled
 
 #: The configuration compiled: fp8 caches, a compressed layer, 5 ... 8 splits.
@@ -338,7 +338,7 @@ def test_sparse_attention_ws_launches_the_precompiled_kernel(package, monkeypatc
     eidx, elens = random_indices([512, 3, 0, 0, 100, 512], 512, 200, g)
     q = torch.randn(6, 64, 512, generator=g)
     args = (q, window, idx, lens, ext, eidx, elens, torch.randn(64, generator=g), 512**-0.5)
-    out = wa.sparse_attention_ws(*args, num_splits=SPLITS)
+    out = wa.sparse_attention_ws(AttentionCall.of(*args), num_splits=SPLITS)
     ((launched, grid, packed),) = launches
     assert launched == kernel and grid == (6, SPLITS)
     q_sent = packed.tensors[0]

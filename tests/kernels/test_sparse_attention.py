@@ -38,6 +38,7 @@ from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.attention.common import (
     MAX_SPLITS,
+    AttentionCall,
     attention_tolerance,
     default_num_splits,
     dot_operand_dtype,
@@ -69,11 +70,11 @@ def _rowwise(q, spans, sink, scale) -> torch.Tensor:
 def _all_paths(*args, splits=(1, 3), groups=(1,)) -> dict[str, torch.Tensor]:
     """Outputs of the torch path and of the Triton kernel at each split count and each
     ``rows_per_group``."""
-    outs = {"torch": sparse_attention_torch(*args)}
+    outs = {"torch": sparse_attention_torch(AttentionCall.of(*args))}
     for s in splits:
         for rows in groups:
             outs[f"triton-s{s}-g{rows}"] = sparse_attention_triton(
-                *args, num_splits=s, rows_per_group=rows
+                AttentionCall.of(*args, rows_per_group=rows), num_splits=s
             )
     return outs
 
@@ -243,9 +244,11 @@ def test_bf16_output_and_splits_without_keys():
     q = torch.randn(4, 8, 128, generator=g)
     sink = torch.randn(8, generator=g)
     args = (q, win, idx, lens, None, None, None, sink, TINY.softmax_scale)
-    expected = sparse_attention_torch(*args)
+    expected = sparse_attention_torch(AttentionCall.of(*args))
     for splits in (1, 4, 7):
-        out = sparse_attention_triton(*args, num_splits=splits, out_dtype=torch.bfloat16)
+        out = sparse_attention_triton(
+            AttentionCall.of(*args), num_splits=splits, out_dtype=torch.bfloat16
+        )
         assert out.dtype == torch.bfloat16, splits
         torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2**-7, msg=str(splits))
         assert (out[0] == 0).all(), splits
@@ -323,9 +326,9 @@ def test_public_op_dispatches():
     """The public op runs the interpreter or the torch path per dispatch, same answer."""
     args, _ = request_inputs(4, 40, [3, 20, 39], "fp8", seed=7)
     with dispatch.force_path("torch"):
-        via_torch = sparse_attention_with_sink(*args)
+        via_torch = sparse_attention_with_sink(AttentionCall.of(*args))
     with dispatch.force_path("triton-interpreter"):
-        via_triton = sparse_attention_with_sink(*args)
+        via_triton = sparse_attention_with_sink(AttentionCall.of(*args))
     torch.testing.assert_close(via_triton, via_torch, atol=ATOL, rtol=1e-5)
 
 
@@ -351,8 +354,10 @@ def test_any_split_matches_torch(lengths, splits, rows_per_group, holes, sink, s
     q = torch.randn(len(lengths), 8, 128, generator=g)
     args = (q, win, idx, lens, ext, eidx, elens, torch.full((8,), sink), TINY.softmax_scale)
     torch.testing.assert_close(
-        sparse_attention_triton(*args, num_splits=splits, rows_per_group=rows_per_group),
-        sparse_attention_torch(*args),
+        sparse_attention_triton(
+            AttentionCall.of(*args, rows_per_group=rows_per_group), num_splits=splits
+        ),
+        sparse_attention_torch(AttentionCall.of(*args)),
         atol=ATOL,
         rtol=1e-5,
     )
@@ -376,8 +381,8 @@ def test_merge_takes_any_heads_a_program(heads_per_program: int, monkeypatch) ->
     args = (q, win, idx, lens, ext, eidx, elens, torch.linspace(-2, 2, 6), TINY.softmax_scale)
     monkeypatch.setattr(sa, "merge_heads_per_program", lambda heads, device: heads_per_program)
     torch.testing.assert_close(
-        sparse_attention_triton(*args, num_splits=4), sparse_attention_torch(*args),
-        atol=ATOL, rtol=1e-5,
+        sparse_attention_triton(AttentionCall.of(*args), num_splits=4),
+        sparse_attention_torch(AttentionCall.of(*args)), atol=ATOL, rtol=1e-5,
     )  # fmt: skip
 
 
@@ -449,24 +454,25 @@ def _valid_args():
     ],
 )
 def test_bad_input_is_refused(change, error, text):
+    """The op's checks run once, where a call is made (``AttentionCall.of``: the op's entry
+    point and every variant take a checked call)."""
     args = _valid_args() | change
-    for impl in (sparse_attention_torch, sparse_attention_triton):
-        with pytest.raises(error) as info:
-            impl(**args)
-        assert text in str(info.value)
+    with pytest.raises(error) as info:
+        AttentionCall.of(**args)
+    assert text in str(info.value)
 
 
 def test_bad_split_count_is_refused():
     with pytest.raises(BatchError, match="num_splits=40"):
-        sparse_attention_triton(**_valid_args(), num_splits=40)
+        sparse_attention_triton(AttentionCall.of(**_valid_args()), num_splits=40)
     with pytest.raises(BatchError, match="num_splits=0"):  # not taken as "pick one"
-        sparse_attention_triton(**_valid_args(), num_splits=0)
+        sparse_attention_triton(AttentionCall.of(**_valid_args()), num_splits=0)
 
 
 def test_bad_rows_per_group_is_refused():
     for bad in (0, -2, 1.5):
         with pytest.raises(BatchError, match=f"rows_per_group={bad}"):
-            sparse_attention_triton(**_valid_args(), rows_per_group=bad)
+            sparse_attention_triton(AttentionCall.of(**_valid_args(), rows_per_group=bad))
 
 
 def test_rows_a_program_fill_one_wgmma_tile():
@@ -497,8 +503,10 @@ def test_forced_split_count_applies_and_is_checked():
     serving-mode tests use it) and refuses counts outside 1 ... MAX_SPLITS."""
     args = _valid_args()
     with force_num_splits(3):
-        forced = sparse_attention_triton(**args)
-    torch.testing.assert_close(forced, sparse_attention_torch(**args), atol=ATOL, rtol=1e-5)
+        forced = sparse_attention_triton(AttentionCall.of(**args))
+    torch.testing.assert_close(
+        forced, sparse_attention_torch(AttentionCall.of(**args)), atol=ATOL, rtol=1e-5
+    )
     for bad in (0, MAX_SPLITS + 1):
         with pytest.raises(BatchError, match=f"num_splits={bad}"), force_num_splits(bad):
             pass

@@ -18,7 +18,7 @@ from marks import needs_interpreter
 from dsv4_backend.compute.kernel_choice import describe
 from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.attention.common import force_num_splits
+from dsv4_backend.kernels.attention.common import AttentionCall, force_num_splits
 from dsv4_backend.kernels.attention.pipelined import sparse_attention_pipelined
 from dsv4_backend.kernels.attention.table import ATTENTION, sparse_attention_with_sink
 from dsv4_backend.kernels.attention.torch import sparse_attention_torch
@@ -39,9 +39,9 @@ RTOL = 2**-7
 
 def _assert_matches_torch(args, runs=((1, 1), (3, 1))) -> None:
     """The kernel at each ``(num_splits, rows_per_group)`` of ``runs`` == the torch path."""
-    expected = sparse_attention_torch(*args)
+    expected = sparse_attention_torch(AttentionCall.of(*args))
     for s, rows in runs:
-        out = sparse_attention_pipelined(*args, num_splits=s, rows_per_group=rows)
+        out = sparse_attention_pipelined(AttentionCall.of(*args, rows_per_group=rows), num_splits=s)
         assert out.dtype == torch.bfloat16 and out.shape == expected.shape
         torch.testing.assert_close(
             out.float(), expected, atol=ATOL, rtol=RTOL, msg=f"splits {s}, rows {rows}"
@@ -82,7 +82,9 @@ def test_decode_rows_at_flash_heads(ratio):
     q = torch.randn(4, 64, 128, generator=g)
     args = (q, win, idx, lens, *extra, torch.randn(64, generator=g), 128**-0.5)
     _assert_matches_torch(args, runs=((1, 1), (5, 1)))
-    assert (sparse_attention_pipelined(*args, num_splits=5)[3] == 0).all()  # no key: 0
+    assert (
+        sparse_attention_pipelined(AttentionCall.of(*args), num_splits=5)[3] == 0
+    ).all()  # no key: 0
 
 
 def test_flash_head_dim():
@@ -105,7 +107,9 @@ def test_refuses_dense_caches():
     idx, lens = random_indices([5], 8, 20, g)
     q = torch.randn(1, 8, 128, generator=g)
     with pytest.raises(BatchError, match="the window cache is dense"):
-        sparse_attention_pipelined(q, win, idx, lens, None, None, None, torch.zeros(8), 0.1)
+        sparse_attention_pipelined(
+            AttentionCall.of(q, win, idx, lens, None, None, None, torch.zeros(8), 0.1)
+        )
 
 
 def test_selection(monkeypatch):
@@ -115,14 +119,14 @@ def test_selection(monkeypatch):
     the interpreter; ``info``'s description says which variant runs."""
     args, _ = request_inputs(4, 40, [20, 39], "fp8", seed=62)
     with dispatch.force_path("triton-interpreter"), force_num_splits(2):
-        default = sparse_attention_with_sink(*args)
-        assert torch.equal(default, sparse_attention_triton(*args))
+        default = sparse_attention_with_sink(AttentionCall.of(*args))
+        assert torch.equal(default, sparse_attention_triton(AttentionCall.of(*args)))
         monkeypatch.setenv(ATTENTION.env, "pipelined")
         assert resolve(ATTENTION, "cpu").name == "pipelined"
-        chosen = sparse_attention_with_sink(*args)
+        chosen = sparse_attention_with_sink(AttentionCall.of(*args))
         dense, _ = request_inputs(4, 40, [39], "dense", seed=62)
         with pytest.raises(BatchError, match="the window cache is dense"):
-            sparse_attention_with_sink(*dense)
+            sparse_attention_with_sink(AttentionCall.of(*dense))
         ops = describe("cpu")["ops"]["attention"]
         assert ops["chosen"]["here"] == {
             "variant": "pipelined",
@@ -133,7 +137,7 @@ def test_selection(monkeypatch):
     assert torch.equal(chosen, chosen.bfloat16().float()) and not torch.equal(chosen, default)
     with force_variant(ATTENTION, "ws"), dispatch.force_path("triton-interpreter"):
         with pytest.raises(ConfigError, match="the ws attention variant cannot run on cpu"):
-            sparse_attention_with_sink(*args)
+            sparse_attention_with_sink(AttentionCall.of(*args))
         here = describe("cpu")["ops"]["attention"]["chosen"]["here"]
         assert here["variant"] is None and "runs on the triton path" in here["error"]
     monkeypatch.setenv(ATTENTION.env, "fastest")
@@ -168,4 +172,6 @@ def test_ws_takes_fp8_or_dense_bf16_caches_of_one_format_on_hopper_or_blackwell(
     idx, lens = random_indices([3], 8, 4, g)
     q = torch.randn(1, 64, 512, generator=g).bfloat16()
     with pytest.raises(BatchError, match="CUDA devices only"):
-        sparse_attention_ws(q, bf16, idx, lens, None, None, None, torch.zeros(64), 0.1)
+        sparse_attention_ws(
+            AttentionCall.of(q, bf16, idx, lens, None, None, None, torch.zeros(64), 0.1)
+        )

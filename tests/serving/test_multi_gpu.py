@@ -36,6 +36,7 @@ from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
+from dsv4_backend.kernels.attention.common import AttentionCall
 from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.dispatch import force_path
@@ -161,8 +162,10 @@ def test_kernels_read_a_rank_s_heads_from_the_padded_query() -> None:
     for path in (dispatch.TORCH, dispatch.TRITON_INTERPRETER):
         with force_path(path):
             args = (window, indices, lengths, None, None, None, sink, CONFIG.softmax_scale)
-            got = sparse_attention_with_sink(padded[:, :local], *args)
-            want = sparse_attention_with_sink(padded[:, :local].contiguous(), *args)
+            got = sparse_attention_with_sink(AttentionCall.of(padded[:, :local], *args))
+            want = sparse_attention_with_sink(
+                AttentionCall.of(padded[:, :local].contiguous(), *args)
+            )
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 

@@ -33,86 +33,137 @@ ExtraSpan = tuple[TokenCache, torch.Tensor, torch.Tensor]
 def _extra_span(
     extra: TokenCache | None, extra_indices: torch.Tensor | None, extra_lengths: torch.Tensor | None
 ) -> ExtraSpan | None:
-    """The compressed keys as one triple, None on a window-only layer (``check_inputs``
+    """The compressed keys as one triple, None on a window-only layer (``AttentionCall.of``
     refuses a partial triple)."""
     if extra is None or extra_indices is None or extra_lengths is None:
         return None
     return extra, extra_indices, extra_lengths
 
 
-def check_inputs(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> ExtraSpan | None:
-    """Raise ``BatchError`` / ``ContractError`` naming the first input that does not fit;
-    return the compressed keys as one triple (None on a window-only layer)."""
-    if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16):
-        raise BatchError(
-            f"q has shape {tuple(q.shape)} and dtype {q.dtype}; expected [T, H, D] float32 or "
-            "bfloat16"
-        )
-    rows, heads, dim = q.shape
-    if sink.shape != (heads,) or sink.dtype != torch.float32:
-        raise BatchError(
-            f"sink has shape {tuple(sink.shape)} and dtype {sink.dtype}; expected [{heads}] "
-            "float32 (one logit per head of q)"
-        )
-    if not (
-        isinstance(softmax_scale, (int, float))
-        and math.isfinite(softmax_scale)
-        and softmax_scale > 0
-    ):
-        raise BatchError(f"softmax_scale={softmax_scale!r}; expected a finite positive float")
-    extra_given = [p is not None for p in (extra, extra_indices, extra_lengths)]
-    if any(extra_given) and not all(extra_given):
-        raise BatchError(
-            "extra, extra_indices and extra_lengths must all be given (compressed layer) or all "
-            f"be None (window-only layer); got given={extra_given}"
-        )
-    spans = [("window", window, "swa_indices", swa_indices, "swa_lengths", swa_lengths)]
-    extra_span = _extra_span(extra, extra_indices, extra_lengths)
-    if extra_span is not None:
-        ext, ext_indices, ext_lengths = extra_span
-        spans.append(("extra", ext, "extra_indices", ext_indices, "extra_lengths", ext_lengths))
-    tensors = {"sink": sink}
-    for cache_name, cache, idx_name, idx, len_name, lengths in spans:
-        if cache.dim != dim or cache.rope_dim != window.rope_dim:
+@dataclasses.dataclass(frozen=True)
+class AttentionCall:
+    """One call of the sparse-attention op, checked once when made (:meth:`of`, the op's
+    checks); the op's entry point (``table.sparse_attention_with_sink``) and every variant
+    take one.
+
+    Attributes
+    ----------
+    q : ``[T, H, D]`` float32 or bfloat16, already normed and roped.
+    window : this layer's window cache (dense or fp8), addressed by window slot.
+    swa_indices : ``[T, Ws]`` int32 window slots (-1 = none).
+    swa_lengths : ``[T]`` int32 valid leading columns of ``swa_indices``.
+    extra : a compressed layer's keys (:data:`ExtraSpan`: its c4 or c128 cache, ``[T, Ke]``
+        int32 slots, -1 = none: the c4 top-k or the c128 entries, and ``[T]`` int32 valid
+        leading columns); None on a window-only layer (:meth:`of` takes the three apart).
+    sink : ``[H]`` float32 finite per-head sink logit (adds ``exp(sink)`` to the denominator).
+    softmax_scale : logit scale, ``head_dim ** -0.5``.
+    rows_per_group : how many consecutive rows mostly share keys (the rows of one verify or
+        draft-extend request; 1 for decode). The Triton path packs up to that many rows into
+        one program (:func:`group_rows`) and gathers their union of keys once
+        (``kernels/attention/key_union.py``); the result does not depend on it.
+    """
+
+    q: torch.Tensor
+    window: TokenCache
+    swa_indices: torch.Tensor
+    swa_lengths: torch.Tensor
+    extra: ExtraSpan | None
+    sink: torch.Tensor
+    softmax_scale: float
+    rows_per_group: int = 1
+
+    @classmethod
+    def of(
+        cls,
+        q: torch.Tensor,
+        window: TokenCache,
+        swa_indices: torch.Tensor,
+        swa_lengths: torch.Tensor,
+        extra: TokenCache | None,
+        extra_indices: torch.Tensor | None,
+        extra_lengths: torch.Tensor | None,
+        sink: torch.Tensor,
+        softmax_scale: float,
+        *,
+        rows_per_group: int = 1,
+    ) -> AttentionCall:
+        """The op's arguments as one checked call: ``BatchError`` / ``ContractError`` naming
+        the first that does not fit (shapes, dtypes, devices, the slots' range on the CPU)."""
+        if q.dim() != 3 or q.dtype not in (torch.float32, torch.bfloat16):
             raise BatchError(
-                f"the {cache_name} cache holds head_dim {cache.dim} (rope_dim "
-                f"{cache.rope_dim}); q has D={dim} and the window cache rope_dim "
-                f"{window.rope_dim}"
+                f"q has shape {tuple(q.shape)} and dtype {q.dtype}; expected [T, H, D] float32 or "
+                "bfloat16"
             )
-        tensors[f"{cache_name} cache"] = cache.storage
-        if idx.dim() != 2 or idx.dtype != torch.int32 or idx.shape[1] == 0:
+        rows, heads, dim = q.shape
+        if sink.shape != (heads,) or sink.dtype != torch.float32:
             raise BatchError(
-                f"{idx_name} has shape {tuple(idx.shape)} and dtype {idx.dtype}; expected "
-                "[T, width] int32 with width >= 1"
+                f"sink has shape {tuple(sink.shape)} and dtype {sink.dtype}; expected [{heads}] "
+                "float32 (one logit per head of q)"
             )
-        if lengths.shape != (idx.shape[0],) or lengths.dtype != torch.int32:
+        if not (
+            isinstance(softmax_scale, (int, float))
+            and math.isfinite(softmax_scale)
+            and softmax_scale > 0
+        ):
+            raise BatchError(f"softmax_scale={softmax_scale!r}; expected a finite positive float")
+        extra_given = [p is not None for p in (extra, extra_indices, extra_lengths)]
+        if any(extra_given) and not all(extra_given):
             raise BatchError(
-                f"{len_name} has shape {tuple(lengths.shape)} and dtype {lengths.dtype}; "
-                f"expected [{idx.shape[0]}] int32 (one length per row of {idx_name})"
+                "extra, extra_indices and extra_lengths must all be given (compressed layer) or "
+                f"all be None (window-only layer); got given={extra_given}"
             )
-        if idx.shape[0] != rows:
-            raise ContractError(
-                f"{idx_name} has {idx.shape[0]} rows but q has T={rows}: the attention "
-                "metadata was planned for another batch (plan after the batch is padded)"
-            )
-        tensors[idx_name] = idx
-        tensors[len_name] = lengths
-    for name, tensor in tensors.items():
-        if tensor.device != q.device:
-            raise BatchError(f"{name} is on {tensor.device}; q is on {q.device}")
-    for _, cache, idx_name, idx, _, _ in spans:
-        cache.check_slots(idx, idx_name)  # slot range, checked on the CPU only (no GPU sync)
-    return extra_span
+        spans = [("window", window, "swa_indices", swa_indices, "swa_lengths", swa_lengths)]
+        extra_span = _extra_span(extra, extra_indices, extra_lengths)
+        if extra_span is not None:
+            ext, ext_indices, ext_lengths = extra_span
+            spans.append(("extra", ext, "extra_indices", ext_indices, "extra_lengths", ext_lengths))
+        tensors = {"sink": sink}
+        for cache_name, cache, idx_name, idx, len_name, lengths in spans:
+            if cache.dim != dim or cache.rope_dim != window.rope_dim:
+                raise BatchError(
+                    f"the {cache_name} cache holds head_dim {cache.dim} (rope_dim "
+                    f"{cache.rope_dim}); q has D={dim} and the window cache rope_dim "
+                    f"{window.rope_dim}"
+                )
+            tensors[f"{cache_name} cache"] = cache.storage
+            if idx.dim() != 2 or idx.dtype != torch.int32 or idx.shape[1] == 0:
+                raise BatchError(
+                    f"{idx_name} has shape {tuple(idx.shape)} and dtype {idx.dtype}; expected "
+                    "[T, width] int32 with width >= 1"
+                )
+            if lengths.shape != (idx.shape[0],) or lengths.dtype != torch.int32:
+                raise BatchError(
+                    f"{len_name} has shape {tuple(lengths.shape)} and dtype {lengths.dtype}; "
+                    f"expected [{idx.shape[0]}] int32 (one length per row of {idx_name})"
+                )
+            if idx.shape[0] != rows:
+                raise ContractError(
+                    f"{idx_name} has {idx.shape[0]} rows but q has T={rows}: the attention "
+                    "metadata was planned for another batch (plan after the batch is padded)"
+                )
+            tensors[idx_name] = idx
+            tensors[len_name] = lengths
+        for name, tensor in tensors.items():
+            if tensor.device != q.device:
+                raise BatchError(f"{name} is on {tensor.device}; q is on {q.device}")
+        for _, cache, idx_name, idx, _, _ in spans:
+            cache.check_slots(idx, idx_name)  # slot range, checked on the CPU only (no GPU sync)
+        return cls(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale,
+                   rows_per_group)  # fmt: skip
+
+    @property
+    def extra_cache(self) -> TokenCache | None:
+        """The compressed layer's cache (None on a window-only layer)."""
+        return None if self.extra is None else self.extra[0]
+
+    def parts(
+        self,
+    ) -> tuple[
+        torch.Tensor, TokenCache, torch.Tensor, torch.Tensor, ExtraSpan | None, torch.Tensor, float
+    ]:
+        """``(q, window, swa_indices, swa_lengths, extra, sink, softmax_scale)``."""
+        return (self.q, self.window, self.swa_indices, self.swa_lengths, self.extra, self.sink,
+                self.softmax_scale)  # fmt: skip
 
 
 # ------------------------------------------------------------------- splits and groups
@@ -235,7 +286,7 @@ def key_spans(
     heads: int,
     rows_per_group: int = 1,
 ) -> KeySpans:
-    """The :class:`KeySpans` of inputs ``check_inputs`` accepted (``extra_span``: what it
+    """The :class:`KeySpans` of inputs ``AttentionCall.of`` accepted (``extra_span``: what it
     returned), packing up to
     ``rows_per_group`` rows a program (:func:`group_rows`; the union lists cost a
     ``key_union`` launch). ``BatchError`` for a ``rows_per_group`` below 1 or a cache whose

@@ -53,7 +53,11 @@ import torch
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.attention.common import ExtraSpan, check_inputs, checked_num_splits
+from dsv4_backend.kernels.attention.common import (
+    AttentionCall,
+    ExtraSpan,
+    checked_num_splits,
+)
 from dsv4_backend.kernels.attention.flashmla_library import (
     PREFILL_FUNCTIONS,
     aligned_columns,
@@ -151,7 +155,7 @@ def flashmla_arguments(
     schedule: Any,
 ) -> dict[str, Any]:
     """Keyword arguments of ``flash_mla.flash_mla_with_kvcache`` for the op's inputs (already
-    checked by ``check_inputs``, which returned ``extra_span``; the caches accepted by
+    checked by ``AttentionCall.of``, which made ``extra_span``; the caches accepted by
     :func:`flashmla_unsupported_reason`); the module docstring maps them. Pure torch: runs on
     any device."""
     dim = q.shape[2]
@@ -186,19 +190,10 @@ def flashmla_arguments(
 
 
 def sparse_attention_flashmla(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
+    call: AttentionCall,
     *,
     num_splits: int | None = None,
     schedule: Any = None,
-    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """``sparse_attention_with_sink`` on FlashMLA's sparse FP8 decode (its sparse prefill above
     :data:`PREFILL_ROWS` rows, the module docstring): the same arguments (``[T, H, D]``
@@ -211,10 +206,8 @@ def sparse_attention_flashmla(
     fresh one. Raises ``BatchError`` / ``ContractError`` for bad inputs (the op's checks) and
     ``BatchError`` naming :func:`flashmla_unsupported_reason`'s reason.
     """
-    extra_span = check_inputs(
-        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
-        softmax_scale,
-    )  # fmt: skip
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
+    extra = call.extra_cache
     if num_splits is not None:
         checked_num_splits(num_splits)
     rows, heads, dim = q.shape

@@ -150,7 +150,7 @@ def prefill_arguments(
     softmax_scale: float,
 ) -> dict[str, Any]:
     """Keyword arguments of ``flash_mla.flash_mla_sparse_fwd`` for the op's inputs (already
-    checked by ``check_inputs``, which returned ``extra_span``); ``flashmla_prefill.py``'s
+    checked by ``AttentionCall.of``, which made ``extra_span``); ``flashmla_prefill.py``'s
     docstring maps them. Pure torch: runs on any device (one host synchronisation,
     ``torch.unique``)."""
     rows, _, dim = q.shape

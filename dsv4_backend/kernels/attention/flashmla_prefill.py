@@ -37,7 +37,7 @@ import torch
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.attention.common import check_inputs
+from dsv4_backend.kernels.attention.common import AttentionCall
 from dsv4_backend.kernels.attention.flashmla_library import (
     PREFILL_FUNCTIONS,
     library_unsupported_reason,
@@ -61,19 +61,7 @@ def flashmla_prefill_unsupported_reason(
     return library_unsupported_reason(device, heads, dim, capability, PREFILL_FUNCTIONS)
 
 
-def sparse_attention_flashmla_prefill(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    *,
-    rows_per_group: int = 1,
-) -> torch.Tensor:
+def sparse_attention_flashmla_prefill(call: AttentionCall) -> torch.Tensor:
     """``sparse_attention_with_sink`` on FlashMLA's sparse prefill: the same arguments
     (``[T, H, D]`` queries, window and extra caches with their ``[T, W]`` int32 slots and
     ``[T]`` int32 lengths, ``[H]`` fp32 sink) and result, ``[T, H, D]`` bf16; rows without a
@@ -81,10 +69,8 @@ def sparse_attention_flashmla_prefill(
     rows itself). Raises ``BatchError`` / ``ContractError`` for bad inputs (the op's checks)
     and ``BatchError`` naming :func:`flashmla_prefill_unsupported_reason`'s reason.
     """
-    extra_span = check_inputs(
-        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
-        softmax_scale,
-    )  # fmt: skip
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
+    extra = call.extra_cache
     _, heads, dim = q.shape
     reason = flashmla_prefill_unsupported_reason(q.device, window, extra, heads, dim)
     if reason is not None:

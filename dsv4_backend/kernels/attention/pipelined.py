@@ -56,11 +56,10 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.attention.common import (
     ROPE_DIM,
-    check_inputs,
+    AttentionCall,
     key_spans,
     launch_num_splits,
     page_geometry,
@@ -316,28 +315,18 @@ def _block_n(dim: int) -> int:
 
 
 def sparse_attention_pipelined(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
+    call: AttentionCall,
     *,
     num_splits: int | None = None,
-    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """The pipelined kernel's path of ``sparse_attention_with_sink``: ``[T, H, D]`` bf16.
 
     ``num_splits`` and ``rows_per_group`` as for ``sparse_attention_triton``. Raises
     ``BatchError`` for caches the kernel does not read (:func:`pipelined_unsupported_reason`).
     """
-    extra_span = check_inputs(
-        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
-        softmax_scale,
-    )  # fmt: skip
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
+    extra = call.extra_cache
+    rows_per_group = call.rows_per_group
     rows, heads, dim = q.shape
     reason = pipelined_unsupported_reason(window, extra, dim)
     if reason is not None:

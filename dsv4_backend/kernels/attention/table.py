@@ -25,7 +25,11 @@ import torch
 
 from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.kernels import dispatch
-from dsv4_backend.kernels.attention.common import output_dtype, pipelined_unsupported_reason
+from dsv4_backend.kernels.attention.common import (
+    AttentionCall,
+    output_dtype,
+    pipelined_unsupported_reason,
+)
 from dsv4_backend.kernels.attention.flashmla import (
     DECODE_FUNCTIONS,
     PREFILL_ROWS,
@@ -59,8 +63,9 @@ def _pipelined_rejects(
     return pipelined_unsupported_reason(window, extra, dim)
 
 
-#: The variants; each ``rejects(device, window, extra, heads, dim)`` says why it cannot take
-#: these caches and ``[T, heads, dim]`` queries on ``device``.
+#: The variants: each entry takes one checked ``common.AttentionCall``; ``rejects(device,
+#: window, extra, heads, dim)`` says why it cannot take these caches and ``[T, heads, dim]``
+#: queries on ``device``.
 ATTENTION = OpTable(
     "attention",
     "sparse attention with sink over window keys plus compressed keys",
@@ -102,48 +107,16 @@ ATTENTION = OpTable(
 )  # fmt: skip
 
 
-def sparse_attention_with_sink(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    *,
-    rows_per_group: int = 1,
-) -> torch.Tensor:
-    """Attention of each query row over its window keys plus its compressed keys, with sink.
+def sparse_attention_with_sink(call: AttentionCall) -> torch.Tensor:
+    """Attention of each query row over its window keys plus its compressed keys, with sink:
+    ``call`` (``common.AttentionCall``, checked when made) on the variant :data:`ATTENTION`
+    chooses for its device.
 
-    Parameters
-    ----------
-    q : ``[T, H, D]`` float32 or bfloat16, already normed and roped.
-    window : this layer's window cache (dense or fp8), addressed by window slot.
-    swa_indices : ``[T, Ws]`` int32 window slots (-1 = none).
-    swa_lengths : ``[T]`` int32 valid leading columns of ``swa_indices``.
-    extra : this layer's c4 or c128 cache, or None for a window-only layer.
-    extra_indices : ``[T, Ke]`` int32 compressed slots (-1 = none): c4 top-k or c128 entries;
-        None with ``extra``.
-    extra_lengths : ``[T]`` int32 valid leading columns of ``extra_indices``; None with
-        ``extra``.
-    sink : ``[H]`` float32 finite per-head sink logit (adds ``exp(sink)`` to the denominator).
-    softmax_scale : logit scale, ``head_dim ** -0.5``.
-    rows_per_group : how many consecutive rows mostly share keys (the rows of one verify or
-        draft-extend request; 1 for decode). The Triton path packs up to that many rows into
-        one program (``common.group_rows``) and gathers their union of keys once
-        (``kernels/attention/key_union.py``); the result does not depend on it.
-
-    Returns
-    -------
-    ``[T, H, D]`` in ``common.output_dtype`` (bf16 for bf16 queries on a GPU, else float32; the
-    caller casts). Rows without a valid key are 0.
+    Returns ``[T, H, D]`` in ``common.output_dtype`` (bf16 for bf16 queries on a GPU, else
+    float32; the caller casts). Rows without a valid key are 0.
     """
-    args = (q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink)
-    variant = resolve(ATTENTION, q.device).variant
-    out = variant.entry(*args, softmax_scale, rows_per_group=rows_per_group)
-    return out.to(output_dtype(q))  # opt-in variants write bf16
+    out = resolve(ATTENTION, call.q.device).variant.entry(call)
+    return out.to(output_dtype(call.q))  # opt-in variants write bf16
 
 
 def variant_reason(

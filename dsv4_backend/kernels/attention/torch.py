@@ -5,32 +5,16 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.cache.token_cache import TokenCache
-from dsv4_backend.kernels.attention.common import check_inputs, output_dtype
+from dsv4_backend.kernels.attention.common import AttentionCall, output_dtype
 
 #: Rows per chunk of the torch path, so its gathered ``[rows, Ws + Ke, D]`` keys stay bounded.
 _TORCH_CHUNK_ELEMENTS = 1 << 26
 
 
-def sparse_attention_torch(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    *,
-    rows_per_group: int = 1,
-) -> torch.Tensor:
+def sparse_attention_torch(call: AttentionCall) -> torch.Tensor:
     """The torch variant of ``sparse_attention_with_sink``: gather, then one masked softmax
     (each row on its own: ``rows_per_group``, the op's argument, is not used)."""
-    extra_span = check_inputs(
-        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
-        softmax_scale,
-    )  # fmt: skip
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
     spans = [(window, swa_indices, swa_lengths)]
     if extra_span is not None:
         spans.append(extra_span)

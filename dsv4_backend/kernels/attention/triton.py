@@ -74,10 +74,9 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.attention.common import (
-    check_inputs,
+    AttentionCall,
     key_spans,
     launch_num_splits,
     output_dtype,
@@ -430,18 +429,9 @@ def _launch_config(dim: int, fp8: bool, block_m: int) -> tuple[int, int, int]:
 
 
 def sparse_attention_triton(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
+    call: AttentionCall,
     *,
     num_splits: int | None = None,
-    rows_per_group: int = 1,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Triton path of :func:`sparse_attention_with_sink`.
@@ -452,10 +442,8 @@ def sparse_attention_triton(
     :func:`sparse_attention_with_sink`. ``out_dtype``: float32 or bfloat16, None for
     :func:`output_dtype` (the kernel writes it directly, and key-split partials in it).
     """
-    extra_span = check_inputs(
-        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
-        softmax_scale,
-    )  # fmt: skip
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
+    rows_per_group = call.rows_per_group
     out_dtype = out_dtype or output_dtype(q)
     if out_dtype not in (torch.float32, torch.bfloat16):
         raise BatchError(f"out_dtype={out_dtype}; expected torch.float32 or torch.bfloat16")

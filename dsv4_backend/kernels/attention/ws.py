@@ -53,8 +53,8 @@ from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.attention import ws_sm100 as sm100
 from dsv4_backend.kernels.attention.common import (
     MAX_SPLITS,
+    AttentionCall,
     KeySpans,
-    check_inputs,
     key_spans,
     launch_num_splits,
     page_geometry,
@@ -440,27 +440,16 @@ def _geometry(cache: TokenCache) -> tuple[int, int, int]:
 
 
 def sparse_attention_ws(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra: TokenCache | None,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
+    call: AttentionCall,
     *,
     num_splits: int | None = None,
-    rows_per_group: int = 1,
 ) -> torch.Tensor:
     """The ws kernel's path of ``sparse_attention_with_sink``: ``[T, H, D]`` bf16, one row
     a program (heads padded to 64 M lines; ``rows_per_group``, the op's argument, is not
     used). Raises ``BatchError`` where
     :func:`ws_unsupported_reason` names a reason."""
-    extra_span = check_inputs(
-        q, window, swa_indices, swa_lengths, extra, extra_indices, extra_lengths, sink,
-        softmax_scale,
-    )  # fmt: skip
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
+    extra = call.extra_cache
     rows, heads, dim = q.shape
     spans = key_spans(window, swa_indices, swa_lengths, extra_span, heads)
     splits = launch_num_splits(num_splits, rows, heads, spans.width, BLOCK_N, q.device)
