@@ -1,8 +1,10 @@
-"""Host-side parts the compressor's paths share: the input checks (:func:`check`,
-:func:`check_store`), the RoPE tables the entry kernels read (:func:`entry_cos_sin`), the pooling
-tile bound and :func:`ring_write_is_safe`."""
+"""Host-side parts the compressor's paths share: the op's call, checked when made
+(:class:`CompressCall`), the store's check (:func:`check_store`), the RoPE tables the entry
+kernels read (:func:`entry_cos_sin`), the pooling tile bound and :func:`ring_write_is_safe`."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -16,65 +18,93 @@ from dsv4_backend.ops.rope import CosSin, RopeTable
 POOL_TILE = 4096
 
 
-def check(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    norm_weight: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    positions: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-) -> None:
-    ratio, d = state.ratio, state.head_dim
-    check_compressed_ratio(ratio, "compressor")
-    t, cd = kv_proj.shape[0], compress_overlap(ratio) * d
-    want = {
-        "kv_proj": (t, cd),
-        "score_proj": (t, cd),
-        "ape": (ratio, cd),
-        "norm_weight": (d,),
-        "positions": (t,),
-        "compress_plan": (t, 4),
-        "write_plan": (t, 4),
-        "state.ring": (state.ring.shape[0], state.ring.shape[1], 2 * cd),
-    }
-    got = {
-        "kv_proj": kv_proj,
-        "score_proj": score_proj,
-        "ape": ape,
-        "norm_weight": norm_weight,
-        "positions": positions,
-        "compress_plan": compress_plan,
-        "write_plan": write_plan,
-        "state.ring": state.ring,
-    }
-    for name, tensor in got.items():
-        if tuple(tensor.shape) != want[name]:
+@dataclass(frozen=True)
+class CompressCall:
+    """One call of the compressor op (``table.compress_forward``'s arguments, which its
+    docstring describes), checked when made (``ContractError`` naming the first that does not
+    fit); every variant of the op takes one."""
+
+    state: CompressorState
+    kv_proj: torch.Tensor
+    score_proj: torch.Tensor
+    ape: torch.Tensor
+    norm_weight: torch.Tensor
+    rope: CosSin
+    req_pool_indices: torch.Tensor
+    window_slots: torch.Tensor
+    positions: torch.Tensor
+    compress_plan: torch.Tensor
+    write_plan: torch.Tensor
+    norm_eps: float = 1e-6
+    store: tuple[SlotCache, torch.Tensor] | None = None
+    max_rows_per_request: int | None = None
+
+    @property
+    def sources(
+        self,
+    ) -> tuple[
+        CompressorState, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
+    ]:
+        """``(state, kv_proj, score_proj, ape, req_pool_indices, window_slots)``: what the
+        pooling and ring-write steps read."""
+        return (self.state, self.kv_proj, self.score_proj, self.ape, self.req_pool_indices,
+                self.window_slots)  # fmt: skip
+
+    def __post_init__(self) -> None:
+        ratio, d = self.state.ratio, self.state.head_dim
+        check_compressed_ratio(ratio, "compressor")
+        t, cd = self.kv_proj.shape[0], compress_overlap(ratio) * d
+        want = {
+            "kv_proj": (t, cd),
+            "score_proj": (t, cd),
+            "ape": (ratio, cd),
+            "norm_weight": (d,),
+            "positions": (t,),
+            "compress_plan": (t, 4),
+            "write_plan": (t, 4),
+            "state.ring": (self.state.ring.shape[0], self.state.ring.shape[1], 2 * cd),
+        }
+        got = {
+            "kv_proj": self.kv_proj,
+            "score_proj": self.score_proj,
+            "ape": self.ape,
+            "norm_weight": self.norm_weight,
+            "positions": self.positions,
+            "compress_plan": self.compress_plan,
+            "write_plan": self.write_plan,
+            "state.ring": self.state.ring,
+        }
+        for name, tensor in got.items():
+            if tuple(tensor.shape) != want[name]:
+                raise ContractError(
+                    f"compressor (ratio {ratio}, D={d}): {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {want[name]}"
+                )
+        for name in ("compress_plan", "write_plan"):
+            if got[name].dtype != torch.int32:
+                raise ContractError(
+                    f"compressor: {name} has dtype {got[name].dtype}, expected int32"
+                )
+        ring = self.state.ring
+        if ring.dtype != torch.float32:
+            raise ContractError(f"compressor: state.ring has dtype {ring.dtype}, expected fp32")
+        rows = self.req_pool_indices
+        if rows.dim() != 1:
             raise ContractError(
-                f"compressor (ratio {ratio}, D={d}): {name} has shape {tuple(tensor.shape)}, "
-                f"expected {want[name]}"
+                f"compressor: req_pool_indices has shape {tuple(rows.shape)}, expected [B]"
             )
-    for name in ("compress_plan", "write_plan"):
-        if got[name].dtype != torch.int32:
-            raise ContractError(f"compressor: {name} has dtype {got[name].dtype}, expected int32")
-    if state.ring.dtype != torch.float32:
-        raise ContractError(f"compressor: state.ring has dtype {state.ring.dtype}, expected fp32")
-    if req_pool_indices.dim() != 1:
-        raise ContractError(
-            f"compressor: req_pool_indices has shape {tuple(req_pool_indices.shape)}, expected [B]"
-        )
-    lags = compress_span(ratio) if state.window_page else 0  # columns the kernels read
-    if window_slots.dim() != 2 or window_slots.shape[0] != t or window_slots.shape[1] < lags:
-        raise ContractError(
-            f"compressor: window_slots has shape {tuple(window_slots.shape)}, expected "
-            f"({t}, >= {lags}) (window slots of positions p, p - 1, ...)"
-        )
-    devices = {x.device for x in (*got.values(), req_pool_indices, window_slots)}
-    if len(devices) != 1:
-        raise ContractError(f"compressor: tensors on several devices {sorted(map(str, devices))}")
+        lags = compress_span(ratio) if self.state.window_page else 0  # columns the kernels read
+        slots = self.window_slots
+        if slots.dim() != 2 or slots.shape[0] != t or slots.shape[1] < lags:
+            raise ContractError(
+                f"compressor: window_slots has shape {tuple(slots.shape)}, expected "
+                f"({t}, >= {lags}) (window slots of positions p, p - 1, ...)"
+            )
+        devices = {x.device for x in (*got.values(), rows, slots)}
+        if len(devices) != 1:
+            raise ContractError(
+                f"compressor: tensors on several devices {sorted(map(str, devices))}"
+            )
 
 
 def check_store(state: CompressorState, rows: int, cache: SlotCache, out_loc: torch.Tensor) -> None:

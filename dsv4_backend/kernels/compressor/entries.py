@@ -9,10 +9,9 @@ import triton
 import triton.language as tl
 
 from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.kernels.cache_store.table import store_rows
-from dsv4_backend.kernels.compressor.common import POOL_TILE, entry_cos_sin
+from dsv4_backend.kernels.compressor.common import POOL_TILE, CompressCall, entry_cos_sin
 from dsv4_backend.kernels.compressor.device import (
     online_softmax_step,
     ring_write_row,
@@ -216,29 +215,15 @@ def write_triton(
     )  # fmt: skip
 
 
-def compress_entries(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-    store: tuple[SlotCache, torch.Tensor] | None,
-    max_rows_per_request: int | None,
-) -> torch.Tensor:
+def compress_entries(call: CompressCall) -> torch.Tensor:
     """``table.compress_forward`` (inputs checked, channels of unit stride) in three launches:
     the entries, the ring writes, the cache store (``max_rows_per_request`` is not used)."""
-    args = (state, kv_proj, score_proj, ape, req_pool_indices, window_slots)
+    args = call.sources
     entries = entries_triton(
-        *args, compress_plan.contiguous(), norm_weight.contiguous(), rope, norm_eps, positions
-    )
-    write_triton(*args, write_plan.contiguous())
-    if store is not None:
-        store_rows(store[0], entries, store[1])
+        *args, call.compress_plan.contiguous(), call.norm_weight.contiguous(), call.rope,
+        call.norm_eps, call.positions,
+    )  # fmt: skip
+    write_triton(*args, call.write_plan.contiguous())
+    if call.store is not None:
+        store_rows(call.store[0], entries, call.store[1])
     return entries

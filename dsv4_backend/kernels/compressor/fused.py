@@ -26,6 +26,7 @@ from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.compressor.common import (
     POOL_TILE,
+    CompressCall,
     check_store,
     entry_cos_sin,
     ring_write_is_safe,
@@ -728,28 +729,14 @@ def fused_triton(
     return out
 
 
-def compress_fused(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-    store: tuple[SlotCache, torch.Tensor] | None,
-    max_rows_per_request: int | None,
-) -> torch.Tensor:
+def compress_fused(call: CompressCall) -> torch.Tensor:
     """``table.compress_forward`` (inputs checked, channels of unit stride) in one launch."""
+    store = call.store
     if store is not None:
-        check_store(state, kv_proj.shape[0], *store)
+        check_store(call.state, call.kv_proj.shape[0], *store)
         store = (store[0], store[1].contiguous())
     return fused_triton(
-        state, kv_proj, score_proj, ape, req_pool_indices, window_slots,
-        compress_plan.contiguous(), write_plan.contiguous(), norm_weight.contiguous(),
-        rope, norm_eps, positions, store, not ring_write_is_safe(state, max_rows_per_request),
+        *call.sources, call.compress_plan.contiguous(), call.write_plan.contiguous(),
+        call.norm_weight.contiguous(), call.rope, call.norm_eps, call.positions, store,
+        not ring_write_is_safe(call.state, call.max_rows_per_request),
     )  # fmt: skip

@@ -10,7 +10,7 @@ import torch
 
 from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.cache.token_cache import SlotCache
-from dsv4_backend.kernels.compressor.common import check
+from dsv4_backend.kernels.compressor.common import CompressCall
 from dsv4_backend.kernels.compressor.entries import compress_entries
 from dsv4_backend.kernels.compressor.fused import compress_fused
 from dsv4_backend.kernels.compressor.torch import compress_torch
@@ -78,22 +78,12 @@ def compress_forward(
     each row, zeros for rows that complete none. Decode is the same call with one row per
     request.
     """
-    check(state, kv_proj, score_proj, ape, norm_weight, req_pool_indices, window_slots,
-          positions, compress_plan, write_plan)  # fmt: skip
     # The kernels step channels and batch ids with unit stride (rows may be strided: the
     # kv and score halves of one projection are used in place).
-    args = (state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
-            ape.contiguous(), req_pool_indices.contiguous(),
-            _unit_channel_stride(window_slots))  # fmt: skip
-    entry = resolve(COMPRESSOR, kv_proj.device).variant.entry
-    return entry(
-        *args,
-        compress_plan,
-        write_plan,
-        norm_weight,
-        rope,
-        norm_eps,
-        positions,
-        store,
+    call = CompressCall(
+        state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
+        ape.contiguous(), norm_weight, rope, req_pool_indices.contiguous(),
+        _unit_channel_stride(window_slots), positions, compress_plan, write_plan, norm_eps, store,
         max_rows_per_request,
-    )
+    )  # fmt: skip
+    return resolve(COMPRESSOR, kv_proj.device).variant.entry(call)

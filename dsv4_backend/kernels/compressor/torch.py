@@ -7,11 +7,10 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.kernels.cache_store.table import store_rows
+from dsv4_backend.kernels.compressor.common import CompressCall
 from dsv4_backend.ops.compress import finish_entries, pool_slots
-from dsv4_backend.ops.rope import CosSin
 
 
 def _ring_slots(
@@ -89,30 +88,15 @@ def write_torch(
     state.ring[slots, pos % state.ring_rows] = rows
 
 
-def compress_torch(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-    store: tuple[SlotCache, torch.Tensor] | None,
-    max_rows_per_request: int | None,
-) -> torch.Tensor:
+def compress_torch(call: CompressCall) -> torch.Tensor:
     """``table.compress_forward`` (inputs checked) with torch ops: the gathers, the ring
     writes, then ``ops.compress.finish_entries`` and the cache store (``max_rows_per_request``
     is not used)."""
-    args = (state, kv_proj, score_proj, ape, req_pool_indices, window_slots)
-    pooled = pool_torch(*args, compress_plan)
-    write_torch(*args, write_plan)
-    entry_ids = torch.div(positions.long() + 1, state.ratio, rounding_mode="floor") - 1
-    entries = finish_entries(pooled, entry_ids, norm_weight, state.ratio, rope, norm_eps)
-    if store is not None:
-        store_rows(store[0], entries, store[1])
+    pooled = pool_torch(*call.sources, call.compress_plan)
+    write_torch(*call.sources, call.write_plan)
+    ratio = call.state.ratio
+    entry_ids = torch.div(call.positions.long() + 1, ratio, rounding_mode="floor") - 1
+    entries = finish_entries(pooled, entry_ids, call.norm_weight, ratio, call.rope, call.norm_eps)
+    if call.store is not None:
+        store_rows(call.store[0], entries, call.store[1])
     return entries
