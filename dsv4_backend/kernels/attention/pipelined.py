@@ -308,9 +308,10 @@ def _merge_splits(
 
 # ------------------------------------------------------------------------------ launcher
 def _block_n(dim: int) -> int:
-    """Keys a block. At D = 512 the consumers hold the fp32 accumulator (128 registers a
-    thread) and the dequantised block: 16 keys compile without spills (245 registers, sm_90a),
-    32 spill (tools/aot_compile); smaller heads take 64-key blocks."""
+    """Keys a block. At D = 512 the consumers hold the fp32 accumulator and the dequantised
+    block: 16 keys compile without spills on sm_90a
+    (``tests/compiled/test_sparse_attention_pipelined_sm90.py::test_no_spills_on_sm90``), 32
+    spill; smaller heads take 64-key blocks."""
     return 16 if dim > 256 else 64
 
 

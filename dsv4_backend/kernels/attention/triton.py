@@ -407,19 +407,20 @@ def _launch_config(dim: int, fp8: bool, block_m: int) -> tuple[int, int, int]:
     """``(BLOCK_N, num_warps, num_stages)`` of the attention kernel for ``block_m`` M lines a
     program (heads, times rows when a program takes several).
 
-    Chosen from ptxas reports for sm_90a and sm_100a (Triton 3.8, compiled ahead of time on
-    the CPU: ``benchmarks/sass_report.py``; not yet timed on a GPU). At D = 512 the fp32
-    ``[64, 512]`` accumulator is 128 registers a thread over 8 warps. Dense keys: 32-key
-    blocks in a 3-stage cp.async pipeline (the gather of the next blocks overlaps the dots),
-    240-254 registers, no spills. 64-key blocks in 2 stages cut the key loop from 199 to 150
-    instructions a key (QK m64n32), but with the bf16 output they spill 48-56 B (outside the
-    loop; 0 with an fp32 output) and 16-32 B at 64 lines of several rows. FP8 keys are
-    dequantised in registers, which Triton does not pipeline: 16-key blocks, one stage,
-    237-251 registers (32-key blocks: 285 instructions a key instead of 418, 8-24 B spilled).
-    D <= 256: 4 warps. ``block_m`` < 64 (attention TP, 16 or 32 local heads, one row a
-    program) compiles to ``mma.sync`` (Triton's wgmma needs M = 64 a warpgroup); fp8 at 16
-    lines spills over 8 warps (36 B) and not over 4 (218 registers). 64 lines of 2 or 4 rows
-    compile as 64 heads do (234-255 registers, no spills).
+    Chosen from the compiled code for sm_90a and sm_100a (Triton 3.8, compiled ahead of time
+    on the CPU; not yet timed on a GPU). What holds, and is checked at every configuration:
+    no spills (``tests/compiled/test_sparse_attention_sm90.py::test_nothing_spills``), both
+    dots bf16 wgmma / tcgen05 (``test_attention_dots_are_bf16_wgmma``,
+    ``test_blackwell_dots_are_tcgen05_with_bf16_operands``), the dense key gather pipelined
+    (``test_dense_key_gather_is_pipelined``); the figures themselves (registers, instructions
+    a key) are ``benchmarks/sass_report.py``'s (docs/kernels.md). At D = 512 the fp32
+    ``[64, 512]`` accumulator takes 8 warps; dense keys: 32-key blocks in a 3-stage cp.async
+    pipeline (the gather of the next blocks overlaps the dots); 64-key blocks would cut the
+    key loop's instructions but spill with the bf16 output. FP8 keys are dequantised in
+    registers, which Triton does not pipeline: 16-key blocks, one stage. D <= 256: 4 warps.
+    ``block_m`` < 64 (attention TP, 16 or 32 local heads, one row a program) compiles to
+    ``mma.sync`` (Triton's wgmma needs M = 64 a warpgroup), fp8 at 16 lines over 4 warps
+    (over 8 it spills); 64 lines of 2 or 4 rows compile as 64 heads do.
     """
     if dim <= 256:
         return 32, 4, 1

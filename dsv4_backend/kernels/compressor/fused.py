@@ -668,9 +668,9 @@ def fused_tiles(block_d: int, span: int, splits: int) -> dict[str, int]:
     elements at most a tile)."""
     width = block_d // splits  # channels a program pools
     rows = max(POOL_TILE // block_d, 1)  # [rows, block_d] tiles
-    # A split program's [BLOCK_S, width] tiles are a quarter of POOL_TILE: at D = 512, four
-    # pipelined [32, 32] steps in 88-95 registers (sm_90a / sm_100a), where two [64, 32]
-    # steps take 128 and spill on sm_100a.
+    # A split program's [BLOCK_S, width] tiles are a quarter of POOL_TILE: at D = 512 four
+    # pipelined [32, 32] steps compile without spills on sm_90a and sm_100a, where two
+    # [64, 32] steps spill on sm_100a (tests/compiled/test_indexer_compressor_sass.py).
     block_s = min(span, rows if splits == 1 else max(POOL_TILE // (4 * width), 1))
     return dict(BLOCK_S=block_s, CHANNEL_SPLITS=splits, BLOCK_W=block_d, ZERO_ROWS=rows)
 
