@@ -147,7 +147,7 @@ def _compare_batch(
     score, on one decode batch."""
     from dsv4_backend.kernels.cache_store.table import store_rows
     from dsv4_backend.kernels.indexer.bounded import row_scores_triton
-    from dsv4_backend.kernels.indexer.common import c4_entry_slots
+    from dsv4_backend.kernels.indexer.common import IndexCall, c4_entry_slots
     from dsv4_backend.kernels.indexer.deep_gemm import index_scores_deep_gemm, paged_mqa_schedule
     from dsv4_backend.kernels.indexer.fp8 import e4m3_round_trip
     from dsv4_backend.kernels.variants import force_unverified
@@ -174,11 +174,13 @@ def _compare_batch(
     ours = torch.empty(batch, width, device="cuda")
     schedule = paged_mqa_schedule(num, width)  # built once a forward, as sglang does
 
+    call = IndexCall.of(q, weights, cache, page_table, num, width)
+
     def run_ours() -> None:
-        row_scores_triton(q, weights, cache, page_table, num, ours)
+        row_scores_triton(call, ours)
 
     def run_deep_gemm() -> torch.Tensor:
-        return index_scores_deep_gemm(q, weights, cache, page_table, num, width, schedule=schedule)
+        return index_scores_deep_gemm(call, schedule=schedule)
 
     with force_unverified(True):
         run_ours()

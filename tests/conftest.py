@@ -65,6 +65,7 @@ COSTLIEST_FIRST = (
     "test_gpu_verdict.py",
     "test_precompiled.py",
     "test_planner.py",
+    "test_self_check.py",
 )
 #: Markers that skip a test where what it needs is missing, and the reason.
 SKIPPED_WITHOUT = {

@@ -46,6 +46,7 @@ from dsv4_backend.kernels.attention.flashmla_prefill import sparse_attention_fla
 from dsv4_backend.kernels.attention.torch import sparse_attention_torch
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.indexer import deep_gemm as indexer_deep_gemm
+from dsv4_backend.kernels.indexer.common import IndexCall
 from dsv4_backend.kernels.indexer.deep_gemm import (
     deep_gemm_arguments,
     deep_gemm_unsupported_reason,
@@ -600,14 +601,14 @@ def test_deep_gemm_equals_the_op_for_fp8_selection(deep_gemm, monkeypatch):
     args = _indexer_args(torch.Generator().manual_seed(4))
     with dispatch.force_path("torch"):
         expected = index_scores(*args)
-    out = index_scores_deep_gemm(*args)
+    out = index_scores_deep_gemm(IndexCall.of(*args))
     assert out.dtype == torch.float32 and out.shape == (6, 200)
     assert torch.equal(out == float("-inf"), expected == float("-inf"))
     assert (out[0] > float("-inf")).all() and (out[5] > float("-inf")).all()
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     schedule = paged_mqa_schedule(args[4], args[5])
-    torch.testing.assert_close(index_scores_deep_gemm(*args, schedule=schedule), out)
-    assert index_scores_deep_gemm(*args[:5], 0).shape == (6, 0)
+    torch.testing.assert_close(index_scores_deep_gemm(IndexCall.of(*args), schedule=schedule), out)
+    assert index_scores_deep_gemm(IndexCall.of(*args[:5], 0)).shape == (6, 0)
 
 
 def test_deep_gemm_rounds_exact_queries(deep_gemm, monkeypatch):
@@ -616,7 +617,7 @@ def test_deep_gemm_rounds_exact_queries(deep_gemm, monkeypatch):
     monkeypatch.setattr(indexer_deep_gemm, "deep_gemm_call_reason", lambda *a, **k: None)
     args = _indexer_args(torch.Generator().manual_seed(5), fp8_selection=False)
     q, rest = args[0], args[1:]
-    out = index_scores_deep_gemm(q, *rest)
+    out = index_scores_deep_gemm(IndexCall.of(q, *rest))
     with dispatch.force_path("torch"):
         exact, rounded = index_scores(q, *rest), index_scores(e4m3_round_trip(q), *rest)
     valid = exact > float("-inf")
@@ -697,4 +698,4 @@ def test_deep_gemm_reasons(deep_gemm, monkeypatch):
     assert "deep_gemm does not import (import of deep_gemm halted" in reason()
     q, weights, keys, page_table, num, n = _indexer_args(torch.Generator().manual_seed(8))
     with pytest.raises(BatchError, match="CUDA devices only"):
-        index_scores_deep_gemm(q, weights, keys, page_table, num, n)
+        index_scores_deep_gemm(IndexCall.of(q, weights, keys, page_table, num, n))

@@ -27,11 +27,16 @@ from dsv4_backend.kernels.device.fp8 import (
     fp8_indexer_addresses,
     load_dense_block,
 )
-from dsv4_backend.kernels.indexer.common import BLOCK_N, C4_ENTRIES_PER_PAGE, check_selection
+from dsv4_backend.kernels.indexer.common import (
+    BLOCK_N,
+    C4_ENTRIES_PER_PAGE,
+    IndexCall,
+    check_selection,
+)
 from dsv4_backend.kernels.indexer.device import candidate_slots, row_queries
 
 if TYPE_CHECKING:
-    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+    pass
 
 #: Programs the length-bounded scores aim for in all (a few per SM of an H200's 132).
 SCORE_PROGRAMS = 512
@@ -278,16 +283,11 @@ def score_splits(rows: int, max_candidates: int, device: torch.device) -> int:
     return max(1, min(triton.cdiv(max_candidates, BLOCK_N), splits))
 
 
-def row_scores_triton(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    out: torch.Tensor,
-) -> None:
+def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
     """Launch ``_row_scores_kernel``: ``out`` ``[T, N]`` receives each row's scores at
     columns ``< min(num_candidates, N)``; nothing else is read or written."""
+    q_idx, weights, page_table = call.q_idx, call.weights, call.page_table
+    keys, num_candidates = call.c4_keys("the bounded indexer"), call.num_candidates
     rows, heads, dim = q_idx.shape
     cols = out.shape[1]
     if rows == 0 or cols == 0:
@@ -362,17 +362,11 @@ def _topk_slots_triton(
     )  # fmt: skip
 
 
-def index_scores_bounded(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    max_candidates: int,
-) -> torch.Tensor:
+def index_scores_bounded(call: IndexCall) -> torch.Tensor:
     """``table.index_scores``: the row scores over ``-inf``."""
-    out = torch.full((q_idx.shape[0], max_candidates), float("-inf"), device=q_idx.device)
-    row_scores_triton(q_idx, weights, keys, page_table, num_candidates, out)
+    q_idx = call.q_idx
+    out = torch.full((q_idx.shape[0], call.max_candidates), float("-inf"), device=q_idx.device)
+    row_scores_triton(call, out)
     return out
 
 
@@ -387,16 +381,7 @@ def select_topk_bounded(
     _topk_slots_triton(scores.float().contiguous(), num_candidates, page_table, topk, out)
 
 
-def run_indexer_bounded(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-    max_candidates: int,
-) -> None:
+def run_indexer_bounded(call: IndexCall, topk: int, out: torch.Tensor) -> None:
     """``table.run_indexer`` (inputs checked) in three launches.
 
     The scores are full width but never cleared: a row's scores are written and read below
@@ -404,7 +389,7 @@ def run_indexer_bounded(
     ``N`` candidates; packing the rows tighter would need each row's offset and a bound on the
     batch's total, which the plan does not carry.
     """
-    scores = torch.empty(q_idx.shape[0], max_candidates, device=q_idx.device)
-    row_scores_triton(q_idx, weights, keys, page_table, num_candidates, scores)
-    check_selection(scores, num_candidates, page_table, topk, out)
-    _topk_slots_triton(scores, num_candidates, page_table, topk, out)
+    scores = torch.empty(call.q_idx.shape[0], call.max_candidates, device=call.q_idx.device)
+    row_scores_triton(call, scores)
+    check_selection(scores, call.num_candidates, call.page_table, topk, out)
+    _topk_slots_triton(scores, call.num_candidates, call.page_table, topk, out)

@@ -1,20 +1,22 @@
-"""The lightning indexer's shared host code: the c4 page geometry, the input checks every
-entry point and the DeepGEMM variant run, the c4 slots of entry indices, the selection's
-definition (``select_entries``, the torch variant's selection) and the record of a variant's
-entry points (:class:`IndexerKernels`)."""
+"""The lightning indexer's shared host code: the c4 page geometry, the scoring call every
+variant takes, checked when made (:class:`IndexCall`), the c4 slots of entry indices, the
+selection's definition (``select_entries``, the torch variant's selection) and the record of
+a variant's entry points (:class:`IndexerKernels`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.indexer.topk import best_columns
 
 if TYPE_CHECKING:
-    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
 
 #: c4 entries per full-cache page (page size 256 / ratio 4).
 C4_ENTRIES_PER_PAGE = 64
@@ -22,54 +24,96 @@ C4_ENTRIES_PER_PAGE = 64
 BLOCK_N = 64
 
 
-def check_inputs(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    max_candidates: int,
-) -> None:
-    if q_idx.dim() != 3 or not q_idx.is_floating_point():
-        raise ContractError(
-            f"q_idx has shape {tuple(q_idx.shape)} and dtype {q_idx.dtype}; expected a float "
-            "tensor [T, HI, DI]"
-        )
-    rows, heads, dim = q_idx.shape
-    # name -> (tensor, expected shape (None: any size), expected dtype (None: any float))
-    expected = {
-        "weights": (weights, (rows, heads), None),
-        "page_table": (page_table, (rows, None), torch.int32),
-        "num_candidates": (num_candidates, (rows,), torch.int32),
-    }
-    for name, (tensor, shape, dtype) in expected.items():
-        shape_ok = tensor.dim() == len(shape) and all(
-            want is None or got == want for got, want in zip(tensor.shape, shape, strict=True)
-        )
-        dtype_ok = tensor.is_floating_point() if dtype is None else tensor.dtype == dtype
-        if not (shape_ok and dtype_ok):
-            want = "[" + ", ".join("Pw" if n is None else str(n) for n in shape) + "]"
+@dataclass(frozen=True)
+class IndexCall:
+    """One scoring call of the lightning indexer, checked when made (:meth:`of`); every
+    variant's ``scores`` and ``run`` take one (``table.py``). DeepSeek-V4.1's index scores
+    run the same scores over fp4 index keys with their ratio's entries a page
+    (``kernels/low_ratio/``).
+
+    Attributes
+    ----------
+    q_idx : ``[T, HI, DI]`` fp32 / bf16 indexer queries, already roped.
+    weights : ``[T, HI]`` float head weights, already scaled by ``DI^-0.5 * HI^-0.5``.
+    keys : the layer's indexer key cache (dense or fp8), addressed by c4 slot; V4.1: a kv
+        source's fp4 index keys.
+    page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
+    num_candidates : ``[T]`` int32 visible entries (``(p+1)//4`` for c4); values above
+        ``max_candidates`` are clamped to it.
+    max_candidates : ``N``, the score columns; static under CUDA graphs.
+    entries_per_page : entries a page of ``page_table`` holds (c4: 64).
+    """
+
+    q_idx: torch.Tensor
+    weights: torch.Tensor
+    keys: IndexerKeyCache | Fp4IndexKeyCache
+    page_table: torch.Tensor
+    num_candidates: torch.Tensor
+    max_candidates: int
+    entries_per_page: int = C4_ENTRIES_PER_PAGE
+
+    def c4_keys(self, where: str) -> IndexerKeyCache:
+        """``keys`` as a c4 indexer key cache (``ContractError`` for fp4 index keys, which
+        only the ``full_width`` and ``torch`` scores read)."""
+        if not isinstance(self.keys, IndexerKeyCache):
             raise ContractError(
-                f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected "
-                f"{want} {dtype or 'float'} (q_idx is [T={rows}, HI={heads}, DI={dim}])"
+                f"{where} scores a c4 indexer key cache, not {type(self.keys).__name__}"
             )
-    for name, device in (
-        ("weights", weights.device),
-        ("page_table", page_table.device),
-        ("num_candidates", num_candidates.device),
-        ("the indexer key cache", keys.device),
-    ):
-        if device != q_idx.device:
-            raise ContractError(f"{name} is on {device}; q_idx is on {q_idx.device}")
-    if keys.dim != dim:
-        raise ContractError(f"the indexer key cache has dim {keys.dim}; q_idx has DI={dim}")
-    if keys.fmt == "dense" and keys.storage.stride(1) != 1:
-        raise ContractError(
-            f"the dense indexer key cache has channel stride {keys.storage.stride(1)}; "
-            "expected contiguous rows (stride(1) == 1)"
-        )
-    if max_candidates < 0:
-        raise ContractError(f"max_candidates={max_candidates}; expected >= 0")
+        return self.keys
+
+    @classmethod
+    def of(
+        cls,
+        q_idx: torch.Tensor,
+        weights: torch.Tensor,
+        keys: IndexerKeyCache,
+        page_table: torch.Tensor,
+        num_candidates: torch.Tensor,
+        max_candidates: int,
+    ) -> IndexCall:
+        """The c4 indexer's arguments as one checked call (``ContractError`` naming the first
+        that does not fit)."""
+        if q_idx.dim() != 3 or not q_idx.is_floating_point():
+            raise ContractError(
+                f"q_idx has shape {tuple(q_idx.shape)} and dtype {q_idx.dtype}; expected a float "
+                "tensor [T, HI, DI]"
+            )
+        rows, heads, dim = q_idx.shape
+        # name -> (tensor, expected shape (None: any size), expected dtype (None: any float))
+        expected = {
+            "weights": (weights, (rows, heads), None),
+            "page_table": (page_table, (rows, None), torch.int32),
+            "num_candidates": (num_candidates, (rows,), torch.int32),
+        }
+        for name, (tensor, shape, dtype) in expected.items():
+            shape_ok = tensor.dim() == len(shape) and all(
+                want is None or got == want for got, want in zip(tensor.shape, shape, strict=True)
+            )
+            dtype_ok = tensor.is_floating_point() if dtype is None else tensor.dtype == dtype
+            if not (shape_ok and dtype_ok):
+                want = "[" + ", ".join("Pw" if n is None else str(n) for n in shape) + "]"
+                raise ContractError(
+                    f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected "
+                    f"{want} {dtype or 'float'} (q_idx is [T={rows}, HI={heads}, DI={dim}])"
+                )
+        for name, device in (
+            ("weights", weights.device),
+            ("page_table", page_table.device),
+            ("num_candidates", num_candidates.device),
+            ("the indexer key cache", keys.device),
+        ):
+            if device != q_idx.device:
+                raise ContractError(f"{name} is on {device}; q_idx is on {q_idx.device}")
+        if keys.dim != dim:
+            raise ContractError(f"the indexer key cache has dim {keys.dim}; q_idx has DI={dim}")
+        if keys.fmt == "dense" and keys.storage.stride(1) != 1:
+            raise ContractError(
+                f"the dense indexer key cache has channel stride {keys.storage.stride(1)}; "
+                "expected contiguous rows (stride(1) == 1)"
+            )
+        if max_candidates < 0:
+            raise ContractError(f"max_candidates={max_candidates}; expected >= 0")
+        return cls(q_idx, weights, keys, page_table, num_candidates, max_candidates)
 
 
 def entry_slots(

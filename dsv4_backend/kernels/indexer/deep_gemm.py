@@ -46,7 +46,7 @@ import torch
 from dsv4_backend.cache.fp8_format import INDEXER_PAGE_TOKENS
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.indexer.common import check_inputs
+from dsv4_backend.kernels.indexer.common import IndexCall
 from dsv4_backend.kernels.indexer.fp8 import E4M3_MAX, MIN_AMAX
 
 #: The module it calls and the distribution (as sglang 0.5.23 pins it) that provides it.
@@ -190,26 +190,19 @@ def deep_gemm_arguments(
 
 
 def index_scores_deep_gemm(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    max_candidates: int,
-    *,
-    schedule: torch.Tensor | None = None,
+    call: IndexCall, *, schedule: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``table.index_scores`` on DeepGEMM: the same arguments (``[T, HI, DI]`` float
-    queries, ``[T, HI]`` float weights, the fp8 key cache, ``[T, Pw]`` int32 page table,
-    ``[T]`` int32 candidates, ``N``) and ``[T, N]`` fp32 scores, ``-inf`` at columns ``>=
-    num_candidates`` -- of the queries' e4m3 round trip, equal to the op's for
-    :data:`EXACT_FOR_SELECTIONS` (module docstring).
+    """``table.index_scores`` on DeepGEMM: the same call (``common.IndexCall``: the fp8 key
+    cache) and ``[T, N]`` fp32 scores, ``-inf`` at columns ``>= num_candidates`` -- of the
+    queries' e4m3 round trip, equal to the op's for :data:`EXACT_FOR_SELECTIONS` (module
+    docstring).
 
     ``schedule``: a :func:`paged_mqa_schedule` of the same ``num_candidates``; None builds
-    one. Raises ``ContractError`` for bad inputs (the op's checks) and ``BatchError`` naming
-    :func:`deep_gemm_call_reason`'s reason.
+    one. Raises ``BatchError`` naming :func:`deep_gemm_call_reason`'s reason.
     """
-    check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    q_idx, weights, page_table = call.q_idx, call.weights, call.page_table
+    keys = call.c4_keys("the deep_gemm indexer")
+    num_candidates, max_candidates = call.num_candidates, call.max_candidates
     rows, heads, dim = q_idx.shape
     reason = deep_gemm_call_reason(q_idx.device, keys, heads, dim)
     if reason is not None:

@@ -45,8 +45,8 @@ from dsv4_backend.kernels.indexer.bounded import (
 )
 from dsv4_backend.kernels.indexer.common import (
     C4_ENTRIES_PER_PAGE,
+    IndexCall,
     IndexerKernels,
-    check_inputs,
     check_selection,
 )
 from dsv4_backend.kernels.indexer.deep_gemm import (
@@ -135,10 +135,8 @@ def index_scores(
 
     Returns ``[T, N]`` fp32 scores, ``-inf`` at columns ``>= num_candidates``.
     """
-    check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
-    return _kernels(q_idx.device).scores(
-        q_idx, weights, keys, page_table, num_candidates, max_candidates
-    )
+    call = IndexCall.of(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    return _kernels(q_idx.device).scores(call)
 
 
 def select_topk(
@@ -181,11 +179,11 @@ def run_indexer(
     """
     if max_candidates is None:
         max_candidates = page_table.shape[-1] * C4_ENTRIES_PER_PAGE
-    check_inputs(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    call = IndexCall.of(q_idx, weights, keys, page_table, num_candidates, max_candidates)
     kernels = _kernels(q_idx.device)
     if kernels.run is not None:
-        kernels.run(q_idx, weights, keys, page_table, num_candidates, topk, out, max_candidates)
+        kernels.run(call, topk, out)
         return
-    scores = kernels.scores(q_idx, weights, keys, page_table, num_candidates, max_candidates)
+    scores = kernels.scores(call)
     check_selection(scores, num_candidates, page_table, topk, out)
     kernels.select_padded(scores, num_candidates, page_table, topk, out)

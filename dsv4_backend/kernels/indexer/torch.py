@@ -7,30 +7,26 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, entry_slots, select_entries
+from dsv4_backend.kernels.indexer.common import (
+    IndexCall,
+    entry_slots,
+    select_entries,
+)
 
 if TYPE_CHECKING:
-    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
-    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+    pass
 
 
-def indexer_scores_torch(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache | Fp4IndexKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    max_candidates: int,
-    per_page: int = C4_ENTRIES_PER_PAGE,
-) -> torch.Tensor:
+def indexer_scores_torch(call: IndexCall) -> torch.Tensor:
     """``[T, max_candidates]`` fp32 scores of each row's first ``num_candidates`` entries (-inf
-    past them); ``per_page`` entries a full-cache page (c4, or DeepSeek-V4.1's c1 / c2)."""
-    cols = torch.arange(max_candidates, device=q_idx.device)
-    valid = cols[None, :] < num_candidates[:, None]
-    slots = entry_slots(page_table, torch.where(valid, cols, -1), per_page)
-    k = keys.gather(slots)  # [T, N, DI]
-    dots = torch.einsum("thd,tnd->thn", q_idx.float(), k)
-    scores = torch.einsum("th,thn->tn", weights.float(), dots.relu())
+    past them); ``entries_per_page`` entries a full-cache page (c4, or DeepSeek-V4.1's c1 /
+    c2)."""
+    cols = torch.arange(call.max_candidates, device=call.q_idx.device)
+    valid = cols[None, :] < call.num_candidates[:, None]
+    slots = entry_slots(call.page_table, torch.where(valid, cols, -1), call.entries_per_page)
+    k = call.keys.gather(slots)  # [T, N, DI]
+    dots = torch.einsum("thd,tnd->thn", call.q_idx.float(), k)
+    scores = torch.einsum("th,thn->tn", call.weights.float(), dots.relu())
     return scores.masked_fill(~valid, float("-inf"))
 
 

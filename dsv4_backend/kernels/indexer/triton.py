@@ -14,7 +14,7 @@ import triton.language as tl
 
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyLayout
 from dsv4_backend.kernels.device.fp8 import load_dense_block, load_fp8_indexer_block
-from dsv4_backend.kernels.indexer.common import BLOCK_N, C4_ENTRIES_PER_PAGE
+from dsv4_backend.kernels.indexer.common import BLOCK_N, IndexCall
 from dsv4_backend.kernels.indexer.device import candidate_slots, fp4_row_dots, row_queries
 
 if TYPE_CHECKING:
@@ -100,23 +100,17 @@ def _indexer_scores_kernel(
         tl.store(out_ptrs, tl.full([BLOCK_N], float("-inf"), tl.float32), mask=in_matrix)
 
 
-def indexer_scores_triton(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache | Fp4IndexKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    max_candidates: int,
-    entries_per_page: int = C4_ENTRIES_PER_PAGE,
-) -> torch.Tensor:
+def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
     """``[T, max_candidates]`` fp32 scores of each row's first ``num_candidates`` entries (the
     others -inf); ``keys`` a c4 indexer cache, or (``entries_per_page`` 256 / 128) a
     DeepSeek-V4.1 kv source's fp4 index keys."""
+    q_idx, weights, keys, page_table = call.q_idx, call.weights, call.keys, call.page_table
+    max_candidates, entries_per_page = call.max_candidates, call.entries_per_page
     rows, heads, dim = q_idx.shape
     out = torch.empty(rows, max_candidates, dtype=torch.float32, device=q_idx.device)
     if rows == 0 or max_candidates == 0:
         return out
-    num_candidates = num_candidates.contiguous()  # read with unit stride
+    num_candidates = call.num_candidates.contiguous()  # read with unit stride
     grid = (rows, triton.cdiv(max_candidates, BLOCK_N))
     _indexer_scores_kernel[grid](
         q_idx, weights, keys.storage, page_table, num_candidates, out,

@@ -20,6 +20,7 @@ from dsv4_backend.cache.fp4_format import (
 )
 from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import entries_per_page
+from dsv4_backend.kernels.indexer.common import IndexCall
 from dsv4_backend.kernels.indexer.torch import indexer_scores_torch
 from dsv4_backend.ops.norm import rms_norm
 from dsv4_backend.ops.rope import apply_rope
@@ -103,6 +104,5 @@ def index_scores_torch(
     width: int,
 ) -> torch.Tensor:
     """``table.low_ratio_scores`` by the lightning indexer's torch scores."""
-    return indexer_scores_torch(
-        q, weights, keys, page_table, visible, width, entries_per_page(ratio)
-    )
+    call = IndexCall(q, weights, keys, page_table, visible, width, entries_per_page(ratio))
+    return indexer_scores_torch(call)

@@ -45,6 +45,7 @@ from dsv4_backend.kernels.device.fp8 import (
     fp32_to_bf16_bits,
     fp32_to_e4m3,
 )
+from dsv4_backend.kernels.indexer.common import IndexCall
 from dsv4_backend.kernels.indexer.triton import indexer_scores_triton
 
 # The format's constants as the kernels read them (a compiled kernel reads constexpr globals).
@@ -221,8 +222,9 @@ def index_scores_triton(
     width: int,
 ) -> torch.Tensor:
     """``table.low_ratio_scores`` by the lightning indexer's scores kernel."""
+    per_page = entries_per_page(ratio)
     return indexer_scores_triton(
-        q, weights, keys, page_table, visible.int(), width, entries_per_page(ratio)
+        IndexCall(q, weights, keys, page_table, visible.int(), width, per_page)
     )
 
 
