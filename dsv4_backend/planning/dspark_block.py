@@ -16,8 +16,8 @@ so ``swa_topk_lengths = C + g`` on each row, in ``swa_page_indices`` of
 DSpark block is therefore not a decode row of length ``p + 1`` (design §2's invariant); its
 reference is ``testing.reference.reference_dspark_block``.
 
-The rows, their write slots and their checks are a verify batch's (``planner._verify_rows``,
-``planner._checked_rows``: a write slot must be the one ``req_to_token`` holds), and so the key
+The rows, their write slots and their checks are a verify batch's (``planner.verify_rows``,
+``planner.checked_rows``: a write slot must be the one ``req_to_token`` holds), and so the key
 slots of the block are read from ``req_to_token`` like the context's. Shapes depend on the row
 count only and nothing reads the device on the host (CUDA graphs), except in strict mode.
 """
@@ -71,10 +71,10 @@ def plan_dspark_block(
     block = batch.rows_per_request or 0
     host = batch.host_seq_lens
     host_lens = None if host is None else [s + block for s in host]
-    widths = planner._resolve_widths(config, batch, host_lens, widths)
-    rows_in = planner._verify_rows(batch)
+    widths = planner.resolve_widths(config, batch, host_lens, widths)
+    rows_in = planner.verify_rows(batch)
     # Every row reads up to W committed keys (L - W ... L - 1): all of them are checked.
-    req, rows, pending = planner._checked_rows(
+    req, rows, pending = planner.checked_rows(
         config, batch, rows_in, widths.page_table, context_keys=config.window_size
     )
     committed = rows.first_new  # [T] L of the row's request
@@ -90,7 +90,7 @@ def plan_dspark_block(
     slots = batch.req_to_token[req[:, None], key_pos.clamp(0, last)].long()
     if batch.full_to_swa is not None:
         slots = batch.full_to_swa[slots]
-    page_table = planner._page_table(
+    page_table = planner.plan_page_table(
         batch.req_to_token, req, rows.request_lens, widths.page_table, config.page_size
     )
     return AttentionMetadata(
@@ -99,10 +99,10 @@ def plan_dspark_block(
         num_rows=batch.num_rows,
         row_batch_ids=rows.batch_ids,
         page_table=page_table,
-        swa_out_loc=planner._swa_out_loc(batch, rows.out_loc),
+        swa_out_loc=planner.swa_write_slots(batch, rows.out_loc),
         positions_causal=rows.positions,
         swa_page_indices=torch.where(valid, slots, -1).int(),
         swa_topk_lengths=(context + block).int(),
-        tag=planner._tag(batch),
+        tag=planner.batch_tag(batch),
         pending_checks=pending,
     )

@@ -5,7 +5,7 @@ table in ``planning/batch.py``); one shared body, ``_plan_rows``, builds every f
 docs/design.md §4 from those rows. Eager planning, CUDA-graph capture and replay all
 run this same code; the graph path then copies the result into fixed buffers
 (``planning/graph_buffers.py``). Planning never syncs with a CUDA device, except in strict
-mode, where it reads the verdict of the batch checks (``_checked_rows``, ``planning/checks.py``)
+mode, where it reads the verdict of the batch checks (``checked_rows``, ``planning/checks.py``)
 once per plan.
 
 Graph safety: with ``widths`` given, the uniform kinds (``GRAPH_KINDS``) plan with shapes fixed by
@@ -16,7 +16,7 @@ extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``exte
 Kernels (the :data:`PLAN` table, ``kernels/variants.py``): on the Triton paths
 (``kernels/dispatch.py``) ``plan_into`` plans every kind in two launches of
 ``planning/kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
-first): ``check_rows``, the batch checks (``_checked_rows``'s twin), then the fused plan
+first): ``check_rows``, the batch checks (``checked_rows``'s twin), then the fused plan
 kernel, which plans the requests that failed a deferred check as writing nothing;
 ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The torch body
 below serves the torch path; its per-row compression fields and compress / write plans run
@@ -107,7 +107,7 @@ def _decode_rows(batch: BatchView) -> _Rows:
     return _Rows(ids, positions, out_loc.long(), positions, lens, lens)
 
 
-def _verify_rows(batch: BatchView) -> _Rows:
+def verify_rows(batch: BatchView) -> _Rows:
     """``num_draft_tokens`` rows per request, at ``seq_lens[b] ... seq_lens[b] + n - 1``."""
     n = cast(int, batch.num_draft_tokens)  # BatchView requires it for TARGET_VERIFY
     seq = batch.seq_lens.long()
@@ -148,7 +148,7 @@ class _KindPlan:
 _KINDS: dict[ForwardKind, _KindPlan] = {
     ForwardKind.IDLE: _KindPlan(_decode_rows, compressed=True, graph=True),
     ForwardKind.DECODE: _KindPlan(_decode_rows, compressed=True, graph=True),
-    ForwardKind.TARGET_VERIFY: _KindPlan(_verify_rows, compressed=True, graph=True),
+    ForwardKind.TARGET_VERIFY: _KindPlan(verify_rows, compressed=True, graph=True),
     ForwardKind.EXTEND: _KindPlan(_extend_rows, compressed=True, graph=False),
     ForwardKind.DRAFT_EXTEND: _KindPlan(_extend_rows, compressed=False, graph=False),
 }
@@ -176,7 +176,7 @@ def plan(
     BatchError : an unknown kind; no widths and no host lengths; a request longer than
         ``req_to_token`` or ``widths`` too small (checked when the host knows the lengths); an
         index out of range or a write slot that is not the one ``req_to_token`` holds for the
-        row (``_checked_rows``; on CUDA without strict mode these are returned pending in
+        row (``checked_rows``; on CUDA without strict mode these are returned pending in
         ``metadata.pending_checks`` instead, see ``planning/checks.py``).
 
     The plan is tagged (``metadata.tag``) with the batch's tensors, for ``check_batch``.
@@ -285,7 +285,7 @@ def plan_into(
     the sentinels of ``planning/graph_buffers.py``, and its widths must be ``widths``'.
     """
     spec = _KINDS[batch.kind]
-    widths = _resolve_widths(config, batch, _host_lens(batch), widths)
+    widths = resolve_widths(config, batch, _host_lens(batch), widths)
     layout = _row_layout(batch)
     failed, pending = fused_checks(config, batch, layout, widths.page_table)
     low_present = config.low_ratios_present if spec.compressed else frozenset()
@@ -338,7 +338,7 @@ def plan_into(
         c128=comp.get(128),
         c1=low.get(1),
         c2=low.get(2),
-        tag=_tag(batch),
+        tag=batch_tag(batch),
         pending_checks=pending,
     )
 
@@ -364,7 +364,7 @@ def _low_ratio_after_kernel(
     return low
 
 
-def _tag(batch: BatchView) -> BatchTag:
+def batch_tag(batch: BatchView) -> BatchTag:
     """The plan's tag: the batch tensors it was made from (``check_batch``)."""
     return BatchTag(
         req_pool_indices=batch.req_pool_indices,
@@ -373,7 +373,7 @@ def _tag(batch: BatchView) -> BatchTag:
     )
 
 
-def _resolve_widths(
+def resolve_widths(
     config: DSV4AttentionConfig,
     batch: BatchView,
     host_lens: list[int] | None,
@@ -413,7 +413,7 @@ def _slot_limit(batch: BatchView) -> int | None:
 
 
 def check_messages(batch: BatchView) -> tuple[str, ...]:
-    """The messages of the batch checks, in the order of their record (``_checked_rows``,
+    """The messages of the batch checks, in the order of their record (``checked_rows``,
     ``planning/kernels/plan_fields.py``'s ``check_rows``)."""
     pool_rows, context = batch.req_to_token.shape
     limit = _slot_limit(batch)
@@ -482,7 +482,7 @@ def _checked_reads(
     return full_check, swa_check, bad_full.any(0) | bad_swa.any(0)
 
 
-def _checked_rows(
+def checked_rows(
     config: DSV4AttentionConfig,
     batch: BatchView,
     rows: _Rows,
@@ -563,7 +563,7 @@ def _len(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None else tensor.numel()
 
 
-def _page_table(
+def plan_page_table(
     req_to_token: torch.Tensor,
     req: torch.Tensor,
     request_lens: torch.Tensor,
@@ -604,7 +604,7 @@ def _swa_page_indices(
     return torch.where(valid, slots, -1).int()
 
 
-def _swa_out_loc(batch: BatchView, out_loc: torch.Tensor) -> torch.Tensor:
+def swa_write_slots(batch: BatchView, out_loc: torch.Tensor) -> torch.Tensor:
     """``[T]`` int64 window slot each row writes; -1 stays -1 (no write)."""
     if batch.full_to_swa is None:
         return out_loc
@@ -654,11 +654,11 @@ def _plan_rows(
     compressed: bool,
 ) -> AttentionMetadata:
     """Every metadata field from the expanded rows; shared by all kinds."""
-    widths = _resolve_widths(config, batch, _host_lens(batch), widths)
-    req, rows, pending = _checked_rows(config, batch, rows, widths.page_table)
+    widths = resolve_widths(config, batch, _host_lens(batch), widths)
+    req, rows, pending = checked_rows(config, batch, rows, widths.page_table)
     positions = rows.positions
     floors = _row_floors(batch, rows)
-    page_table = _page_table(
+    page_table = plan_page_table(
         batch.req_to_token, req, rows.request_lens, widths.page_table, config.page_size
     )
     present = config.ratios_present if compressed else frozenset()
@@ -671,7 +671,7 @@ def _plan_rows(
         num_rows=batch.num_rows,
         row_batch_ids=rows.batch_ids,
         page_table=page_table,
-        swa_out_loc=_swa_out_loc(batch, rows.out_loc),
+        swa_out_loc=swa_write_slots(batch, rows.out_loc),
         positions_causal=positions,
         swa_page_indices=_swa_page_indices(config, batch, req, positions, floors),
         swa_topk_lengths=(positions + 1 - (0 if floors is None else floors))
@@ -681,7 +681,7 @@ def _plan_rows(
         c128=comp.get(128),
         c1=low.get(1),
         c2=low.get(2),
-        tag=_tag(batch),
+        tag=batch_tag(batch),
         pending_checks=pending,
     )
 

@@ -20,7 +20,7 @@ with some forty torch ops (field definitions: ``planning/metadata.py``):
   entries, the ``-1`` selections (and candidate blocks) its index sources fill.
 
 ``check_rows`` runs first, one program looping over the rows: the batch checks of
-``planning/planner.py``'s ``_checked_rows`` (its torch twin; the record layout of
+``planning/planner.py``'s ``checked_rows`` (its torch twin; the record layout of
 ``planning/checks.py``) and a ``[B]`` mask of the requests with a failing row, which the plan
 kernel plans as writing nothing (pool row 0, position 1, no write slot, no plan record: the
 per-request closed forms then simply skip those requests).
@@ -332,7 +332,7 @@ def _check_kernel(
     EXTEND: tl.constexpr, HAS_SWA_MAP: tl.constexpr, PAGE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
 ):  # fmt: skip
-    """The batch checks of ``planning/planner.py``'s ``_checked_rows`` in one program: pool
+    """The batch checks of ``planning/planner.py``'s ``checked_rows`` in one program: pool
     rows, positions, write slots in range, each write slot the one ``req_to_token`` holds for
     its row (pool row 0, slot 0 exempt: sglang's padding), each write's window slot in range;
     then per request what the plan reads besides (``_checked_reads``): the window keys before
