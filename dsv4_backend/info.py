@@ -150,10 +150,10 @@ def _self_check(device: str) -> str:
     ran before), so the choice shown is the one a backend makes; one line saying what ran."""
     import torch
 
-    from dsv4_backend.self_check.check import PRESETS, SELF_CHECK_ENV, self_check, setting
+    from dsv4_backend.self_check.check import PRESETS, SELF_CHECK_ENV, runs_on, self_check, setting
 
     chosen, where = setting(), torch.device(device)
-    if chosen == "0" or (chosen == "auto" and where.type != "cuda"):
+    if not runs_on(where):
         return f"self-check: not run for {device} ({SELF_CHECK_ENV}={chosen})"
     report = self_check(PRESETS["flash" if where.type == "cuda" else "tiny"], where,
                         use_cache=chosen != "force")  # fmt: skip

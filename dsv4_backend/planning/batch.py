@@ -104,6 +104,19 @@ def host_ints(name: str, values: torch.Tensor | Sequence[int] | None) -> list[in
         raise BatchError(f"{name}={list(values)!r}; expected integer host lengths") from None
 
 
+def readable_ints(
+    name: str, values: torch.Tensor | Sequence[int] | None, *, sync_ok: bool = False
+) -> list[int] | None:
+    """``values`` (a tensor or ints, the field ``name``) as host ints, checked as
+    ``host_ints`` checks them; None when absent, or on the device unless ``sync_ok`` (reading
+    it would sync the host with the device)."""
+    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
+        if not sync_ok:
+            return None
+        values = values.cpu()
+    return host_ints(name, values)
+
+
 @dataclass(frozen=True, kw_only=True)
 class BatchView:
     """What planning needs to know about a batch; shapes are checked on construction.

@@ -296,11 +296,9 @@ def _judge_once(
 ) -> list[Finding]:
     """One run of the judge over the widths' schedule and the stores, ``pins`` on the path
     under test, every op's twin on the other side."""
-    config = widths.config()
-    generator = torch.Generator().manual_seed(seed)
     schedule = widths.schedule()
-    pool = PagedRequestPool(config, list(schedule.max_lens), generator=generator, device=device)
-    model = SyntheticModel(config, pool, generator=generator, fmt=widths.fmt, device=device)
+    model = _synthetic_model(widths, device, schedule.max_lens, seed)
+    pool = model.pool
     twins = {table: twin(table).name for table in TABLES}
     judge = StepwiseJudge(
         model, path, query_dtype=torch.bfloat16 if device.type == "cuda" else None,
@@ -337,7 +335,7 @@ def run_self_check(
     device = torch.device(device)
     target = Target.of(device)
     path = dispatch.select_path(device)
-    probe = _probe_model(widths, device)
+    probe = _synthetic_model(widths, device, [16], 0)  # the caches ``rejects`` is asked of
     queues: dict[OpTable, list[Variant]] = {}
     verdicts: list[Verdict] = []
     deciding = widths.ops if ops is None else tuple(t for t in widths.ops if t in ops)
@@ -396,12 +394,13 @@ def _fail(
         del queues[table]
 
 
-def _probe_model(widths: CheckWidths, device: torch.device) -> SyntheticModel:
-    """A model of the widths with a one-request pool: the caches the variants' ``rejects``
-    are asked about."""
+def _synthetic_model(
+    widths: CheckWidths, device: torch.device, max_lens: Sequence[int], seed: int
+) -> SyntheticModel:
+    """A synthetic model of the widths over requests of up to ``max_lens`` tokens."""
     config = widths.config()
-    generator = torch.Generator().manual_seed(0)
-    pool = PagedRequestPool(config, [16], generator=generator, device=device)
+    generator = torch.Generator().manual_seed(seed)
+    pool = PagedRequestPool(config, list(max_lens), generator=generator, device=device)
     return SyntheticModel(config, pool, generator=generator, fmt=widths.fmt, device=device)
 
 
@@ -409,6 +408,14 @@ def _probe_model(widths: CheckWidths, device: torch.device) -> SyntheticModel:
 def setting() -> str:
     """``DSV4_SELF_CHECK`` (``auto`` when unset); ``ConfigError`` for another value."""
     return envs.SELF_CHECK.get()
+
+
+def runs_on(device: torch.device) -> bool:
+    """Whether the self-check runs for a backend (or ``info``) on ``device``: with
+    ``DSV4_SELF_CHECK`` ``auto`` on CUDA devices, ``1`` / ``force`` on every device, ``0``
+    never."""
+    chosen = setting()
+    return chosen in ("1", "force") or (chosen == "auto" and device.type == "cuda")
 
 
 def cache_dir() -> Path:
@@ -547,9 +554,9 @@ def at_startup(
     """The self-check a backend runs when it is built (``DSV4_SELF_CHECK``), at the model's
     widths with ``heads`` query heads a rank; None where it does not run. A process checks
     each set of widths once (the draft worker's backend reuses the target's verdicts)."""
-    chosen = setting()
-    if chosen == "0" or (chosen == "auto" and device.type != "cuda"):
+    if not runs_on(device):
         return None
+    chosen = setting()
     widths = CheckWidths.of_model(config, fmt, heads)
     done = _checked.get((widths, str(device)))
     if done is not None and chosen != "force":

@@ -72,7 +72,7 @@ from dsv4_backend.planning import (
     PlanInputs,
     seq_len_fill_value,
 )
-from dsv4_backend.planning.batch import host_ints
+from dsv4_backend.planning.batch import readable_ints
 from dsv4_backend.planning.checks import strict_checks_enabled
 from dsv4_backend.planning.draft_slots import draft_step_slots
 from dsv4_backend.planning.tag import BatchTag
@@ -99,17 +99,6 @@ def forward_kind(forward_mode: ForwardMode) -> ForwardKind:
             f"dsv4_backend attention backend; supported modes: {', '.join(SUPPORTED_MODES)}"
         )
     return kind
-
-
-def readable_ints(name: str, values: Any, *, sync_ok: bool = False) -> list[int] | None:
-    """``values`` (a tensor or ints, the field ``name``) as host ints, checked as
-    ``host_ints`` checks them; None when absent, or on the device unless ``sync_ok`` (reading
-    it would sync the host with the device)."""
-    if isinstance(values, torch.Tensor) and values.device.type != "cpu":
-        if not sync_ok:
-            return None
-        values = values.cpu()
-    return host_ints(name, values)
 
 
 def padding_rows(fb: Any, view: BatchView) -> int:
@@ -404,13 +393,14 @@ def host_seq_lens(fb: Any) -> list[int] | None:
 
 
 def read_consumer(fb: Any, kind_of: KindOf = forward_kind) -> ConsumerBatch:
-    """``fb`` as a consumer hands it over (:class:`ConsumerBatch`)."""
+    """``fb`` as a consumer hands it over (:class:`ConsumerBatch`). Every layer call reads
+    one: its host lengths are read only when a match needs them."""
     return ConsumerBatch(
         kind=kind_of(fb.forward_mode),
         mode=fb.forward_mode.name,
         batch_size=fb.batch_size,
         objects=_batch_objects(fb),
-        host_seq_lens=host_seq_lens(fb),
+        seq_lens_cpu=getattr(fb, "seq_lens_cpu", None),
     )
 
 

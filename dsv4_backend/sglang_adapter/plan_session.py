@@ -19,6 +19,7 @@ against it without a runner.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,7 @@ from dsv4_backend.planning import (
     pad_plan,
     read_plan,
 )
+from dsv4_backend.planning.batch import readable_ints
 from dsv4_backend.planning.checks import PendingChecks, run_checks
 from dsv4_backend.planning.tag import BatchTag, PlanInputs
 
@@ -79,15 +81,21 @@ class BatchRead:
 @dataclass(frozen=True)
 class ConsumerBatch:
     """What a consumer's ``ForwardBatch`` offers to the match against the plan
-    (:func:`read_consumer`): its planner ``kind``, its mode's ``mode`` name (for messages),
-    ``batch_size``, the objects a ``BatchTag`` keeps (``forward_batch``, ``req_pool_indices``,
-    ``seq_lens``, ``out_cache_loc``) and its host ``seq_lens_cpu`` (None when absent)."""
+    (``batch_read.read_consumer``): its planner ``kind``, its mode's ``mode`` name (for
+    messages), ``batch_size``, the objects a ``BatchTag`` keeps (``forward_batch``,
+    ``req_pool_indices``, ``seq_lens``, ``out_cache_loc``) and its ``seq_lens_cpu`` as handed
+    (read into :attr:`host_seq_lens` only when a match needs it)."""
 
     kind: ForwardKind
     mode: str
     batch_size: int
     objects: dict[str, Any]
-    host_seq_lens: list[int] | None
+    seq_lens_cpu: Any = None
+
+    @functools.cached_property
+    def host_seq_lens(self) -> list[int] | None:
+        """``seq_lens_cpu`` as host ints (None when absent or on the device)."""
+        return readable_ints("seq_lens_cpu", self.seq_lens_cpu)
 
     @property
     def req_pool_indices(self) -> torch.Tensor:

@@ -32,7 +32,7 @@ from dsv4_backend.config import INDEXER_SELECTIONS, DSV4AttentionConfig
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.attention.common import attention_tolerance
 from dsv4_backend.self_check.bounds import BF16_OUTPUT_RTOL, excess
-from dsv4_backend.self_check.check import CheckWidths, self_check, setting
+from dsv4_backend.self_check.check import CheckWidths, runs_on, self_check
 from dsv4_backend.self_check.judge import (
     FLASH_CONFIG,
     FLASH_SCHEDULE,
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     path = dispatch.select_path(device)
     config, schedule = CONFIGS[args.config]
     config = dataclasses.replace(config, indexer_selection=args.indexer_selection)
-    if device.type == "cuda" and setting() != "0":  # judge the kernels a backend would run
+    if runs_on(device):  # judge the kernels a backend would run
         widths = CheckWidths.of_model(config, args.fmt, config.num_heads)
         print("\n".join(self_check(widths, device).lines()))
     judge = judge_serving_modes(

@@ -320,9 +320,8 @@ def test_flashmla_reads_a_one_page_cache(flash_mla, monkeypatch):
 def _flashmla_kwargs(g: torch.Generator) -> dict[str, Any]:
     q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = _attention_args(16, "c4", g)
     assert ext is not None and ext_idx is not None and ext_len is not None
-    return flashmla_arguments(
-        q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale, FakeSchedMeta()
-    )
+    call = AttentionCall.of(q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale)
+    return flashmla_arguments(call, FakeSchedMeta())
 
 
 def _contiguous_pages(kw: dict) -> None:
@@ -408,9 +407,8 @@ def test_flashmla_prefill_workspace_holds_each_referenced_key_once():
     g = torch.Generator().manual_seed(6)
     q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale = _attention_args(16, "c4", g)
     assert ext is not None and ext_idx is not None and ext_len is not None
-    kw = flashmla_library.prefill_arguments(
-        q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale
-    )
+    call = AttentionCall.of(q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale)
+    kw = flashmla_library.prefill_arguments(call)
     indices, lengths, kv = kw["indices"][:, 0], kw["topk_length"], kw["kv"][:, 0]
     assert indices.shape == (5, 256) and kw["q"].shape == (5, 64, D)  # 100 + 70 -> 256
     seen = []
@@ -445,9 +443,8 @@ def test_flashmla_prefill_stand_in_refuses_wrong_arguments(mistake):
         16, "c4", torch.Generator().manual_seed(7)
     )
     assert ext is not None and ext_idx is not None and ext_len is not None
-    kwargs = flashmla_library.prefill_arguments(
-        q, window, swa_idx, swa_len, (ext, ext_idx, ext_len), sink, scale
-    )
+    call = AttentionCall.of(q, window, swa_idx, swa_len, ext, ext_idx, ext_len, sink, scale)
+    kwargs = flashmla_library.prefill_arguments(call)
     fake_flash_mla_sparse_fwd(**kwargs)  # as built: accepted
     PREFILL_MISTAKES[mistake](kwargs)
     with pytest.raises(AssertionError):
@@ -640,7 +637,7 @@ def test_quantised_queries_are_sglangs_and_idempotent():
 
 def _deep_gemm_kwargs(deep_gemm: FakeDeepGemm) -> dict[str, Any]:
     args = _indexer_args(torch.Generator().manual_seed(7))
-    return deep_gemm_arguments(*args, paged_mqa_schedule(args[4], args[5]))
+    return deep_gemm_arguments(IndexCall.of(*args), paged_mqa_schedule(args[4], args[5]))
 
 
 #: One wrong argument each: the stand-in refuses them all (its checks can fail).

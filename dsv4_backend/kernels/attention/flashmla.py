@@ -55,7 +55,6 @@ from dsv4_backend.cache.token_cache import TokenCache
 from dsv4_backend.errors import BatchError
 from dsv4_backend.kernels.attention.common import (
     AttentionCall,
-    ExtraSpan,
     checked_num_splits,
 )
 from dsv4_backend.kernels.attention.flashmla_library import (
@@ -144,20 +143,11 @@ def _indices_and_lengths(
     return aligned_columns(indices)[:, None, :], lengths.clamp(0, indices.shape[1]).contiguous()
 
 
-def flashmla_arguments(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra_span: ExtraSpan | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-    schedule: Any,
-) -> dict[str, Any]:
-    """Keyword arguments of ``flash_mla.flash_mla_with_kvcache`` for the op's inputs (already
-    checked by ``AttentionCall.of``, which made ``extra_span``; the caches accepted by
-    :func:`flashmla_unsupported_reason`); the module docstring maps them. Pure torch: runs on
-    any device."""
+def flashmla_arguments(call: AttentionCall, schedule: Any) -> dict[str, Any]:
+    """Keyword arguments of ``flash_mla.flash_mla_with_kvcache`` for the op's checked call
+    (its caches accepted by :func:`flashmla_unsupported_reason`); the module docstring maps
+    them. Pure torch: runs on any device."""
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
     dim = q.shape[2]
     q, sink = kernel_queries(q, sink)
     indices, topk_length = _indices_and_lengths(swa_indices, swa_lengths)
@@ -206,26 +196,19 @@ def sparse_attention_flashmla(
     fresh one. Raises ``BatchError`` / ``ContractError`` for bad inputs (the op's checks) and
     ``BatchError`` naming :func:`flashmla_unsupported_reason`'s reason.
     """
-    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
-    extra = call.extra_cache
+    q = call.q
     if num_splits is not None:
         checked_num_splits(num_splits)
     rows, heads, dim = q.shape
-    reason = flashmla_unsupported_reason(q.device, window, extra, heads, dim)
+    reason = flashmla_unsupported_reason(q.device, call.window, call.extra_cache, heads, dim)
     if reason is not None:
         raise BatchError(reason)
     threshold = _prefill_rows[-1] if _prefill_rows else PREFILL_ROWS
     capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
     if rows > threshold and not capturing:
-        arguments = prefill_arguments(
-            q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale
-        )
-        return sparse_prefill(arguments, heads)
+        return sparse_prefill(prefill_arguments(call), heads)
     if rows == 0:  # FlashMLA needs a batch
         return torch.empty((0, heads, dim), dtype=torch.bfloat16, device=q.device)
-    kwargs = flashmla_arguments(
-        q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale,
-        flashmla_schedule() if schedule is None else schedule,
-    )  # fmt: skip
+    kwargs = flashmla_arguments(call, flashmla_schedule() if schedule is None else schedule)
     out = library().flash_mla_with_kvcache(**kwargs)[0]  # [T, 1, Hk, D] bf16
     return out[:, 0, :heads].contiguous()

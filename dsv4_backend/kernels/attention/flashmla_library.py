@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv4_backend.cache.token_cache import TokenCache
-from dsv4_backend.kernels.attention.common import ExtraSpan
+from dsv4_backend.kernels.attention.common import AttentionCall
 
 #: The module both variants call and the distribution (as sglang 0.5.23 pins it) that has it.
 PACKAGE = "flash_mla"
@@ -140,19 +140,11 @@ def library() -> ModuleType:
 PREFILL_FUNCTIONS = ("flash_mla_sparse_fwd",)
 
 
-def prefill_arguments(
-    q: torch.Tensor,
-    window: TokenCache,
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra_span: ExtraSpan | None,
-    sink: torch.Tensor,
-    softmax_scale: float,
-) -> dict[str, Any]:
-    """Keyword arguments of ``flash_mla.flash_mla_sparse_fwd`` for the op's inputs (already
-    checked by ``AttentionCall.of``, which made ``extra_span``); ``flashmla_prefill.py``'s
-    docstring maps them. Pure torch: runs on any device (one host synchronisation,
-    ``torch.unique``)."""
+def prefill_arguments(call: AttentionCall) -> dict[str, Any]:
+    """Keyword arguments of ``flash_mla.flash_mla_sparse_fwd`` for the op's checked call;
+    ``flashmla_prefill.py``'s docstring maps them. Pure torch: runs on any device (one host
+    synchronisation, ``torch.unique``)."""
+    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
     rows, _, dim = q.shape
     spans = [(window, swa_indices, swa_lengths)]
     if extra_span is not None:

@@ -69,13 +69,10 @@ def sparse_attention_flashmla_prefill(call: AttentionCall) -> torch.Tensor:
     rows itself). Raises ``BatchError`` / ``ContractError`` for bad inputs (the op's checks)
     and ``BatchError`` naming :func:`flashmla_prefill_unsupported_reason`'s reason.
     """
-    q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale = call.parts()
-    extra = call.extra_cache
-    _, heads, dim = q.shape
-    reason = flashmla_prefill_unsupported_reason(q.device, window, extra, heads, dim)
+    _, heads, dim = call.q.shape
+    reason = flashmla_prefill_unsupported_reason(
+        call.q.device, call.window, call.extra_cache, heads, dim
+    )
     if reason is not None:
         raise BatchError(reason)
-    arguments = prefill_arguments(
-        q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale
-    )
-    return sparse_prefill(arguments, heads)
+    return sparse_prefill(prefill_arguments(call), heads)

@@ -162,29 +162,22 @@ def paged_mqa_schedule(num_candidates: torch.Tensor, max_candidates: int) -> tor
     return deep_gemm.get_paged_mqa_logits_metadata(lens, BLOCK_KV, deep_gemm.get_num_sms())
 
 
-def deep_gemm_arguments(
-    q_idx: torch.Tensor,
-    weights: torch.Tensor,
-    keys: IndexerKeyCache,
-    page_table: torch.Tensor,
-    num_candidates: torch.Tensor,
-    max_candidates: int,
-    schedule: torch.Tensor,
-) -> dict[str, Any]:
+def deep_gemm_arguments(call: IndexCall, schedule: torch.Tensor) -> dict[str, Any]:
     """Keyword arguments of ``deep_gemm.fp8_paged_mqa_logits`` for ``index_scores``' inputs
     (checked; the cache accepted by :func:`deep_gemm_call_reason`); the module docstring maps
     them. Pure torch: runs on any device."""
+    keys = call.c4_keys("the deep_gemm indexer")
     assert keys.layout is not None  # deep_gemm_call_reason refused dense caches
-    codes, scale = quantise_queries(q_idx)
+    codes, scale = quantise_queries(call.q_idx)
     pages = keys.storage.shape[0]
     return dict(
         q=codes[:, None],
         kv_cache=keys.storage.view(pages, BLOCK_KV, 1, keys.layout.bytes_per_token),
-        weights=(weights.float() * scale).contiguous(),
-        context_lens=_context_lens(num_candidates, max_candidates),
-        block_table=page_table.contiguous(),
+        weights=(call.weights.float() * scale).contiguous(),
+        context_lens=_context_lens(call.num_candidates, call.max_candidates),
+        block_table=call.page_table.contiguous(),
         schedule_meta=schedule,
-        max_context_len=max_candidates,
+        max_context_len=call.max_candidates,
         clean_logits=False,
     )
 
@@ -200,9 +193,8 @@ def index_scores_deep_gemm(
     ``schedule``: a :func:`paged_mqa_schedule` of the same ``num_candidates``; None builds
     one. Raises ``BatchError`` naming :func:`deep_gemm_call_reason`'s reason.
     """
-    q_idx, weights, page_table = call.q_idx, call.weights, call.page_table
+    q_idx, max_candidates = call.q_idx, call.max_candidates
     keys = call.c4_keys("the deep_gemm indexer")
-    num_candidates, max_candidates = call.num_candidates, call.max_candidates
     rows, heads, dim = q_idx.shape
     reason = deep_gemm_call_reason(q_idx.device, keys, heads, dim)
     if reason is not None:
@@ -211,10 +203,8 @@ def index_scores_deep_gemm(
         return torch.empty(rows, max_candidates, dtype=torch.float32, device=q_idx.device)
     deep_gemm = importlib.import_module(PACKAGE)
     if schedule is None:
-        schedule = paged_mqa_schedule(num_candidates, max_candidates)
-    kwargs = deep_gemm_arguments(
-        q_idx, weights, keys, page_table, num_candidates, max_candidates, schedule
-    )
+        schedule = paged_mqa_schedule(call.num_candidates, max_candidates)
+    kwargs = deep_gemm_arguments(call, schedule)
     # DeepGEMM's rows are 256-column aligned: the slice is a view of the first N.
     logits = deep_gemm.fp8_paged_mqa_logits(**kwargs)[:, :max_candidates]
     cols = torch.arange(max_candidates, device=q_idx.device)
