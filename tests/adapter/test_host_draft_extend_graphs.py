@@ -60,7 +60,7 @@ from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from dsv4_backend.errors import BatchError
 from dsv4_backend.sglang_adapter.batch_read import GraphCall, batch_view
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 
 #: The pool holds 3 requests: 1 request replays in the graph of 2.
 CAPTURE_BS = [2, 3]

@@ -65,7 +65,7 @@ from sglang.srt.speculative import eagle_draft_cuda_graph_runner
 from sglang.srt.speculative.eagle_draft_cuda_graph_runner import EAGLEDraftCudaGraphRunner
 from sglang.srt.speculative.eagle_worker_v2 import EagleDraftWorker
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 
 #: The pool holds 3 requests (sglang clamps the sizes to it): 1 request replays in the graph of 2.
 CAPTURE_BS = [2, 3]

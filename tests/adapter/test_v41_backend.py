@@ -3,7 +3,8 @@
 and its V4.1 ``DeepSeekV4TokenToKVPool`` (the caches alias its c1 / c2, fp4 index-K and pair
 buffers). The backend's outputs are compared with the model reference ``reference_v41`` fed the
 modules' own projections; the launches sglang 0.5.23 cannot serve with this backend yet are
-refused when it is built, naming the flag.
+refused when it is built, naming the flag. The kernels take the torch path: this file checks the
+adapter, and the interpreter's kernels are compared with the torch ones in ``tests/kernels/``.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dsv4_backend.sglang_adapter.pool_alias import shared_state
 from dsv4_backend.testing.harness import BatchBuilder, Step, mock_runner
 from dsv4_backend.testing.simulation.v41 import tiny_v41
 
-pytestmark = pytest.mark.sglang
+pytestmark = [pytest.mark.usefixtures("torch_path"), pytest.mark.sglang]
 
 
 def _runner(pool: PagedRequestPool, config: DSV4AttentionConfig, **flags: Any) -> Any:

@@ -2,7 +2,9 @@
 attention) against the model reference ``reference_v41``, request by request: one-shot and
 chunked prefills (chunks ending on odd and even positions, so the ratio-2 pair waits in its
 ring), decodes, verifies of DSpark's block (5 tokens) whose rejected drafts are overwritten by
-the next forward, and two requests in one batch."""
+the next forward, and two requests in one batch. The dense-cache runs take the torch kernels
+(their interpreter twins are compared with them in ``tests/kernels/``); the fp8 runs, the
+verifies and the graph buckets run the Triton kernels in the interpreter."""
 
 from __future__ import annotations
 
@@ -98,9 +100,11 @@ def test_one_shot_prefill_of_two_requests(fmt: str) -> None:
     # fp8: shorter prompts (still past the window and the top-k), the interpreter's fp8 paths
     # cost 3x the dense ones.
     lengths = LENGTHS if fmt == "dense" else (90, 57)
-    _serve(fmt, [("extend", [0, 1], [0, 0], list(lengths))], lengths=lengths)
+    with force_path(TORCH) if fmt == "dense" else contextlib.nullcontext():
+        _serve(fmt, [("extend", [0, 1], [0, 0], list(lengths))], lengths=lengths)
 
 
+@pytest.mark.usefixtures("torch_path")
 def test_chunked_prefill_then_decodes() -> None:
     steps = [
         ("extend", [0], [0], [63]),  # ends on an even position: its pair waits in the ring
