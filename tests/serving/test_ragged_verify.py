@@ -26,15 +26,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from ragged_layouts import ragged_batch, token_tiers
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout, build_capture_verify_lens
+from sglang.srt.speculative.ragged_verify import build_capture_verify_lens
 from stress import sized
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError
 from dsv4_backend.planning import AttentionMetadata, GraphMetadataBuffers, PlanWidths, plan
 from dsv4_backend.planning.metadata import RECORD_FIELDS, sentinel
-from dsv4_backend.sglang_adapter.batch_read import ragged_verify, read_batch
+from dsv4_backend.sglang_adapter import batch_read
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 pytestmark = pytest.mark.usefixtures("torch_path")
@@ -42,31 +43,8 @@ pytestmark = pytest.mark.usefixtures("torch_path")
 CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 #: speculative_num_draft_tokens: the anchor and 4 drafts.
 N = 5
-CPU = torch.device("cpu")
 #: Randomized rounds: CI runs this seeded subset; DSV4_STRESS_TRACES=N runs N seeds.
 STRESS_SEEDS = range(int(os.environ.get("DSV4_STRESS_TRACES", "2")))
-
-
-def tiers(max_slots: int) -> list[int]:
-    """sglang's token tiers for capture sizes ``1 ... max_slots`` (``_build_ragged_verify_
-    token_buckets``: each capture size times the verify width)."""
-    return [bs * N for bs in range(1, max_slots + 1)]
-
-
-def ragged_batch(pool, requests, seq_lens, verify_lens, *, slots: int | None):
-    """The ragged verify sglang hands the backend: the layout from sglang's own builders, then
-    the batch of ``slots`` requests (a graph's capture slots; None: the live requests only,
-    eager), padded as ``padded_to_bucket`` pads it."""
-    grid = tiers(slots or len(requests))
-    layout = RaggedVerifyLayout.from_verify_lens(verify_lens_cpu=verify_lens, device=CPU, grid=grid)
-    padding: list[int] = []
-    if slots is not None and slots > len(requests):
-        padded = layout.padded_to_bucket(padded_bs=slots).verify_lens.tolist()
-        padding = padded[len(requests) :]
-    view = pool.ragged_verify(
-        requests, seq_lens, verify_lens, layout.graph_num_tokens, padding=padding
-    )
-    return view, layout
 
 
 def per_row(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
@@ -81,9 +59,9 @@ def per_row(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
 @given(
     seq_lens=st.lists(st.integers(1, 300), min_size=1, max_size=4),
     data=st.data(),
-    slots=st.integers(0, 3),
+    extra_slots=st.integers(0, 3),
 )
-def test_ragged_rows_are_the_extend_rows(seq_lens: list[int], data, slots: int) -> None:
+def test_ragged_rows_are_the_extend_rows(seq_lens: list[int], data, extra_slots: int) -> None:
     """Every real row equals the EXTEND row at its position (page table, window, c4 / c128
     fields, write slot); the rows past them (the bucket's leftover on the last request, or
     none when padding requests take it) are padding rows: every per-row field a sentinel, no
@@ -91,10 +69,8 @@ def test_ragged_rows_are_the_extend_rows(seq_lens: list[int], data, slots: int) 
     lens = data.draw(st.lists(st.integers(1, N), min_size=len(seq_lens), max_size=len(seq_lens)))
     requests = list(range(len(seq_lens)))
     pool = PagedRequestPool(CONFIG, [s + N for s in seq_lens], generator=torch.Generator())
-    extra = slots if slots else None
-    view, _ = ragged_batch(
-        pool, requests, seq_lens, lens, slots=None if extra is None else len(requests) + extra
-    )
+    bucket = len(requests) + extra_slots if extra_slots else None
+    view, _ = ragged_batch(pool, requests, seq_lens, lens, width=N, slots=bucket)
     widths = PlanWidths.for_max_len(pool.max_context)
     metadata = plan(CONFIG, view, widths=widths)
     extend = plan(CONFIG, pool.extend(requests, seq_lens, lens), widths=widths)
@@ -139,7 +115,7 @@ def test_capture_layouts_plan_into_the_graph_buffers() -> None:
         CONFIG, max_batch_size=max_bs, max_rows=max_bs * N,
         widths=PlanWidths.for_max_len(pool.max_context), device="cpu",
     )  # fmt: skip
-    for tokens in tiers(max_bs):
+    for tokens in token_tiers(max_bs, N):
         slots = min(tokens, max_bs)
         lens = build_capture_verify_lens(num_tokens=tokens, num_slots=slots, num_draft_tokens=N)
         view = pool.ragged_verify([], [], [], tokens, padding=lens)
@@ -154,7 +130,7 @@ def test_the_adapter_reads_sglangs_layout() -> None:
     layout of more requests than the batch, write slots other than the bucket's."""
     pool = PagedRequestPool(CONFIG, [200, 200], generator=torch.Generator())
     seq_lens, lens = [100, 30], [3, 1]
-    view, layout = ragged_batch(pool, [0, 1], seq_lens, lens, slots=None)
+    view, layout = ragged_batch(pool, [0, 1], seq_lens, lens, width=N, slots=None)
     live = view.ragged.lens[:2]
     fb = SimpleNamespace(
         forward_mode=ForwardMode.TARGET_VERIFY, batch_size=2, seq_lens_cpu=None,
@@ -163,24 +139,24 @@ def test_the_adapter_reads_sglangs_layout() -> None:
         spec_info=SimpleNamespace(ragged_verify_layout=layout),
     )  # fmt: skip
     options = dict(req_to_token=pool.req_to_token, full_to_swa=pool.full_to_swa, num_draft_tokens=N)
-    read = read_batch(fb, **options, ragged_verify_mode=True)
+    read = batch_read.read_batch(fb, **options, ragged_verify_mode=True)
     assert torch.equal(read.view.ragged.lens, live)
     assert read.view.num_rows == layout.graph_num_tokens
     with pytest.raises(BatchError, match="needs 10 write slots"):  # read as a static verify
-        read_batch(fb, **options)
+        batch_read.read_batch(fb, **options)
     # A replay view of 4 capture slots: padding requests take the leftover rows.
     padded = SimpleNamespace(**{**vars(fb), "batch_size": 4, "num_padding": 2})
     padded.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(2, dtype=torch.int64)])
     padded.seq_lens = torch.cat([fb.seq_lens, torch.ones(2, dtype=torch.int64)])
-    ragged = ragged_verify(padded)
+    ragged = batch_read.ragged_verify(padded)
     want = layout.padded_to_bucket(padded_bs=4).verify_lens
     assert torch.equal(ragged.lens, want) and int(ragged.lens.sum()) == layout.graph_num_tokens
-    read_batch(padded, **options, ragged_verify_mode=True)
+    batch_read.read_batch(padded, **options, ragged_verify_mode=True)
     with pytest.raises(BatchError, match="layout of 2 requests on a batch of batch_size=1"):
-        ragged_verify(SimpleNamespace(**{**vars(fb), "batch_size": 1}))
+        batch_read.ragged_verify(SimpleNamespace(**{**vars(fb), "batch_size": 1}))
     short = SimpleNamespace(**{**vars(fb), "out_cache_loc": fb.out_cache_loc[:-1]})
     with pytest.raises(BatchError, match="graph_num_tokens"):
-        read_batch(short, **options, ragged_verify_mode=True)
+        batch_read.read_batch(short, **options, ragged_verify_mode=True)
 
 
 def run_rounds(seed: int, *, graph: bool, rounds: int = 3) -> None:
@@ -205,7 +181,8 @@ def run_rounds(seed: int, *, graph: bool, rounds: int = 3) -> None:
     for _ in range(rounds):
         verify = [draw(1, N) for _ in requests]
         accepted = [draw(0, v - 1) for v in verify]
-        view, _ = ragged_batch(pool, requests, lens, verify, slots=slots if graph else None)
+        bucket = slots if graph else None
+        view, _ = ragged_batch(pool, requests, lens, verify, width=N, slots=bucket)
         rejected = {r: s + 1 + a for r, s, a in zip(requests, lens, accepted, strict=True)}
         planner = (lambda config, batch: buffers.plan(batch)) if graph else plan
         result = model.forward(view, planner=planner, rejected=rejected)
