@@ -246,17 +246,12 @@ def batch_view(
         return draft_extend_graph_view(fb, width=num_draft_tokens, graph=graph, **common)
     out_cache_loc = fb.out_cache_loc
     req_pool_indices, seq_lens = fb.req_pool_indices, fb.seq_lens
-    ragged = ragged_verify(fb) if ragged_verify_mode and kind is ForwardKind.TARGET_VERIFY else None
+    ragged = None
+    if ragged_verify_mode and kind is ForwardKind.TARGET_VERIFY:
+        ragged = ragged_verify(fb, out_cache_loc)
     per_request = write_slots_per_request(kind, draft, num_draft_tokens)
     if ragged is not None:
         common["ragged"] = ragged
-        if out_cache_loc is None or out_cache_loc.shape != (ragged.num_rows,):
-            shape = None if out_cache_loc is None else tuple(out_cache_loc.shape)
-            raise BatchError(
-                f"a ragged verify of graph_num_tokens={ragged.num_rows} has out_cache_loc of "
-                f"shape {shape}; expected ({ragged.num_rows},), one slot a row (sglang's "
-                "ragged verify window, padded with slot 0)"
-            )
     elif per_request is not None and _idle_replay(fb):
         # An idle rank in the largest rank's graph: every request is padding.
         bs, device = fb.batch_size, req_to_token.device
@@ -296,31 +291,39 @@ def batch_view(
     )
 
 
-def ragged_verify(fb: Any) -> RaggedVerify | None:
+def ragged_verify(fb: Any, out_cache_loc: torch.Tensor | None) -> RaggedVerify | None:
     """The ragged verify of a TARGET_VERIFY ``fb`` (a ``ForwardBatch`` or a replay view) under
     sglang's compact mode, as sglang's own DeepSeek-V4 backend reads it
     (``_resolve_verify_layout``): the layout on ``fb.spec_info`` (None: a static verify),
     padded by sglang's ``padded_to_bucket`` to the batch's ``batch_size`` requests when the
     batch has more (a graph's padding requests, pool row 0, share the bucket's leftover rows).
     With no request to pad, the rows past the requests' are padding rows: sglang hands them to
-    the last request, whose drafts they are not, so the plan writes nothing for them.
+    the last request, whose drafts they are not, so the plan writes nothing for them. The
+    rows: one per write slot (``out_cache_loc``: the bucket's ``graph_num_tokens``, or more
+    after data-parallel padding, whose tokens are padding rows too).
 
-    ``BatchError`` for a layout of more requests than the batch."""
+    ``BatchError`` for a layout of more requests than the batch, or fewer write slots than its
+    bucket."""
     layout = resolve_ragged_verify_layout(fb)
     if layout is None:
         return None
-    bs = int(fb.batch_size)
+    bs, tokens = int(fb.batch_size), int(layout.graph_num_tokens)
     if layout.bs > bs:
         raise BatchError(
             f"a ragged verify layout of {layout.bs} requests on a batch of batch_size={bs}; "
             "expected at most the batch's requests (the rest are padding)"
         )
+    if out_cache_loc is None or out_cache_loc.dim() != 1 or out_cache_loc.numel() < tokens:
+        shape = None if out_cache_loc is None else tuple(out_cache_loc.shape)
+        raise BatchError(
+            f"a ragged verify of graph_num_tokens={tokens} has out_cache_loc of shape {shape}; "
+            f"expected at least {tokens} write slots, one a row (sglang's ragged verify window, "
+            "padded with slot 0)"
+        )
     lens_cpu = layout.verify_lens_cpu
     if layout.bs < bs:
         layout, lens_cpu = layout.padded_to_bucket(padded_bs=bs), None
-    return RaggedVerify(
-        lens=layout.verify_lens, num_rows=int(layout.graph_num_tokens), lens_cpu=lens_cpu
-    )
+    return RaggedVerify(lens=layout.verify_lens, num_rows=out_cache_loc.numel(), lens_cpu=lens_cpu)
 
 
 class GraphCall(enum.Enum):

@@ -48,6 +48,7 @@ from typing import Any
 
 import pytest
 import torch
+from ragged_layouts import ragged_step
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 from sglang.srt.model_executor.forward_batch_info import (
@@ -58,7 +59,6 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.runner import decode_cuda_graph_runner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.runtime_context import get_context
-from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from v41_host import SglangV41Model, v41_hf_config
@@ -524,29 +524,18 @@ def test_a_view_of_more_requests_than_its_bucket_is_refused(
         assert host.backend.forward_metadata is None
 
 
-def ragged_step(host: Host, requests: Sequence[int], verify_lens: Sequence[int]) -> tuple:
-    """A live TARGET_VERIFY of sglang's compact ragged verify: the layout from sglang's
-    ``RaggedVerifyLayout.from_verify_lens`` over the runner's token tiers, carried by sglang's
-    ``DFlashVerifyInput``; the rows laid out as ``build_ragged_verify_window`` lays them out
-    (the requests' rows packed, then the tier's leftover at position 0, slot 0)."""
+def compact_step(host: Host, requests: Sequence[int], verify_lens: Sequence[int]) -> tuple:
+    """A live TARGET_VERIFY of sglang's compact ragged verify over the runner's token tiers
+    (``ragged_layouts``), and its layout."""
     lens = [LENS[r] for r in requests]
+    tiers = host.graph_runner.capture_num_tokens
     layout = RaggedVerifyLayout.from_verify_lens(
-        verify_lens_cpu=list(verify_lens), device=torch.device("cpu"),
-        grid=host.graph_runner.capture_num_tokens,
-    )  # fmt: skip
-    tokens = layout.graph_num_tokens
-    view = host.pool.ragged_verify(requests, lens, verify_lens, tokens)
+        verify_lens_cpu=list(verify_lens), device=torch.device("cpu"), grid=tiers
+    )
+    view = host.pool.ragged_verify(requests, lens, verify_lens, layout.graph_num_tokens)
     spans = zip(requests, lens, verify_lens, strict=True)
-    real = [(r, s + i) for r, s, n in spans for i in range(n)]
-    step = harness.forward_batch(view, [*real, *[(requests[0], 0)] * (tokens - len(real))])
-    step = harness.Step(step.batch, [*real, *[None] * (tokens - len(real))])
-    step.batch.capture_hidden_mode = CaptureHiddenMode.NULL
-    step.batch.spec_info = DFlashVerifyInput(
-        draft_token=step.batch.input_ids, positions=step.batch.positions,
-        draft_token_num=NUM_DRAFT, custom_mask=None, capture_hidden_mode=CaptureHiddenMode.NULL,
-        ragged_verify_layout=layout,
-    )  # fmt: skip
-    return step, layout
+    rows = [(r, s + i) for r, s, n in spans for i in range(n)]
+    return ragged_step(view, layout, rows, NUM_DRAFT), layout
 
 
 def test_compact_ragged_verify_replays_as_its_eager_plan(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -567,7 +556,7 @@ def test_compact_ragged_verify_replays_as_its_eager_plan(monkeypatch: pytest.Mon
         host.prefill(SERVED)
         for requests in ([0], [1, 2, 3], list(SERVED)):
             verify_lens = torch.randint(1, NUM_DRAFT + 1, (len(requests),), generator=rng).tolist()
-            step, layout = ragged_step(host, requests, verify_lens)
+            step, layout = compact_step(host, requests, verify_lens)
             assert runner.can_run_graph(step.batch), "sglang would not replay this batch"
             seen = len(host.backend.views)
             runner.load_batch(step.batch)
@@ -599,4 +588,4 @@ def test_compact_ragged_verify_replays_as_its_eager_plan(monkeypatch: pytest.Mon
             run_layers(host, view, step, allowed_slots(host, eager, step), num_rows=tokens)
         # The batch read without the backend's ragged graphs: sglang replays eagerly instead.
         monkeypatch.setattr(RecordingBackend, "supports_ragged_verify_graph", False)
-        assert not runner.can_run_graph(ragged_step(host, [0, 1], [2, 3])[0].batch)
+        assert not runner.can_run_graph(compact_step(host, [0, 1], [2, 3])[0].batch)

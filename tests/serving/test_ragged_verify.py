@@ -19,6 +19,7 @@ full causal pass, eager and from the graph buffers."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from types import SimpleNamespace
 
@@ -26,16 +27,19 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from ragged_layouts import ragged_batch, token_tiers
+from ragged_layouts import ragged_batch, ragged_step, token_tiers
+from sglang.srt.environ import envs
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ragged_verify import build_capture_verify_lens
 from stress import sized
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import BatchError
+from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.planning import AttentionMetadata, GraphMetadataBuffers, PlanWidths, plan
 from dsv4_backend.planning.metadata import RECORD_FIELDS, sentinel
 from dsv4_backend.sglang_adapter import batch_read
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
+from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
 
 pytestmark = pytest.mark.usefixtures("torch_path")
@@ -55,7 +59,7 @@ def per_row(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
     }
 
 
-@settings(max_examples=sized(6, 80), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=sized(10, 100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seq_lens=st.lists(st.integers(1, 300), min_size=1, max_size=4),
     data=st.data(),
@@ -148,15 +152,51 @@ def test_the_adapter_reads_sglangs_layout() -> None:
     padded = SimpleNamespace(**{**vars(fb), "batch_size": 4, "num_padding": 2})
     padded.req_pool_indices = torch.cat([fb.req_pool_indices, torch.zeros(2, dtype=torch.int64)])
     padded.seq_lens = torch.cat([fb.seq_lens, torch.ones(2, dtype=torch.int64)])
-    ragged = batch_read.ragged_verify(padded)
+    ragged = batch_read.ragged_verify(padded, padded.out_cache_loc)
     want = layout.padded_to_bucket(padded_bs=4).verify_lens
     assert torch.equal(ragged.lens, want) and int(ragged.lens.sum()) == layout.graph_num_tokens
     batch_read.read_batch(padded, **options, ragged_verify_mode=True)
+    # Data-parallel padding tokens past the bucket (slot 0): padding rows, writing nothing.
+    grown = torch.nn.functional.pad(fb.out_cache_loc, (0, 3))
+    view = batch_read.read_batch(
+        SimpleNamespace(**{**vars(fb), "out_cache_loc": grown}), **options, ragged_verify_mode=True
+    ).view
+    assert view.num_rows == layout.graph_num_tokens + 3
+    assert plan(CONFIG, view).swa_out_loc[sum(lens) :].eq(-1).all()
+    one = SimpleNamespace(**{**vars(fb), "batch_size": 1})
     with pytest.raises(BatchError, match="layout of 2 requests on a batch of batch_size=1"):
-        batch_read.ragged_verify(SimpleNamespace(**{**vars(fb), "batch_size": 1}))
+        batch_read.ragged_verify(one, one.out_cache_loc)
     short = SimpleNamespace(**{**vars(fb), "out_cache_loc": fb.out_cache_loc[:-1]})
     with pytest.raises(BatchError, match="graph_num_tokens"):
         batch_read.read_batch(short, **options, ragged_verify_mode=True)
+
+
+def test_a_ragged_plan_serves_only_its_batch() -> None:
+    """The lazy-init contract under compact ragged verify (the target backend built with
+    ``SGLANG_RAGGED_VERIFY_MODE=compact``): the eager runner's copy of the planned batch is
+    served; another ragged batch of the same shapes (the same requests verifying other
+    counts) is refused with a ``ContractError`` naming the mismatch."""
+    pool = PagedRequestPool(CONFIG, [200, 200], generator=torch.Generator().manual_seed(0))
+    runner = harness.mock_runner(
+        pool, harness.tiny_hf_config(CONFIG), topk=0, num_draft_tokens=N,
+        speculative_algorithm="DSPARK",
+    )  # fmt: skip
+    with envs.SGLANG_RAGGED_VERIFY_MODE.override("compact"):
+        backend = DSV4AttentionBackend(runner, cache_format="dense")
+    steps = []
+    for lens in ([3, 1], [1, 3]):
+        view, layout = ragged_batch(pool, [0, 1], [100, 30], lens, width=N, slots=None)
+        spans = zip([0, 1], [100, 30], lens, strict=True)
+        steps.append(
+            ragged_step(view, layout, [(r, s + i) for r, s, n in spans for i in range(n)], N)
+        )
+    backend.init_forward_metadata(steps[0].batch)
+    planned = backend.forward_metadata
+    assert planned is not None and planned.num_rows == len(steps[0].rows)
+    copy = dataclasses.replace(steps[0].batch)  # sglang's EagerRunner.load_batch
+    assert torch.equal(backend.get_swa_out_cache_loc(copy), planned.swa_out_loc.int())
+    with pytest.raises(ContractError, match="made for another batch"):
+        backend.get_swa_out_cache_loc(steps[1].batch)
 
 
 def run_rounds(seed: int, *, graph: bool, rounds: int = 3) -> None:

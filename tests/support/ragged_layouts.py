@@ -6,10 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
+from sglang.srt.speculative.dflash_info import DFlashVerifyInput
 from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 
 from dsv4_backend.planning import BatchView
 from dsv4_backend.self_check.requests import PagedRequestPool
+from dsv4_backend.testing import harness
 
 
 def token_tiers(max_slots: int, width: int) -> list[int]:
@@ -42,3 +45,20 @@ def ragged_batch(
         requests, seq_lens, verify_lens, layout.graph_num_tokens, padding=padding
     )
     return view, layout
+
+
+def ragged_step(
+    view: BatchView, layout: RaggedVerifyLayout, rows: Sequence[tuple[int, int]], width: int
+) -> harness.Step:
+    """The live ``ForwardBatch`` of a ragged ``view`` whose requests' rows are ``rows``: the
+    tier's leftover rows at position 0 (as sglang's ``build_ragged_verify_window`` lays them
+    out; ``None`` rows of the step), the layout carried by sglang's ``DFlashVerifyInput``."""
+    padding = view.num_rows - len(rows)
+    step = harness.forward_batch(view, [*rows, *[(0, 0)] * padding])
+    step.batch.capture_hidden_mode = CaptureHiddenMode.NULL
+    step.batch.spec_info = DFlashVerifyInput(
+        draft_token=step.batch.input_ids, positions=step.batch.positions,
+        draft_token_num=width, custom_mask=None, capture_hidden_mode=CaptureHiddenMode.NULL,
+        ragged_verify_layout=layout,
+    )  # fmt: skip
+    return harness.Step(step.batch, [*rows, *[None] * padding])
