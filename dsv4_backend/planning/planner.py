@@ -565,7 +565,7 @@ def checked_rows(
     held = batch.req_to_token[req, positions.clamp(0, context - 1)].long()
     bad_slot = live & _out_of(out, _slot_limit(batch))
     foreign = live & (out != held) & ~((req == 0) & (out == 0))
-    swa = _window_slots(batch, out.clamp(min=0))
+    swa = _window_slots(batch, out)
     bad_window = live & ~bad_slot & _out_of(swa, batch.num_swa_slots)
     # Every request has rows (extend lengths >= 1; a ragged verify's request without rows
     # reads nothing: length 0), so these scatters set every entry.
