@@ -16,8 +16,9 @@ extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``exte
 Kernels (the :data:`PLAN` table, ``kernels/variants.py``): on the Triton paths
 (``kernels/dispatch.py``) ``plan_into`` plans every kind in two launches of
 ``planning/kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
-first): ``check_rows``, the batch checks (``checked_rows``'s twin), then the fused plan
-kernel, which plans the requests that failed a deferred check as writing nothing;
+first; a ragged verify's row table is built on the device first, five torch ops):
+``check_rows``, the batch checks (``checked_rows``'s twin), then the fused plan kernel, which
+plans the requests that failed a deferred check as writing nothing;
 ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The torch body
 below serves the torch path; its per-row compression fields and compress / write plans run
 the variants of ``planning/kernels/table.py``.
@@ -226,7 +227,7 @@ def plan(
         )
     device = batch.req_to_token.device
     variant = resolve(PLAN, device).variant
-    if variant is FUSED and not fuses(batch):
+    if variant is FUSED and not _fuses_v41(batch):
         return _plan_torch(config, batch, widths)
     return variant.entry(config, batch, widths)
 
@@ -266,10 +267,17 @@ def _row_layout(batch: BatchView) -> RowLayout:
         prefix, extend = _extend_lens(batch)
         starts = [0, *itertools.accumulate(extend)][: len(extend)]
         floors = list(batch.window_floors or [0] * len(extend))
-        host = [starts, list(prefix), list(extend), floors]
+        keep = [p + e for p, e in zip(prefix, extend, strict=True)]
+        host = [starts, list(prefix), list(extend), floors, keep]
         with launch("copy: extend lengths to the device"):
             table = torch.tensor(host, dtype=torch.int64, device=batch.seq_lens.device)
         return RowLayout(host=table, floors=batch.window_floors is not None)
+    if batch.ragged is not None:  # the extend layout's table, from the device lengths
+        lens, seq = batch.ragged.lens.long(), batch.seq_lens.long()
+        first_rows = torch.cumsum(lens, 0) - lens
+        # Drafts may be rejected: the write plans keep seq_lens + 1, as a verify's. The
+        # floors row is read only with window floors (none here): it repeats seq_lens.
+        return RowLayout(host=torch.stack([first_rows, seq, lens, seq, seq + 1]))
     if batch.kind is ForwardKind.TARGET_VERIFY:
         n = cast(int, batch.num_draft_tokens)
         return RowLayout(rows_per_request=n, loc_stride=n)
@@ -283,11 +291,9 @@ def _row_layout(batch: BatchView) -> RowLayout:
 
 def fuses(batch: BatchView) -> bool:
     """Whether ``batch`` is planned by the fused kernels (``planning/kernels/plan_fields.py``):
-    on the Triton paths, every kind, its batch checks included (read at once or deferred),
-    but a ragged verify (the torch planner's device ops plan it, graph path included)."""
+    on the Triton paths, every kind, its batch checks included (read at once or deferred)."""
     return (
         batch.kind in _KINDS
-        and batch.ragged is None
         and resolve(PLAN, batch.req_to_token.device).variant is FUSED
         and _fuses_v41(batch)
     )

@@ -41,6 +41,7 @@ from dsv4_backend.sglang_adapter import batch_read
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
 from dsv4_backend.testing.simulation import PagedRequestPool, RandomModel
+from dsv4_backend.testing.simulation.v41 import tiny_v41
 
 pytestmark = pytest.mark.usefixtures("torch_path")
 
@@ -107,6 +108,32 @@ def test_ragged_rows_are_the_extend_rows(seq_lens: list[int], data, extra_slots:
             for i in range(n):
                 if s + i >= tail_from:
                     assert start + i in rows_kept, (ratio, b, i)
+
+
+@pytest.mark.parametrize("model", ["v4", "v41"])
+@pytest.mark.parametrize("slots", [None, 7], ids=["eager", "graph"])
+def test_the_fused_planner_plans_as_the_torch_planner(model: str, slots: int | None) -> None:
+    """The fused planner (Triton, in the interpreter; the GPU's path) plans a ragged verify as
+    the torch planner does, every field (DeepSeek-V4.1's c1 / c2 too), into the graph buffers
+    with padding requests, and eagerly with the tier's leftover rows as padding rows."""
+    from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
+    from dsv4_backend.planning.planner import fuses
+
+    config = CONFIG if model == "v4" else tiny_v41(speculative=True, num_draft_tokens=N)
+    seq_lens, lens = [300, 200, 100, 5, 255], [5, 3, 1, 2, 2]  # 13 rows in a tier of 15
+    pool = PagedRequestPool(config, [s + N for s in seq_lens], generator=torch.Generator())
+    view, layout = ragged_batch(pool, range(5), seq_lens, lens, width=N, slots=slots)
+    assert layout.graph_num_tokens == 15
+    widths = PlanWidths.for_max_len(pool.max_context)
+    want = plan(config, view, widths=widths).named_tensors()
+    with force_path(TRITON_INTERPRETER):
+        assert fuses(view)
+        buffers = GraphMetadataBuffers(
+            config, max_batch_size=8, max_rows=8 * N, widths=widths, device="cpu"
+        )
+        got = plan(config, view, widths=widths) if slots is None else buffers.plan(view)
+    for name, value in want.items():
+        assert torch.equal(got.named_tensors()[name], value), name
 
 
 def test_capture_layouts_plan_into_the_graph_buffers() -> None:

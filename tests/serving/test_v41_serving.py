@@ -142,8 +142,9 @@ def test_compact_ragged_verifies(bucket: int | None) -> None:
     """DSpark's compact ragged verifies (each request its own count of the anchor and drafts,
     laid out by sglang's ``RaggedVerifyLayout``; graph: 4 request slots, the padding requests
     taking the token tier's leftover rows), their rejected drafts overwritten or never read:
-    every committed row equals the reference. (The torch path: a ragged verify is planned by
-    the torch planner on every path, and the kernels' paths are the static verify's.)"""
+    every committed row equals the reference. (The torch path, fast: the fused planner's plan
+    of a ragged verify is compared with the torch planner's in ``test_ragged_verify.py``,
+    and the kernels run as for a static verify.)"""
     steps: list[Step] = [("extend", [0, 1], [0, 0], [100, 61])]
     committed = [100, 61]
     for lens in ([5, 2], [1, 4], [3, 5]):
