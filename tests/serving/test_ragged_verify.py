@@ -49,7 +49,7 @@ CONFIG = DSV4AttentionConfig.tiny(speculative=True)
 #: speculative_num_draft_tokens: the anchor and 4 drafts.
 N = 5
 #: Randomized rounds: CI runs this seeded subset; DSV4_STRESS_TRACES=N runs N seeds.
-STRESS_SEEDS = range(int(os.environ.get("DSV4_STRESS_TRACES", "2")))
+STRESS_SEEDS = range(int(os.environ.get("DSV4_STRESS_TRACES", "1")))
 
 
 def per_row(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
@@ -60,7 +60,7 @@ def per_row(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
     }
 
 
-@settings(max_examples=sized(10, 100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=sized(6, 100), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seq_lens=st.lists(st.integers(1, 300), min_size=1, max_size=4),
     data=st.data(),
