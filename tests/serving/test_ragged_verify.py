@@ -35,8 +35,10 @@ from stress import sized
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError, ContractError
+from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
 from dsv4_backend.planning import AttentionMetadata, GraphMetadataBuffers, PlanWidths, plan
 from dsv4_backend.planning.metadata import RECORD_FIELDS, sentinel
+from dsv4_backend.planning.planner import fuses
 from dsv4_backend.sglang_adapter import batch_read
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.testing import harness
@@ -53,6 +55,7 @@ STRESS_SEEDS = range(int(os.environ.get("DSV4_STRESS_TRACES", "1")))
 
 
 def per_row(metadata: AttentionMetadata) -> dict[str, torch.Tensor]:
+    """``metadata``'s fields of one entry a row (not the record lists), by name."""
     return {
         name: value
         for name, value in metadata.named_tensors().items()
@@ -116,9 +119,6 @@ def test_the_fused_planner_plans_as_the_torch_planner(model: str, slots: int | N
     """The fused planner (Triton, in the interpreter; the GPU's path) plans a ragged verify as
     the torch planner does, every field (DeepSeek-V4.1's c1 / c2 too), into the graph buffers
     with padding requests, and eagerly with the tier's leftover rows as padding rows."""
-    from dsv4_backend.kernels.dispatch import TRITON_INTERPRETER, force_path
-    from dsv4_backend.planning.planner import fuses
-
     config = CONFIG if model == "v4" else tiny_v41(speculative=True, num_draft_tokens=N)
     seq_lens, lens = [300, 200, 100, 5, 255], [5, 3, 1, 2, 2]  # 13 rows in a tier of 15
     pool = PagedRequestPool(config, [s + N for s in seq_lens], generator=torch.Generator())
