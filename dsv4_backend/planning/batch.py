@@ -15,6 +15,9 @@ EXTEND         ``extend_seq_lens[b]``, at positions        ``sum(extend_seq_lens
 DRAFT_EXTEND   as EXTEND; window only (the MTP layer)      ``sum(extend_seq_lens)``
 TARGET_VERIFY  ``num_draft_tokens``, at positions          ``B * num_draft_tokens``
                ``seq_lens[b] ... seq_lens[b] + n - 1``
+ragged verify  ``ragged.lens[b]``, at positions            ``ragged.num_rows`` (rows past
+(TARGET_VERIFY ``seq_lens[b] ... seq_lens[b] + lens[b] - 1``, ``sum(lens)`` are padding: no
+with ragged)   packed request after request                write, output 0)
 DSPARK_BLOCK   as TARGET_VERIFY (``n`` = the block size),  ``B * num_draft_tokens``
                window only; every row sees the block
 =============  ==========================================  ====================================
@@ -32,6 +35,7 @@ import enum
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 
@@ -118,6 +122,28 @@ def readable_ints(
 
 
 @dataclass(frozen=True, kw_only=True)
+class RaggedVerify:
+    """A verify whose requests verify their own number of tokens (sglang's compact ragged
+    verify, ``SGLANG_RAGGED_VERIFY_MODE=compact``; docs/planning.md, "Ragged verify").
+
+    ``lens`` ``[B]`` int (on the batch's device): rows of each request, packed request after
+    request; ``num_rows``: the batch's rows (sglang's token bucket ``graph_num_tokens``), of
+    which the first ``sum(lens)`` are the requests' and the rest padding rows, planned as
+    writing nothing and attending to nothing; ``lens_cpu``: ``lens`` on the host when known
+    without a device sync (eager plans size their page table from it).
+    """
+
+    lens: torch.Tensor
+    num_rows: int
+    lens_cpu: Sequence[int] | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "lens_cpu", host_ints("ragged lens_cpu", self.lens_cpu))
+        if self.lens_cpu is None and self.lens.device.type == "cpu":
+            object.__setattr__(self, "lens_cpu", host_ints("ragged lens", self.lens))
+
+
+@dataclass(frozen=True, kw_only=True)
 class BatchView:
     """What planning needs to know about a batch; shapes are checked on construction.
 
@@ -133,6 +159,8 @@ class BatchView:
         and check values without a device sync.
     extend_prefix_lens, extend_seq_lens : host lengths ``[B]`` for EXTEND / DRAFT_EXTEND.
     num_draft_tokens : tokens per request for TARGET_VERIFY and DSPARK_BLOCK.
+    ragged : a TARGET_VERIFY whose requests verify their own number of tokens
+        (``RaggedVerify``); its rows replace the ``num_draft_tokens`` a request.
     draft : the step of a multi-step draft, for DECODE only.
     full_to_swa : optional Tensor ``[full_pool_slots]`` int — window-cache slot of each full
         slot; identity when omitted.
@@ -166,6 +194,7 @@ class BatchView:
     num_cache_slots: int | None = None
     num_swa_slots: int | None = None
     window_floors: Sequence[int] | None = None
+    ragged: RaggedVerify | None = None
 
     def __post_init__(self) -> None:
         for name in ("seq_lens_cpu", "extend_prefix_lens", "extend_seq_lens", "window_floors"):
@@ -238,13 +267,15 @@ class BatchView:
             return 0
         if self.kind is ForwardKind.DECODE:
             return 1
-        if self.kind in UNIFORM_BLOCK_KINDS:
+        if self.kind in UNIFORM_BLOCK_KINDS and self.ragged is None:
             return self.num_draft_tokens
         return None
 
     @property
     def num_rows(self) -> int:
         """``T``, the query rows this batch plans."""
+        if self.ragged is not None:
+            return self.ragged.num_rows
         per = self.rows_per_request
         if per is not None:
             return per * self.batch_size
@@ -287,6 +318,8 @@ class BatchView:
                     f"{kind.name}: seq_lens {host} != extend_prefix_lens + extend_seq_lens "
                     f"{[p + e for p, e in zip(prefix, extend, strict=True)]}"
                 )
+        if self.ragged is not None:
+            self._check_ragged(bs)
         floors = self.window_floors
         if floors is not None:
             prefix = self.extend_prefix_lens
@@ -299,6 +332,33 @@ class BatchView:
                     f"window_floors={list(floors)}; expected one per request with 0 <= floor <= "
                     f"its prefix (extend_prefix_lens={list(prefix)})"
                 )
+
+    def _check_ragged(self, bs: int) -> None:
+        ragged = cast(RaggedVerify, self.ragged)
+        if self.kind is not ForwardKind.TARGET_VERIFY:
+            raise BatchError(f"ragged verify lengths are for TARGET_VERIFY, got {self.kind.name}")
+        lens = ragged.lens
+        if (
+            not isinstance(lens, torch.Tensor)
+            or lens.dtype not in _INDEX_DTYPES
+            or lens.shape != (bs,)
+            or lens.device != self.req_to_token.device
+        ):
+            got: object = lens
+            if isinstance(lens, torch.Tensor):
+                got = (lens.dtype, tuple(lens.shape), lens.device)
+            raise BatchError(
+                f"ragged verify lens {got}; expected an integer tensor of shape ({bs},) on "
+                f"{self.req_to_token.device}, one row count per request"
+            )
+        host = ragged.lens_cpu
+        if host is not None and (
+            len(host) != bs or min(host, default=0) < 0 or sum(host) > ragged.num_rows
+        ):
+            raise BatchError(
+                f"ragged verify lens {list(host)}; expected {bs} counts >= 0 that fit the "
+                f"batch's {ragged.num_rows} rows"
+            )
 
     def _out_cache_loc_message(self, expected: int) -> str:
         got = tuple(self.out_cache_loc.shape)

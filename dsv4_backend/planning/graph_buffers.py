@@ -31,7 +31,7 @@ import torch
 from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.planning import planner
-from dsv4_backend.planning.batch import BatchView, ForwardKind, seq_len_fill_value
+from dsv4_backend.planning.batch import BatchView, ForwardKind
 from dsv4_backend.planning.kernels.plan_fields import LowRatioFields, PlanFields, RatioFields
 from dsv4_backend.planning.metadata import (
     PLAN_COLUMNS,
@@ -39,21 +39,8 @@ from dsv4_backend.planning.metadata import (
     CompressedMetadata,
     LowRatioMetadata,
 )
+from dsv4_backend.planning.metadata import sentinel as _sentinel
 from dsv4_backend.planning.planner import PlanWidths
-
-#: Padding of every field not listed here: -1 (no slot / no write / invalid record).
-_SENTINELS = {
-    "positions_causal": seq_len_fill_value - 1,
-    "row_batch_ids": 0,
-    "swa_topk_lengths": 1,
-    "topk_lengths_raw": 0,
-    "sparse_topk_lengths": 1,
-}
-
-
-def _sentinel(name: str) -> int:
-    return _SENTINELS.get(name, -1)
-
 
 _INT32, _INT64 = torch.int32, torch.int64
 #: ``field -> (shape after the row dimension, dtype)``

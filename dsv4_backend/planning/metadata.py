@@ -31,11 +31,29 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from dsv4_backend.errors import ContractError
-from dsv4_backend.planning.batch import ForwardKind
+from dsv4_backend.planning.batch import ForwardKind, seq_len_fill_value
 from dsv4_backend.planning.checks import PendingChecks
 from dsv4_backend.planning.tag import BatchTag
 
 PLAN_COLUMNS = ("ragged_id", "batch_id", "position", "window_len")
+
+#: The value of a row that writes nothing and attends to nothing (a graph bucket's padded row,
+#: a ragged verify's padding row; ``planning/graph_buffers.py`` gives the table), by field name;
+#: every field not listed: -1 (no slot / no write / invalid record).
+_SENTINELS = {
+    "positions_causal": seq_len_fill_value - 1,
+    "row_batch_ids": 0,
+    "swa_topk_lengths": 1,
+    "topk_lengths_raw": 0,
+    "sparse_topk_lengths": 1,
+}
+#: Fields that are record lists, not one entry a row (padding rows simply leave no record).
+RECORD_FIELDS = frozenset({"compress_plan", "write_plan"})
+
+
+def sentinel(name: str) -> int:
+    """The padding value of field ``name`` (a ``CompressedMetadata`` field by its own name)."""
+    return _SENTINELS.get(name, -1)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,8 +16,9 @@ extend kinds size their rows from the host lists ``extend_prefix_lens`` / ``exte
 Kernels (the :data:`PLAN` table, ``kernels/variants.py``): on the Triton paths
 (``kernels/dispatch.py``) ``plan_into`` plans every kind in two launches of
 ``planning/kernels/plan_fields.py`` (three for extend kinds: their host lengths are uploaded
-first): ``check_rows``, the batch checks (``checked_rows``'s twin), then the fused plan
-kernel, which plans the requests that failed a deferred check as writing nothing;
+first; a ragged verify's row table is built on the device first, five torch ops):
+``check_rows``, the batch checks (``checked_rows``'s twin), then the fused plan kernel, which
+plans the requests that failed a deferred check as writing nothing;
 ``GraphMetadataBuffers.plan`` has it write straight into the graph buffers. The torch body
 below serves the torch path; its per-row compression fields and compress / write plans run
 the variants of ``planning/kernels/table.py``.
@@ -30,7 +31,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -39,7 +40,7 @@ from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 from dsv4_backend.ops.launches import launch
 from dsv4_backend.planning import checks
-from dsv4_backend.planning.batch import BatchView, ForwardKind
+from dsv4_backend.planning.batch import BatchView, ForwardKind, RaggedVerify
 from dsv4_backend.planning.checks import Check, PendingChecks, run_checks
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
@@ -47,9 +48,11 @@ from dsv4_backend.planning.kernels.row_fields import row_fields
 from dsv4_backend.planning.kernels.table import build_compress_plans
 from dsv4_backend.planning.low_ratio import low_ratio_fields
 from dsv4_backend.planning.metadata import (
+    RECORD_FIELDS,
     AttentionMetadata,
     CompressedMetadata,
     LowRatioMetadata,
+    sentinel,
 )
 from dsv4_backend.planning.tag import BatchTag
 
@@ -89,6 +92,9 @@ class _Rows(NamedTuple):
     first_new: torch.Tensor  # [T] int64: position of the request's first row in this forward
     request_lens: torch.Tensor  # [T] int32: the request's length after this forward
     keep_lens: torch.Tensor  # [T] int32: its shortest possible length after it (write plans)
+    #: [T] bool: the row is its request's (None: every row); the others are padding rows,
+    #: planned as writing nothing and attending to nothing (a ragged verify's bucket).
+    live: torch.Tensor | None = None
 
 
 # ------------------------------------------------------------------------- row expansions
@@ -107,8 +113,15 @@ def _decode_rows(batch: BatchView) -> _Rows:
     return _Rows(ids, positions, out_loc.long(), positions, lens, lens)
 
 
+#: The write plans' keep length of a row that must leave no record (no ring row kept).
+_NEVER = torch.iinfo(torch.int32).max
+
+
 def verify_rows(batch: BatchView) -> _Rows:
-    """``num_draft_tokens`` rows per request, at ``seq_lens[b] ... seq_lens[b] + n - 1``."""
+    """``num_draft_tokens`` rows per request, at ``seq_lens[b] ... seq_lens[b] + n - 1``; a
+    ragged verify's own counts (``ragged_verify_rows``)."""
+    if batch.ragged is not None:
+        return ragged_verify_rows(batch)
     n = cast(int, batch.num_draft_tokens)  # BatchView requires it for TARGET_VERIFY
     seq = batch.seq_lens.long()
     row = torch.arange(batch.num_rows, device=seq.device)
@@ -118,6 +131,30 @@ def verify_rows(batch: BatchView) -> _Rows:
     # Drafts may be rejected: keep the state that the shortest outcome (seq_lens + 1) needs.
     keep = (first + 1).int()
     return _Rows(ids.int(), first + row % n, out_loc, first, (first + n).int(), keep)
+
+
+def ragged_verify_rows(batch: BatchView) -> _Rows:
+    """A ragged verify's rows (``BatchView.ragged``): ``lens[b]`` rows of request ``b`` at
+    ``seq_lens[b] ... seq_lens[b] + lens[b] - 1``, packed request after request, then padding
+    rows up to ``num_rows`` (``live`` False). Device ops only, no host sync (CUDA graphs).
+
+    Drafts may be rejected, so the write plans keep ``seq_lens + 1`` as a verify's do. A
+    padding row stands at position 1 of its (last) request with no write slot and no kept
+    length: it completes no c4 / c128 entry, is no page end, and so leaves no plan record.
+    """
+    ragged = cast(RaggedVerify, batch.ragged)
+    lens = ragged.lens.long()
+    seq = batch.seq_lens.long()
+    ends = torch.cumsum(lens, 0)
+    row = torch.arange(ragged.num_rows, device=seq.device)
+    ids = torch.searchsorted(ends, row, right=True).clamp(max=batch.batch_size - 1)
+    within = row - (ends - lens)[ids]
+    live = within < lens[ids]
+    first = seq[ids]
+    positions = torch.where(live, first + within, 1)
+    out_loc = torch.where(live, batch.out_cache_loc.long(), -1)
+    keep = torch.where(live, first + 1, _NEVER).int()
+    return _Rows(ids.int(), positions, out_loc, first, (first + lens[ids]).int(), keep, live)
 
 
 def _extend_rows(batch: BatchView) -> _Rows:
@@ -216,6 +253,9 @@ def _host_lens(batch: BatchView) -> list[int] | None:
     host = batch.host_seq_lens
     if host is None:
         return None
+    if batch.ragged is not None:
+        lens = batch.ragged.lens_cpu
+        return None if lens is None else [s + n for s, n in zip(host, lens, strict=True)]
     if batch.kind is ForwardKind.TARGET_VERIFY:
         return [s + cast(int, batch.num_draft_tokens) for s in host]
     return [s + batch.draft.step_id + 1 for s in host] if batch.draft is not None else host
@@ -227,10 +267,17 @@ def _row_layout(batch: BatchView) -> RowLayout:
         prefix, extend = _extend_lens(batch)
         starts = [0, *itertools.accumulate(extend)][: len(extend)]
         floors = list(batch.window_floors or [0] * len(extend))
-        host = [starts, list(prefix), list(extend), floors]
+        keep = [p + e for p, e in zip(prefix, extend, strict=True)]
+        host = [starts, list(prefix), list(extend), floors, keep]
         with launch("copy: extend lengths to the device"):
             table = torch.tensor(host, dtype=torch.int64, device=batch.seq_lens.device)
         return RowLayout(host=table, floors=batch.window_floors is not None)
+    if batch.ragged is not None:  # the extend layout's table, from the device lengths
+        lens, seq = batch.ragged.lens.long(), batch.seq_lens.long()
+        first_rows = torch.cumsum(lens, 0) - lens
+        # Drafts may be rejected: the write plans keep seq_lens + 1, as a verify's. The
+        # floors row is read only with window floors (none here): it repeats seq_lens.
+        return RowLayout(host=torch.stack([first_rows, seq, lens, seq, seq + 1]))
     if batch.kind is ForwardKind.TARGET_VERIFY:
         n = cast(int, batch.num_draft_tokens)
         return RowLayout(rows_per_request=n, loc_stride=n)
@@ -379,7 +426,10 @@ def resolve_widths(
     host_lens: list[int] | None,
     widths: PlanWidths | None,
 ) -> PlanWidths:
-    """Check the lengths the host knows; derive the widths when none are given."""
+    """Check the lengths the host knows; derive the widths when none are given (a ragged
+    verify without host lengths: the widths of ``req_to_token``'s whole context)."""
+    if host_lens is None and widths is None and batch.ragged is not None:
+        return PlanWidths.for_max_len(batch.req_to_token.shape[1], config.page_size)
     if host_lens is None:
         if widths is None:
             raise BatchError(
@@ -516,13 +566,15 @@ def checked_rows(
     request_rows = torch.where(bad_request, 0, requests)
     req = request_rows[ids]
     positions, out = rows.positions, rows.out_loc
-    bad_position = (positions < 0) | (positions >= context)
+    live = torch.ones_like(positions, dtype=torch.bool) if rows.live is None else rows.live
+    bad_position = live & ((positions < 0) | (positions >= context))
     held = batch.req_to_token[req, positions.clamp(0, context - 1)].long()
-    bad_slot = _out_of(out, _slot_limit(batch))
-    foreign = (out != held) & ~((req == 0) & (out == 0))
+    bad_slot = live & _out_of(out, _slot_limit(batch))
+    foreign = live & (out != held) & ~((req == 0) & (out == 0))
     swa = _window_slots(batch, out)
-    bad_window = ~bad_slot & _out_of(swa, batch.num_swa_slots)
-    # Every request has rows (extend lengths >= 1), so these scatters set every entry.
+    bad_window = live & ~bad_slot & _out_of(swa, batch.num_swa_slots)
+    # Every request has rows (extend lengths >= 1; a ragged verify's request without rows
+    # reads nothing: length 0), so these scatters set every entry.
     first_new = requests.new_zeros(requests.shape).scatter_(0, ids, rows.first_new)
     lens = requests.new_zeros(requests.shape).scatter_(0, ids, rows.request_lens.long())
     read_full, read_swa, bad_reads = _checked_reads(
@@ -548,12 +600,11 @@ def checked_rows(
         row_failed = (bad_position | bad_slot | foreign | bad_window).int()
         failed_requests = (bad_request | bad_reads).int().index_add(0, ids, row_failed) > 0
         failed = failed_requests[ids]
-        never = torch.iinfo(torch.int32).max
         req = torch.where(failed, 0, req)
         rows = rows._replace(
             positions=torch.where(failed, 1, positions),
             first_new=torch.where(failed, 1, rows.first_new),
-            keep_lens=torch.where(failed, never, rows.keep_lens),
+            keep_lens=torch.where(failed, _NEVER, rows.keep_lens),
             out_loc=torch.where(failed, -1, out),
         )
     return req, rows, pending
@@ -665,7 +716,7 @@ def _plan_rows(
     comp = {r: _compressed(config, r, rows, page_table, widths.c128) for r in present}
     low_present = config.low_ratios_present if compressed else frozenset()
     low = {r: low_ratio_fields(config, positions, rows.out_loc, r) for r in low_present}
-    return AttentionMetadata(
+    metadata = AttentionMetadata(
         kind=batch.kind,
         batch_size=batch.batch_size,
         num_rows=batch.num_rows,
@@ -684,6 +735,29 @@ def _plan_rows(
         tag=batch_tag(batch),
         pending_checks=pending,
     )
+    return metadata if rows.live is None else _padding_rows(metadata, rows.live)
+
+
+def _padding_rows(metadata: AttentionMetadata, live: torch.Tensor) -> AttentionMetadata:
+    """``metadata`` with every per-row field of the rows where ``live`` (``[T]`` bool) is
+    False set to its sentinel (``metadata.sentinel``): they write nothing, attend to nothing
+    and output 0, like a graph bucket's padded rows. Their rows leave no plan record
+    (``ragged_verify_rows``), so the record lists are kept as planned."""
+
+    def masked(part: Any) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(part):
+            value = getattr(part, f.name)
+            if isinstance(value, torch.Tensor) and f.name not in RECORD_FIELDS:
+                keep = live.view(-1, *([1] * (value.dim() - 1)))
+                out[f.name] = torch.where(keep, value, sentinel(f.name))
+        return out
+
+    parts: dict[str, Any] = {}
+    for name in ("c4", "c128", "c1", "c2"):
+        part = getattr(metadata, name)
+        parts[name] = None if part is None else dataclasses.replace(part, **masked(part))
+    return dataclasses.replace(metadata, **masked(metadata), **parts)
 
 
 def _plan_torch(

@@ -10,7 +10,7 @@ import torch
 
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import BatchError
-from dsv4_backend.planning.batch import BatchView, DraftStep, ForwardKind
+from dsv4_backend.planning.batch import BatchView, DraftStep, ForwardKind, RaggedVerify
 
 
 class PagedRequestPool:
@@ -167,6 +167,39 @@ class PagedRequestPool:
             ]
         )
         return self._view(kind, requests, seq_lens, loc, num_draft_tokens=num_draft_tokens)
+
+    def ragged_verify(
+        self, requests: Sequence[int], seq_lens: Sequence[int], lens: Sequence[int],
+        num_rows: int, *, padding: Sequence[int] = (),
+    ) -> BatchView:  # fmt: skip
+        """A ragged TARGET_VERIFY (sglang's compact verify): ``lens[i]`` rows of request ``i``
+        from position ``seq_lens[i]``, packed, then one padding request (pool row 0,
+        ``seq_lens`` 1) per ``padding`` entry with that many rows; ``out_cache_loc`` padded
+        with slot 0 to ``num_rows`` (sglang's ragged verify window)."""
+        loc = self._cat_slots(
+            [
+                self.slots(r, range(s, s + n))
+                for r, s, n in zip(requests, seq_lens, lens, strict=True)
+            ]
+        )
+        loc = torch.nn.functional.pad(loc, (0, num_rows - loc.numel()))
+        pool_rows = [*(self.pool_index(r) for r in requests), *[0] * len(padding)]
+        return BatchView(
+            kind=ForwardKind.TARGET_VERIFY,
+            req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64, device=self.device),
+            seq_lens=torch.tensor(
+                [*seq_lens, *[1] * len(padding)], dtype=torch.int64, device=self.device
+            ),
+            seq_lens_cpu=[*seq_lens, *[1] * len(padding)],
+            out_cache_loc=loc,
+            req_to_token=self.req_to_token,
+            full_to_swa=self.full_to_swa,
+            num_draft_tokens=max([*lens, *padding], default=1),
+            ragged=RaggedVerify(
+                lens=torch.tensor([*lens, *padding], dtype=torch.int32, device=self.device),
+                num_rows=num_rows,
+            ),
+        )
 
     def draft_out_cache_loc(
         self, requests: Sequence[int], seq_lens: Sequence[int], num_steps: int

@@ -218,6 +218,11 @@ class DSV4AttentionBackend(AttentionBackend):
     #: are kept off the CUDA-graph paths, where the model never calls them
     #: (``TboAttnBackend._children_use_cuda_graph``).
     tbo_supports_cuda_graph = False
+    #: sglang's compact ragged verify (``SGLANG_RAGGED_VERIFY_MODE=compact``): its token-keyed
+    #: TARGET_VERIFY graphs replay only for a backend that says so (``DecodeCudaGraphRunner.
+    #: _can_run_ragged_verify_graph``); the backend plans them into its graph buffers like
+    #: its eager plans (``batch_read.ragged_verify``, docs/planning.md).
+    supports_ragged_verify_graph = True
 
     def __init__(
         self,
@@ -276,6 +281,9 @@ class DSV4AttentionBackend(AttentionBackend):
         self.graph_swa_width: int | None = None
         self.streams = CudaStreams()
         self.bounded_replay, self.dspark = settings.bounded_replay, settings.dspark
+        #: The target runner under DSpark's compact ragged verify: its TARGET_VERIFY batches
+        #: carry per-request verify lengths (``batch_read.ragged_verify``).
+        self.ragged_verify = settings.ragged_verify
         # The model writes window keys through store_cache only with this set (class docstring).
         envs.SGLANG_DSV4_USE_BF16_KV_QUANT_SOURCE.set(True)
 
@@ -328,6 +336,7 @@ class DSV4AttentionBackend(AttentionBackend):
             num_cache_slots=self.num_cache_slots,
             num_swa_slots=self.num_swa_slots,
             graph=graph,
+            ragged_verify_mode=self.ragged_verify,
         )
         _, batch = self.session.plan(read, buffers)
         if self.bounded_replay and buffers is None and batch.whole_extend:

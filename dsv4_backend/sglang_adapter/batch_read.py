@@ -17,7 +17,10 @@ EXTEND              EXTEND          host ``extend_prefix_lens_cpu`` / ``extend_s
 MIXED               EXTEND          an extend whose running decode requests follow the new
                                     chunks as 1-token extends after a prefix of ``L - 1``
                                     (``ScheduleBatch.mix_with_running``)
-TARGET_VERIFY       TARGET_VERIFY   ``seq_lens = L``; ``num_draft_tokens`` rows per request
+TARGET_VERIFY       TARGET_VERIFY   ``seq_lens = L``; ``num_draft_tokens`` rows per request;
+                                    under compact ragged verify ``spec_info.
+                                    ragged_verify_layout`` gives each request's rows
+                                    (``ragged_verify``)
 DRAFT_EXTEND_V2     DRAFT_EXTEND    ``seq_lens = L + n`` with extend lens ``n`` (window only)
 ==================  ==============  =======================================================
 
@@ -63,6 +66,7 @@ from typing import Any
 
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.speculative.ragged_verify import resolve_ragged_verify_layout
 
 from dsv4_backend.errors import BatchError, ContractError
 from dsv4_backend.planning import (
@@ -72,7 +76,7 @@ from dsv4_backend.planning import (
     PlanInputs,
     seq_len_fill_value,
 )
-from dsv4_backend.planning.batch import readable_ints
+from dsv4_backend.planning.batch import RaggedVerify, readable_ints
 from dsv4_backend.planning.checks import strict_checks_enabled
 from dsv4_backend.planning.draft_slots import draft_step_slots
 from dsv4_backend.planning.tag import BatchTag
@@ -204,6 +208,7 @@ def batch_view(
     num_cache_slots: int | None = None,
     num_swa_slots: int | None = None,
     graph: GraphCall | None = None,
+    ragged_verify_mode: bool = False,
 ) -> BatchView:
     """The ``BatchView`` of ``fb`` (a ``ForwardBatch`` or the graph runners' namespace view).
 
@@ -219,6 +224,8 @@ def batch_view(
         planning checks' ranges).
     graph : how a CUDA-graph runner hands ``fb`` (``init_forward_metadata_out_graph``); None
         for an eager plan. A DRAFT_EXTEND_V2 graph batch is read by ``draft_extend_graph_view``.
+    ragged_verify_mode : sglang's compact ragged verify is on (the target runner's backend):
+        a TARGET_VERIFY batch carrying a ``RaggedVerifyLayout`` is read by ``ragged_verify``.
 
     Raises ``BatchError`` for an unsupported mode or inconsistent shapes (e.g. a draft step fed
     a write-slot buffer other than the whole ``[bs, topk, num_steps]`` one).
@@ -239,8 +246,13 @@ def batch_view(
         return draft_extend_graph_view(fb, width=num_draft_tokens, graph=graph, **common)
     out_cache_loc = fb.out_cache_loc
     req_pool_indices, seq_lens = fb.req_pool_indices, fb.seq_lens
+    ragged = None
+    if ragged_verify_mode and kind is ForwardKind.TARGET_VERIFY:
+        ragged = ragged_verify(fb, out_cache_loc)
     per_request = write_slots_per_request(kind, draft, num_draft_tokens)
-    if per_request is not None and _idle_replay(fb):
+    if ragged is not None:
+        common["ragged"] = ragged
+    elif per_request is not None and _idle_replay(fb):
         # An idle rank in the largest rank's graph: every request is padding.
         bs, device = fb.batch_size, req_to_token.device
         req_pool_indices = torch.zeros(bs, dtype=torch.int64, device=device)
@@ -277,6 +289,41 @@ def batch_view(
         out_cache_loc=out_cache_loc,
         **common,
     )
+
+
+def ragged_verify(fb: Any, out_cache_loc: torch.Tensor | None) -> RaggedVerify | None:
+    """The ragged verify of a TARGET_VERIFY ``fb`` (a ``ForwardBatch`` or a replay view) under
+    sglang's compact mode, as sglang's own DeepSeek-V4 backend reads it
+    (``_resolve_verify_layout``): the layout on ``fb.spec_info`` (None: a static verify),
+    padded by sglang's ``padded_to_bucket`` to the batch's ``batch_size`` requests when the
+    batch has more (a graph's padding requests, pool row 0, share the bucket's leftover rows).
+    With no request to pad, the rows past the requests' are padding rows: sglang hands them to
+    the last request, whose drafts they are not, so the plan writes nothing for them. The
+    rows: one per write slot (``out_cache_loc``: the bucket's ``graph_num_tokens``, or more
+    after data-parallel padding, whose tokens are padding rows too).
+
+    ``BatchError`` for a layout of more requests than the batch, or fewer write slots than its
+    bucket."""
+    layout = resolve_ragged_verify_layout(fb)
+    if layout is None:
+        return None
+    bs, tokens = int(fb.batch_size), int(layout.graph_num_tokens)
+    if layout.bs > bs:
+        raise BatchError(
+            f"a ragged verify layout of {layout.bs} requests on a batch of batch_size={bs}; "
+            "expected at most the batch's requests (the rest are padding)"
+        )
+    if out_cache_loc is None or out_cache_loc.dim() != 1 or out_cache_loc.numel() < tokens:
+        shape = None if out_cache_loc is None else tuple(out_cache_loc.shape)
+        raise BatchError(
+            f"a ragged verify of graph_num_tokens={tokens} has out_cache_loc of shape {shape}; "
+            f"expected at least {tokens} write slots, one a row (sglang's ragged verify window, "
+            "padded with slot 0)"
+        )
+    lens_cpu = layout.verify_lens_cpu
+    if layout.bs < bs:
+        layout, lens_cpu = layout.padded_to_bucket(padded_bs=bs), None
+    return RaggedVerify(lens=layout.verify_lens, num_rows=out_cache_loc.numel(), lens_cpu=lens_cpu)
 
 
 class GraphCall(enum.Enum):

@@ -18,7 +18,11 @@ hidden states (``write_target_hidden_kv``) go straight into the draft runner's
 ``get_swa_out_cache_loc`` / the committed window slots, never through ``store_cache``. The
 backend reads them only where its window caches are that pool's buffers (FP8, aliased:
 ``pool_alias``); otherwise it refuses to be built. The target's verify of a block is an
-ordinary TARGET_VERIFY of ``g + 1`` tokens on the target runner's base backend.
+ordinary TARGET_VERIFY of ``g + 1`` tokens on the target runner's base backend; under
+sglang's compact ragged verify (``SGLANG_RAGGED_VERIFY_MODE=compact``) a ragged one, each
+request verifying its own count (``batch_read.ragged_verify``). The draft blocks stay ``g``
+rows a request in every mode (sglang's proposer and the draft runner's graphs do not take the
+ragged layout).
 """
 
 from __future__ import annotations
@@ -74,8 +78,7 @@ class DSparkDraftBackend(DSV4AttentionBackend):
     Raises ``ConfigError`` (besides the base backend's) when the draft's window caches are not
     the draft pool's buffers in the fp8 format (sglang's model writes its keys there), with
     ``SGLANG_DSPARK_DEFER_CONTEXT_KV`` (sglang hooks the deferred commit's join into its own
-    backend class only, so the staged key writes would race the block), with a ragged
-    ``SGLANG_RAGGED_VERIFY_MODE`` (verifies of per-request token counts) and for a checkpoint
+    backend class only, so the staged key writes would race the block) and for a checkpoint
     whose ``sample_from_anchor`` is false (sglang's worker then queries ``g + 1`` rows a
     request, ``dspark_worker_v2.py`` ``query_token_num``; the block plan has ``g``).
     """
@@ -94,12 +97,6 @@ class DSparkDraftBackend(DSV4AttentionBackend):
                 "SGLANG_DSPARK_DEFER_CONTEXT_KV=1; the dsv4 backend does not join sglang's "
                 "deferred DSpark context-KV commit (its hook targets sglang's own backend): "
                 "leave it unset"
-            )
-        ragged = envs.SGLANG_RAGGED_VERIFY_MODE.get()
-        if ragged != "static":
-            raise ConfigError(
-                f"SGLANG_RAGGED_VERIFY_MODE={ragged!r}; the dsv4 backend plans DSpark verifies "
-                "of speculative_num_draft_tokens tokens per request (static): leave it unset"
             )
         from sglang.srt.speculative.dspark_components.dspark_config import (
             get_dspark_sample_from_anchor,

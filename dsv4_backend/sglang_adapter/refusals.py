@@ -16,7 +16,8 @@ EAGLE ``topk`` (the draft factory's too) and heads that the attention TP group m
 (``registration``: on HIP, NPU and the other non-CUDA platforms sglang keeps ``dsv4``); PD
 disaggregation and HiCache (``settings.REGION_COPYING_OPTIONS``: served where every cache and
 ring is a view of sglang's pool, refused otherwise); the DSpark draft's own conditions
-(``sglang_adapter.dspark``).
+(``sglang_adapter.dspark``); DSpark's compact ragged verify (``RAGGED_VERIFY_REFUSED``, under
+DSpark only).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, NoReturn
 
 from dsv4_backend.errors import ConfigError
 
@@ -149,6 +150,50 @@ V41_REFUSED: tuple[Refused, ...] = (
 )  # fmt: skip
 
 
+_RAGGED = (
+    "sglang 0.5.23's DeepSeek-V4 backend refuses its compact ragged verify with it "
+    "(deepseek_v4_backend.py _resolve_verify_layout)"
+)
+#: What DSpark's compact ragged verify (``SGLANG_RAGGED_VERIFY_MODE=compact``) is not served
+#: with, on top of ``REFUSED`` (checked under DSpark, ``check_ragged_verify``): what sglang's
+#: own DeepSeek-V4 backend refuses it with. ``cap-accept`` hands the backend static verifies
+#: (sglang's worker caps the accepted drafts only) and is served as ``static`` is.
+RAGGED_VERIFY_REFUSED: tuple[Refused, ...] = (
+    Refused("attn_cp_size", _above_one,
+            "--attention-context-parallel-size with SGLANG_RAGGED_VERIFY_MODE=compact", _RAGGED),
+    Refused("enable_prefill_cp", _set,
+            "--enable-prefill-cp with SGLANG_RAGGED_VERIFY_MODE=compact", _RAGGED),
+    Refused("SGLANG_EXPERIMENTAL_ONLINE_C128_MTP", lambda _: _online_c128_mtp(),
+            "SGLANG_OPT_USE_ONLINE_COMPRESS=1 SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1 with "
+            "SGLANG_RAGGED_VERIFY_MODE=compact (online c128 MTP)", _RAGGED, source="env"),
+)  # fmt: skip
+
+
+def _online_c128_mtp() -> bool:
+    """sglang's online c128 MTP switch (``OnlineC128MTPController.enabled`` under
+    speculation): both of its environment variables, read as sglang reads them."""
+    from sglang.srt.environ import envs
+
+    return bool(
+        envs.SGLANG_OPT_USE_ONLINE_COMPRESS.get() and envs.SGLANG_EXPERIMENTAL_ONLINE_C128_MTP.get()
+    )
+
+
+def check_ragged_verify(server_args: Any) -> bool:
+    """Under DSpark: whether sglang's compact ragged verify is on (``SGLANG_RAGGED_VERIFY_MODE``
+    read by sglang's ``read_ragged_verify_mode``); ``ConfigError`` naming the flag when it is,
+    with a configuration of ``RAGGED_VERIFY_REFUSED``."""
+    from sglang.srt.speculative.ragged_verify import RaggedVerifyMode, read_ragged_verify_mode
+
+    if read_ragged_verify_mode() is not RaggedVerifyMode.COMPACT:
+        return False
+    for row in RAGGED_VERIFY_REFUSED:
+        value = _value(row, server_args, None)
+        if row.matches(value):
+            _refuse(row, value)
+    return True
+
+
 def _value(row: Refused, server_args: Any, hf_config: Any) -> Any:
     if row.source == "env":
         return os.environ.get(row.option)
@@ -183,7 +228,10 @@ def check_served(server_args: Any, hf_config: Any, *, v41: bool = False) -> None
         )
     if found is None:
         return
-    row, value = found
+    _refuse(*found)
+
+
+def _refuse(row: Refused, value: Any) -> NoReturn:
     raise ConfigError(
         f"{row.option}={value!r}: the dsv4 backend does not serve {row.flag}: {row.why}. "
         f"Leave it off, or serve this configuration with --attention-backend dsv4_builtin"

@@ -19,7 +19,7 @@ from dsv4_backend.errors import ConfigError
 from dsv4_backend.hf_config import config_from_hf
 from dsv4_backend.planning import SUPPORTED_DRAFT_TOPK
 from dsv4_backend.sglang_adapter.late_layer_tail import bounded_replay
-from dsv4_backend.sglang_adapter.refusals import check_served
+from dsv4_backend.sglang_adapter.refusals import check_ragged_verify, check_served
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -67,6 +67,9 @@ class RunnerSettings:
     bounded_replay: bool = False
     #: The server's speculative algorithm is DSpark.
     dspark: bool = False
+    #: DSpark's compact ragged verify (``SGLANG_RAGGED_VERIFY_MODE=compact``) on the target
+    #: runner: its verifies carry per-request lengths (``refusals.check_ragged_verify``).
+    ragged_verify: bool = False
 
     @property
     def local_heads(self) -> int:
@@ -89,8 +92,9 @@ class RunnerSettings:
         ``speculative_num_draft_tokens``, ``tp_size``, ``attn_dp_size`` (or
         ``enable_dp_attention`` with ``dp_size``), every option of the refusal table
         (``refusals.REFUSED``) and the ``REGION_COPYING_OPTIONS``), and the environment
-        variables ``INDEXER_SELECTION_ENV`` and the kernel tables' ``DSV4_<OP>_KERNEL``
-        (``compute/kernel_choice.py``).
+        variables ``INDEXER_SELECTION_ENV``, the kernel tables' ``DSV4_<OP>_KERNEL``
+        (``compute/kernel_choice.py``) and, under DSpark, sglang's ragged verify mode and
+        what it is refused with (``refusals.check_ragged_verify``).
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -171,6 +175,8 @@ class RunnerSettings:
                 "heads"
             )
         algorithm = getattr(args, "speculative_algorithm", None)
+        dspark = str(getattr(algorithm, "name", algorithm)).upper() == "DSPARK"
+        compact = dspark and check_ragged_verify(args)
         return cls(
             config=config,
             draft_topk=draft_topk,
@@ -182,5 +188,6 @@ class RunnerSettings:
             decode_attn_tp_size=decode_attn_tp_size,
             bounded_replay=not getattr(runner, "is_draft_worker", False)
             and bounded_replay(args, config),
-            dspark=str(getattr(algorithm, "name", algorithm)).upper() == "DSPARK",
+            dspark=dspark,
+            ragged_verify=compact and not getattr(runner, "is_draft_worker", False),
         )

@@ -5,6 +5,7 @@ and graph plans, against the reference of the window-only draft stage; and its r
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import pytest
@@ -17,6 +18,7 @@ from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.planning import ForwardKind
+from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
 from dsv4_backend.sglang_adapter.factory import create_dsv4_backend
 from dsv4_backend.testing import harness
@@ -115,9 +117,9 @@ def test_factory_builds_the_dspark_draft_backend_and_its_refusals() -> None:
     deferred = envs.SGLANG_DSPARK_DEFER_CONTEXT_KV.override(True)
     with deferred, pytest.raises(ConfigError, match="SGLANG_DSPARK_DEFER_CONTEXT_KV"):
         DSparkDraftBackend(draft_runner(pool, 3), cache_format="dense")
-    ragged = envs.SGLANG_RAGGED_VERIFY_MODE.override("compact")
-    with ragged, pytest.raises(ConfigError, match="SGLANG_RAGGED_VERIFY_MODE='compact'"):
-        DSparkDraftBackend(draft_runner(pool, 3), cache_format="dense")
+    # sglang's compact ragged verify: the draft's blocks stay g rows a request, served.
+    with envs.SGLANG_RAGGED_VERIFY_MODE.override("compact"):
+        assert not DSparkDraftBackend(draft_runner(pool, 3), cache_format="dense").ragged_verify
     with pytest.raises(ConfigError, match="speculative_num_draft_tokens=1"):
         DSparkDraftBackend(draft_runner(pool, 0), cache_format="dense")
     # g + 1 query rows a request (the anchor's too): refused at build, not at the first block.
@@ -147,3 +149,30 @@ def test_dspark_draft_reads_the_draft_pools_window_buffers() -> None:
     for stage in range(3):
         window = backend.state.pools.window(stage).storage
         assert inside(window, draft_pool.get_swa_raw_buffer(stage))
+
+
+@pytest.mark.parametrize("mode", ["static", "cap-accept", "compact"])
+def test_compact_ragged_verify_on_the_target_and_its_refusals(mode: str) -> None:
+    """The target runner's backend under DSpark reads per-request verify lengths in compact
+    mode only (cap-accept hands it static verifies); compact is refused, when the backend is
+    built, with context parallelism and with online c128 MTP, as sglang's own backend refuses
+    them (``_resolve_verify_layout``)."""
+    pool = PagedRequestPool(CONFIG, [64], generator=torch.Generator().manual_seed(0))
+
+    def target(**flags):
+        runner = harness.mock_runner(
+            pool, harness.tiny_hf_config(CONFIG), topk=0, num_draft_tokens=4,
+            speculative_algorithm="DSPARK", **flags,
+        )  # fmt: skip
+        return DSV4AttentionBackend(runner, cache_format="dense")
+
+    with envs.SGLANG_RAGGED_VERIFY_MODE.override(mode):
+        assert target().ragged_verify is (mode == "compact")
+        assert target().supports_ragged_verify_graph
+        refused = pytest.raises(ConfigError, match="SGLANG_RAGGED_VERIFY_MODE=compact")
+        with refused if mode == "compact" else contextlib.nullcontext():
+            target(attn_cp_size=2, enable_prefill_cp=True, tp_size=2)
+        online = envs.SGLANG_OPT_USE_ONLINE_COMPRESS.override(True)
+        mtp = envs.SGLANG_EXPERIMENTAL_ONLINE_C128_MTP.override(True)
+        with online, mtp, refused if mode == "compact" else contextlib.nullcontext():
+            target()

@@ -48,6 +48,8 @@ from typing import Any
 
 import pytest
 import torch
+from ragged_layouts import ragged_step
+from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_config import CudaGraphConfig
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -57,6 +59,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.runner import decode_cuda_graph_runner
 from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
 from sglang.srt.runtime_context import get_context
+from sglang.srt.speculative.ragged_verify import RaggedVerifyLayout
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 from v41_host import SglangV41Model, v41_hf_config
 
@@ -108,20 +111,26 @@ class RecordingBackend(DSV4AttentionBackend):
 
 
 def model_runner_stand_in(
-    pool: PagedRequestPool, *, verify: bool, dp: bool, config: DSV4AttentionConfig
+    pool: PagedRequestPool,
+    *,
+    verify: bool,
+    dp: bool,
+    config: DSV4AttentionConfig,
+    dspark: bool = False,
 ) -> SimpleNamespace:
     """``harness.mock_runner`` plus what ``DecodeCudaGraphRunner.__init__`` reads of a model
-    runner; its ``decode_num_tokens_per_req`` is sglang's own ``ModelRunner`` method."""
-    v41 = config.v41 is not None  # verified by DSpark, its speculative algorithm
-    hf = v41_hf_config(config) if v41 else harness.tiny_hf_config(config)
+    runner; its ``decode_num_tokens_per_req`` is sglang's own ``ModelRunner`` method. Verifies
+    come from EAGLE, or DSpark (DeepSeek-V4.1's speculative algorithm; ``dspark`` for V4)."""
+    dspark = dspark or config.v41 is not None
+    hf = v41_hf_config(config) if config.v41 is not None else harness.tiny_hf_config(config)
     runner = harness.mock_runner(
-        pool, hf, topk=1 if verify and not v41 else 0,
+        pool, hf, topk=1 if verify and not dspark else 0,
         num_steps=NUM_STEPS, num_draft_tokens=NUM_DRAFT, tp_size=DP_RANKS if dp else 1,
-        speculative_algorithm="DSPARK" if verify and v41 else None,
+        speculative_algorithm="DSPARK" if verify and dspark else None,
     )  # fmt: skip
     runner.server_args.attn_dp_size = DP_RANKS if dp else 1
     runner.server_args.dllm_algorithm = None
-    algorithm = SpeculativeAlgorithm.DSPARK if v41 else SpeculativeAlgorithm.EAGLE
+    algorithm = SpeculativeAlgorithm.DSPARK if dspark else SpeculativeAlgorithm.EAGLE
     runner.spec_algorithm = algorithm if verify else SpeculativeAlgorithm.NONE
     runner.decode_num_tokens_per_req = functools.partial(
         ModelRunner.decode_num_tokens_per_req, runner
@@ -195,6 +204,7 @@ def make_host(
     dp: bool = False,
     seed: int = 0,
     v41: bool = False,
+    dspark: bool = False,
 ) -> Host:
     """A server in sglang's published config (the caller holds ``sglang_server``): sglang's
     ``DecodeCudaGraphRunner`` built by its own constructor, capture patched out. ``v41``: a
@@ -211,7 +221,7 @@ def make_host(
         model = SglangV41Model(config, MAX_LENS, seed)
     else:
         model = RandomModel(config, pool, generator=generator)
-    runner = model_runner_stand_in(pool, verify=verify, dp=dp, config=config)
+    runner = model_runner_stand_in(pool, verify=verify, dp=dp, config=config, dspark=dspark)
     backend = RecordingBackend(runner, cache_format="dense")
     runner.attn_backend = backend
     eager = DSV4AttentionBackend(runner, cache_format="dense")
@@ -356,10 +366,13 @@ def backend_caches(host: Host) -> list[int]:
     return sorted(host.backend.state.pools.compressed_caches)
 
 
-def run_layers(host: Host, view: Any, step: harness.Step, allowed: dict) -> None:
-    """Every layer through the backend's sglang-facing methods on the replay view: live rows
-    equal the reference; the caches change only at ``allowed`` slots."""
-    padding = view.batch_size * host.width - len(step.rows)
+def run_layers(
+    host: Host, view: Any, step: harness.Step, allowed: dict, num_rows: int | None = None
+) -> None:
+    """Every layer through the backend's sglang-facing methods on the replay view (of
+    ``num_rows`` rows: its requests' widths by default): live rows equal the reference; the
+    caches change only at ``allowed`` slots."""
+    padding = (num_rows or view.batch_size * host.width) - len(step.rows)
     rows: list[harness.Row] = [*step.rows, *[None] * padding]
     before = {name: t.clone() for name, t in cache_storages(host.backend).items()}
     for layer in range(len(host.model.config.compress_ratios)):
@@ -509,3 +522,70 @@ def test_a_view_of_more_requests_than_its_bucket_is_refused(
         with pytest.raises((BatchError, ContractError)):
             host.backend.init_forward_metadata_out_graph(view)
         assert host.backend.forward_metadata is None
+
+
+def compact_step(host: Host, requests: Sequence[int], verify_lens: Sequence[int]) -> tuple:
+    """A live TARGET_VERIFY of sglang's compact ragged verify over the runner's token tiers
+    (``ragged_layouts``), and its layout."""
+    lens = [LENS[r] for r in requests]
+    tiers = host.graph_runner.capture_num_tokens
+    layout = RaggedVerifyLayout.from_verify_lens(
+        verify_lens_cpu=list(verify_lens), device=torch.device("cpu"), grid=tiers
+    )
+    view = host.pool.ragged_verify(requests, lens, verify_lens, layout.graph_num_tokens)
+    spans = zip(requests, lens, verify_lens, strict=True)
+    rows = [(r, s + i) for r, s, n in spans for i in range(n)]
+    return ragged_step(view, layout, rows, NUM_DRAFT), layout
+
+
+def test_compact_ragged_verify_replays_as_its_eager_plan(monkeypatch: pytest.MonkeyPatch) -> None:
+    """DSpark's compact ragged verify (``SGLANG_RAGGED_VERIFY_MODE=compact``) through sglang's
+    token-keyed TARGET_VERIFY graphs: sglang's own runner picks the token tier and the capture
+    slots (``capture_num_tokens``, ``_ragged_capture_slots``), admits the batch only because
+    the backend says it serves them (``_can_run_ragged_verify_graph`` reads
+    ``supports_ragged_verify_graph``) and hands the backend the replay view; the backend pads
+    the live layout to the view's slots with sglang's ``padded_to_bucket``. The requests' rows
+    equal the eager plan's (whose rows past them are padding rows, writing nothing); the
+    padding requests' rows write only slot 0; every live row equals the reference."""
+    rng = torch.Generator().manual_seed(3)
+    with sglang_server(dp=False), envs.SGLANG_RAGGED_VERIFY_MODE.override("compact"):
+        host = make_host(monkeypatch, verify=True, dspark=True)
+        runner = host.graph_runner
+        assert runner.ragged_verify_mode and host.backend.ragged_verify and host.eager.ragged_verify
+        assert runner.capture_num_tokens == [bs * NUM_DRAFT for bs in CAPTURE_BS]
+        host.prefill(SERVED)
+        for requests in ([0], [1, 2, 3], list(SERVED)):
+            verify_lens = torch.randint(1, NUM_DRAFT + 1, (len(requests),), generator=rng).tolist()
+            step, layout = compact_step(host, requests, verify_lens)
+            assert runner.can_run_graph(step.batch), "sglang would not replay this batch"
+            seen = len(host.backend.views)
+            runner.load_batch(step.batch)
+            (view,) = host.backend.views[seen:]
+            tokens = layout.graph_num_tokens
+            slots = min(tokens, max(CAPTURE_BS))
+            assert (view.batch_size, view.num_padding) == (slots, slots - len(requests))
+            graph = host.backend.forward_metadata
+            assert graph is not None and (graph.batch_size, graph.num_rows) == (slots, tokens)
+            host.eager.init_forward_metadata(step.batch)
+            eager = host.eager.forward_metadata
+            assert eager is not None and eager.num_rows == tokens
+            real = sum(verify_lens)
+            for name, want in eager.named_tensors().items():
+                got = graph.named_tensors()[name]
+                if name.endswith(("compress_plan", "write_plan")):
+                    got, want = got[(got[:, 0] >= 0) & (got[:, 0] < real)], want[want[:, 0] >= 0]
+                else:
+                    got, want = got[:real], want[:real]
+                    if want.dim() == 2:
+                        got = got[:, : want.shape[1]]
+                assert torch.equal(got, want), (requests, name)
+            assert eager.swa_out_loc[real:].eq(-1).all()  # the tier's leftover writes nothing
+            if view.num_padding:  # the padding requests take it, writing slot 0 only
+                assert graph.row_batch_ids[real:].ge(len(requests)).all()
+                assert graph.swa_out_loc[real:].eq(int(host.pool.full_to_swa[0])).all()
+            else:  # as eager: the last request's, which are not its drafts
+                assert graph.swa_out_loc[real:].eq(-1).all()
+            run_layers(host, view, step, allowed_slots(host, eager, step), num_rows=tokens)
+        # The batch read without the backend's ragged graphs: sglang replays eagerly instead.
+        monkeypatch.setattr(RecordingBackend, "supports_ragged_verify_graph", False)
+        assert not runner.can_run_graph(compact_step(host, [0, 1], [2, 3])[0].batch)

@@ -4,7 +4,8 @@ Launch counts do not depend on the machine: Triton kernels count one each (in th
 as compiled), torch ops that run a kernel count one each, CPU-only checks not at all. The budgets
 are those of the fused kernels: a compressor call (pool + norm + RoPE, cache store, ring update)
 in 1 in every mode, the lightning indexer (scores, top-k, slots) in 3, a plan (batch checks,
-fields, an extend kind's host lengths, the deferred verdict's copy to the host) in 4, sparse
+fields, an extend kind's host lengths, the deferred verdict's copy to the host) in 4 (a ragged
+verify in 8: its requests' row table is built on the device, five torch ops), sparse
 attention in 1 plus the merge of its key splits, plus the union key list where a program takes
 several rows. The indexer's work (bytes read, programs that write) follows the rows' lengths,
 not the maximum context.
@@ -12,6 +13,7 @@ not the maximum context.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import pytest
@@ -34,6 +36,10 @@ LENGTHS = [130, 7]
 COMPRESSOR_BUDGET = 1
 INDEXER_BUDGET = 3
 PLAN_BUDGET = 4
+#: A ragged verify (sglang's compact verify): the fused plan's 2 launches, its requests' row
+#: table built from the device lengths (the lengths in int64, their exclusive cumulative sum,
+#: the kept lengths, the stack: 5 torch ops), the deferred verdict's copy.
+RAGGED_PLAN_BUDGET = 8
 
 
 def _batches(pool: PagedRequestPool) -> dict:
@@ -248,4 +254,26 @@ def test_plan_within_budget(
     # Deferred, the verdict's copy to pinned host memory is one more launch on CUDA.
     total = launches.total + (1 if deferred else 0)
     assert total <= PLAN_BUDGET, launches.summary()
+    assert not launches.syncs
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("deferred", [False, True], ids=["strict", "deferred"])
+def test_ragged_verify_plan_within_budget(
+    graph: bool, deferred: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DSpark's compact ragged verify (each request its own row count, a token tier's padding
+    rows after them), eager and into graph buffers, in ``RAGGED_PLAN_BUDGET`` launches and no
+    host sync: its lengths stay on the device."""
+    monkeypatch.setattr(checks, "defer_checks", lambda device: deferred)
+    pool = PagedRequestPool(CONFIG, [n + 4 for n in LENGTHS], generator=torch.Generator())
+    batch = pool.ragged_verify(list(range(len(LENGTHS))), LENGTHS, [3, 1], 8)
+    batch = dataclasses.replace(batch, ragged=dataclasses.replace(batch.ragged, lens_cpu=None))
+    widths = PlanWidths(page_table=20, c128=40)
+    buffers = GraphMetadataBuffers(
+        CONFIG, max_batch_size=8, max_rows=300, widths=widths, device="cpu"
+    )
+    launches = _count(lambda: buffers.plan(batch) if graph else plan(CONFIG, batch, widths=widths))
+    total = launches.total + (1 if deferred else 0)
+    assert total <= RAGGED_PLAN_BUDGET, launches.summary()
     assert not launches.syncs

@@ -12,6 +12,7 @@ import contextlib
 
 import pytest
 import torch
+from ragged_layouts import ragged_batch
 
 from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.kernels.dispatch import TORCH, force_path
@@ -37,7 +38,9 @@ def _serve(
 ) -> None:
     """Run ``steps`` (``(kind, requests, first positions, rows per request)``; a verify's
     third list is the committed lengths, its fourth the drafts each request accepts: its rows
-    after the accepted ones get other inputs and are not compared) and compare every committed
+    after the accepted ones get other inputs and are not compared; a ``"ragged"`` verify's
+    fourth list is each request's verify length, the first request accepting all its drafts,
+    the others all but their last) and compare every committed
     row of every layer with the reference. ``bucket``: decodes and verifies are planned into
     CUDA-graph buffers for ``bucket`` requests (padding rows past the batch's); ``lengths``:
     the requests' lengths."""
@@ -69,18 +72,27 @@ def _serve(
             spans = list(zip(requests, starts, counts, strict=True))
         else:  # verify: the anchor and the accepted drafts are committed
             n = int(config.num_draft_tokens)
-            view = pool.verify(requests, starts, n)
-            spans = [(r, s, n) for r, s in zip(requests, starts, strict=True)]
-            first = {r: s + 1 + a for r, s, a in zip(requests, starts, counts, strict=True)}
+            if kind == "ragged":  # sglang's compact verify: ``counts`` are the verify lengths
+                view, _ = ragged_batch(pool, requests, starts, counts, width=n, slots=bucket)
+                spans = list(zip(requests, starts, counts, strict=True))
+                # The first request accepts its every draft, the others all but the last.
+                accepted = [max(c - 1 - min(i, 1), 0) for i, c in enumerate(counts)]
+            else:
+                view = pool.verify(requests, starts, n)
+                spans = [(r, s, n) for r, s in zip(requests, starts, strict=True)]
+                accepted = counts
+            first = {r: s + 1 + a for r, s, a in zip(requests, starts, accepted, strict=True)}
             stepped = model.diverging(drafts, [first.get(r, 1 << 30) for r in range(len(lengths))])
         rows = [(r, s + i) for r, s, c in spans for i in range(c)]
         fed: list[tuple[int, int] | None] = list(rows)
+        padded = view.num_rows if kind == "ragged" else len(rows)
         if bucket is None or kind == "extend":
             metadata = plan(config, view)
         else:  # a graph replay: the bucket's rows, the padding ones planned with sentinels
-            padded = bucket * (per_request if kind == "verify" else 1)
+            if kind != "ragged":  # (a ragged verify's bucket is its token tier)
+                padded = bucket * (per_request if kind == "verify" else 1)
             metadata = buffers.plan(view, num_rows=padded)
-            fed += [None] * (padded - len(rows))
+        fed += [None] * (padded - len(rows))
         outputs = stepped.forward(state, metadata, view.req_pool_indices, fed)
         keep = torch.tensor([i for i, (r, p) in enumerate(rows) if p < first[r]])
         for layer, out in enumerate(outputs):
@@ -127,6 +139,25 @@ def test_dspark_verifies_with_rejected_drafts() -> None:
         committed = [c + a + 1 for c, a in zip(committed, accepted, strict=True)]
     steps.append(("decode", [0, 1], committed, [1, 1]))
     _serve("dense", steps, speculative=True, num_draft_tokens=5)
+
+
+@pytest.mark.parametrize("bucket", [None, 4], ids=["eager", "graph"])
+def test_compact_ragged_verifies(bucket: int | None) -> None:
+    """DSpark's compact ragged verifies (each request its own count of the anchor and drafts,
+    laid out by sglang's ``RaggedVerifyLayout``; graph: 4 request slots, the padding requests
+    taking the token tier's leftover rows), their rejected drafts overwritten or never read:
+    every committed row equals the reference. (The torch path, fast: the fused planner's plan
+    of a ragged verify is compared with the torch planner's in ``test_ragged_verify.py``,
+    and the kernels run as for a static verify.)"""
+    steps: list[Step] = [("extend", [0, 1], [0, 0], [100, 61])]
+    committed = [100, 61]
+    for lens in ([5, 2], [1, 4], [3, 5]):
+        steps.append(("ragged", [0, 1], list(committed), lens))
+        accepted = [max(n - 1 - min(i, 1), 0) for i, n in enumerate(lens)]
+        committed = [c + a + 1 for c, a in zip(committed, accepted, strict=True)]
+    steps.append(("decode", [0, 1], committed, [1, 1]))
+    with force_path(TORCH):
+        _serve("dense", steps, bucket=bucket, speculative=True, num_draft_tokens=5)
 
 
 @pytest.mark.parametrize("path", ["default", "torch"])

@@ -6,7 +6,9 @@ with some forty torch ops (field definitions: ``planning/metadata.py``):
 
 * the row expansion: request ``b``, position, first new position, the request's length and the
   length the write plan keeps (uniform kinds from ``seq_lens``; extend kinds from the host's
-  per-request starts and prefixes, and window floors, uploaded as one ``[4, B]`` tensor);
+  per-request starts and prefixes, window floors and kept lengths, uploaded as one ``[5, B]``
+  tensor; a ragged verify's table computed on the device, its rows past the requests'
+  padding rows);
 * ``page_table``, ``swa_page_indices`` (through ``full_to_swa``), the write slots, causal
   lengths, window lengths;
 * per compress ratio, the per-row fields of ``planning/kernels/row_fields.py`` (c4
@@ -267,7 +269,9 @@ def _expand_rows(
     rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND: tl.constexpr,
 ):  # fmt: skip
     """Rows ``t`` ``[BLOCK_T]``: request ``b``, rank ``i`` in it, its first new position
-    ``p0``, its length, kept length and the row's write slot (all int64; see ``RowLayout``)."""
+    ``p0``, its length, kept length and the row's write slot (all int64; see ``RowLayout``).
+    A row is its request's where ``i < length - p0`` (always, but past a ragged verify's
+    requests' rows)."""
     if EXTEND:
         req_start = tl.load(host_ptr + r, mask=req_ok, other=num_rows)
         # A row's request: the last one starting at or before it (empty requests skipped).
@@ -278,7 +282,7 @@ def _expand_rows(
         n = tl.load(host_ptr + 2 * batch_size + b, mask=row_ok, other=0)
         i = t - start
         length = p0 + n
-        keep = length
+        keep = tl.load(host_ptr + 4 * batch_size + b, mask=row_ok, other=0)
         loc = tl.load(out_cache_loc_ptr + t, mask=row_ok, other=0).to(tl.int64)
     else:
         b = t // rows_per_request
@@ -354,10 +358,11 @@ def _check_kernel(
     for t0 in range(0, num_rows, BLOCK_T):
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         row_ok = t < num_rows
-        b, i, p0, _, _, loc = _expand_rows(
+        b, i, p0, length, _, loc = _expand_rows(
             t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
             rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
         )  # fmt: skip
+        row_ok = row_ok & (p0 + i < length)
         pos = p0 + i
         req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
         req = tl.where((req < 0) | (req >= pool_rows), 0, req)
@@ -446,7 +451,8 @@ def _store_record(record_ptr, k, rec):
 @triton.jit
 def _plan_kernel(
     seq_ptr,  # [B] int request lengths before this forward (uniform kinds)
-    host_ptr,  # [4, B] int64 extend kinds: first row, first new position, rows, window floor
+    host_ptr,  # [5, B] int64 extend kinds, ragged verify: first row, first new position, rows,
+    # window floor, kept length
     req_pool_ptr,  # [B] int
     out_cache_loc_ptr,  # [N] int64
     req_to_token_ptr,  # [pool_rows, ctx] int
@@ -522,7 +528,7 @@ def _plan_kernel(
     if EXTEND:
         req_p0 = tl.load(host_ptr + batch_size + r, mask=req_ok, other=0)
         req_n = tl.load(host_ptr + 2 * batch_size + r, mask=req_ok, other=0)
-        req_keep = req_p0 + req_n
+        req_keep = tl.load(host_ptr + 4 * batch_size + r, mask=req_ok, other=0)
     else:
         req_p0 = tl.load(seq_ptr + r, mask=req_ok, other=0).to(tl.int64) + pos_shift
         req_n = tl.where(req_ok, rows_per_request, 0).to(tl.int64)
@@ -531,6 +537,7 @@ def _plan_kernel(
         t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
         rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
     )  # fmt: skip
+    row_ok = row_ok & (p0 + i < length)  # a ragged verify's padding rows: sentinels
     req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
     # Deferred checks (planning/checks.py): a request with a failing row writes nothing and
     # reads pool row 0 only; its rows sit at position 1 and leave no plan record.
@@ -703,8 +710,11 @@ class RowLayout:
 
     Uniform kinds: request ``b`` has ``rows_per_request`` rows from position
     ``seq_lens[b] + pos_shift``, writing ``out_cache_loc[b * loc_stride + loc_offset + i]``.
-    Extend kinds (``host`` given): ``host`` is ``[4, B]`` int64 (first row, first new position,
-    rows and window floor of each request) and row ``t`` writes ``out_cache_loc[t]``.
+    Extend kinds and a ragged verify (``host`` given): ``host`` is ``[5, B]`` int64 (first row,
+    first new position, rows, window floor and the length the write plans keep, of each
+    request; an extend's uploaded from its host lengths, a ragged verify's computed on the
+    device) and row ``t`` writes ``out_cache_loc[t]``; rows past a request's (a ragged verify's
+    bucket) are padding rows, planned with the sentinels.
     """
 
     rows_per_request: int = 1
