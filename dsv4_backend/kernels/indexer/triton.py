@@ -28,7 +28,8 @@ FP8_KEYS: tl.constexpr = tl.constexpr(1)
 FP4_KEYS: tl.constexpr = tl.constexpr(2)
 
 
-def _key_format(keys: IndexerKeyCache | Fp4IndexKeyCache) -> int:
+def key_format(keys: IndexerKeyCache | Fp4IndexKeyCache) -> int:
+    """The ``KEYS`` constexpr of the scores kernels for ``keys``' format."""
     if keys.layout is None:
         return 0
     return 2 if isinstance(keys.layout, Fp4IndexKeyLayout) else 1
@@ -59,7 +60,7 @@ def _indexer_scores_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KEYS: tl.constexpr,  # DENSE, FP8 (c4 indexer pages) or FP4 (V4.1 index-key pages)
+    KEYS: tl.constexpr,  # DENSE, FP8 (c4 indexer pages) or FP4 (fp4 index-key pages)
     DOT_BF16: tl.constexpr,  # bf16 tensor-core dots (GPU); fp32 in the interpreter
 ):
     """One program: row ``program_id(0)``, candidate columns ``[n0, n0 + BLOCK_N)``: the
@@ -102,8 +103,8 @@ def _indexer_scores_kernel(
 
 def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
     """``[T, max_candidates]`` fp32 scores of each row's first ``num_candidates`` entries (the
-    others -inf); ``keys`` a c4 indexer cache, or (``entries_per_page`` 256 / 128) a
-    DeepSeek-V4.1 kv source's fp4 index keys."""
+    others -inf); ``keys`` a c4 indexer cache (fp8, dense or, ``indexer_selection="fp4"``, fp4
+    pages), or (``entries_per_page`` 256 / 128) a DeepSeek-V4.1 kv source's fp4 index keys."""
     q_idx, weights, keys, page_table = call.q_idx, call.weights, call.keys, call.page_table
     max_candidates, entries_per_page = call.max_candidates, call.entries_per_page
     rows, heads, dim = q_idx.shape
@@ -127,7 +128,7 @@ def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N,
-        KEYS=_key_format(keys),
+        KEYS=key_format(keys),
         DOT_BF16=q_idx.device.type == "cuda",
     )  # fmt: skip
     return out
