@@ -366,8 +366,8 @@ class StepwiseJudge:
         mine, theirs = cache.gather(comp.out_loc), twin_cache.gather(comp.out_loc)
         bound = torch.full_like(theirs, COMPRESSOR_ATOL)
         if cache.fmt == "fp8":
-            step = FP4_STEP if isinstance(cache, Fp4IndexKeyCache) else FP8_STEP
-            bound = bound + step * theirs.abs().amax(1, keepdim=True)
+            rounding = FP4_STEP if isinstance(cache, Fp4IndexKeyCache) else FP8_STEP
+            bound = bound + rounding * theirs.abs().amax(1, keepdim=True)
         error = (mine - theirs).abs()
         self._add(mode, layer, f"{step} cache", excess(error, bound))
 

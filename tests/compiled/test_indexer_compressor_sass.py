@@ -26,6 +26,9 @@ NEW_KERNELS = (
     "compress-low-ratio-ring-write",
     "indexer-rows-fp8",
     "indexer-rows-dense",
+    "indexer-scores-fp4-c4",  # sglang's fp4 indexer (SM100 / SM120): the CUDA baseline
+    "indexer-rows-fp4",  # and the length-bounded scores
+    "indexer-store-fp4-c4",  # their store, sglang's c4 rounding
     "indexer-topk-chunks",
     "indexer-topk-merge-k512",
     "compress-fused-c4",
@@ -43,7 +46,8 @@ LOW_RATIO_ROWS = ("compress-low-ratio-", "indexer-low-ratio-")
 BLACKWELL = ("indexer-rows-", "indexer-scores-fp8", "indexer-scores-fp4-c1", "indexer-topk-chunks",
              "indexer-topk-merge-", "indexer-low-ratio-", "compress-low-ratio-",
              "compress-fused-c4-extend", "compress-fused-c128-extend",
-             "compress-fused-indexer-extend")  # fmt: skip
+             "compress-fused-indexer-extend", "indexer-scores-fp4-c4",
+             "indexer-store-fp4-")  # fmt: skip
 #: sm_90a in the default suite: every kernel but the one-launch compressors' decode / verify
 #: variants (their extend variants hold the same code and more).
 HOPPER = ("indexer-", "compress-entry-", "compress-ring-write-", "compress-low-ratio-",

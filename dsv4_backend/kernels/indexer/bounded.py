@@ -5,8 +5,8 @@ Three launches whose work follows each row's own candidate count, not the page t
 (under CUDA graphs that width is the server's maximum context). ``_row_scores_kernel`` runs
 ``score_splits`` programs a row (a fixed count: 512 programs in all on a GPU); each loads the
 row's queries once and loops over its blocks below the count, FP8 keys converted by the
-hardware (``fp8_device.e4m3_decode``), fp4 pages a ue8m0 block at a time
-(``device.fp4_row_dots``). The top-k reads only those scores, a long row split over
+hardware (``fp8_device.e4m3_decode``), fp4 pages decoded with their ue8m0 scales (exact in
+bf16). The top-k reads only those scores, a long row split over
 several programs (``topk_parts``): ``_topk_chunks_kernel`` keeps each chunk's ``K`` best (a
 radix select, then an ascending pass), ``_merge_topk_slots_kernel`` selects the row's ``K``
 best among them the same way and writes the slots. Columns past a row's count are never read
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_backend.kernels.device.fp4 import load_fp4_index_block
 from dsv4_backend.kernels.device.fp8 import (
     e4m3_decode,
     fp8_indexer_addresses,
@@ -34,14 +35,22 @@ from dsv4_backend.kernels.indexer.common import (
     IndexCall,
     check_selection,
 )
-from dsv4_backend.kernels.indexer.device import candidate_slots, fp4_row_dots, row_queries
-from dsv4_backend.kernels.indexer.triton import FP4_KEYS, FP8_KEYS, key_format
+from dsv4_backend.kernels.indexer.device import (
+    FP4_KEYS,
+    FP8_KEYS,
+    candidate_slots,
+    key_format,
+    row_queries,
+)
 
 if TYPE_CHECKING:
     pass
 
 #: Programs the length-bounded scores aim for in all (a few per SM of an H200's 132).
 SCORE_PROGRAMS = 512
+#: Warps of a row-scores program over fp4 keys (their decoded tile and the queries do not fit
+#: four warps' registers without spilling: ``tests/compiled/``).
+FP4_ROW_WARPS = 8
 #: Programs a row in the interpreter (two, so that a program steps over several blocks).
 INTERPRETER_SPLITS = 2
 #: Score columns per step of the length-bounded top-k on a GPU.
@@ -86,7 +95,7 @@ def _row_scores_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KEYS: tl.constexpr,  # triton.py's DENSE_KEYS, FP8_KEYS or FP4_KEYS
+    KEYS: tl.constexpr,  # device.py's DENSE_KEYS, FP8_KEYS or FP4_KEYS
     GPU: tl.constexpr,  # compiled: bf16 tensor-core dots, hardware e4m3 conversion
 ):
     """Program ``(row, split)`` of ``S = num_programs(1)``: the row's queries and head weights
@@ -109,12 +118,10 @@ def _row_scores_kernel(
             cols = n0 + tl.arange(0, BLOCK_N)
             valid = cols < num
             slots = candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
-            if KEYS == FP4_KEYS:  # a ue8m0 block at a time, the key scale folded in
-                dots = fp4_row_dots(
-                    q_ptr, key_ptr, row, slots, valid, stride_qt, stride_qh, stride_qd,
-                    HI, DIM, PAGE_TOKENS, BLOCK_H, BLOCK_N, GPU,
-                )  # fmt: skip
+            if KEYS == FP4_KEYS:  # decoded with their scales: exact, also in bf16
+                keys = load_fp4_index_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
                 scale = tl.full([BLOCK_N], 1.0, tl.float32)
+                dots = _key_dots(keys, q_t, GPU)
             elif KEYS == FP8_KEYS:
                 data, scale_at, _ = fp8_indexer_addresses(slots, valid, DIM, PAGE_TOKENS)
                 m = valid[:, None] & (d < DIM)[None, :]
@@ -324,6 +331,7 @@ def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
         BLOCK_N=BLOCK_N,
         KEYS=key_format(keys),
         GPU=q_idx.device.type == "cuda",
+        num_warps=FP4_ROW_WARPS if key_format(keys) == FP4_KEYS.value else 4,
     )  # fmt: skip
 
 

@@ -18,7 +18,9 @@ a CUDA graph (warm it up first: the first call compiles).
 
 The entry points here (:func:`index_scores`, :func:`select_topk`, :func:`run_indexer`) run
 the variant :data:`INDEXER` chooses (``kernels/variants.py``); every one selects the same set
-(ties go to the smaller index):
+(ties go to the smaller index). Under ``indexer_selection="fp4"`` the keys are fp4 pages
+(``cache.fp4_format.Fp4IndexKeyCache``, ``kernels/indexer/fp4.py``): every variant but
+``deep_gemm`` scores them (its ``rejects`` says why).
 
 * ``deep_gemm`` (``deep_gemm.py``): DeepGEMM's fp8 paged MQA logits (the field's GPU-proven
   kernel, as sglang's built-in scores), then the same selection; for

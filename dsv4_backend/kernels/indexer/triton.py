@@ -12,27 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp4_format import Fp4IndexKeyLayout
 from dsv4_backend.kernels.device.fp8 import load_dense_block, load_fp8_indexer_block
 from dsv4_backend.kernels.indexer.common import BLOCK_N, IndexCall
-from dsv4_backend.kernels.indexer.device import candidate_slots, fp4_row_dots, row_queries
+from dsv4_backend.kernels.indexer.device import (
+    FP4_KEYS,
+    FP8_KEYS,
+    candidate_slots,
+    fp4_row_dots,
+    key_format,
+    row_queries,
+)
 
 if TYPE_CHECKING:
-    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
-    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
-
-
-#: ``_indexer_scores_kernel``'s key formats.
-DENSE_KEYS: tl.constexpr = tl.constexpr(0)
-FP8_KEYS: tl.constexpr = tl.constexpr(1)
-FP4_KEYS: tl.constexpr = tl.constexpr(2)
-
-
-def key_format(keys: IndexerKeyCache | Fp4IndexKeyCache) -> int:
-    """The ``KEYS`` constexpr of the scores kernels for ``keys``' format."""
-    if keys.layout is None:
-        return 0
-    return 2 if isinstance(keys.layout, Fp4IndexKeyLayout) else 1
+    pass
 
 
 @triton.jit
