@@ -67,15 +67,18 @@ def indexer_selection(fp4_indexer: bool, capability: tuple[int, int] | None) -> 
     if not fp4_indexer:
         return selection
     if capability is None or capability[0] not in FP4_INDEXER_MAJORS:
-        where = "a device without CUDA" if capability is None else "compute capability "
-        where += "" if capability is None else f"{capability[0]}.{capability[1]}"
+        where = (
+            "a device without CUDA"
+            if capability is None
+            else f"compute capability {capability[0]}.{capability[1]}"
+        )
         majors = " / ".join(f"{m}.x" for m in FP4_INDEXER_MAJORS)
         raise ConfigError(
             f"enable_deepseek_v4_fp4_indexer=True on {where}: --enable-deepseek-v4-fp4-indexer "
             f"needs SM100 or SM120 (compute capability {majors}), as sglang refuses it "
             "elsewhere; leave it off"
         )
-    if envs.INDEXER_SELECTION.is_set() and selection != "fp4":
+    if envs.INDEXER_SELECTION.is_set():  # it names exact or fp8
         raise ConfigError(
             f"{INDEXER_SELECTION_ENV}={selection!r} with --enable-deepseek-v4-fp4-indexer: the "
             "flag lays sglang's c4 indexer pool out in fp4 and selects the fp4 indexer; unset "
