@@ -200,7 +200,7 @@ def fused_configurations() -> list[Configuration]:
     out = [
         ("indexer-scores-fp8", *scores),
         ("indexer-scores-fp4-c1", *scores_fp4),
-        ("indexer-scores-fp4-c4", *scores_fp4_c4),
+        ("fp4-indexer-scores-c4", *scores_fp4_c4),
         ("indexer-slots-k512", *slots),
     ]
     return out + _bounded_indexer() + _compressors() + _low_ratio_rows() + _planner()
@@ -255,7 +255,8 @@ def _bounded_indexer() -> list[Configuration]:
         )  # fmt: skip
         if fmt == "fp4":  # launched with more warps (bounded.FP4_ROW_WARPS)
             rows = rows[0], dict(num_warps=indexer_bounded.FP4_ROW_WARPS)
-        out.append((f"indexer-rows-{fmt}", *rows))
+        # sglang's fp4 indexer runs on SM100 / SM120 only (targets_of)
+        out.append(("fp4-indexer-rows" if fmt == "fp4" else f"indexer-rows-{fmt}", *rows))
     rounding = C4_ROUNDING
     store = _source(
         cache_store_triton._store_fp4_index_kernel,
@@ -263,7 +264,7 @@ def _bounded_indexer() -> list[Configuration]:
         dict(DIM=128, PAGE_TOKENS=64, FLOOR=rounding.amax_floor,
              EXACT=rounding.exact_exponent, TIES_EVEN=rounding.ties_even),
     )  # fmt: skip
-    out.append(("indexer-store-fp4-c4", *store))
+    out.append(("fp4-indexer-store-c4", *store))
     chunks = _source(
         indexer_bounded._topk_chunks_kernel,
         dict(scores_ptr="*fp32", num_ptr="*i32", cand_scores_ptr="*fp32", cand_cols_ptr="*i32"),
@@ -478,9 +479,12 @@ def configurations() -> list[Configuration]:
 
 def targets_of(name: str) -> tuple[str, ...]:
     """The targets a configuration compiles for: each ws kernel its own architecture's
-    (``ws-sm100-``: sm_100a, other ``ws-``: sm_90a), every other kernel both."""
+    (``ws-sm100-``: sm_100a, other ``ws-``: sm_90a), sglang's fp4 indexer's (``fp4-indexer-``,
+    served on SM100 / SM120 only) sm_100a, every other kernel both."""
     if name.startswith("ws-"):
         return ("sm_100a",) if name.startswith("ws-sm100") else ("sm_90a",)
+    if name.startswith("fp4-indexer-"):
+        return ("sm_100a",)
     return tuple(TARGETS)
 
 
