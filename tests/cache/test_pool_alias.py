@@ -244,7 +244,10 @@ def test_fp4_indexer_pool_is_aliased_and_read_by_sglang() -> None:
     for layer in (1, 3):
         cache = state.pools.indexer(layer)
         assert isinstance(cache, Fp4IndexKeyCache) and cache.rounding is C4_ROUNDING
-        assert cache.storage.data_ptr() == pool.get_index_k_with_scale_buffer(layer).data_ptr()
+        buffer = pool.get_index_k_with_scale_buffer(layer)
+        assert cache.storage.data_ptr() == buffer.data_ptr()
+        assert buffer.shape[1] == cache.layout.page_bytes == 64 * 68
+        assert pool.index_pools[4].get_bytes_per_token() == cache.layout.bytes_per_token
         rows = torch.randn(50, 128, generator=g) * 3
         slots = torch.randperm(cache.num_slots - 64, generator=g)[:50] + 64
         store_rows(cache, rows, slots)

@@ -1,7 +1,8 @@
 """``indexer_selection="fp4"`` (sglang's ``--enable-deepseek-v4-fp4-indexer``) against sglang's
 own code on the CPU: its fp4 quantiser ``quantize_fp4_indexer_tensor`` (Triton, in the
-interpreter), its ``DeepSeekV4IndexerPool`` fp4 pages and their readbacks, its torch top-k;
-the cache store's fp4 kernel against the torch store; the indexer variants' fp4 selections."""
+interpreter), its ``DeepSeekV4IndexerPool`` fp4 pages (their readbacks of the keys the backend
+stores: ``cache/test_pool_alias.py``), its torch top-k; the cache store's fp4 kernel against the
+torch store; the indexer variants' fp4 selections; the adapter under the flag."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ def _rows(generator: torch.Generator, smallest_amax: float = 1e-3) -> torch.Tens
     magnitudes from ``2^-10`` to ``2^20`` (amax at least ``smallest_amax``), blocks holding every
     e2m1 magnitude and every midpoint (a tie) times a power of two with random signs, and
     blocks whose amax / 6 is a power of two or one float32 step either side of one."""
-    rows = [torch.randn(6, DIM, generator=generator) * 2.0**e for e in range(-10, 21, 2)]
+    rows = [torch.randn(3, DIM, generator=generator) * 2.0**e for e in range(-10, 21, 2)]
     midpoints = [(a + b) / 2 for a, b in itertools.pairwise(E2M1_MAGNITUDES)]
     grid = torch.tensor([*E2M1_MAGNITUDES, *midpoints, 6.5]).repeat(DIM // 16 + 1)[:DIM]
     for e in range(-8, 9):
@@ -67,7 +68,7 @@ def test_c4_rounding_is_sglangs_fp4_indexer_quantiser() -> None:
     """Payload nibbles and ue8m0 exponent bytes equal sglang's quantiser's on every block kind
     (ties round down, no negative zero code); the rounded values are the packed ones."""
     x = _rows(torch.Generator().manual_seed(0))
-    assert x.shape[0] > 100
+    assert x.shape[0] > 90
     payload, exponents = pack_ue8m0(x, C4_ROUNDING)
     want_payload, want_exponents = _sglang_quantised(x)
     assert torch.equal(payload, want_payload)
@@ -117,28 +118,6 @@ def _sglang_pool(num_slots: int):
         size=num_slots, page_size=64, dtype=torch.bfloat16, index_head_dim=DIM, layer_num=1,
         device="cpu", enable_memory_saver=False, use_fp4_indexer=True,
     )  # fmt: skip
-
-
-def test_fp4_keys_are_sglangs_pool_pages() -> None:
-    """Keys stored into a cache over sglang's fp4 pool buffer read back through sglang's own
-    readers: the packed rows equal its quantiser's output, the de-quantised ones ours; its
-    bytes per token and page layout are the layout's."""
-    pool = _sglang_pool(512)
-    buffer = pool.index_k_with_scale_buffer[0]
-    cache = Fp4IndexKeyCache.over(buffer, 512, DIM, rounding=C4_ROUNDING)
-    assert cache.storage.data_ptr() == buffer.data_ptr()
-    assert pool.get_bytes_per_token() == cache.layout.bytes_per_token == 68
-    assert buffer.shape[1] == cache.layout.page_bytes
-    g = torch.Generator().manual_seed(2)
-    rows = _rows(g)[:100]
-    slots = torch.randperm(512 - 64, generator=g)[: rows.shape[0]] + 64  # page 0 is padding
-    store_rows(cache, rows, slots)
-    payload, packed = pool.get_index_k_fp4(0, slots)
-    want_payload, want_exponents = _sglang_quantised(rows)
-    assert torch.equal(payload.view(torch.uint8), want_payload)
-    assert torch.equal(packed.contiguous().view(torch.uint8).view(-1, 4), want_exponents)
-    dequant = pool.get_index_k_dequant(0, slots)
-    assert torch.equal(dequant, cache.gather(slots).bfloat16())  # fp4 values are exact in bf16
 
 
 def _butterfly(x: torch.Tensor) -> torch.Tensor:
