@@ -1,6 +1,7 @@
-"""The indexer's two selections against the reference, on the CPU (torch path): ``exact`` (fp32
-scores, the default) and ``fp8`` (sglang's built-in: Hadamard-rotated, e4m3-quantised scores;
-``DSV4_BACKEND_INDEXER_SELECTION=fp8``, the selection DeepGEMM's scores serve).
+"""The indexer's selections against the reference, on the CPU (torch path): ``exact`` (fp32
+scores, the default), ``fp8`` (sglang's built-in: Hadamard-rotated, e4m3-quantised scores;
+``DSV4_BACKEND_INDEXER_SELECTION=fp8``, the selection DeepGEMM's scores serve) and ``fp4``
+(sglang's ``--enable-deepseek-v4-fp4-indexer``: Hadamard-rotated, fp4 keys and queries).
 
 A random model with DeepSeek-V4-Flash's indexer (64 heads of 128, top-512) and one c4 layer
 serves a prefill of ``--tokens`` tokens on each selection. For every row with more candidates
@@ -55,7 +56,7 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16, help="attention heads (default 16)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    for selection in ("exact", "fp8"):
+    for selection in ("exact", "fp8", "fp4"):
         mean, worst, error = measure(selection, args.tokens, args.heads, args.seed)
         print(f"{selection:5}: {mean:.2%} of the top-512 differ from the exact one on average, "
               f"{worst:.2%} at worst; c4 layer max |out - reference| {error:.3g}")  # fmt: skip

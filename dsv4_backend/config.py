@@ -28,8 +28,11 @@ SUPPORTED_RATIOS = (0, 4, 128)
 #: DeepSeek-V4.1's ratios: window only, and its low-ratio compressed layers (1: every token an
 #: entry; 2: token pairs), which share the caches of their kv-source layers (``V41Sources``).
 V41_RATIOS = (0, 1, 2)
-#: ``DSV4AttentionConfig.indexer_selection`` values (exact scores, or sglang's fp8 ones).
-INDEXER_SELECTIONS = ("exact", "fp8")
+#: ``DSV4AttentionConfig.indexer_selection`` values: exact scores, or sglang's fp8 ones, or
+#: sglang's fp4 ones (``--enable-deepseek-v4-fp4-indexer``: the c4 indexer keys in fp4 pages).
+INDEXER_SELECTIONS = ("exact", "fp8", "fp4")
+#: The selections that rotate the indexer's queries and keys by a Hadamard matrix.
+QUANTISED_SELECTIONS = ("fp8", "fp4")
 #: Ratios with compressed caches, state rings and per-ratio metadata (0 is window only).
 COMPRESSED_RATIOS = (4, 128)
 #: DeepSeek-V4.1's low ratios: compressed caches owned by kv-source layers, entries selected by
@@ -124,8 +127,10 @@ class DSV4AttentionConfig:
     yarn_beta_slow: float = 1.0
     #: RMSNorm epsilon of the compressors (sglang reads each module's ``variance_epsilon``).
     rms_norm_eps: float = 1e-6
-    #: Lightning-indexer scores: ``"exact"`` (fp32 queries and keys) or ``"fp8"`` (sglang's
-    #: built-in selection: Hadamard-rotated, e4m3-quantised; ``kernels.indexer.fp8``).
+    #: Lightning-indexer scores: ``"exact"`` (fp32 queries and keys), ``"fp8"`` (sglang's
+    #: built-in selection: Hadamard-rotated, e4m3-quantised; ``kernels.indexer.fp8``) or
+    #: ``"fp4"`` (sglang's ``--enable-deepseek-v4-fp4-indexer``: Hadamard-rotated, fp4 with a
+    #: ue8m0 scale per 32 values, the keys in fp4 pages; ``kernels.indexer.fp4``).
     indexer_selection: str = "exact"
     #: Speculative decoding doubles the compressor state rings.
     speculative: bool = False
@@ -172,10 +177,11 @@ class DSV4AttentionConfig:
                 f"{INDEXER_SELECTIONS}"
             )
         di = self.index_head_dim
-        if self.indexer_selection == "fp8" and di & (di - 1):
+        fp4_short = self.indexer_selection == "fp4" and di < 32
+        if self.indexer_selection in QUANTISED_SELECTIONS and (di & (di - 1) or fp4_short):
             raise ConfigError(
-                f"indexer_selection='fp8' with index_head_dim={di}; the Hadamard rotation "
-                "needs a power of two"
+                f"indexer_selection={self.indexer_selection!r} with index_head_dim={di}; the "
+                "Hadamard rotation needs a power of two (fp4: at least 32, a ue8m0 block)"
             )
         if not 0 < self.rope_dim <= self.head_dim or self.rope_dim % 2:
             raise ConfigError(

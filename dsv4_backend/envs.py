@@ -59,7 +59,8 @@ STRICT_CHECKS = EnvVar(
 )  # fmt: skip
 INDEXER_SELECTION = EnvVar(
     "DSV4_BACKEND_INDEXER_SELECTION", "exact", ("exact", "fp8"),
-    "the indexer's scores: exact (fp32, the reference's) or fp8 (sglang's built-in)",
+    "the indexer's scores: exact (fp32, the reference's) or fp8 (sglang's built-in); "
+    "--enable-deepseek-v4-fp4-indexer selects fp4 (sglang's fp4 indexer)",
     "sglang_adapter/settings.py",
 )  # fmt: skip
 PRECOMPILED_DIR = EnvVar(

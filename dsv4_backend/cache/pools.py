@@ -12,7 +12,9 @@ index keys  DeepSeek-V4.1's kv sources       64            ``num_full_slots // r
 ==========  ===============================  ============  =========================
 
 DeepSeek-V4.1's ratio-1 / ratio-2 layers read the compressed cache and index keys of their
-kv source (``config.kv_source_of``); the fp4 index keys are ``fp4_format.Fp4IndexKeyCache``.
+kv source (``config.kv_source_of``); the fp4 index keys are ``fp4_format.Fp4IndexKeyCache``,
+and so are the c4 indexer caches under ``indexer_selection="fp4"`` (sglang's
+``--enable-deepseek-v4-fp4-indexer`` pool: 68 B an entry for ``DI = 128``, not 132).
 
 Compressed caches reuse the full page table (256 tokens per page), so ``num_full_slots`` must be
 a multiple of 256. Window pages are sglang's SWA pages (``WINDOW_PAGE_TOKENS``, 256 tokens:
@@ -32,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
+from dsv4_backend.cache.fp4_format import C4_ROUNDING, Fp4IndexKeyCache
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.cache.token_cache import CacheFormat, TokenCache
 from dsv4_backend.config import (
@@ -70,7 +72,7 @@ class DSV4CachePools:
     layers: range
     windows: dict[int, TokenCache]
     compressed_caches: dict[int, TokenCache]
-    indexer_caches: dict[int, IndexerKeyCache]
+    indexer_caches: dict[int, IndexerKeyCache | Fp4IndexKeyCache]
     index_key_caches: dict[int, Fp4IndexKeyCache]
 
     @classmethod
@@ -93,7 +95,11 @@ class DSV4CachePools:
                 num_slots, config.head_dim, config.rope_dim, page_tokens, fmt, dtype, device
             )
 
-        def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache:
+        def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache | Fp4IndexKeyCache:
+            if config.indexer_selection == "fp4":
+                return Fp4IndexKeyCache(
+                    num_slots, config.index_head_dim, fmt, device, rounding=C4_ROUNDING
+                )
             return IndexerKeyCache(num_slots, config.index_head_dim, fmt, dtype, device)
 
         def index_key_cache(layer: int, num_slots: int) -> Fp4IndexKeyCache:
@@ -149,13 +155,13 @@ class DSV4CachePools:
                 name=f"{name} {kind}[{layer}]",
             )
 
-        def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache:
-            return IndexerKeyCache.over(
-                given("indexer", indexers, layer),
-                num_slots,
-                config.index_head_dim,
-                name=f"{name} indexer[{layer}]",
-            )
+        def indexer_cache(layer: int, num_slots: int) -> IndexerKeyCache | Fp4IndexKeyCache:
+            storage, where = given("indexer", indexers, layer), f"{name} indexer[{layer}]"
+            if config.indexer_selection == "fp4":
+                return Fp4IndexKeyCache.over(
+                    storage, num_slots, config.index_head_dim, rounding=C4_ROUNDING, name=where
+                )
+            return IndexerKeyCache.over(storage, num_slots, config.index_head_dim, name=where)
 
         def index_key_cache(layer: int, num_slots: int) -> Fp4IndexKeyCache:
             return Fp4IndexKeyCache.over(
@@ -182,7 +188,7 @@ class DSV4CachePools:
         num_full_slots: int,
         num_swa_slots: int,
         token_cache: Callable[[str, int, int, int], TokenCache],
-        indexer_cache: Callable[[int, int], IndexerKeyCache],
+        indexer_cache: Callable[[int, int], IndexerKeyCache | Fp4IndexKeyCache],
         index_key_cache: Callable[[int, int], Fp4IndexKeyCache],
         layers: range | None,
     ) -> DSV4CachePools:
@@ -240,8 +246,8 @@ class DSV4CachePools:
             )
         return self.compressed_caches[layer]
 
-    def indexer(self, layer: int) -> IndexerKeyCache:
-        """The indexer key cache of a ratio-4 ``layer``."""
+    def indexer(self, layer: int) -> IndexerKeyCache | Fp4IndexKeyCache:
+        """The indexer key cache of a ratio-4 ``layer`` (fp4 under ``indexer_selection="fp4"``)."""
         self._check_layer(layer)
         if layer not in self.indexer_caches:
             raise ContractError(

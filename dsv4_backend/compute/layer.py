@@ -13,12 +13,13 @@ from __future__ import annotations
 import torch
 
 from dsv4_backend.cache.state import AttentionState
-from dsv4_backend.config import LOW_RATIOS, DSV4AttentionConfig
+from dsv4_backend.config import LOW_RATIOS, QUANTISED_SELECTIONS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.attention.common import AttentionCall
 from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.compressor.table import compress_forward
+from dsv4_backend.kernels.indexer.fp4 import fp4_key_rows, fp4_query_view
 from dsv4_backend.kernels.indexer.fp8 import quantised_view
 from dsv4_backend.kernels.indexer.table import run_indexer
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
@@ -84,7 +85,8 @@ def compress_and_store(
     comp = _compressed(metadata, ratio, f"compressor of layer {layer}")
     rings = (state.indexer_states if indexer else state.compressor_states)[layer]
     cache = state.pools.indexer(layer) if indexer else state.pools.compressed(layer)
-    quantised = indexer and state.config.indexer_selection == "fp8"
+    selection = state.config.indexer_selection if indexer else "exact"
+    quantised = selection in QUANTISED_SELECTIONS
     entries = compress_forward(
         rings, kv_proj, score_proj, ape, norm_weight, state.rope,
         req_pool_indices, metadata.swa_page_indices, metadata.positions_causal,
@@ -93,8 +95,9 @@ def compress_and_store(
         store=None if quantised else (cache, comp.out_loc),
         max_rows_per_request=_rows_per_request(metadata) if metadata.kind in GRAPH_KINDS else None,
     )  # fmt: skip
-    if quantised:  # sglang's rotated e4m3 keys (rows completing no entry stay 0)
-        store_rows(cache, quantised_view(entries), comp.out_loc)
+    if quantised:  # sglang's rotated e4m3 / fp4 keys (rows completing no entry stay 0)
+        rows = quantised_view(entries) if selection == "fp8" else fp4_key_rows(entries)
+        store_rows(cache, rows, comp.out_loc)
     return entries
 
 
@@ -108,12 +111,15 @@ def select_c4_entries(
     """The lightning indexer: each row's top-k c4 slots into ``metadata.c4.page_indices``.
 
     ``index_q`` ``[T, HI, DI]`` (roped), ``index_weights`` ``[T, HI]`` (scaled). With
-    ``config.indexer_selection == "fp8"`` the queries (and, in ``compress_and_store``, the
-    keys) are sglang's rotated e4m3 values (``kernels.indexer.fp8``).
+    ``config.indexer_selection`` ``"fp8"`` / ``"fp4"`` the queries (and, in
+    ``compress_and_store``, the keys) are sglang's rotated e4m3 / fp4 values
+    (``kernels.indexer.fp8`` / ``kernels.indexer.fp4``).
     """
     comp = _compressed(metadata, 4, f"indexer of layer {layer}")
     if state.config.indexer_selection == "fp8":
         index_q = quantised_view(index_q)
+    elif state.config.indexer_selection == "fp4":
+        index_q = fp4_query_view(index_q)
     run_indexer(
         index_q, index_weights, state.pools.indexer(layer), metadata.page_table,
         comp.topk_lengths_raw, state.config.index_topk, comp.page_indices,

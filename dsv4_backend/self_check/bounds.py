@@ -21,6 +21,10 @@ COMPRESSOR_ATOL = 1e-4
 #: One e4m3 step relative to the largest value of a row (3 mantissa bits): where two paths'
 #: entries straddle a rounding boundary, their fp8 bytes differ by one step.
 FP8_STEP = 2.0**-3
+#: The widest e2m1 step (4 to 6, two units of a block scale ``2^e`` whose block's amax is at
+#: least ``3 * 2^e``) relative to that amax: where two paths' fp4 index keys straddle a
+#: rounding boundary (or a block's amax a power of two), their values differ by this much.
+FP4_STEP = 2.0 / 3.0
 #: Rounding of a bf16 output (8 significant bits).
 BF16_OUTPUT_RTOL = 2.0**-8
 

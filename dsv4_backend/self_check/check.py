@@ -52,6 +52,7 @@ from typing import Any
 import torch
 
 from dsv4_backend import _versions, envs
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.compute.kernel_choice import TABLES
 from dsv4_backend.config import DSV4AttentionConfig
@@ -242,7 +243,9 @@ def _rejection(table: OpTable, variant: Variant, model: SyntheticModel) -> str |
                 return reason
         return None
     if table is INDEXER:
-        keys: IndexerKeyCache | None = next(iter(pools.indexer_caches.values()), None)
+        keys: IndexerKeyCache | Fp4IndexKeyCache | None = next(
+            iter(pools.indexer_caches.values()), None
+        )
         if keys is None:
             return None
         heads, dim = config.index_n_heads, config.index_head_dim

@@ -42,6 +42,7 @@ from typing import Any, Protocol
 import torch
 
 from dsv4_backend import ops
+from dsv4_backend.cache.fp4_format import C4_ROUNDING, Fp4IndexKeyCache
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.cache.state import AttentionState
 from dsv4_backend.cache.token_cache import SlotCache, TokenCache
@@ -57,6 +58,7 @@ from dsv4_backend.kernels.attention.common import attention_tolerance, dot_opera
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, entry_slots
+from dsv4_backend.kernels.indexer.fp4 import fp4_query_view
 from dsv4_backend.kernels.indexer.fp8 import quantised_view
 from dsv4_backend.kernels.indexer.table import index_scores
 from dsv4_backend.kernels.variants import OpTable, force_variant
@@ -64,6 +66,7 @@ from dsv4_backend.planning import AttentionMetadata, BatchView, plan
 from dsv4_backend.self_check.bounds import (
     BF16_OUTPUT_RTOL,
     COMPRESSOR_ATOL,
+    FP4_STEP,
     FP8_STEP,
     Finding,
     check_selection,
@@ -363,7 +366,8 @@ class StepwiseJudge:
         mine, theirs = cache.gather(comp.out_loc), twin_cache.gather(comp.out_loc)
         bound = torch.full_like(theirs, COMPRESSOR_ATOL)
         if cache.fmt == "fp8":
-            bound = bound + FP8_STEP * theirs.abs().amax(1, keepdim=True)
+            rounding = FP4_STEP if isinstance(cache, Fp4IndexKeyCache) else FP8_STEP
+            bound = bound + rounding * theirs.abs().amax(1, keepdim=True)
         error = (mine - theirs).abs()
         self._add(mode, layer, f"{step} cache", excess(error, bound))
 
@@ -376,6 +380,8 @@ class StepwiseJudge:
         q_idx = inputs.index_q
         if state.config.indexer_selection == "fp8":
             q_idx = quantised_view(q_idx)
+        elif state.config.indexer_selection == "fp4":
+            q_idx = fp4_query_view(q_idx)
         keys = state.pools.indexer(layer)
         page_table = meta.mine.page_table
         width = page_table.shape[1] * C4_ENTRIES_PER_PAGE
@@ -481,7 +487,8 @@ def judge_stores(
 ) -> list[Finding]:
     """``store_rows`` on ``path`` against the torch path: random fp32 and bf16 rows at random
     slots (some -1) of every cache kind at DeepSeek-V4-Flash widths (window, c4, c128 token
-    caches, dense and fp8; the indexer key cache, dense and fp8); every byte equal."""
+    caches, dense and fp8; the indexer key cache, dense and fp8, and its fp4 keys of
+    ``indexer_selection="fp4"``); every byte equal."""
     generator = torch.Generator().manual_seed(seed)
     dim, rope, index_dim = 512, 64, 128
     caches: list[tuple[str, SlotCache]] = []
@@ -489,6 +496,8 @@ def judge_stores(
         for name, page in (("window", WINDOW_PAGE_TOKENS), ("c4", 64), ("c128", 2)):
             caches.append((f"{name}-{fmt}", TokenCache(512, dim, rope, page, fmt, device=device)))
         caches.append((f"indexer-{fmt}", IndexerKeyCache(512, index_dim, fmt, device=device)))
+        fp4_keys = Fp4IndexKeyCache(512, index_dim, fmt, device, rounding=C4_ROUNDING)
+        caches.append((f"indexer-fp4-{fmt}", fp4_keys))
     findings = []
     for name, cache in caches:
         for dtype in (torch.float32, torch.bfloat16):

@@ -11,7 +11,9 @@ buffers' bytes instead of allocating a second copy:
   put a token's bytes in the same place);
 * c4 / c128 cache: ``get_extra_key_buffer(l)`` (fp8 view of ``[pages, 37440]`` / ``[pages,
   1728]`` bytes), read as uint8;
-* indexer keys: ``get_index_k_with_scale_buffer(l)`` (``[pages, 64 * 132]`` uint8);
+* indexer keys: ``get_index_k_with_scale_buffer(l)`` (``[pages, 64 * 132]`` uint8; with
+  ``--enable-deepseek-v4-fp4-indexer``, ``indexer_selection="fp4"``, sglang's fp4 pages
+  ``[pages, 64 * 68]``: 64 keys' 64-byte payloads, then their four ue8m0 exponents each);
 * DeepSeek-V4.1's kv sources: the c1 / c2 cache ``get_extra_key_buffer(l)`` (pages of 256 /
   128 entries in the V4 layout), the fp4 index keys ``get_index_k_with_scale_buffer(l)``
   (``[pages, 64 * 68]`` uint8) and a ratio-2 source's pair ring
@@ -44,6 +46,7 @@ from sglang.srt.mem_cache.deepseek_v4_memory_pool import (
 
 from dsv4_backend.cache import AttentionState, CompressorState, DSV4CachePools, stage_layers
 from dsv4_backend.cache.fp4_format import FP4_INDEX_PAGE_TOKENS
+from dsv4_backend.cache.fp8_format import INDEXER_PAGE_TOKENS
 from dsv4_backend.cache.state import compressed_rope, ring_slots
 from dsv4_backend.cache.token_cache import CacheFormat
 from dsv4_backend.config import LOW_RATIOS, DSV4AttentionConfig
@@ -146,6 +149,7 @@ def unaliasable_reason(
         return f"cache format {fmt!r} (only fp8 caches alias sglang's pool)"
     if not isinstance(pool, DeepSeekV4TokenToKVPool):
         return f"token_to_kv_pool is a {type(pool).__name__}, not a DeepSeekV4TokenToKVPool"
+    fp4_indexer = config.indexer_selection == "fp4"
     checks = (
         (getattr(pool.kv_layout, "value", pool.kv_layout) == "v4", "its KV layout is not V4"),
         (not pool.uniform_fp8, "it keeps the uniform fp8 layout (trtllm)"),
@@ -171,11 +175,16 @@ def unaliasable_reason(
         ),
         (
             all(
-                not p.use_fp4_indexer and p.index_head_dim == config.index_head_dim
+                p.use_fp4_indexer == fp4_indexer
+                and not p.uses_aiter_fp4_layout
+                and p.page_size == INDEXER_PAGE_TOKENS
+                and p.index_head_dim == config.index_head_dim
                 for ratio, p in pool.index_pools.items()
                 if ratio == 4
             ),
-            "its c4 indexer pool is fp4 or of another head dim",
+            f"its c4 indexer pool is not {'fp4' if fp4_indexer else 'fp8'} in pages of "
+            f"{INDEXER_PAGE_TOKENS} of the model's index head dim (indexer_selection="
+            f"{config.indexer_selection!r})",
         ),
         (
             all(

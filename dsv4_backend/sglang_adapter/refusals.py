@@ -12,7 +12,8 @@ attention kernels, state kept or moved outside the backend, layers split over ra
 ``V41_REFUSED`` adds what DeepSeek-V4.1 is not served with yet (checked for a V4.1 model).
 Checked elsewhere because they need more than the arguments: ``page_size`` (the runner's),
 EAGLE ``topk`` (the draft factory's too) and heads that the attention TP group must divide
-(``settings.RunnerSettings``); compress ratios (``DSV4AttentionConfig``); the platform
+(``settings.RunnerSettings``); ``--enable-deepseek-v4-fp4-indexer`` off SM100 / SM120
+(``settings.indexer_selection``); compress ratios (``DSV4AttentionConfig``); the platform
 (``registration``: on HIP, NPU and the other non-CUDA platforms sglang keeps ``dsv4``); PD
 disaggregation and HiCache (``settings.REGION_COPYING_OPTIONS``: served where every cache and
 ring is a view of sglang's pool, refused otherwise); the DSpark draft's own conditions
@@ -107,9 +108,6 @@ REFUSED: tuple[Refused, ...] = (
             "do not read (they would be allocated beside sglang's, twice the memory)"),
     Refused("dsv4_attn_backend", _one_of("flashmla_mega"), "--dsv4-attn-backend flashmla_mega",
             "it lays the pool out in DeepSeek-V4.1's MegaAttention layouts"),
-    Refused("enable_deepseek_v4_fp4_indexer", _set, "--enable-deepseek-v4-fp4-indexer",
-            "it lays the indexer pool out in fp4, which the backend's indexer (exact or fp8 "
-            "scores) does not read"),
     Refused("SGLANG_DSV4_KV_LAYOUT", _one_of("v41", "v41_new"), "SGLANG_DSV4_KV_LAYOUT=v41|v41_new",
             "DeepSeek-V4.1's packed KV layouts", source="env"),
     # State kept or moved outside the backend.

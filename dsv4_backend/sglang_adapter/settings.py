@@ -1,6 +1,7 @@
 """What the backend serves of an sglang model runner: :class:`RunnerSettings`, read and
 validated once when a backend is built (page size, EAGLE top-k, the refusal table, the
-region-copying options, the indexer selection, the model config, DeepSeek-V4.1's context
+region-copying options, the indexer selection (and sglang's fp4 indexer, on SM100 / SM120
+only), the model config, DeepSeek-V4.1's context
 parallelism, the pipeline stage's layers, the attention TP / DP / CP sizes); a setting that
 cannot be served is a ``ConfigError`` naming the option."""
 
@@ -42,6 +43,48 @@ V41_CP_WINDOW_WRITES = (
 #: Environment variable choosing ``DSV4AttentionConfig.indexer_selection`` (default "exact";
 #: "fp8" reproduces sglang's built-in quantised top-k, for A/B runs against it).
 INDEXER_SELECTION_ENV = envs.INDEXER_SELECTION.name
+#: Compute capability majors sglang 0.5.23 serves ``--enable-deepseek-v4-fp4-indexer`` on
+#: (``arg_groups/serving_hook.py``: SM100 or SM120; its gfx95 is HIP, where the plugin leaves
+#: ``dsv4`` to sglang). The flag selects ``indexer_selection="fp4"``.
+FP4_INDEXER_MAJORS = (10, 12)
+
+
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device`` (None off CUDA); the one platform probe of
+    the settings (tests replace it to build a CUDA host's settings on the CPU)."""
+    if device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    return major, minor
+
+
+def indexer_selection(fp4_indexer: bool, capability: tuple[int, int] | None) -> str:
+    """``DSV4AttentionConfig.indexer_selection``: ``"fp4"`` with sglang's
+    ``--enable-deepseek-v4-fp4-indexer`` (``fp4_indexer``; ``ConfigError`` off SM100 / SM120,
+    where sglang refuses it, and with ``INDEXER_SELECTION_ENV`` set to another selection),
+    else ``INDEXER_SELECTION_ENV``'s."""
+    selection = envs.INDEXER_SELECTION.get()
+    if not fp4_indexer:
+        return selection
+    if capability is None or capability[0] not in FP4_INDEXER_MAJORS:
+        where = (
+            "a device without CUDA"
+            if capability is None
+            else f"compute capability {capability[0]}.{capability[1]}"
+        )
+        majors = " / ".join(f"{m}.x" for m in FP4_INDEXER_MAJORS)
+        raise ConfigError(
+            f"enable_deepseek_v4_fp4_indexer=True on {where}: --enable-deepseek-v4-fp4-indexer "
+            f"needs SM100 or SM120 (compute capability {majors}), as sglang refuses it "
+            "elsewhere; leave it off"
+        )
+    if envs.INDEXER_SELECTION.is_set():  # it names exact or fp8
+        raise ConfigError(
+            f"{INDEXER_SELECTION_ENV}={selection!r} with --enable-deepseek-v4-fp4-indexer: the "
+            "flag lays sglang's c4 indexer pool out in fp4 and selects the fp4 indexer; unset "
+            f"{INDEXER_SELECTION_ENV} (or leave the flag off)"
+        )
+    return "fp4"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,10 +134,12 @@ class RunnerSettings:
         ``server_args`` (``speculative_algorithm``, ``speculative_eagle_topk``,
         ``speculative_num_draft_tokens``, ``tp_size``, ``attn_dp_size`` (or
         ``enable_dp_attention`` with ``dp_size``), every option of the refusal table
-        (``refusals.REFUSED``) and the ``REGION_COPYING_OPTIONS``), and the environment
-        variables ``INDEXER_SELECTION_ENV``, the kernel tables' ``DSV4_<OP>_KERNEL``
-        (``compute/kernel_choice.py``) and, under DSpark, sglang's ragged verify mode and
-        what it is refused with (``refusals.check_ragged_verify``).
+        (``refusals.REFUSED``), the ``REGION_COPYING_OPTIONS`` and
+        ``enable_deepseek_v4_fp4_indexer`` (:func:`indexer_selection`, with the device's
+        :func:`device_capability`), the environment variables ``INDEXER_SELECTION_ENV`` and
+        the kernel tables' ``DSV4_<OP>_KERNEL`` (``compute/kernel_choice.py``) and, under
+        DSpark, sglang's ragged verify mode and what it is refused with
+        (``refusals.check_ragged_verify``).
         """
         if runner.page_size != REQUIRED_PAGE_SIZE:
             raise ConfigError(
@@ -115,7 +160,10 @@ class RunnerSettings:
             for option, off, flag in REGION_COPYING_OPTIONS
             if getattr(args, option, off) not in (off, None)
         )
-        selection = envs.INDEXER_SELECTION.get()
+        selection = indexer_selection(
+            bool(getattr(args, "enable_deepseek_v4_fp4_indexer", False)),
+            device_capability(torch.device(runner.device)),
+        )
         speculative = getattr(args, "speculative_algorithm", None) is not None
         # The config object itself (not to_dict()): its attributes are what sglang's model reads.
         # sglang's own reading of the window (its model config resolves the same keys).

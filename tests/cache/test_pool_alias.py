@@ -6,6 +6,7 @@ config here is Flash-width with four layers and a few hundred slots.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from types import SimpleNamespace
 
@@ -17,6 +18,7 @@ from sglang.test.kernels.deepseek_v4.k_cache_reference import dequantize_k_cache
 from sglang_pool import CONFIG, REQUEST_SLOTS, inside, make_pool
 
 from dsv4_backend.cache import DSV4CachePools, IndexerKeyCache, TokenCache
+from dsv4_backend.cache.fp4_format import C4_ROUNDING, Fp4IndexKeyCache
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.sglang_adapter.pool_alias import (
@@ -221,3 +223,36 @@ def test_pools_over_needs_every_layer() -> None:
             compressed={1: big, 3: big},
             indexers={1: big, 3: big},
         )
+
+
+@pytest.mark.sglang
+def test_fp4_indexer_pool_is_aliased_and_read_by_sglang() -> None:
+    """``--enable-deepseek-v4-fp4-indexer``: sglang's c4 indexer pool in fp4 pages (68 B a
+    key) is aliased under ``indexer_selection="fp4"`` (and only then); keys the backend stores
+    read back through sglang's own readers as sglang's quantiser packs them."""
+    from sglang.kernels.ops.quantization.fp4_indexer_quant import quantize_fp4_indexer_tensor
+
+    pool = make_pool(enable_deepseek_v4_fp4_indexer=True)
+    assert pool.index_pools[4].use_fp4_indexer
+    fp4 = dataclasses.replace(CONFIG, indexer_selection="fp4")
+    layers = range(len(CONFIG.compress_ratios))
+    assert "c4 indexer pool is not fp8" in unaliasable_reason(pool, CONFIG, "fp8", layers)
+    assert "c4 indexer pool is not fp4" in unaliasable_reason(make_pool(), fp4, "fp8", layers)
+    state = shared_state(make_runner(pool), fp4, "fp8")
+    assert unmovable_reason(state, pool, None) is None
+    g = torch.Generator().manual_seed(5)
+    for layer in (1, 3):
+        cache = state.pools.indexer(layer)
+        assert isinstance(cache, Fp4IndexKeyCache) and cache.rounding is C4_ROUNDING
+        buffer = pool.get_index_k_with_scale_buffer(layer)
+        assert cache.storage.data_ptr() == buffer.data_ptr()
+        assert buffer.shape[1] == cache.layout.page_bytes == 64 * 68
+        assert pool.index_pools[4].get_bytes_per_token() == cache.layout.bytes_per_token
+        rows = torch.randn(50, 128, generator=g) * 3
+        slots = torch.randperm(cache.num_slots - 64, generator=g)[:50] + 64
+        store_rows(cache, rows, slots)
+        payload, scales = pool.get_low_ratio_index_k_fp4(layer, slots)
+        want_payload, want_scales = quantize_fp4_indexer_tensor(rows, rne=False)
+        assert torch.equal(payload, want_payload) and torch.equal(scales, want_scales)
+        dequant = pool.get_low_ratio_index_k_dequant(layer, slots)
+        assert torch.equal(dequant, cache.gather(slots).bfloat16())

@@ -16,7 +16,8 @@ from stress import STRESS
 pytestmark = pytest.mark.compiled
 
 TARGETS = ("sm_90a", "sm_100a")
-#: Configurations of this file (name substrings of ``aot_compile.configurations``).
+#: Configurations of this file (name substrings of ``aot_compile.configurations``; they take
+#: sglang's fp4 indexer's ``fp4-indexer-`` kernels too, compiled for sm_100a only).
 KERNELS = ("indexer-", "compress-")
 NEW_KERNELS = (
     "indexer-scores-fp4-c1",  # DeepSeek-V4.1's index scores over fp4 pages
@@ -26,6 +27,9 @@ NEW_KERNELS = (
     "compress-low-ratio-ring-write",
     "indexer-rows-fp8",
     "indexer-rows-dense",
+    "fp4-indexer-scores-c4",  # sglang's fp4 indexer (SM100 / SM120 only): the CUDA baseline,
+    "fp4-indexer-rows",  # the length-bounded scores
+    "fp4-indexer-store-c4",  # and the keys' store (sglang's c4 rounding)
     "indexer-topk-chunks",
     "indexer-topk-merge-k512",
     "compress-fused-c4",
@@ -43,7 +47,7 @@ LOW_RATIO_ROWS = ("compress-low-ratio-", "indexer-low-ratio-")
 BLACKWELL = ("indexer-rows-", "indexer-scores-fp8", "indexer-scores-fp4-c1", "indexer-topk-chunks",
              "indexer-topk-merge-", "indexer-low-ratio-", "compress-low-ratio-",
              "compress-fused-c4-extend", "compress-fused-c128-extend",
-             "compress-fused-indexer-extend")  # fmt: skip
+             "compress-fused-indexer-extend", "fp4-indexer-")  # fmt: skip
 #: sm_90a in the default suite: every kernel but the one-launch compressors' decode / verify
 #: variants (their extend variants hold the same code and more).
 HOPPER = ("indexer-", "compress-entry-", "compress-ring-write-", "compress-low-ratio-",

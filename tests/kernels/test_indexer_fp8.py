@@ -87,8 +87,8 @@ def test_quantised_view_reproduces_sglangs_logits_and_selection() -> None:
 def test_fp8_selection_needs_a_power_of_two_head_dim() -> None:
     with pytest.raises(ConfigError, match="power of two"):
         DSV4AttentionConfig.tiny(index_head_dim=96, indexer_selection="fp8")
-    with pytest.raises(ConfigError, match="indexer_selection='fp4'"):
-        DSV4AttentionConfig.tiny(indexer_selection="fp4")
+    with pytest.raises(ConfigError, match="indexer_selection='fp6'"):
+        DSV4AttentionConfig.tiny(indexer_selection="fp6")
     assert DSV4AttentionConfig.tiny().indexer_selection == "exact"
 
 

@@ -254,3 +254,23 @@ def test_the_command_checks_the_interpreters_kernels(
         variants._choose_cached.cache_clear()
     assert cli.main(["self-check", "--op", "attn"]) == 2
     assert "--op attn: expected one of ('plan'," in capsys.readouterr().err
+
+
+def test_the_fp4_indexer_selection_is_checked(tmp_path: Path, monkeypatch) -> None:
+    """Widths of a deployment with sglang's fp4 indexer (``indexer_selection="fp4"``): its
+    model's c4 keys are fp4 pages, on which the interpreter's indexer (its first variant
+    here) passes against the torch twin (the cache store's judge writes fp4 keys too:
+    ``judge.judge_stores``)."""
+    from dsv4_backend.kernels.indexer.table import INDEXER
+
+    monkeypatch.setenv(check.CACHE_DIR_ENV, str(tmp_path))
+    widths = dataclasses.replace(WIDTHS, indexer_selection="fp4")
+    assert widths.config().indexer_selection == "fp4"
+    try:
+        report = check.self_check(widths, "cpu", ops=[INDEXER])
+    finally:
+        variants.clear_verdicts()
+        variants._choose_cached.cache_clear()
+        check._checked.clear()
+    outcomes = {(v.op, v.variant): v.outcome for v in report.verdicts}
+    assert outcomes[("indexer", "bounded")] == PASSED, report.verdicts

@@ -13,8 +13,10 @@ import pytest
 import torch
 
 from dsv4_backend import registration
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
 from dsv4_backend.config import DSV4AttentionConfig
 from dsv4_backend.errors import ConfigError
+from dsv4_backend.sglang_adapter import settings
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.draft import DSV4MultiStepDraftBackend
 from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
@@ -38,6 +40,8 @@ LOW_LATENCY += (
 )
 BALANCED = f"{FLASH} --tp 4 --dp 4 --enable-dp-attention --moe-a2a-backend deepep {MTP_112}"
 HIGH_THROUGHPUT = f"{FLASH} --tp 4 --dp 4 --enable-dp-attention --moe-a2a-backend megamoe"
+FP4_INDEXER = f"{FLASH} --tp 4 --moe-runner-backend flashinfer_mxfp4 "
+FP4_INDEXER += "--enable-deepseek-v4-fp4-indexer"
 
 #: ``(name, command, environment, None when served else the flag the refusal names)``.
 COMMANDS = [
@@ -48,8 +52,9 @@ COMMANDS = [
     ("nextn", LOW_LATENCY.replace("EAGLE", "NEXTN"), {}, None),
     ("reasoning-and-tool-parsers",
      f"{LOW_LATENCY} --reasoning-parser deepseek-v4 --tool-call-parser deepseekv4", {}, None),
-    ("fp4-indexer", f"{FLASH} --tp 4 --moe-runner-backend flashinfer_mxfp4 "
-     "--enable-deepseek-v4-fp4-indexer", {}, "--enable-deepseek-v4-fp4-indexer"),
+    # Served on SM100 / SM120 only, as sglang serves it (this CPU host: refused; the cell
+    # on those GPUs: test_fp4_indexer_cell_is_served_on_sm100_and_sm120).
+    ("fp4-indexer", FP4_INDEXER, {}, "--enable-deepseek-v4-fp4-indexer needs SM100 or SM120"),
     ("dspark", LOW_LATENCY.replace("EAGLE", "DSPARK"), {}, None),
     ("ngram", f"{FLASH} --tp 4 --speculative-algorithm NGRAM --speculative-num-draft-tokens 16 "
      "--speculative-ngram-max-bfs-breadth 10", {}, "--speculative-algorithm (only EAGLE"),
@@ -131,6 +136,31 @@ def test_documented_launch_commands_are_served_or_refused_at_build_time(
         with pytest.raises(ConfigError) as error:
             build_all(pool, server_args)
         assert refused in str(error.value), str(error.value)
+
+
+@pytest.mark.sglang
+@pytest.mark.parametrize(
+    ("capability", "served"), [((10, 0), True), ((12, 0), True), ((9, 0), False), ((8, 9), False)]
+)
+def test_fp4_indexer_cell_is_served_on_sm100_and_sm120(
+    pool: PagedRequestPool, monkeypatch: pytest.MonkeyPatch, capability, served: bool
+) -> None:
+    """The cookbook's fp4-indexer cell (with and without MTP) on a device of ``capability``
+    (the settings' platform probe replaced): built with the fp4 indexer selection on SM100 /
+    SM120, refused naming the capability elsewhere, as sglang refuses the flag."""
+    from sglang.srt.server_args import prepare_server_args
+
+    monkeypatch.setattr(settings, "device_capability", lambda device: capability)
+    for command in (FP4_INDEXER, f"{FP4_INDEXER} {MTP_314}"):
+        server_args = prepare_server_args(command.split())
+        if served:
+            built = build_all(pool, server_args)
+            assert built[0].config.indexer_selection == "fp4"
+            assert isinstance(built[0].state.pools.indexer(1), Fp4IndexKeyCache)
+        else:
+            want = f"compute capability {capability[0]}.{capability[1]}"
+            with pytest.raises(ConfigError, match=want):
+                build_all(pool, server_args)
 
 
 @pytest.mark.sglang

@@ -99,7 +99,12 @@ def test_interpreter_kernels_pass_with_fp8_caches_and_bf16_queries() -> None:
 
 def test_stores_of_the_interpreter_kernels_equal_the_torch_bytes() -> None:
     findings = jm.judge_stores("cpu", dispatch.TRITON_INTERPRETER)
-    assert len(findings) == 16 and all(f.passed for f in findings)
+    assert len(findings) == 20 and all(f.passed for f in findings), findings
+    assert [f.mode for f in findings if "fp4" in f.mode] == [
+        f"indexer-fp4-{fmt} {dtype} rows"
+        for fmt in ("dense", "fp8")
+        for dtype in ("float32", "bfloat16")
+    ]
 
 
 def _bf16_indexer(judge: jm.StepwiseJudge, monkeypatch: pytest.MonkeyPatch) -> list[int]:

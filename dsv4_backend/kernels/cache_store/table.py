@@ -14,7 +14,7 @@ from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolv
 
 CACHE_STORE = OpTable(
     "cache_store",
-    "rows written into a dense, fp8 token or fp8 indexer cache at their slots",
+    "rows written into a dense, fp8 token, fp8 indexer or fp4 index-key cache at their slots",
     (
         Variant("triton", launch_store, (TRITON_PATHS,),
                 "every cache format; one launch", baseline=True),
@@ -28,7 +28,7 @@ def store_rows(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> Non
 
     Parameters
     ----------
-    cache : TokenCache or IndexerKeyCache
+    cache : TokenCache, IndexerKeyCache or Fp4IndexKeyCache (rows quantised by its rounding)
     rows : ``[N, cache.dim]`` float (fp32, bf16 or fp16), on the cache's device.
     slots : ``[N]`` integer slot ids in ``[0, num_slots)`` or -1 (skip). With duplicate slots,
         which row ends up stored is unspecified.

@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache, Fp4IndexKeyLayout
 from dsv4_backend.cache.fp8_format import Fp8IndexerLayout, Fp8TokenLayout
 from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.errors import ContractError
@@ -15,6 +16,7 @@ from dsv4_backend.kernels.device.cache_rows import (
     store_fp8_indexer_row,
     store_fp8_token_row,
 )
+from dsv4_backend.kernels.device.fp4 import e2m1_code, ue8m0_exponent
 from dsv4_backend.kernels.device.fp8 import triton_constexprs
 
 _MAX_BLOCK_D = 1024
@@ -71,6 +73,42 @@ def _store_fp8_indexer_kernel(
     store_fp8_indexer_row(storage_ptr, rows_ptr + row * stride_r, slot, DIM, PAGE_TOKENS, BLOCK_D)
 
 
+@triton.jit
+def _store_fp4_index_kernel(
+    storage_ptr,  # uint8 [num_pages, PAGE_TOKENS * (DIM / 2 + DIM / 32)]
+    rows_ptr,  # [N, DIM] float, row stride stride_r
+    slots_ptr,  # [N] int64
+    stride_r,
+    DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    FLOOR: tl.constexpr,  # Ue8m0Rounding.amax_floor
+    EXACT: tl.constexpr,  # Ue8m0Rounding.exact_exponent
+    TIES_EVEN: tl.constexpr,  # Ue8m0Rounding.ties_even
+):
+    """One row quantised to fp4 with a ue8m0 exponent per 32 channels and packed into its
+    page (``Fp4IndexKeyLayout``). The row is held as ``[DIM / 32, 16]`` tiles of its even and
+    odd channels: a tile line is a scale block, and the two tiles' elements are the low and
+    high nibbles of the same payload bytes."""
+    LINES: tl.constexpr = DIM // 32
+    row = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slots_ptr + row)
+    even = tl.arange(0, LINES)[:, None] * 32 + 2 * tl.arange(0, 16)[None, :]
+    xe = tl.load(rows_ptr + row * stride_r + even).to(tl.float32)
+    xo = tl.load(rows_ptr + row * stride_r + even + 1).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))  # [LINES]
+    exponent = ue8m0_exponent(amax, FLOOR, EXACT)
+    scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)[:, None]
+    ce = e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(xe, scale), -6.0), 6.0), TIES_EVEN)
+    co = e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(xo, scale), -6.0), 6.0), TIES_EVEN)
+    page, t = tl.maximum(slot, 0) // PAGE_TOKENS, tl.maximum(slot, 0) % PAGE_TOKENS
+    base = page * (PAGE_TOKENS * (DIM // 2 + LINES))
+    keep = slot >= 0
+    payload = storage_ptr + base + t * (DIM // 2) + even // 2
+    tl.store(payload, (ce | (co << 4)).to(tl.uint8), mask=keep)
+    exponents = storage_ptr + base + PAGE_TOKENS * (DIM // 2) + t * LINES + tl.arange(0, LINES)
+    tl.store(exponents, (exponent + 127).to(tl.uint8), mask=keep)
+
+
 # ---------------------------------------------------------------------------------- launchers
 def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> None:
     """Run the store kernel of ``cache``'s format; arguments already validated."""
@@ -79,7 +117,9 @@ def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> N
         rows = rows.contiguous()
     slots = slots.contiguous()
     layout = cache.layout
-    if layout is None:
+    if isinstance(cache, Fp4IndexKeyCache) and layout is None:
+        cache.store(rows[slots >= 0], slots[slots >= 0])  # dense fp4 keys: a tests' format
+    elif layout is None:
         block_d = min(triton.next_power_of_2(cache.dim), _MAX_BLOCK_D)
         grid = (n, triton.cdiv(cache.dim, block_d))
         _store_dense_kernel[grid](
@@ -110,8 +150,24 @@ def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> N
             BLOCK_D=triton.next_power_of_2(layout.dim),
             **triton_constexprs(layout),
         )
-    else:
-        raise ContractError(
-            f"the cache store has no kernel for {type(layout).__name__} caches (the fp4 index "
-            "keys are written by Fp4IndexKeyCache.store)"
+    elif isinstance(layout, Fp4IndexKeyLayout):
+        lines = layout.dim // 32
+        if lines & (lines - 1):
+            raise ContractError(
+                f"fp4 index keys of dim {layout.dim}: the store kernel takes a power-of-two "
+                "number of 32-channel scale blocks"
+            )
+        rounding = layout.rounding
+        _store_fp4_index_kernel[(n,)](
+            cache.storage,
+            rows,
+            slots,
+            rows.stride(0),
+            DIM=layout.dim,
+            PAGE_TOKENS=layout.page_tokens,
+            FLOOR=rounding.amax_floor,
+            EXACT=rounding.exact_exponent,
+            TIES_EVEN=rounding.ties_even,
         )
+    else:
+        raise ContractError(f"the cache store has no kernel for {type(layout).__name__} caches")

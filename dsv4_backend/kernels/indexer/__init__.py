@@ -19,4 +19,7 @@ top-k as c4 cache slots.
 * ``device.py``: the ``@triton.jit`` helpers both Triton variants use.
 * ``fp8.py``: torch helpers of sglang's quantised indexer inputs (``indexer_selection="fp8"``:
   ``hadamard``, ``e4m3_round_trip``, ``quantised_view``).
+* ``fp4.py``: sglang's fp4 indexer inputs (``indexer_selection="fp4"``,
+  ``--enable-deepseek-v4-fp4-indexer``: ``fp4_key_rows``, ``fp4_query_view``); the keys live in
+  fp4 pages (``cache.fp4_format``), which every variant but ``deep_gemm`` scores.
 """

@@ -5,7 +5,8 @@ Three launches whose work follows each row's own candidate count, not the page t
 (under CUDA graphs that width is the server's maximum context). ``_row_scores_kernel`` runs
 ``score_splits`` programs a row (a fixed count: 512 programs in all on a GPU); each loads the
 row's queries once and loops over its blocks below the count, FP8 keys converted by the
-hardware (``fp8_device.e4m3_decode``). The top-k reads only those scores, a long row split over
+hardware (``fp8_device.e4m3_decode``), fp4 pages decoded with their ue8m0 scales (exact in
+bf16). The top-k reads only those scores, a long row split over
 several programs (``topk_parts``): ``_topk_chunks_kernel`` keeps each chunk's ``K`` best (a
 radix select, then an ascending pass), ``_merge_topk_slots_kernel`` selects the row's ``K``
 best among them the same way and writes the slots. Columns past a row's count are never read
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from dsv4_backend.kernels.device.fp4 import load_fp4_index_block
 from dsv4_backend.kernels.device.fp8 import (
     e4m3_decode,
     fp8_indexer_addresses,
@@ -33,13 +35,22 @@ from dsv4_backend.kernels.indexer.common import (
     IndexCall,
     check_selection,
 )
-from dsv4_backend.kernels.indexer.device import candidate_slots, row_queries
+from dsv4_backend.kernels.indexer.device import (
+    FP4_KEYS,
+    FP8_KEYS,
+    candidate_slots,
+    key_format,
+    row_queries,
+)
 
 if TYPE_CHECKING:
     pass
 
 #: Programs the length-bounded scores aim for in all (a few per SM of an H200's 132).
 SCORE_PROGRAMS = 512
+#: Warps of a row-scores program over fp4 keys (their decoded tile and the queries do not fit
+#: four warps' registers without spilling: ``tests/compiled/``).
+FP4_ROW_WARPS = 8
 #: Programs a row in the interpreter (two, so that a program steps over several blocks).
 INTERPRETER_SPLITS = 2
 #: Score columns per step of the length-bounded top-k on a GPU.
@@ -51,10 +62,19 @@ INTERPRETER_TOPK_PARTS = 2
 
 
 @triton.jit
+def _key_dots(keys, q_t, GPU: tl.constexpr):
+    """``[BLOCK_N, BLOCK_H]`` fp32 dots of a key tile with the transposed queries."""
+    if GPU:
+        return tl.dot(keys.to(tl.bfloat16), q_t)
+    else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
+        return tl.dot(keys, q_t, input_precision="ieee")
+
+
+@triton.jit
 def _row_scores_kernel(
     q_ptr,  # [T, HI, DIM] fp32 / bf16
     w_ptr,  # [T, HI] float
-    key_ptr,  # dense [num_slots, DIM] float, or fp8 [num_pages, PAGE_TOKENS * (DIM + 4)] uint8
+    key_ptr,  # dense [num_slots, DIM] float, or fp8 / fp4 pages uint8 (KEYS)
     page_table_ptr,  # [T, Pw] int32
     num_ptr,  # [T] int32 candidates per row
     out_ptr,  # [T, N] fp32; only columns < min(num, N) are written
@@ -70,12 +90,12 @@ def _row_scores_kernel(
     num_cols,  # N
     HI: tl.constexpr,
     DIM: tl.constexpr,
-    PAGE_TOKENS: tl.constexpr,  # fp8 layout: entries per key page
+    PAGE_TOKENS: tl.constexpr,  # fp8 / fp4 layouts: entries per key page
     E: tl.constexpr,  # c4 entries per full-cache page
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    FP8: tl.constexpr,
+    KEYS: tl.constexpr,  # device.py's DENSE_KEYS, FP8_KEYS or FP4_KEYS
     GPU: tl.constexpr,  # compiled: bf16 tensor-core dots, hardware e4m3 conversion
 ):
     """Program ``(row, split)`` of ``S = num_programs(1)``: the row's queries and head weights
@@ -98,20 +118,22 @@ def _row_scores_kernel(
             cols = n0 + tl.arange(0, BLOCK_N)
             valid = cols < num
             slots = candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
-            if FP8:
+            if KEYS == FP4_KEYS:  # decoded with their scales: exact, also in bf16
+                keys = load_fp4_index_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
+                scale = tl.full([BLOCK_N], 1.0, tl.float32)
+                dots = _key_dots(keys, q_t, GPU)
+            elif KEYS == FP8_KEYS:
                 data, scale_at, _ = fp8_indexer_addresses(slots, valid, DIM, PAGE_TOKENS)
                 m = valid[:, None] & (d < DIM)[None, :]
                 code = tl.load(key_ptr + data[:, None] + d[None, :], mask=m, other=0)
                 keys = e4m3_decode(code, GPU)  # [BLOCK_N, BLOCK_D] unscaled e4m3 values
                 scale_ptrs = (key_ptr + scale_at).to(tl.pointer_type(tl.float32))
                 scale = tl.load(scale_ptrs, mask=valid, other=0.0)
+                dots = _key_dots(keys, q_t, GPU)
             else:
                 keys = load_dense_block(key_ptr, stride_key_slot, slots, d, valid, DIM)
                 scale = tl.full([BLOCK_N], 1.0, tl.float32)
-            if GPU:
-                dots = tl.dot(keys.to(tl.bfloat16), q_t)
-            else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
-                dots = tl.dot(keys, q_t, input_precision="ieee")  # [BLOCK_N, BLOCK_H]
+                dots = _key_dots(keys, q_t, GPU)
             # The key's scale is positive: it commutes with the ReLU.
             dots = tl.maximum(dots * scale[:, None], 0.0)
             scores = tl.sum(dots * w[None, :], axis=1)
@@ -287,7 +309,7 @@ def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
     """Launch ``_row_scores_kernel``: ``out`` ``[T, N]`` receives each row's scores at
     columns ``< min(num_candidates, N)``; nothing else is read or written."""
     q_idx, weights, page_table = call.q_idx, call.weights, call.page_table
-    keys, num_candidates = call.c4_keys("the bounded indexer"), call.num_candidates
+    keys, num_candidates = call.keys, call.num_candidates
     rows, heads, dim = q_idx.shape
     cols = out.shape[1]
     if rows == 0 or cols == 0:
@@ -302,13 +324,14 @@ def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
         cols,
         HI=heads,
         DIM=dim,
-        PAGE_TOKENS=keys.page_tokens,  # fp8 layout only
+        PAGE_TOKENS=keys.layout.page_tokens if keys.layout is not None else 1,
         E=C4_ENTRIES_PER_PAGE,
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N,
-        FP8=keys.fmt == "fp8",
+        KEYS=key_format(keys),
         GPU=q_idx.device.type == "cuda",
+        num_warps=FP4_ROW_WARPS if key_format(keys) == FP4_KEYS.value else 4,
     )  # fmt: skip
 
 

@@ -35,8 +35,8 @@ class IndexCall:
     ----------
     q_idx : ``[T, HI, DI]`` fp32 / bf16 indexer queries, already roped.
     weights : ``[T, HI]`` float head weights, already scaled by ``DI^-0.5 * HI^-0.5``.
-    keys : the layer's indexer key cache (dense or fp8), addressed by c4 slot; V4.1: a kv
-        source's fp4 index keys.
+    keys : the layer's indexer key cache (dense, fp8, or fp4 under
+        ``indexer_selection="fp4"``), addressed by c4 slot; V4.1: a kv source's fp4 index keys.
     page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
     num_candidates : ``[T]`` int32 visible entries (``(p+1)//4`` for c4); values above
         ``max_candidates`` are clamped to it.
@@ -53,8 +53,8 @@ class IndexCall:
     entries_per_page: int = C4_ENTRIES_PER_PAGE
 
     def c4_keys(self, where: str) -> IndexerKeyCache:
-        """``keys`` as a c4 indexer key cache (``ContractError`` for fp4 index keys, which
-        only the ``full_width`` and ``torch`` scores read)."""
+        """``keys`` as a dense / fp8 c4 indexer key cache (``ContractError`` for fp4 index keys,
+        which the ``deep_gemm`` variant does not read)."""
         if not isinstance(self.keys, IndexerKeyCache):
             raise ContractError(
                 f"{where} scores a c4 indexer key cache, not {type(self.keys).__name__}"
@@ -66,7 +66,7 @@ class IndexCall:
         cls,
         q_idx: torch.Tensor,
         weights: torch.Tensor,
-        keys: IndexerKeyCache,
+        keys: IndexerKeyCache | Fp4IndexKeyCache,
         page_table: torch.Tensor,
         num_candidates: torch.Tensor,
         max_candidates: int,

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
 from dsv4_backend.cache.fp8_format import INDEXER_PAGE_TOKENS
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.errors import BatchError
@@ -69,7 +70,7 @@ ARCH_MAJORS = (9, 10, 12)
 
 def deep_gemm_unsupported_reason(
     device: torch.device,
-    keys: IndexerKeyCache,
+    keys: IndexerKeyCache | Fp4IndexKeyCache,
     heads: int,
     dim: int,
     indexer_selection: str,
@@ -91,7 +92,7 @@ def deep_gemm_unsupported_reason(
 
 def deep_gemm_call_reason(
     device: torch.device,
-    keys: IndexerKeyCache,
+    keys: IndexerKeyCache | Fp4IndexKeyCache,
     heads: int,
     dim: int,
     *,
@@ -104,6 +105,11 @@ def deep_gemm_call_reason(
     :data:`ARCH_MAJORS`. ``capability``: None reads it from ``device`` (tests pass one)."""
     if device.type != "cuda":
         return f"DeepGEMM runs on CUDA devices only; the tensors are on {device}"
+    if not isinstance(keys, IndexerKeyCache):
+        return (
+            f"the indexer keys are a {type(keys).__name__} (fp4 pages, indexer_selection="
+            "'fp4'); the variant calls DeepGEMM's fp8 paged MQA logits, not its fp8_fp4 one"
+        )
     if keys.fmt != "fp8":
         return (
             f"the indexer key cache is {keys.fmt}; DeepGEMM reads fp8 keys (sglang's "

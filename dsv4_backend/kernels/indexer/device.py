@@ -1,11 +1,34 @@
 """``@triton.jit`` helpers of both Triton variants of the lightning indexer (``triton.py``,
-``bounded.py``): a row's queries and head weights, the slots of its candidate entries, and
-(DeepSeek-V4.1's index scores) its dots with fp4 index keys."""
+``bounded.py``): the key formats their kernels take (``KEYS``), a row's queries and head
+weights, the slots of its candidate entries, and its dots with fp4 index keys (DeepSeek-V4.1's,
+and the c4 keys of ``indexer_selection="fp4"``)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import triton
 import triton.language as tl
 
+from dsv4_backend.cache.fp4_format import Fp4IndexKeyLayout
 from dsv4_backend.kernels.device.fp4 import load_fp4_index_block
+
+if TYPE_CHECKING:
+    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
+    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
+
+#: The scores kernels' key formats (their ``KEYS`` constexpr): dense rows, fp8 indexer pages,
+#: fp4 index-key pages.
+DENSE_KEYS: tl.constexpr = tl.constexpr(0)
+FP8_KEYS: tl.constexpr = tl.constexpr(1)
+FP4_KEYS: tl.constexpr = tl.constexpr(2)
+
+
+def key_format(keys: IndexerKeyCache | Fp4IndexKeyCache) -> int:
+    """The ``KEYS`` constexpr of the scores kernels for ``keys``' format."""
+    if keys.layout is None:
+        return DENSE_KEYS.value
+    return (FP4_KEYS if isinstance(keys.layout, Fp4IndexKeyLayout) else FP8_KEYS).value
 
 
 @triton.jit

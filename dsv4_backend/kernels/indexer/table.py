@@ -18,7 +18,9 @@ a CUDA graph (warm it up first: the first call compiles).
 
 The entry points here (:func:`index_scores`, :func:`select_topk`, :func:`run_indexer`) run
 the variant :data:`INDEXER` chooses (``kernels/variants.py``); every one selects the same set
-(ties go to the smaller index):
+(ties go to the smaller index). Under ``indexer_selection="fp4"`` the keys are fp4 pages
+(``cache.fp4_format.Fp4IndexKeyCache``, ``kernels/indexer/fp4.py``): every variant but
+``deep_gemm`` scores them (its ``rejects`` says why).
 
 * ``deep_gemm`` (``deep_gemm.py``): DeepGEMM's fp8 paged MQA logits (the field's GPU-proven
   kernel, as sglang's built-in scores), then the same selection; for
@@ -70,6 +72,7 @@ from dsv4_backend.kernels.variants import (
 )
 
 if TYPE_CHECKING:
+    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
     from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 
 
@@ -85,7 +88,7 @@ INDEXER = OpTable(
             IndexerKernels(index_scores_deep_gemm, select_slots, select_padded_slots),
             (on_paths(dispatch.TRITON), on_cuda(9, 10, 12),
              with_library("deep_gemm", *DEEP_GEMM_FUNCTIONS)),
-            "DeepGEMM's fp8 paged MQA logits: fp8 keys, 32 / 64 heads of dim 128, "
+            "DeepGEMM's fp8 paged MQA logits: fp8 keys (not fp4), 32 / 64 heads of dim 128, "
             "indexer_selection='fp8'", rejects=deep_gemm_unsupported_reason,
             setting="DSV4_BACKEND_INDEXER_SELECTION=fp8",
         ),
@@ -93,17 +96,18 @@ INDEXER = OpTable(
             "bounded",
             IndexerKernels(index_scores_bounded, select_topk_bounded, select_topk_bounded,
                            run_indexer_bounded),
-            (TRITON_PATHS,), "dense or fp8 keys; work follows each row's candidate count",
+            (TRITON_PATHS,),
+            "dense, fp8 or fp4 keys; work follows each row's candidate count",
         ),
         Variant(
             "full_width",
             IndexerKernels(indexer_scores_triton, select_slots, select_padded_slots),
-            (TRITON_PATHS,), "dense or fp8 keys; work follows the page table's width",
+            (TRITON_PATHS,), "dense, fp8 or fp4 keys; work follows the page table's width",
             baseline=True,
         ),
         Variant(
             "torch", IndexerKernels(indexer_scores_torch, select_topk_torch, select_topk_torch),
-            (), "dense or fp8 keys", baseline=True,
+            (), "dense, fp8 or fp4 keys", baseline=True,
         ),
     ),
 )  # fmt: skip
@@ -116,7 +120,7 @@ def _kernels(device: torch.device) -> IndexerKernels:
 def index_scores(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    keys: IndexerKeyCache,
+    keys: IndexerKeyCache | Fp4IndexKeyCache,
     page_table: torch.Tensor,
     num_candidates: torch.Tensor,
     max_candidates: int,
@@ -127,7 +131,8 @@ def index_scores(
     ----------
     q_idx : ``[T, HI, DI]`` fp32 / bf16 indexer queries, already roped.
     weights : ``[T, HI]`` float head weights, already scaled by ``DI^-0.5 * HI^-0.5``.
-    keys : the layer's indexer key cache (dense or fp8), addressed by c4 slot.
+    keys : the layer's indexer key cache (dense, fp8, or fp4 pages under
+        ``indexer_selection="fp4"``: ``kernels.indexer.fp4``), addressed by c4 slot.
     page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
     num_candidates : ``[T]`` int32 visible entries, ``c4.topk_lengths_raw`` (``(p+1)//4``);
         values above ``max_candidates`` are clamped to it.
@@ -164,7 +169,7 @@ def select_topk(
 def run_indexer(
     q_idx: torch.Tensor,
     weights: torch.Tensor,
-    keys: IndexerKeyCache,
+    keys: IndexerKeyCache | Fp4IndexKeyCache,
     page_table: torch.Tensor,
     num_candidates: torch.Tensor,
     topk: int,

@@ -12,26 +12,19 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.fp4_format import Fp4IndexKeyLayout
 from dsv4_backend.kernels.device.fp8 import load_dense_block, load_fp8_indexer_block
 from dsv4_backend.kernels.indexer.common import BLOCK_N, IndexCall
-from dsv4_backend.kernels.indexer.device import candidate_slots, fp4_row_dots, row_queries
+from dsv4_backend.kernels.indexer.device import (
+    FP4_KEYS,
+    FP8_KEYS,
+    candidate_slots,
+    fp4_row_dots,
+    key_format,
+    row_queries,
+)
 
 if TYPE_CHECKING:
-    from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
-    from dsv4_backend.cache.indexer_cache import IndexerKeyCache
-
-
-#: ``_indexer_scores_kernel``'s key formats.
-DENSE_KEYS: tl.constexpr = tl.constexpr(0)
-FP8_KEYS: tl.constexpr = tl.constexpr(1)
-FP4_KEYS: tl.constexpr = tl.constexpr(2)
-
-
-def _key_format(keys: IndexerKeyCache | Fp4IndexKeyCache) -> int:
-    if keys.layout is None:
-        return 0
-    return 2 if isinstance(keys.layout, Fp4IndexKeyLayout) else 1
+    pass
 
 
 @triton.jit
@@ -59,7 +52,7 @@ def _indexer_scores_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    KEYS: tl.constexpr,  # DENSE, FP8 (c4 indexer pages) or FP4 (V4.1 index-key pages)
+    KEYS: tl.constexpr,  # DENSE, FP8 (c4 indexer pages) or FP4 (fp4 index-key pages)
     DOT_BF16: tl.constexpr,  # bf16 tensor-core dots (GPU); fp32 in the interpreter
 ):
     """One program: row ``program_id(0)``, candidate columns ``[n0, n0 + BLOCK_N)``: the
@@ -102,8 +95,8 @@ def _indexer_scores_kernel(
 
 def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
     """``[T, max_candidates]`` fp32 scores of each row's first ``num_candidates`` entries (the
-    others -inf); ``keys`` a c4 indexer cache, or (``entries_per_page`` 256 / 128) a
-    DeepSeek-V4.1 kv source's fp4 index keys."""
+    others -inf); ``keys`` a c4 indexer cache (fp8, dense or, ``indexer_selection="fp4"``, fp4
+    pages), or (``entries_per_page`` 256 / 128) a DeepSeek-V4.1 kv source's fp4 index keys."""
     q_idx, weights, keys, page_table = call.q_idx, call.weights, call.keys, call.page_table
     max_candidates, entries_per_page = call.max_candidates, call.entries_per_page
     rows, heads, dim = q_idx.shape
@@ -127,7 +120,7 @@ def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
         BLOCK_H=max(16, triton.next_power_of_2(heads)),
         BLOCK_D=max(16, triton.next_power_of_2(dim)),
         BLOCK_N=BLOCK_N,
-        KEYS=_key_format(keys),
+        KEYS=key_format(keys),
         DOT_BF16=q_idx.device.type == "cuda",
     )  # fmt: skip
     return out

@@ -38,7 +38,7 @@ from dsv4_backend.cache.fp4_format import (
 from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import entries_per_page
 from dsv4_backend.errors import ContractError
-from dsv4_backend.kernels.device.fp4 import e2m1_to_fp32
+from dsv4_backend.kernels.device.fp4 import e2m1_code, e2m1_to_fp32, ue8m0_exponent
 from dsv4_backend.kernels.device.fp8 import (
     bf16_bits_to_fp32,
     e4m3_to_fp32,
@@ -59,32 +59,6 @@ _AMAX_FLOOR = tl.constexpr(UE8M0_AMAX_FLOOR)
 def _bf16(x):
     """fp32 ``x`` rounded to bf16 (nearest even), as fp32."""
     return bf16_bits_to_fp32(fp32_to_bf16_bits(x))
-
-
-@triton.jit
-def _e2m1_code(scaled):
-    """e2m1 codes (int32, sign in bit 3 of nonzero magnitudes) of ``scaled`` in [-6, 6]:
-    nearest, ties to the even code (``fp4_format.e2m1_codes``: thresholds 0.25, 0.75, ..., 5;
-    at 0.75, 1.75, 3.5 the code above is even)."""
-    m = tl.abs(scaled)
-    code = (m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
-    code += (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
-    code += (m > 5.0).to(tl.int32)
-    # No negative zero: torch's packing of the rounded values (-0.0 / scale) stores code 0.
-    return code | (((scaled < 0) & (code > 0)).to(tl.int32) << 3)
-
-
-@triton.jit
-def _ue8m0_exponent(amax, FLOOR: tl.constexpr, MAX: tl.constexpr):
-    """The smallest ``e`` with ``6 * 2^e >= max(amax, FLOOR)`` (``fp4_format.ue8m0_exponents``):
-    ``frexp(a / 6)``'s exponent from the bits, settled by exact comparisons."""
-    a = tl.maximum(amax, FLOOR)
-    bits = tl.math.div_rn(a, MAX).to(tl.int32, bitcast=True)
-    e = ((bits >> 23) & 0xFF) - 126
-    below = ((e - 1 + 127) << 23).to(tl.float32, bitcast=True) * MAX
-    e -= (below >= a).to(tl.int32)
-    at = ((e + 127) << 23).to(tl.float32, bitcast=True) * MAX
-    return e + (at < a).to(tl.int32)
 
 
 @triton.jit
@@ -138,14 +112,14 @@ def _fp4_rows_kernel(
     yo = _bf16(tl.where(rotates, xe * s + xo * c, xo))
     amax = tl.maximum(tl.max(tl.abs(ye), axis=2), tl.max(tl.abs(yo), axis=2))  # [ROWS, LINES]
     if UE8M0:
-        exponent = _ue8m0_exponent(amax, _AMAX_FLOOR, _MAX)
+        exponent = ue8m0_exponent(amax, _AMAX_FLOOR, True)
         scale = ((exponent + 127) << 23).to(tl.float32, bitcast=True)
     else:
         raw = tl.minimum(tl.maximum(tl.math.div_rn(amax, _MAX), _SCALE_MIN), _SCALE_MAX)
         scale = e4m3_to_fp32(fp32_to_e4m3(raw))
     scale3 = scale[:, :, None]
-    ce = _e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(ye, scale3), -_MAX), _MAX))
-    co = _e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(yo, scale3), -_MAX), _MAX))
+    ce = e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(ye, scale3), -_MAX), _MAX), True)
+    co = e2m1_code(tl.minimum(tl.maximum(tl.math.div_rn(yo, scale3), -_MAX), _MAX), True)
     tl.store(out_ptr + own, e2m1_to_fp32(ce) * scale3, mask=live)
     tl.store(out_ptr + own + 1, e2m1_to_fp32(co) * scale3, mask=live)
     if STORE:

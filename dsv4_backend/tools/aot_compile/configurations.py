@@ -21,16 +21,19 @@ import triton
 from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
+from dsv4_backend.cache.fp4_format import C4_ROUNDING
 from dsv4_backend.config import WINDOW_PAGE_TOKENS
 from dsv4_backend.kernels.attention import common as ac
 from dsv4_backend.kernels.attention import key_union as ku
 from dsv4_backend.kernels.attention import pipelined as pa
 from dsv4_backend.kernels.attention import triton as sa
 from dsv4_backend.kernels.attention import ws as wa
+from dsv4_backend.kernels.cache_store import triton as cache_store_triton
 from dsv4_backend.kernels.compressor import entries as compressor_entries
 from dsv4_backend.kernels.compressor import fused as compressor_fused
 from dsv4_backend.kernels.device.cache_rows import STORE_FP8_INDEXER, STORE_FP8_TOKEN
 from dsv4_backend.kernels.indexer import bounded as indexer_bounded
+from dsv4_backend.kernels.indexer import device as indexer_device
 from dsv4_backend.kernels.indexer import slots as indexer_slots
 from dsv4_backend.kernels.indexer import triton as indexer_triton
 from dsv4_backend.kernels.indexer.common import BLOCK_N as INDEXER_BLOCK_N
@@ -186,9 +189,18 @@ def fused_configurations() -> list[Configuration]:
         dict(picked_ptr="*i64", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
+    # sglang's fp4 indexer (--enable-deepseek-v4-fp4-indexer): fp4 c4 pages, 64 heads x 128
+    scores_fp4_c4 = _source(
+        indexer_triton._indexer_scores_kernel,
+        dict(q_ptr="*fp32", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
+             num_ptr="*i32", out_ptr="*fp32"),
+        dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
+             BLOCK_N=INDEXER_BLOCK_N, KEYS=2, DOT_BF16=True),
+    )  # fmt: skip
     out = [
         ("indexer-scores-fp8", *scores),
         ("indexer-scores-fp4-c1", *scores_fp4),
+        ("fp4-indexer-scores-c4", *scores_fp4_c4),
         ("indexer-slots-k512", *slots),
     ]
     return out + _bounded_indexer() + _compressors() + _low_ratio_rows() + _planner()
@@ -226,18 +238,33 @@ def _low_ratio_rows() -> list[Configuration]:
 
 
 def _bounded_indexer() -> list[Configuration]:
-    """The length-bounded indexer: row scores (fp8 and bf16 dense keys) and its top-k (the
-    chunks' and the merge's kernels, top-k 512)."""
+    """The length-bounded indexer: row scores (fp8, bf16 dense and, sglang's fp4 indexer, fp4
+    keys) and its top-k (the chunks' and the merge's kernels, top-k 512); the cache store of
+    the fp4 indexer's keys (sglang's c4 rounding)."""
     out = []
-    for fmt, key in (("fp8", "*u8"), ("dense", "*bf16")):
+    formats = (("fp8", "*u8", indexer_device.FP8_KEYS),
+               ("dense", "*bf16", indexer_device.DENSE_KEYS),
+               ("fp4", "*u8", indexer_device.FP4_KEYS))  # fmt: skip
+    for fmt, key, keys in formats:
         rows = _source(
             indexer_bounded._row_scores_kernel,
             dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr=key, page_table_ptr="*i32",
                  num_ptr="*i32", out_ptr="*fp32"),
             dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
-                 BLOCK_N=INDEXER_BLOCK_N, FP8=fmt == "fp8", GPU=True),
+                 BLOCK_N=INDEXER_BLOCK_N, KEYS=keys.value, GPU=True),
         )  # fmt: skip
-        out.append((f"indexer-rows-{fmt}", *rows))
+        if fmt == "fp4":  # launched with more warps (bounded.FP4_ROW_WARPS)
+            rows = rows[0], dict(num_warps=indexer_bounded.FP4_ROW_WARPS)
+        # sglang's fp4 indexer runs on SM100 / SM120 only (targets_of)
+        out.append(("fp4-indexer-rows" if fmt == "fp4" else f"indexer-rows-{fmt}", *rows))
+    rounding = C4_ROUNDING
+    store = _source(
+        cache_store_triton._store_fp4_index_kernel,
+        dict(storage_ptr="*u8", rows_ptr="*fp32", slots_ptr="*i64"),
+        dict(DIM=128, PAGE_TOKENS=64, FLOOR=rounding.amax_floor,
+             EXACT=rounding.exact_exponent, TIES_EVEN=rounding.ties_even),
+    )  # fmt: skip
+    out.append(("fp4-indexer-store-c4", *store))
     chunks = _source(
         indexer_bounded._topk_chunks_kernel,
         dict(scores_ptr="*fp32", num_ptr="*i32", cand_scores_ptr="*fp32", cand_cols_ptr="*i32"),
@@ -452,9 +479,12 @@ def configurations() -> list[Configuration]:
 
 def targets_of(name: str) -> tuple[str, ...]:
     """The targets a configuration compiles for: each ws kernel its own architecture's
-    (``ws-sm100-``: sm_100a, other ``ws-``: sm_90a), every other kernel both."""
+    (``ws-sm100-``: sm_100a, other ``ws-``: sm_90a), sglang's fp4 indexer's (``fp4-indexer-``,
+    served on SM100 / SM120 only) sm_100a, every other kernel both."""
     if name.startswith("ws-"):
         return ("sm_100a",) if name.startswith("ws-sm100") else ("sm_90a",)
+    if name.startswith("fp4-indexer-"):
+        return ("sm_100a",)
     return tuple(TARGETS)
 
 
