@@ -192,14 +192,17 @@ def test_triton_rows_store_the_index_keys(fmt: str) -> None:
 
 def test_triton_rows_refuse_what_they_do_not_take() -> None:
     from dsv4_backend.errors import ContractError
+    from dsv4_backend.kernels.low_ratio.common import RowsCall
     from dsv4_backend.kernels.low_ratio.triton import fp4_rows_triton
 
     x, cos, sin, _, _ = _rows_inputs("keys")
     with pytest.raises(ContractError, match="power-of-two number of 32-channel blocks"):
-        fp4_rows_triton(x[:, :96], cos, sin, "ue8m0")
+        fp4_rows_triton(RowsCall(x[:, :96], cos, sin, "ue8m0"))
     keys = Fp4IndexKeyCache(256, 128, "fp8")
     with pytest.raises(ContractError, match="ue8m0 scales; got scale 'e4m3'"):
-        fp4_rows_triton(x, cos, sin, "e4m3", store=(keys, torch.arange(x.shape[0])))
+        fp4_rows_triton(RowsCall(x, cos, sin, "e4m3", store=(keys, torch.arange(x.shape[0]))))
+    with pytest.raises(ContractError, match="scale 'e5m2'; expected 'e4m3' or 'ue8m0'"):
+        RowsCall(x, cos, sin, "e5m2")  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu

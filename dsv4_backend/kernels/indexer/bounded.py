@@ -16,7 +16,7 @@ callers; :func:`run_indexer_bounded` does not).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 import triton
@@ -31,12 +31,9 @@ from dsv4_backend.kernels.indexer.common import (
     BLOCK_N,
     C4_ENTRIES_PER_PAGE,
     IndexCall,
-    check_selection,
+    SelectCall,
 )
 from dsv4_backend.kernels.indexer.device import candidate_slots, row_queries
-
-if TYPE_CHECKING:
-    pass
 
 #: Programs the length-bounded scores aim for in all (a few per SM of an H200's 132).
 SCORE_PROGRAMS = 512
@@ -322,25 +319,20 @@ def topk_parts(rows: int, cols: int, topk: int, device: torch.device) -> int:
     return max(1, min(parts, math.isqrt(cols // max(topk, 1)) + 1))
 
 
-def _topk_slots_triton(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
+def _topk_slots_triton(call: SelectCall) -> None:
     """Launch ``_topk_chunks_kernel`` (``topk_parts`` programs a row; skipped when no row can
     have more than ``topk`` candidates) and ``_merge_topk_slots_kernel`` (one a row). They
     read each row's own ``num`` scores, and its chunks' candidates, only.
 
     The candidate buffers are ``[T, min(N, parts * topk)]``: a row's candidates are at most
     its count and ``topk`` a chunk."""
+    scores, page_table, topk, out = call.scores, call.page_table, call.topk, call.out
     rows, cols = scores.shape
     if rows == 0 or topk == 0:
         return
     device = scores.device
     block_c = TOPK_BLOCK_C if device.type == "cuda" else BLOCK_N
-    num_candidates = num_candidates.contiguous()  # read with unit stride
+    num_candidates = call.num_candidates.contiguous()  # read with unit stride
     parts = topk_parts(rows, cols, topk, device)
     width = min(cols, parts * topk)
     cand_scores = torch.empty(rows, width, dtype=torch.float32, device=device)
@@ -370,15 +362,9 @@ def index_scores_bounded(call: IndexCall) -> torch.Tensor:
     return out
 
 
-def select_topk_bounded(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
+def select_topk_bounded(call: SelectCall) -> None:
     """``table.select_topk``: the chunked top-k of each row's scores below its count."""
-    _topk_slots_triton(scores.float().contiguous(), num_candidates, page_table, topk, out)
+    _topk_slots_triton(replace(call, scores=call.scores.float().contiguous()))
 
 
 def run_indexer_bounded(call: IndexCall, topk: int, out: torch.Tensor) -> None:
@@ -391,5 +377,4 @@ def run_indexer_bounded(call: IndexCall, topk: int, out: torch.Tensor) -> None:
     """
     scores = torch.empty(call.q_idx.shape[0], call.max_candidates, device=call.q_idx.device)
     row_scores_triton(call, scores)
-    check_selection(scores, call.num_candidates, call.page_table, topk, out)
-    _topk_slots_triton(scores, call.num_candidates, call.page_table, topk, out)
+    _topk_slots_triton(SelectCall(scores, call.num_candidates, call.page_table, topk, out))

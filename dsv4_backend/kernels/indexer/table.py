@@ -47,7 +47,7 @@ from dsv4_backend.kernels.indexer.common import (
     C4_ENTRIES_PER_PAGE,
     IndexCall,
     IndexerKernels,
-    check_selection,
+    SelectCall,
 )
 from dsv4_backend.kernels.indexer.deep_gemm import (
     FUNCTIONS as DEEP_GEMM_FUNCTIONS,
@@ -157,8 +157,8 @@ def select_topk(
     out : ``[T, K]`` int32, e.g. ``c4.page_indices``; receives the slots of the selected
         entries in ascending entry order, then ``-1`` (rows with 0 candidates are all ``-1``).
     """
-    check_selection(scores, num_candidates, page_table, topk, out)
-    _kernels(scores.device).select(scores, num_candidates, page_table, topk, out)
+    call = SelectCall(scores, num_candidates, page_table, topk, out)
+    _kernels(scores.device).select(call)
 
 
 def run_indexer(
@@ -185,5 +185,4 @@ def run_indexer(
         kernels.run(call, topk, out)
         return
     scores = kernels.scores(call)
-    check_selection(scores, num_candidates, page_table, topk, out)
-    kernels.select_padded(scores, num_candidates, page_table, topk, out)
+    kernels.select_padded(SelectCall(scores, num_candidates, page_table, topk, out))
