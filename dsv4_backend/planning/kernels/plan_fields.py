@@ -35,12 +35,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from dataclasses import fields as dc_fields
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from dsv4_backend.config import compress_span
+
+if TYPE_CHECKING:
+    from dsv4_backend.planning.metadata import (
+        AttentionMetadata,
+        CompressedMetadata,
+        LowRatioMetadata,
+    )
 
 
 @dataclass(frozen=True)
@@ -618,86 +626,6 @@ def _plan_kernel(
 
 
 @dataclass(frozen=True)
-class RatioFields:
-    """The fields of one compress ratio (named, shaped and typed as ``CompressedMetadata``'s)."""
-
-    out_loc: torch.Tensor
-    topk_lengths_raw: torch.Tensor
-    sparse_topk_lengths: torch.Tensor
-    page_indices: torch.Tensor
-    compress_plan: torch.Tensor
-    write_plan: torch.Tensor
-
-
-@dataclass(frozen=True)
-class LowRatioFields:
-    """The fields of one DeepSeek-V4.1 low ratio (named, shaped and typed as
-    ``LowRatioMetadata``'s; ``candidate_blocks`` None for a ratio without them)."""
-
-    out_loc: torch.Tensor
-    topk_lengths_raw: torch.Tensor
-    sparse_topk_lengths: torch.Tensor
-    page_indices: torch.Tensor
-    candidate_blocks: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class PlanFields:
-    """Every per-row field of a plan (named, shaped and typed as ``AttentionMetadata``'s)."""
-
-    row_batch_ids: torch.Tensor
-    page_table: torch.Tensor
-    swa_out_loc: torch.Tensor
-    positions_causal: torch.Tensor
-    swa_page_indices: torch.Tensor
-    swa_topk_lengths: torch.Tensor
-    ratios: dict[int, RatioFields]
-    low_ratios: dict[int, LowRatioFields]
-
-    @classmethod
-    def empty(
-        cls,
-        rows: int,
-        widths: dict[str, int],
-        ratios: frozenset[int],
-        low_ratios: frozenset[int],
-        device: torch.device,
-    ) -> PlanFields:
-        """Uninitialised outputs for ``rows`` rows; ``widths`` maps ``page_table``,
-        ``swa_page_indices``, ``c4``, ``c128``, ``low_ratio`` (the low ratios' ``K``) and
-        ``candidates`` (a ratio's candidate blocks, absent for none) to their column counts,
-        and ``candidate_ratio`` to the low ratio that has them."""
-
-        def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=device)
-
-        def ratio(r: int) -> RatioFields:
-            return RatioFields(
-                empty(rows, dtype=torch.int64), empty(rows), empty(rows),
-                empty(rows, widths[f"c{r}"]), empty(rows, 4), empty(rows, 4),
-            )  # fmt: skip
-
-        def low_ratio(r: int) -> LowRatioFields:
-            candidates = widths.get("candidate_ratio") == r
-            return LowRatioFields(
-                empty(rows, dtype=torch.int64), empty(rows), empty(rows),
-                empty(rows, widths["low_ratio"]),
-                empty(rows, widths["candidates"]) if candidates else None,
-            )  # fmt: skip
-
-        return cls(
-            row_batch_ids=empty(rows),
-            page_table=empty(rows, widths["page_table"]),
-            swa_out_loc=empty(rows, dtype=torch.int64),
-            positions_causal=empty(rows, dtype=torch.int64),
-            swa_page_indices=empty(rows, widths["swa_page_indices"]),
-            swa_topk_lengths=empty(rows),
-            ratios={r: ratio(r) for r in ratios},
-            low_ratios={r: low_ratio(r) for r in low_ratios},
-        )
-
-
-@dataclass(frozen=True)
 class RowLayout:
     """How a batch's requests expand into rows, for ``plan_fields``.
 
@@ -784,15 +712,16 @@ def plan_fields(
     failed: torch.Tensor,
     layout: RowLayout,
     num_rows: int,
-    out: PlanFields,
+    out: AttentionMetadata,
     window: int,
     index_topk: int,
     page_size: int,
 ) -> None:
-    """Launch ``_plan_kernel`` once: fill ``out`` with the plan of ``num_rows`` rows.
+    """Launch ``_plan_kernel`` once: fill ``out``'s tensors with the plan of ``num_rows`` rows.
 
     ``out``'s tensors (contiguous) fix the widths: ``page_table`` ``Pw``, ``swa_page_indices``
-    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and the ratios planned. ``failed``
+    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and its ratios (c4, c128, c1, c2
+    not None) the ratios planned. ``failed``
     ``[B]`` (``check_rows``): requests planned as writing nothing (deferred checks). Rows of
     ``out`` past ``num_rows`` (a graph bucket larger than the batch) get the sentinels of
     ``planning/graph_buffers.py``.
@@ -801,12 +730,13 @@ def plan_fields(
     if padded_rows == 0:
         return
     page_width, swa_width = out.page_table.shape[1], out.swa_page_indices.shape[1]
-    c128 = out.ratios.get(128)
-    c128_width = 0 if c128 is None else c128.page_indices.shape[1]
-    index_widths = [f.page_indices.shape[1] for f in out.ratios.values()]
-    index_widths += [f.page_indices.shape[1] for f in out.low_ratios.values()]
+    c128_width = 0 if out.c128 is None else out.c128.page_indices.shape[1]
+    parts = [part for part in (out.c4, out.c128, out.c1, out.c2) if part is not None]
+    index_widths = [part.page_indices.shape[1] for part in parts]
     candidates = {
-        r: f.candidate_blocks for r, f in out.low_ratios.items() if f.candidate_blocks is not None
+        low.ratio: low.candidate_blocks
+        for low in (out.c1, out.c2)
+        if low is not None and low.candidate_blocks is not None
     }
     candidate_ratio, candidate_blocks = next(iter(candidates.items()), (0, None))
     candidate_width = 0 if candidate_blocks is None else candidate_blocks.shape[1]
@@ -817,21 +747,13 @@ def plan_fields(
     widest = max(page_width, swa_width, *index_widths)
     block_c = plan_block_c(tiles, widest)
     grid = (triton.cdiv(padded_rows, block_t), triton.cdiv(widest, block_c))
-    stand_in = (out.swa_out_loc,) * 6  # pointers of an absent ratio, never written
 
-    def ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
-        fields = out.ratios.get(ratio)
-        return (
-            stand_in
-            if fields is None
-            else tuple(getattr(fields, f.name) for f in dc_fields(fields))
-        )
-
-    def low_ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
-        fields = out.low_ratios.get(ratio)
-        if fields is None:
-            return stand_in[:5]
-        values = [getattr(fields, f.name) for f in dc_fields(fields)]
+    def part_args(part: CompressedMetadata | LowRatioMetadata | None, count: int) -> tuple:
+        """A ratio's tensors in field order (``count`` of them), stand-ins (``swa_out_loc``,
+        never written) for an absent ratio or candidate blocks."""
+        if part is None:
+            return (out.swa_out_loc,) * count
+        values = [getattr(part, f.name) for f in dc_fields(part) if f.name != "ratio"]
         return tuple(out.swa_out_loc if v is None else v for v in values)
 
     host = out.swa_out_loc if layout.host is None else layout.host
@@ -841,17 +763,18 @@ def plan_fields(
         failed,
         out.row_batch_ids, out.positions_causal, out.swa_out_loc, out.swa_topk_lengths,
         out.page_table, out.swa_page_indices,
-        *ratio_args(4), *ratio_args(128), *low_ratio_args(1), *low_ratio_args(2),
+        *part_args(out.c4, 6), *part_args(out.c128, 6), *part_args(out.c1, 5),
+        *part_args(out.c2, 5),
         num_rows, padded_rows, bs, req_to_token.shape[1], req_to_token.stride(0),
         page_width, swa_width, index_topk, c128_width, candidate_width,
         layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
         EXTEND=layout.host is not None,
         HAS_FLOORS=layout.floors,
         HAS_SWA_MAP=full_to_swa is not None,
-        HAS_C4=4 in out.ratios,
-        HAS_C128=128 in out.ratios,
-        HAS_C1=1 in out.low_ratios,
-        HAS_C2=2 in out.low_ratios,
+        HAS_C4=out.c4 is not None,
+        HAS_C128=out.c128 is not None,
+        HAS_C1=out.c1 is not None,
+        HAS_C2=out.c2 is not None,
         CANDIDATE_RATIO=candidate_ratio,
         PAGE=page_size,
         SPAN4=compress_span(4),
