@@ -372,7 +372,13 @@ def read_plan(
         for low in (plan.c1, plan.c2)
     )
     subset = dataclasses.replace(
-        plan, num_rows=rows.numel(), c4=c4, c128=c128, c1=c1, c2=c2, pending_checks=None,
+        plan,
+        num_rows=rows.numel(),
+        c4=c4,
+        c128=c128,
+        c1=c1,
+        c2=c2,
+        pending_checks=None,
         **_read_rows(plan, rows),
-    )  # fmt: skip
+    )
     return pad_plan(config, subset, batch_size=plan.batch_size, num_rows=num_rows)

@@ -503,9 +503,15 @@ def _out_of(values: torch.Tensor, limit: int | None) -> torch.Tensor:
 
 
 def _checked_reads(
-    batch: BatchView, req: torch.Tensor, first_new: torch.Tensor, lens: torch.Tensor,
-    *, keys: int, page_size: int, page_width: int,
-) -> tuple[Check, Check, torch.Tensor]:  # fmt: skip
+    batch: BatchView,
+    req: torch.Tensor,
+    first_new: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    keys: int,
+    page_size: int,
+    page_width: int,
+) -> tuple[Check, Check, torch.Tensor]:
     """The checks of what the plan reads from ``req_to_token`` besides the rows' own slots.
 
     Per request (pool row ``req`` ``[B]``, in range; first new position ``first_new`` ``[B]``;
@@ -575,10 +581,14 @@ def checked_rows(
     first_new = requests.new_zeros(requests.shape).scatter_(0, ids, rows.first_new)
     lens = requests.new_zeros(requests.shape).scatter_(0, ids, rows.request_lens.long())
     read_full, read_swa, bad_reads = _checked_reads(
-        batch, request_rows, first_new, lens,
+        batch,
+        request_rows,
+        first_new,
+        lens,
         keys=config.window_size - 1 if context_keys is None else context_keys,
-        page_size=config.page_size, page_width=page_width,
-    )  # fmt: skip
+        page_size=config.page_size,
+        page_width=page_width,
+    )
     messages = check_messages(batch)
     row_checks = [
         Check(messages[0], bad_request, requests),
@@ -750,25 +760,36 @@ def _plan_fused(
 
 
 FUSED = Variant(
-    "triton", _plan_fused, (TRITON_PATHS,),
-    "every kind: the batch checks, then every field in one launch", baseline=True,
-)  # fmt: skip
+    "triton",
+    _plan_fused,
+    (TRITON_PATHS,),
+    "every kind: the batch checks, then every field in one launch",
+    baseline=True,
+)
 #: DeepSeek-V4.1's parts of a fused plan: its c1 / c2 fields and a late-layer tail's window
 #: floors inside the planner kernel's launch (the interpreter's default; opt-in on CUDA until
 #: ``scripts/gpu_check.sh`` passes it), or the fields by the torch twin after the launch and a
 #: tail by the torch planner (the CUDA baseline). The torch planner always uses the twin.
 LOW_RATIO_FUSED = Variant(
-    "fused", plan_fields, (TRITON_PATHS,),
+    "fused",
+    plan_fields,
+    (TRITON_PATHS,),
     "every kind, and a tail's window floors, in the fused planner kernel's launch",
-)  # fmt: skip
+)
 LOW_RATIO_PLAN = OpTable(
     "low_ratio_plan",
     "DeepSeek-V4.1's parts of a fused plan: its c1 / c2 fields, a late-layer tail's floors",
-    (LOW_RATIO_FUSED,
-     Variant("torch", low_ratio_fields, (),
-             "every kind: torch ops after the launch; a tail by the torch planner",
-             baseline=True)),
-)  # fmt: skip
+    (
+        LOW_RATIO_FUSED,
+        Variant(
+            "torch",
+            low_ratio_fields,
+            (),
+            "every kind: torch ops after the launch; a tail by the torch planner",
+            baseline=True,
+        ),
+    ),
+)
 #: The planner's variants: the fused Triton kernels, then the torch planner.
 PLAN = OpTable(
     "plan",

@@ -47,8 +47,14 @@ class CompressCall:
     ]:
         """``(state, kv_proj, score_proj, ape, req_pool_indices, window_slots)``: what the
         pooling and ring-write steps read."""
-        return (self.state, self.kv_proj, self.score_proj, self.ape, self.req_pool_indices,
-                self.window_slots)  # fmt: skip
+        return (
+            self.state,
+            self.kv_proj,
+            self.score_proj,
+            self.ape,
+            self.req_pool_indices,
+            self.window_slots,
+        )
 
     def __post_init__(self) -> None:
         ratio, d = self.state.ratio, self.state.head_dim

@@ -87,9 +87,19 @@ def _row_scores_kernel(
     if split * BLOCK_N < num:
         d = tl.arange(0, BLOCK_D)
         q, w = row_queries(
-            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
-            HI, DIM, BLOCK_H, BLOCK_D,
-        )  # fmt: skip
+            q_ptr,
+            w_ptr,
+            row,
+            stride_qt,
+            stride_qh,
+            stride_qd,
+            stride_wt,
+            stride_wh,
+            HI,
+            DIM,
+            BLOCK_H,
+            BLOCK_D,
+        )
         q_t = tl.trans(q.to(tl.bfloat16) if GPU else q.to(tl.float32))  # [BLOCK_D, BLOCK_H]
         for n0 in range(split * BLOCK_N, num, step):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -162,9 +172,19 @@ def _select_threshold(scores_ptr, n, K, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _write_selected(
-    scores_ptr, n, K, cols_ptr, col0, dst_scores_ptr, dst_ptr, pt_row, stride_pt_p,
-    E: tl.constexpr, SLOTS: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    scores_ptr,
+    n,
+    K,
+    cols_ptr,
+    col0,
+    dst_scores_ptr,
+    dst_ptr,
+    pt_row,
+    stride_pt_p,
+    E: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Write the ``min(n, K)`` best of the ``n`` scores at ``scores_ptr`` (ties to the first)
     in their order, at ``dst_ptr[0:]``. ``SLOTS``: the scores' entries are ``cols_ptr[i]``,
     written as c4 slots through the page table row ``pt_row``; else the entry of score ``i``
@@ -221,12 +241,19 @@ def _topk_chunks_kernel(
         if lo < num:
             # Candidates with their entries, not slots (cols_ptr and the page table unused).
             _write_selected(
-                scores_ptr + row * stride_scores_t + lo, tl.minimum(length, num - lo), K,
-                cand_cols_ptr, lo,
+                scores_ptr + row * stride_scores_t + lo,
+                tl.minimum(length, num - lo),
+                K,
+                cand_cols_ptr,
+                lo,
                 cand_scores_ptr + row * stride_cand_t + part * K,
                 cand_cols_ptr + row * stride_cand_t + part * K,
-                num_ptr, 0, 1, False, BLOCK_C,
-            )  # fmt: skip
+                num_ptr,
+                0,
+                1,
+                False,
+                BLOCK_C,
+            )
 
 
 @triton.jit
@@ -265,10 +292,19 @@ def _merge_topk_slots_kernel(
         total = full * K + tl.minimum(num - full * length, K)
         # Slots through the page table (col0 = 0 and dst_scores_ptr unused).
         _write_selected(
-            cand_scores_ptr + row * stride_cand_t, total, K,
-            cand_cols_ptr + row * stride_cand_t, 0, cand_scores_ptr, out_row,
-            pt_row, stride_pt_p, E, True, BLOCK_C,
-        )  # fmt: skip
+            cand_scores_ptr + row * stride_cand_t,
+            total,
+            K,
+            cand_cols_ptr + row * stride_cand_t,
+            0,
+            cand_scores_ptr,
+            out_row,
+            pt_row,
+            stride_pt_p,
+            E,
+            True,
+            BLOCK_C,
+        )
 
 
 def score_splits(rows: int, max_candidates: int, device: torch.device) -> int:
@@ -290,11 +326,20 @@ def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
     if rows == 0 or cols == 0:
         return
     _row_scores_kernel[(rows, score_splits(rows, cols, q_idx.device))](
-        q_idx, weights, keys.storage, page_table, num_candidates.contiguous(), out,
-        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
-        weights.stride(0), weights.stride(1),
+        q_idx,
+        weights,
+        keys.storage,
+        page_table,
+        num_candidates.contiguous(),
+        out,
+        q_idx.stride(0),
+        q_idx.stride(1),
+        q_idx.stride(2),
+        weights.stride(0),
+        weights.stride(1),
         keys.storage.stride(0),
-        page_table.stride(0), page_table.stride(1),
+        page_table.stride(0),
+        page_table.stride(1),
         out.stride(0),
         cols,
         HI=heads,
@@ -306,7 +351,7 @@ def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
         BLOCK_N=BLOCK_N,
         FP8=keys.fmt == "fp8",
         GPU=q_idx.device.type == "cuda",
-    )  # fmt: skip
+    )
 
 
 def topk_parts(rows: int, cols: int, topk: int, device: torch.device) -> int:
@@ -339,19 +384,33 @@ def _topk_slots_triton(call: SelectCall) -> None:
     cand_cols = torch.empty(rows, width, dtype=torch.int32, device=device)
     if cols > topk:
         _topk_chunks_kernel[(rows, parts)](
-            scores, num_candidates, cand_scores, cand_cols,
-            scores.stride(0), cand_scores.stride(0),
-            cols, topk,
+            scores,
+            num_candidates,
+            cand_scores,
+            cand_cols,
+            scores.stride(0),
+            cand_scores.stride(0),
+            cols,
+            topk,
             BLOCK_C=block_c,
-        )  # fmt: skip
+        )
     _merge_topk_slots_kernel[(rows,)](
-        cand_scores, cand_cols, num_candidates, page_table, out,
-        cand_scores.stride(0), page_table.stride(0), page_table.stride(1), out.stride(0),
-        cols, topk, parts,
+        cand_scores,
+        cand_cols,
+        num_candidates,
+        page_table,
+        out,
+        cand_scores.stride(0),
+        page_table.stride(0),
+        page_table.stride(1),
+        out.stride(0),
+        cols,
+        topk,
+        parts,
         E=C4_ENTRIES_PER_PAGE,
         BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_C=block_c,
-    )  # fmt: skip
+    )
 
 
 def index_scores_bounded(call: IndexCall) -> torch.Tensor:

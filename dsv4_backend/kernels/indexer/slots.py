@@ -54,14 +54,20 @@ def select_padded_slots(call: SelectCall) -> None:
         return
     picked = best_columns(scores, topk) if cols > topk else None
     _selected_slots_kernel[(rows,)](
-        out if picked is None else picked, call.num_candidates, page_table, out,
+        out if picked is None else picked,
+        call.num_candidates,
+        page_table,
+        out,
         0 if picked is None else picked.stride(0),
-        page_table.stride(0), page_table.stride(1), out.stride(0),
-        cols, topk,
+        page_table.stride(0),
+        page_table.stride(1),
+        out.stride(0),
+        cols,
+        topk,
         E=C4_ENTRIES_PER_PAGE,
         HAS_PICKED=picked is not None,
         BLOCK_K=triton.next_power_of_2(topk),
-    )  # fmt: skip
+    )
 
 
 def select_slots(call: SelectCall) -> None:

@@ -83,30 +83,40 @@ INDEXER = OpTable(
         Variant(
             "deep_gemm",
             IndexerKernels(index_scores_deep_gemm, select_slots, select_padded_slots),
-            (on_paths(dispatch.TRITON), on_cuda(9, 10, 12),
-             with_library("deep_gemm", *DEEP_GEMM_FUNCTIONS)),
+            (
+                on_paths(dispatch.TRITON),
+                on_cuda(9, 10, 12),
+                with_library("deep_gemm", *DEEP_GEMM_FUNCTIONS),
+            ),
             "DeepGEMM's fp8 paged MQA logits: fp8 keys, 32 / 64 heads of dim 128, "
-            "indexer_selection='fp8'", rejects=deep_gemm_unsupported_reason,
+            "indexer_selection='fp8'",
+            rejects=deep_gemm_unsupported_reason,
             setting="DSV4_BACKEND_INDEXER_SELECTION=fp8",
         ),
         Variant(
             "bounded",
-            IndexerKernels(index_scores_bounded, select_topk_bounded, select_topk_bounded,
-                           run_indexer_bounded),
-            (TRITON_PATHS,), "dense or fp8 keys; work follows each row's candidate count",
+            IndexerKernels(
+                index_scores_bounded, select_topk_bounded, select_topk_bounded, run_indexer_bounded
+            ),
+            (TRITON_PATHS,),
+            "dense or fp8 keys; work follows each row's candidate count",
         ),
         Variant(
             "full_width",
             IndexerKernels(indexer_scores_triton, select_slots, select_padded_slots),
-            (TRITON_PATHS,), "dense or fp8 keys; work follows the page table's width",
+            (TRITON_PATHS,),
+            "dense or fp8 keys; work follows the page table's width",
             baseline=True,
         ),
         Variant(
-            "torch", IndexerKernels(indexer_scores_torch, select_topk_torch, select_topk_torch),
-            (), "dense or fp8 keys", baseline=True,
+            "torch",
+            IndexerKernels(indexer_scores_torch, select_topk_torch, select_topk_torch),
+            (),
+            "dense or fp8 keys",
+            baseline=True,
         ),
     ),
-)  # fmt: skip
+)
 
 
 def _kernels(device: torch.device) -> IndexerKernels:

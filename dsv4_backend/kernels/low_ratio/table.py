@@ -46,31 +46,43 @@ LOW_RATIO_PAIRS = OpTable(
     "low_ratio_pairs",
     "a DeepSeek-V4.1 ratio-2 kv source's pair pooling over its pair ring",
     (
-        Variant("triton", pair_pool_triton, (TRITON_PATHS,),
-                "every batch; a program per row and 128 channels, then the ring write"),
+        Variant(
+            "triton",
+            pair_pool_triton,
+            (TRITON_PATHS,),
+            "every batch; a program per row and 128 channels, then the ring write",
+        ),
         Variant("torch", pair_pool, (), "every batch", baseline=True),
     ),
-)  # fmt: skip
+)
 
 LOW_RATIO_ROWS = OpTable(
     "low_ratio_rows",
     "DeepSeek-V4.1's entry, index-key and index-query rows: norm, RoPE, fp4 (and the fp4 store)",
     (
-        Variant("triton", fp4_rows_triton, (TRITON_PATHS,),
-                "a power-of-two number of scale blocks a row; one program a row (a head)"),
+        Variant(
+            "triton",
+            fp4_rows_triton,
+            (TRITON_PATHS,),
+            "a power-of-two number of scale blocks a row; one program a row (a head)",
+        ),
         Variant("torch", fp4_rows_torch, (), "every shape and cache format", baseline=True),
     ),
-)  # fmt: skip
+)
 
 LOW_RATIO_SCORES = OpTable(
     "low_ratio_scores",
     "DeepSeek-V4.1's index scores of each row's visible entries (fp4 index keys)",
     (
-        Variant("triton", indexer_scores_triton, (TRITON_PATHS,),
-                "fp4 and dense index keys; one program per 64 entries of a row"),
+        Variant(
+            "triton",
+            indexer_scores_triton,
+            (TRITON_PATHS,),
+            "fp4 and dense index keys; one program per 64 entries of a row",
+        ),
         Variant("torch", indexer_scores_torch, (), "every cache format", baseline=True),
     ),
-)  # fmt: skip
+)
 
 
 def low_ratio_pairs(

@@ -196,11 +196,28 @@ def fp4_rows_triton(call: RowsCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     if rows.shape[0]:
         per = ROWS_PER_PROGRAM.get(x.device.type, 4)
         _fp4_rows_kernel[(triton.cdiv(rows.shape[0], per),)](
-            rows, weight, cos, sin, out, out if normed is None else normed, pages, slots,
-            eps, rows.shape[0], rows.stride(0), cos.stride(0),
-            D=d, ROPE=2 * cos.shape[-1], HEADS=heads, BLOCK=block, UE8M0=scale == "ue8m0",
-            NORM=norm is not None, STORE=pages is not out, PAGE_TOKENS=page_tokens, ROWS=per,
-        )  # fmt: skip
+            rows,
+            weight,
+            cos,
+            sin,
+            out,
+            out if normed is None else normed,
+            pages,
+            slots,
+            eps,
+            rows.shape[0],
+            rows.stride(0),
+            cos.stride(0),
+            D=d,
+            ROPE=2 * cos.shape[-1],
+            HEADS=heads,
+            BLOCK=block,
+            UE8M0=scale == "ue8m0",
+            NORM=norm is not None,
+            STORE=pages is not out,
+            PAGE_TOKENS=page_tokens,
+            ROWS=per,
+        )
     if store is not None and pages is out:
         store[0].store(out, store[1])
     return out.reshape(x.shape), None if normed is None else normed.reshape(x.shape)
@@ -313,11 +330,30 @@ def pair_pool_triton(call: PairCall) -> torch.Tensor:
     grid = (triton.cdiv(t, per), triton.cdiv(d, PAIR_BLOCK_D))
     common = dict(D=d, R=ring.shape[1], BLOCK_D=PAIR_BLOCK_D, ROWS=per)
     _pair_pool_kernel[grid](
-        kv, score, ring, req, pos, ok, out, t, kv.stride(0), score.stride(0), ring.stride(0),
+        kv,
+        score,
+        ring,
+        req,
+        pos,
+        ok,
+        out,
+        t,
+        kv.stride(0),
+        score.stride(0),
+        ring.stride(0),
         **common,
-    )  # fmt: skip
+    )
     _pair_ring_write_kernel[grid](
-        kv, score, ring, req, pos, ok, t, kv.stride(0), score.stride(0), ring.stride(0),
+        kv,
+        score,
+        ring,
+        req,
+        pos,
+        ok,
+        t,
+        kv.stride(0),
+        score.stride(0),
+        ring.stride(0),
         **common,
-    )  # fmt: skip
+    )
     return out

@@ -253,9 +253,10 @@ def _low_ratio_fields(
     if HAS_CANDIDATES:
         in_width = (cols < candidate_width)[None, :]
         tl.store(
-            candidates_ptr + t[:, None] * candidate_width + cols[None, :], none,
+            candidates_ptr + t[:, None] * candidate_width + cols[None, :],
+            none,
             mask=live[:, None] & in_width,
-        )  # fmt: skip
+        )
     if first_col == 0:
         writes = row_ok & (loc >= 0)
         if R == 1:
@@ -271,9 +272,21 @@ def _low_ratio_fields(
 
 @triton.jit
 def _expand_rows(
-    t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
-    rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND: tl.constexpr,
-):  # fmt: skip
+    t,
+    row_ok,
+    r,
+    req_ok,
+    seq_ptr,
+    host_ptr,
+    out_cache_loc_ptr,
+    num_rows,
+    batch_size,
+    rows_per_request,
+    pos_shift,
+    loc_stride,
+    loc_offset,
+    EXTEND: tl.constexpr,
+):
     """Rows ``t`` ``[BLOCK_T]``: request ``b``, rank ``i`` in it, its first new position
     ``p0``, its length, kept length and the row's write slot (all int64; see ``RowLayout``)."""
     if EXTEND:
@@ -331,15 +344,34 @@ def _first_bad_2d(bad, order, index, value, expected, rec):
 
 @triton.jit
 def _check_kernel(
-    seq_ptr, host_ptr, req_pool_ptr, out_cache_loc_ptr, req_to_token_ptr, full_to_swa_ptr,
+    seq_ptr,
+    host_ptr,
+    req_pool_ptr,
+    out_cache_loc_ptr,
+    req_to_token_ptr,
+    full_to_swa_ptr,
     record_ptr,  # [7, 4] int64 out: per check (failed, first bad index, its value, expected)
     failed_ptr,  # [B] int8 out: the request has a failing row (or a bad pool row)
-    num_rows, batch_size, pool_rows, context, stride_rt,
-    slot_limit, swa_limit,  # -1: no upper limit
-    rows_per_request, pos_shift, loc_stride, loc_offset, window, page_width,
-    EXTEND: tl.constexpr, HAS_SWA_MAP: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    num_rows,
+    batch_size,
+    pool_rows,
+    context,
+    stride_rt,
+    slot_limit,
+    swa_limit,  # -1: no upper limit
+    rows_per_request,
+    pos_shift,
+    loc_stride,
+    loc_offset,
+    window,
+    page_width,
+    EXTEND: tl.constexpr,
+    HAS_SWA_MAP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """The batch checks of ``planning/planner.py``'s ``checked_rows`` in one program: pool
     rows, positions, write slots in range, each write slot the one ``req_to_token`` holds for
     its row (pool row 0, slot 0 exempt: sglang's padding), each write's window slot in range;
@@ -363,9 +395,21 @@ def _check_kernel(
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         row_ok = t < num_rows
         b, i, p0, _, _, loc = _expand_rows(
-            t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
-            rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
-        )  # fmt: skip
+            t,
+            row_ok,
+            r,
+            req_ok,
+            seq_ptr,
+            host_ptr,
+            out_cache_loc_ptr,
+            num_rows,
+            batch_size,
+            rows_per_request,
+            pos_shift,
+            loc_stride,
+            loc_offset,
+            EXTEND,
+        )
         pos = p0 + i
         req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
         req = tl.where((req < 0) | (req >= pool_rows), 0, req)
@@ -536,9 +580,21 @@ def _plan_kernel(
         req_n = tl.where(req_ok, rows_per_request, 0).to(tl.int64)
         req_keep = req_p0 + 1  # decode / draft: the row itself; verify: drafts may be rejected
     b, i, p0, length, keep, loc = _expand_rows(
-        t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
-        rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
-    )  # fmt: skip
+        t,
+        row_ok,
+        r,
+        req_ok,
+        seq_ptr,
+        host_ptr,
+        out_cache_loc_ptr,
+        num_rows,
+        batch_size,
+        rows_per_request,
+        pos_shift,
+        loc_stride,
+        loc_offset,
+        EXTEND,
+    )
     req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
     # Deferred checks (planning/checks.py): a request with a failing row writes nothing and
     # reads pool row 0 only; its rows sit at position 1 and leave no plan record.
@@ -597,32 +653,106 @@ def _plan_kernel(
     per_request = (r, req_p0, req_n, req_keep, req_ok)
     if HAS_C4:
         _ratio_fields(
-            t, row_ok, planned, live, b, i, pos, p0, loc, *per_request, keep, first_col,
-            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
-            c4_out_loc_ptr, c4_raw_ptr, c4_sparse_ptr, c4_indices_ptr,
-            index_topk, c4_compress_ptr, c4_write_ptr,
-            R=4, SPAN=SPAN4, PAGE=PAGE, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            t,
+            row_ok,
+            planned,
+            live,
+            b,
+            i,
+            pos,
+            p0,
+            loc,
+            *per_request,
+            keep,
+            first_col,
+            req_to_token_ptr,
+            stride_rt,
+            req,
+            page_width,
+            index_topk,
+            c128_width,
+            c4_out_loc_ptr,
+            c4_raw_ptr,
+            c4_sparse_ptr,
+            c4_indices_ptr,
+            index_topk,
+            c4_compress_ptr,
+            c4_write_ptr,
+            R=4,
+            SPAN=SPAN4,
+            PAGE=PAGE,
+            BLOCK_C=BLOCK_C,
+        )
     if HAS_C128:
         _ratio_fields(
-            t, row_ok, planned, live, b, i, pos, p0, loc, *per_request, keep, first_col,
-            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
-            c128_out_loc_ptr, c128_raw_ptr, c128_sparse_ptr, c128_indices_ptr,
-            c128_width, c128_compress_ptr, c128_write_ptr,
-            R=128, SPAN=SPAN128, PAGE=PAGE, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            t,
+            row_ok,
+            planned,
+            live,
+            b,
+            i,
+            pos,
+            p0,
+            loc,
+            *per_request,
+            keep,
+            first_col,
+            req_to_token_ptr,
+            stride_rt,
+            req,
+            page_width,
+            index_topk,
+            c128_width,
+            c128_out_loc_ptr,
+            c128_raw_ptr,
+            c128_sparse_ptr,
+            c128_indices_ptr,
+            c128_width,
+            c128_compress_ptr,
+            c128_write_ptr,
+            R=128,
+            SPAN=SPAN128,
+            PAGE=PAGE,
+            BLOCK_C=BLOCK_C,
+        )
     if HAS_C1:
         _low_ratio_fields(
-            t, row_ok, live, pos, loc, first_col, index_topk, candidate_width,
-            c1_out_loc_ptr, c1_raw_ptr, c1_sparse_ptr, c1_indices_ptr, c1_candidates_ptr,
-            R=1, HAS_CANDIDATES=CANDIDATE_RATIO == 1, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            t,
+            row_ok,
+            live,
+            pos,
+            loc,
+            first_col,
+            index_topk,
+            candidate_width,
+            c1_out_loc_ptr,
+            c1_raw_ptr,
+            c1_sparse_ptr,
+            c1_indices_ptr,
+            c1_candidates_ptr,
+            R=1,
+            HAS_CANDIDATES=CANDIDATE_RATIO == 1,
+            BLOCK_C=BLOCK_C,
+        )
     if HAS_C2:
         _low_ratio_fields(
-            t, row_ok, live, pos, loc, first_col, index_topk, candidate_width,
-            c2_out_loc_ptr, c2_raw_ptr, c2_sparse_ptr, c2_indices_ptr, c2_candidates_ptr,
-            R=2, HAS_CANDIDATES=CANDIDATE_RATIO == 2, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            t,
+            row_ok,
+            live,
+            pos,
+            loc,
+            first_col,
+            index_topk,
+            candidate_width,
+            c2_out_loc_ptr,
+            c2_raw_ptr,
+            c2_sparse_ptr,
+            c2_indices_ptr,
+            c2_candidates_ptr,
+            R=2,
+            HAS_CANDIDATES=CANDIDATE_RATIO == 2,
+            BLOCK_C=BLOCK_C,
+        )
 
 
 @dataclass(frozen=True)
@@ -676,20 +806,34 @@ def check_rows(
     tiles = planner_tiles(device)
     host = record if layout.host is None else layout.host
     _check_kernel[(1,)](
-        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
+        seq_lens,
+        host,
+        req_pool_indices,
+        out_cache_loc,
+        req_to_token,
         record if full_to_swa is None else full_to_swa,
-        record, failed,
-        num_rows, bs, req_to_token.shape[0], req_to_token.shape[1], req_to_token.stride(0),
-        -1 if slot_limit is None else slot_limit, -1 if swa_limit is None else swa_limit,
-        layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset,
-        window, page_width,
+        record,
+        failed,
+        num_rows,
+        bs,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        -1 if slot_limit is None else slot_limit,
+        -1 if swa_limit is None else swa_limit,
+        layout.rows_per_request,
+        layout.pos_shift,
+        layout.loc_stride,
+        layout.loc_offset,
+        window,
+        page_width,
         EXTEND=layout.host is not None,
         HAS_SWA_MAP=full_to_swa is not None,
         PAGE=page_size,
         BLOCK_T=row_block(tiles, tiles.check_rows, block_b),
         BLOCK_B=block_b,
         BLOCK_E=check_block_e(tiles, window, block_b),
-    )  # fmt: skip
+    )
     return record, failed
 
 
@@ -758,16 +902,38 @@ def plan_fields(
 
     host = out.swa_out_loc if layout.host is None else layout.host
     _plan_kernel[grid](
-        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
+        seq_lens,
+        host,
+        req_pool_indices,
+        out_cache_loc,
+        req_to_token,
         out.swa_out_loc if full_to_swa is None else full_to_swa,
         failed,
-        out.row_batch_ids, out.positions_causal, out.swa_out_loc, out.swa_topk_lengths,
-        out.page_table, out.swa_page_indices,
-        *part_args(out.c4, 6), *part_args(out.c128, 6), *part_args(out.c1, 5),
+        out.row_batch_ids,
+        out.positions_causal,
+        out.swa_out_loc,
+        out.swa_topk_lengths,
+        out.page_table,
+        out.swa_page_indices,
+        *part_args(out.c4, 6),
+        *part_args(out.c128, 6),
+        *part_args(out.c1, 5),
         *part_args(out.c2, 5),
-        num_rows, padded_rows, bs, req_to_token.shape[1], req_to_token.stride(0),
-        page_width, swa_width, index_topk, c128_width, candidate_width,
-        layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
+        num_rows,
+        padded_rows,
+        bs,
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_width,
+        swa_width,
+        index_topk,
+        c128_width,
+        candidate_width,
+        layout.rows_per_request,
+        layout.pos_shift,
+        layout.loc_stride,
+        layout.loc_offset,
+        window,
         EXTEND=layout.host is not None,
         HAS_FLOORS=layout.floors,
         HAS_SWA_MAP=full_to_swa is not None,
@@ -782,4 +948,4 @@ def plan_fields(
         BLOCK_T=block_t,
         BLOCK_B=block_b,
         BLOCK_C=block_c,
-    )  # fmt: skip
+    )

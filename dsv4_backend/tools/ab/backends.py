@@ -148,10 +148,12 @@ class DSV4Backend(Backend):
         self.v41 = trace.build_v41(device, fmt=self.cache_format)
         pool = self.v41.pool
         self.buffers = GraphMetadataBuffers(
-            trace.config, max_batch_size=pool.num_requests, max_rows=graph_rows(trace.max_rows),
+            trace.config,
+            max_batch_size=pool.num_requests,
+            max_rows=graph_rows(trace.max_rows),
             widths=PlanWidths.for_max_len(pool.max_context, trace.config.page_size),
             device=device,
-        )  # fmt: skip
+        )
         scratch = Trace(trace.config, (8,), (), trace.seed).build_v41(device, self.cache_format)
         with self._paths():
             scratch.forward(
@@ -203,17 +205,23 @@ class DSV4Backend(Backend):
         timings: dict[str, float] = {}
         with self._paths():
             layer_rows, outputs = served.forward(
-                trace.batch(step, served.pool), rows, planner=self._planner(step),
-                tail_planner=self.planner, bounded_replay=trace.bounded_replay,
+                trace.batch(step, served.pool),
+                rows,
+                planner=self._planner(step),
+                tail_planner=self.planner,
+                bounded_replay=trace.bounded_replay,
                 timings=timings,
-            )  # fmt: skip
+            )
         # Rows past a layer's own are graph padding.
         kept = [out[: len(r)].float().cpu() for out, r in zip(outputs, layer_rows, strict=True)]
         return StepOutput(
-            rows=rows, layers=step.layers(trace.config), outputs=kept,
-            plan_s=timings.get("plan", 0.0), kernel_s=timings.get("kernels", 0.0),
+            rows=rows,
+            layers=step.layers(trace.config),
+            outputs=kept,
+            plan_s=timings.get("plan", 0.0),
+            kernel_s=timings.get("kernels", 0.0),
             layer_rows=layer_rows,
-        )  # fmt: skip
+        )
 
     def _run_dspark(self, step: Step) -> StepOutput:
         """A DSpark draft block: the committed keys injected, then the block's stages."""
@@ -222,13 +230,20 @@ class DSV4Backend(Backend):
         timings: dict[str, float] = {}
         with self._paths():
             result = draft.block(
-                step.requests, step.lens, seed=trace.block_seed(step), graph=step.path == "graph",
-                dp_pad=trace.dp_pad, timings=timings,
-            )  # fmt: skip
+                step.requests,
+                step.lens,
+                seed=trace.block_seed(step),
+                graph=step.path == "graph",
+                dp_pad=trace.dp_pad,
+                timings=timings,
+            )
         return StepOutput(
-            rows=result.rows, layers=step.layers(trace.config), outputs=result.outputs,
-            plan_s=timings.get("plan", 0.0), kernel_s=timings.get("kernels", 0.0),
-        )  # fmt: skip
+            rows=result.rows,
+            layers=step.layers(trace.config),
+            outputs=result.outputs,
+            plan_s=timings.get("plan", 0.0),
+            kernel_s=timings.get("kernels", 0.0),
+        )
 
 
 class ReferenceBackend(Backend):
@@ -302,9 +317,13 @@ class ReferenceBackend(Backend):
             for layer, of in enumerate(layer_rows)
         ]
         return StepOutput(
-            rows=rows, layers=step.layers(config), outputs=outputs, plan_s=0.0, kernel_s=0.0,
+            rows=rows,
+            layers=step.layers(config),
+            outputs=outputs,
+            plan_s=0.0,
+            kernel_s=0.0,
             layer_rows=layer_rows,
-        )  # fmt: skip
+        )
 
     def _run_dspark(self, step: Step) -> StepOutput:
         """``reference_dspark_block`` over each request's committed keys and block."""
@@ -312,10 +331,12 @@ class ReferenceBackend(Backend):
         start = time.perf_counter()
         stages = self.draft.block_inputs(step.requests, step.lens, seed=trace.block_seed(step))
         return StepOutput(
-            rows=step.rows(), layers=step.layers(trace.config),
-            outputs=[inputs.expected for inputs in stages], plan_s=0.0,
+            rows=step.rows(),
+            layers=step.layers(trace.config),
+            outputs=[inputs.expected for inputs in stages],
+            plan_s=0.0,
             kernel_s=time.perf_counter() - start,
-        )  # fmt: skip
+        )
 
 
 def _truncate(inputs: LayerInputs, length: int) -> LayerInputs:
