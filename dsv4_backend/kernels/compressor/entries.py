@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.compressor.common import POOL_TILE, CompressCall, entry_cos_sin
@@ -19,7 +18,7 @@ from dsv4_backend.kernels.compressor.device import (
     span_sources,
     zero_gaps,
 )
-from dsv4_backend.ops.rope import CosSin, RopeTable
+from dsv4_backend.ops.rope import RopeTable
 
 #: Columns per ring-write program.
 WRITE_BLOCK = 256
@@ -191,30 +190,21 @@ def _ring_write_kernel(
 
 
 # ------------------------------------------------------------------------------- launchers
-def entries_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-) -> torch.Tensor:
+def entries_triton(call: CompressCall) -> torch.Tensor:
     """Launch ``_compress_entry_kernel``: ``[T, D]`` fp32 finished entries aligned to rows.
 
     A ``RopeTable`` is read in place (row = entry position); any other ``CosSin`` is first
     evaluated at the entry position of each row (``positions`` ``[T]``; torch ops, tests only).
     """
+    state, kv_proj, score_proj, ape, req_pool_indices, window_slots = call.sources
+    compress_plan, norm_weight = call.compress_plan.contiguous(), call.norm_weight.contiguous()
+    rope = call.rope
     d, ratio, ring = state.head_dim, state.ratio, state.ring
     rows = kv_proj.shape[0]
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
     if rows == 0:
         return out
-    cos, sin = entry_cos_sin(rope, positions, ratio)
+    cos, sin = entry_cos_sin(rope, call.positions, ratio)
     span = compress_span(ratio)
     block_p = triton.next_power_of_2(max(d // 2, 1))
     block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
@@ -233,7 +223,7 @@ def entries_triton(
         rows,
         d,
         ring.shape[1],
-        norm_eps,
+        call.norm_eps,
         kv_proj.stride(0),
         score_proj.stride(0),
         ape.stride(0),
@@ -255,16 +245,10 @@ def entries_triton(
     return out
 
 
-def write_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    write_plan: torch.Tensor,
-) -> None:
+def write_triton(call: CompressCall) -> None:
     """Launch ``_ring_write_kernel`` for every write-plan record."""
+    state, kv_proj, score_proj, ape, req_pool_indices, window_slots = call.sources
+    write_plan = call.write_plan.contiguous()
     ring, cd = state.ring, kv_proj.shape[1]
     grid = (write_plan.shape[0], triton.cdiv(cd, WRITE_BLOCK))
     _ring_write_kernel[grid](
@@ -293,16 +277,8 @@ def write_triton(
 def compress_entries(call: CompressCall) -> torch.Tensor:
     """``table.compress_forward`` (inputs checked, channels of unit stride) in three launches:
     the entries, the ring writes, the cache store (``max_rows_per_request`` is not used)."""
-    args = call.sources
-    entries = entries_triton(
-        *args,
-        call.compress_plan.contiguous(),
-        call.norm_weight.contiguous(),
-        call.rope,
-        call.norm_eps,
-        call.positions,
-    )
-    write_triton(*args, call.write_plan.contiguous())
+    entries = entries_triton(call)
+    write_triton(call)
     if call.store is not None:
         store_rows(call.store[0], entries, call.store[1])
     return entries

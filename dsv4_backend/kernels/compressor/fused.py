@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.compressor.common import (
@@ -39,7 +37,7 @@ from dsv4_backend.kernels.compressor.device import (
     zero_gaps,
 )
 from dsv4_backend.kernels.device.cache_rows import row_store_constexprs, store_row
-from dsv4_backend.ops.rope import CosSin, RopeTable
+from dsv4_backend.ops.rope import RopeTable
 
 #: On a GPU the one-launch kernel pools an entry of at least ``SPLIT_SPAN`` tokens (ratio
 #: 128) in programs of ``SPLIT_CHANNELS`` channels each, so its span's loads spread over SMs.
@@ -999,31 +997,24 @@ def fused_warps(block_d: int) -> int:
     return 8 if block_d >= 512 else 4
 
 
-def fused_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-    store: tuple[SlotCache, torch.Tensor] | None,
-    defer_writes: bool,
-) -> torch.Tensor:
-    """Launch ``_compress_fused_kernel`` (``[T, D]`` fp32 entries aligned to rows), which also
-    stores them in ``store = (cache, out_loc)`` and writes the ring; ``defer_writes``: unless
-    ``ring_write_is_safe``."""
+def compress_fused(call: CompressCall) -> torch.Tensor:
+    """``table.compress_forward`` (inputs checked, channels of unit stride) in one launch of
+    ``_compress_fused_kernel`` (``[T, D]`` fp32 entries aligned to rows), which also stores
+    them in ``call.store = (cache, out_loc)`` and writes the ring; it defers the writes that
+    wait for a ring read unless ``ring_write_is_safe``."""
+    state, kv_proj, score_proj, ape, req_pool_indices, window_slots = call.sources
+    compress_plan, write_plan = call.compress_plan.contiguous(), call.write_plan.contiguous()
+    norm_weight, rope = call.norm_weight.contiguous(), call.rope
+    store = call.store
+    if store is not None:
+        check_store(state, kv_proj.shape[0], *store)
+        store = (store[0], store[1].contiguous())
     d, ratio, ring = state.head_dim, state.ratio, state.ring
     rows = kv_proj.shape[0]
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
     if rows == 0:
         return out
-    cos, sin = entry_cos_sin(rope, positions, ratio)
+    cos, sin = entry_cos_sin(rope, call.positions, ratio)
     span = compress_span(ratio)
     block_d = triton.next_power_of_2(max(d, 2))
     cache, out_loc = store if store is not None else (None, out)  # out: an unread pointer
@@ -1052,7 +1043,7 @@ def fused_triton(
         d,
         kv_proj.shape[1],
         ring.shape[1],
-        norm_eps,
+        call.norm_eps,
         rows.bit_length(),
         kv_proj.stride(0),
         score_proj.stride(0),
@@ -1072,27 +1063,8 @@ def fused_triton(
         ROPE_BY_ROW=not isinstance(rope, RopeTable),
         BLOCK_D=block_d,
         **tiles,
-        DEFER_WRITES=defer_writes,
+        DEFER_WRITES=not ring_write_is_safe(state, call.max_rows_per_request),
         **row_store_constexprs(cache),
         num_warps=fused_warps(block_d),
     )
     return out
-
-
-def compress_fused(call: CompressCall) -> torch.Tensor:
-    """``table.compress_forward`` (inputs checked, channels of unit stride) in one launch."""
-    store = call.store
-    if store is not None:
-        check_store(call.state, call.kv_proj.shape[0], *store)
-        store = (store[0], store[1].contiguous())
-    return fused_triton(
-        *call.sources,
-        call.compress_plan.contiguous(),
-        call.write_plan.contiguous(),
-        call.norm_weight.contiguous(),
-        call.rope,
-        call.norm_eps,
-        call.positions,
-        store,
-        not ring_write_is_safe(call.state, call.max_rows_per_request),
-    )
