@@ -45,18 +45,10 @@ PARAMETERS = ("sink", "norm_weight", "wk", "k_norm_weight")
 
 def tiny_v41(**overrides: Any) -> DSV4AttentionConfig:
     """A small DeepSeek-V4.1 configuration of every layer role (``TINY_V41_RATIOS``)."""
-    values: dict[str, Any] = dict(
-        compress_ratios=TINY_V41_RATIOS,
-        num_heads=4,
-        head_dim=128,
-        rope_dim=64,
-        index_topk=16,
-        index_n_heads=2,
-        index_head_dim=64,
-        v41=TINY_V41_SOURCES,
+    v41: dict[str, Any] = dict(
+        compress_ratios=TINY_V41_RATIOS, num_heads=4, index_n_heads=2, v41=TINY_V41_SOURCES
     )
-    values.update(overrides)
-    return DSV4AttentionConfig(**values)
+    return DSV4AttentionConfig.tiny(**(v41 | overrides))
 
 
 def v41_inputs(config: DSV4AttentionConfig, length: int, seed: int) -> list[V41LayerInputs]:

@@ -182,62 +182,29 @@ def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dic
 
 def fused_configurations() -> list[Configuration]:
     """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128; DeepSeek-V4.1's fp4 keys,
-    32 heads), its slot selection
-    (top-k 512), the length-bounded indexer, the compressors (c4 and c128, D = 512) and the
-    fused planner."""
-    scores = _source(
-        indexer_triton._indexer_scores_kernel,
-        dict(
-            q_ptr="*bf16",
-            w_ptr="*fp32",
-            key_ptr="*u8",
-            page_table_ptr="*i32",
-            num_ptr="*i32",
-            out_ptr="*fp32",
-        ),
-        dict(
-            HI=64,
-            DIM=128,
-            PAGE_TOKENS=64,
-            E=64,
-            BLOCK_H=64,
-            BLOCK_D=128,
-            BLOCK_N=INDEXER_BLOCK_N,
-            KEYS=1,
-            DOT_BF16=True,
-        ),
-    )
-    # DeepSeek-V4.1's index scores: fp4 pages, 32 heads x 128, c1 (256 entries a page)
-    scores_fp4 = _source(
-        indexer_triton._indexer_scores_kernel,
-        dict(
-            q_ptr="*fp32",
-            w_ptr="*fp32",
-            key_ptr="*u8",
-            page_table_ptr="*i32",
-            num_ptr="*i32",
-            out_ptr="*fp32",
-        ),
-        dict(
-            HI=32,
-            DIM=128,
-            PAGE_TOKENS=64,
-            E=256,
-            BLOCK_H=32,
-            BLOCK_D=128,
-            BLOCK_N=INDEXER_BLOCK_N,
-            KEYS=2,
-            DOT_BF16=True,
-        ),
-    )
+    32 heads), its slot selection (top-k 512), the length-bounded indexer, the compressors (c4
+    and c128, D = 512) and the fused planner."""
+
+    def scores(queries: str, heads: int, per_page: int, keys: int) -> tuple[ASTSource, dict]:
+        """The scores kernel for ``heads`` x 128 ``queries`` over ``keys`` (1: fp8, 2: fp4)
+        index keys of ``per_page`` entries a page."""
+        kinds = dict(q_ptr=queries, w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32")
+        constexprs = dict(HI=heads, DIM=128, PAGE_TOKENS=64, E=per_page, BLOCK_H=heads)
+        return _source(
+            indexer_triton._indexer_scores_kernel,
+            dict(kinds, num_ptr="*i32", out_ptr="*fp32"),
+            dict(constexprs, BLOCK_D=128, BLOCK_N=INDEXER_BLOCK_N, KEYS=keys, DOT_BF16=True),
+        )
+
     slots = _source(
         indexer_slots._selected_slots_kernel,
         dict(picked_ptr="*i64", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
     out = [
-        ("indexer-scores-fp8", *scores),
-        ("indexer-scores-fp4-c1", *scores_fp4),
+        ("indexer-scores-fp8", *scores("*bf16", 64, 64, 1)),
+        # DeepSeek-V4.1's index scores: fp4 pages, 32 heads x 128, c1 (256 entries a page)
+        ("indexer-scores-fp4-c1", *scores("*fp32", 32, 256, 2)),
         ("indexer-slots-k512", *slots),
     ]
     return out + _bounded_indexer() + _compressors() + _low_ratio_rows() + _planner()
