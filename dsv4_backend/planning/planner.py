@@ -30,7 +30,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypedDict, cast
 
 import torch
 
@@ -252,6 +252,27 @@ def fuses(batch: BatchView) -> bool:
     )
 
 
+class _KernelInputs(TypedDict):
+    """The batch tensors the fused planner's two kernels read (``check_rows``,
+    ``plan_fields``)."""
+
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_to_token: torch.Tensor
+    full_to_swa: torch.Tensor | None
+
+
+def _kernel_inputs(batch: BatchView) -> _KernelInputs:
+    return _KernelInputs(
+        seq_lens=batch.seq_lens,
+        req_pool_indices=batch.req_pool_indices,
+        out_cache_loc=batch.out_cache_loc,
+        req_to_token=batch.req_to_token,
+        full_to_swa=batch.full_to_swa,
+    )
+
+
 def fused_checks(
     config: DSV4AttentionConfig, batch: BatchView, layout: RowLayout, page_width: int
 ) -> tuple[torch.Tensor, PendingChecks | None]:
@@ -259,11 +280,7 @@ def fused_checks(
     ``BatchError``) or pending (``planning/checks.py``); returns the ``[B]`` int8 mask of the
     requests that failed, for ``plan_fields``."""
     record, failed = check_rows(
-        seq_lens=batch.seq_lens,
-        req_pool_indices=batch.req_pool_indices,
-        out_cache_loc=batch.out_cache_loc,
-        req_to_token=batch.req_to_token,
-        full_to_swa=batch.full_to_swa,
+        **_kernel_inputs(batch),
         layout=layout,
         num_rows=batch.num_rows,
         slot_limit=_slot_limit(batch),
@@ -371,11 +388,7 @@ def plan_into(
         written = low_present if in_kernel else frozenset()
         out = empty_metadata(batch, batch.num_rows, columns, present, written)
     plan_fields(
-        seq_lens=batch.seq_lens,
-        req_pool_indices=batch.req_pool_indices,
-        out_cache_loc=batch.out_cache_loc,
-        req_to_token=batch.req_to_token,
-        full_to_swa=batch.full_to_swa,
+        **_kernel_inputs(batch),
         failed=failed,
         layout=layout,
         num_rows=batch.num_rows,

@@ -58,6 +58,11 @@ def _verdict(*options: str) -> tuple[str, ...]:
     return ("{python}", "-m", "dsv4_backend.tools.gpu_verdict", "--json", "{figures}", *options)
 
 
+def _gpu_tests(*files: str) -> tuple[str, ...]:
+    """The command running the ``gpu``-marked tests of ``files``."""
+    return ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files)
+
+
 UNVERIFIED = {"DSV4_UNVERIFIED_KERNELS": "1"}
 _AB_CONFIG = json.dumps(
     {
@@ -145,17 +150,7 @@ STEPS: tuple[Step, ...] = (
     Step(
         "opt-in-attention",
         45,
-        (
-            "{python}",
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "gpu",
-            "tests/kernels/test_attention_kernels_cuda.py",
-        ),
+        _gpu_tests("tests/kernels/test_attention_kernels_cuda.py"),
         False,
         "the pipelined, ws, flashmla and flashmla_prefill attention kernels against the torch "
         "path on fp8 bytes",
@@ -163,18 +158,7 @@ STEPS: tuple[Step, ...] = (
     Step(
         "v41-kernels",
         10,
-        (
-            "{python}",
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-m",
-            "gpu",
-            "tests/kernels/test_low_ratio.py",
-            "tests/planning/test_graph_buffers.py",
-        ),
+        _gpu_tests("tests/kernels/test_low_ratio.py", "tests/planning/test_graph_buffers.py"),
         False,
         "DeepSeek-V4.1's rows, pair pooling and index scores kernels (fp4 pages) against the "
         "torch twins, and its plan fields and tail floors in the fused planner's launch",

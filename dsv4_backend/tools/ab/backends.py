@@ -31,6 +31,7 @@ function with ``plan``'s signature.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from collections.abc import Callable
@@ -68,7 +69,30 @@ def graph_rows(num_rows: int) -> int:
     return 1 << max(num_rows - 1, 0).bit_length()
 
 
-class DSV4Backend(Backend):
+class _ModelBackend(Backend):
+    """A backend over a trace's model: a DSpark step, a DeepSeek-V4.1 trace's step (``v41``
+    set by ``prepare``) or a DeepSeek-V4 step, each its own method."""
+
+    v41: object | None
+
+    def run(self, step: Step) -> StepOutput:
+        if step.mode == "dspark":
+            return self._run_dspark(step)
+        if self.v41 is not None:
+            return self._run_v41(step)
+        return self._run_v4(step)
+
+    @abc.abstractmethod
+    def _run_v4(self, step: Step) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def _run_v41(self, step: Step) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def _run_dspark(self, step: Step) -> StepOutput: ...
+
+
+class DSV4Backend(_ModelBackend):
     """This package's planner and kernels over a ``RandomModel`` (module docstring).
 
     Parameters
@@ -172,11 +196,7 @@ class DSV4Backend(Backend):
 
         return graph_plan
 
-    def run(self, step: Step) -> StepOutput:
-        if step.mode == "dspark":
-            return self._run_dspark(step)
-        if self.v41 is not None:
-            return self._run_v41(step)
+    def _run_v4(self, step: Step) -> StepOutput:
         model = self.model
         batch = self.trace.batch(step, model.pool)
         timings: dict[str, float] = {}
@@ -246,7 +266,7 @@ class DSV4Backend(Backend):
         )
 
 
-class ReferenceBackend(Backend):
+class ReferenceBackend(_ModelBackend):
     """The plain torch reference (module docstring); planning time is 0."""
 
     def __init__(self, name: str = "reference") -> None:
@@ -276,11 +296,7 @@ class ReferenceBackend(Backend):
         self.model = trace.build_model("cpu")
         self.draft = trace.build_draft(self.model.pool) if trace.spec == "dspark" else None
 
-    def run(self, step: Step) -> StepOutput:
-        if step.mode == "dspark":
-            return self._run_dspark(step)
-        if self.v41 is not None:
-            return self._run_v41(step)
+    def _run_v4(self, step: Step) -> StepOutput:
         model = self.model
         config = model.config
         rows = step.rows()
