@@ -15,6 +15,7 @@ by name.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -180,31 +181,35 @@ def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dic
     return ASTSource(fn, signature, constexprs, _pointer_aligned(signature)), dict(num_warps=4)
 
 
+def _indexer_source(
+    kernel, queries: str, key: str, heads: int, per_page: int, **constexprs: Any
+) -> tuple[ASTSource, dict]:
+    """An indexer scores kernel over ``heads`` x 128 ``queries`` and ``key`` index keys of
+    ``per_page`` entries a page, with the kernel's own ``constexprs``."""
+    kinds = dict(q_ptr=queries, w_ptr="*fp32", key_ptr=key, page_table_ptr="*i32")
+    shape = dict(HI=heads, DIM=128, PAGE_TOKENS=64, E=per_page, BLOCK_H=heads, BLOCK_D=128)
+    return _source(
+        kernel,
+        dict(kinds, num_ptr="*i32", out_ptr="*fp32"),
+        dict(shape, BLOCK_N=INDEXER_BLOCK_N, **constexprs),
+    )
+
+
 def fused_configurations() -> list[Configuration]:
     """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128; DeepSeek-V4.1's fp4 keys,
     32 heads), its slot selection (top-k 512), the length-bounded indexer, the compressors (c4
     and c128, D = 512) and the fused planner."""
-
-    def scores(queries: str, heads: int, per_page: int, keys: int) -> tuple[ASTSource, dict]:
-        """The scores kernel for ``heads`` x 128 ``queries`` over ``keys`` (1: fp8, 2: fp4)
-        index keys of ``per_page`` entries a page."""
-        kinds = dict(q_ptr=queries, w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32")
-        constexprs = dict(HI=heads, DIM=128, PAGE_TOKENS=64, E=per_page, BLOCK_H=heads)
-        return _source(
-            indexer_triton._indexer_scores_kernel,
-            dict(kinds, num_ptr="*i32", out_ptr="*fp32"),
-            dict(constexprs, BLOCK_D=128, BLOCK_N=INDEXER_BLOCK_N, KEYS=keys, DOT_BF16=True),
-        )
-
+    scores = indexer_triton._indexer_scores_kernel
+    fp8, fp4 = dict(KEYS=1, DOT_BF16=True), dict(KEYS=2, DOT_BF16=True)
     slots = _source(
         indexer_slots._selected_slots_kernel,
         dict(picked_ptr="*i64", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
     out = [
-        ("indexer-scores-fp8", *scores("*bf16", 64, 64, 1)),
+        ("indexer-scores-fp8", *_indexer_source(scores, "*bf16", "*u8", 64, 64, **fp8)),
         # DeepSeek-V4.1's index scores: fp4 pages, 32 heads x 128, c1 (256 entries a page)
-        ("indexer-scores-fp4-c1", *scores("*fp32", 32, 256, 2)),
+        ("indexer-scores-fp4-c1", *_indexer_source(scores, "*fp32", "*u8", 32, 256, **fp4)),
         ("indexer-slots-k512", *slots),
     ]
     return out + _bounded_indexer() + _compressors() + _low_ratio_rows() + _planner()
@@ -286,28 +291,8 @@ def _bounded_indexer() -> list[Configuration]:
     chunks' and the merge's kernels, top-k 512)."""
     out = []
     for fmt, key in (("fp8", "*u8"), ("dense", "*bf16")):
-        rows = _source(
-            indexer_bounded._row_scores_kernel,
-            dict(
-                q_ptr="*bf16",
-                w_ptr="*fp32",
-                key_ptr=key,
-                page_table_ptr="*i32",
-                num_ptr="*i32",
-                out_ptr="*fp32",
-            ),
-            dict(
-                HI=64,
-                DIM=128,
-                PAGE_TOKENS=64,
-                E=64,
-                BLOCK_H=64,
-                BLOCK_D=128,
-                BLOCK_N=INDEXER_BLOCK_N,
-                FP8=fmt == "fp8",
-                GPU=True,
-            ),
-        )
+        kernel = indexer_bounded._row_scores_kernel
+        rows = _indexer_source(kernel, "*bf16", key, 64, 64, FP8=fmt == "fp8", GPU=True)
         out.append((f"indexer-rows-{fmt}", *rows))
     chunks = _source(
         indexer_bounded._topk_chunks_kernel,
