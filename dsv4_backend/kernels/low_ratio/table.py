@@ -118,18 +118,25 @@ def low_ratio_rows(
     return resolve(LOW_RATIO_ROWS, x.device).variant.entry(call)
 
 
-def low_ratio_scores(
+def low_ratio_scores(call: IndexCall) -> torch.Tensor:
+    """``[T, N]`` float32 scores of the lightning indexer's ``call`` over a kv source's fp4
+    index keys (``q_idx`` ``[T, HI, DI]`` fp4 queries, ``N = max_candidates`` columns, the
+    ratio's ``entries_per_page``, :func:`low_ratio_call`); the variant
+    :data:`LOW_RATIO_SCORES` chooses."""
+    return resolve(LOW_RATIO_SCORES, call.q_idx.device).variant.entry(call)
+
+
+def low_ratio_call(
     q: torch.Tensor,
     weights: torch.Tensor,
     keys: Fp4IndexKeyCache,
     page_table: torch.Tensor,
     visible: torch.Tensor,
     ratio: int,
-    width: int,
-) -> torch.Tensor:
-    """``[T, width]`` float32 scores: ``q`` ``[T, HI, DI]`` (fp4 queries), ``weights`` ``[T,
-    HI]``, the kv source's ``keys``, ``page_table`` ``[T, Pw]``, ``visible`` ``[T]`` int, of
-    ``ratio``'s entries (``width`` columns); the variant :data:`LOW_RATIO_SCORES` chooses,
-    given the lightning indexer's call with the ratio's entries a page."""
-    call = IndexCall(q, weights, keys, page_table, visible.int(), width, entries_per_page(ratio))
-    return resolve(LOW_RATIO_SCORES, q.device).variant.entry(call)
+) -> IndexCall:
+    """The index scores' call: ``q`` ``[T, HI, DI]`` (fp4 queries), ``weights`` ``[T, HI]``,
+    the kv source's ``keys``, ``page_table`` ``[T, Pw]``, ``visible`` ``[T]`` int entries
+    of each row, of ``ratio``'s entries: every entry the page table addresses a column."""
+    per_page = entries_per_page(ratio)
+    width = max(1, page_table.shape[1] * per_page)
+    return IndexCall(q, weights, keys, page_table, visible.int(), width, per_page)
