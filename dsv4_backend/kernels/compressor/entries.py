@@ -196,12 +196,11 @@ def entries_triton(call: CompressCall) -> torch.Tensor:
     A ``RopeTable`` is read in place (row = entry position); any other ``CosSin`` is first
     evaluated at the entry position of each row (``positions`` ``[T]``; torch ops, tests only).
     """
-    state, kv_proj, score_proj, ape, req_pool_indices, window_slots = call.sources
     compress_plan, norm_weight = call.compress_plan.contiguous(), call.norm_weight.contiguous()
-    rope = call.rope
+    state, rope = call.state, call.rope
     d, ratio, ring = state.head_dim, state.ratio, state.ring
-    rows = kv_proj.shape[0]
-    out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
+    rows = call.kv_proj.shape[0]
+    out = torch.empty(rows, d, dtype=torch.float32, device=call.kv_proj.device)
     if rows == 0:
         return out
     cos, sin = entry_cos_sin(rope, call.positions, ratio)
@@ -209,12 +208,7 @@ def entries_triton(call: CompressCall) -> torch.Tensor:
     block_p = triton.next_power_of_2(max(d // 2, 1))
     block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
     _compress_entry_kernel[(rows,)](
-        kv_proj,
-        score_proj,
-        ape,
-        ring,
-        req_pool_indices,
-        window_slots,
+        *call.sources,
         compress_plan,
         norm_weight,
         cos,
@@ -224,12 +218,7 @@ def entries_triton(call: CompressCall) -> torch.Tensor:
         d,
         ring.shape[1],
         call.norm_eps,
-        kv_proj.stride(0),
-        score_proj.stride(0),
-        ape.stride(0),
-        ring.stride(0),
-        ring.stride(1),
-        window_slots.stride(0),
+        *call.source_strides,
         compress_plan.stride(0),
         out.stride(0),
         cos.stride(0),
@@ -247,26 +236,15 @@ def entries_triton(call: CompressCall) -> torch.Tensor:
 
 def write_triton(call: CompressCall) -> None:
     """Launch ``_ring_write_kernel`` for every write-plan record."""
-    state, kv_proj, score_proj, ape, req_pool_indices, window_slots = call.sources
-    write_plan = call.write_plan.contiguous()
-    ring, cd = state.ring, kv_proj.shape[1]
+    state, write_plan = call.state, call.write_plan.contiguous()
+    cd = call.kv_proj.shape[1]
     grid = (write_plan.shape[0], triton.cdiv(cd, WRITE_BLOCK))
     _ring_write_kernel[grid](
-        kv_proj,
-        score_proj,
-        ape,
-        ring,
-        req_pool_indices,
-        window_slots,
+        *call.sources,
         write_plan,
         cd,
-        ring.shape[1],
-        kv_proj.stride(0),
-        score_proj.stride(0),
-        ape.stride(0),
-        ring.stride(0),
-        ring.stride(1),
-        window_slots.stride(0),
+        state.ring.shape[1],
+        *call.source_strides,
         write_plan.stride(0),
         RATIO=state.ratio,
         WINDOW_PAGE=state.window_page,

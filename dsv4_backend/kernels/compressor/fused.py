@@ -1002,7 +1002,7 @@ def compress_fused(call: CompressCall) -> torch.Tensor:
     ``_compress_fused_kernel`` (``[T, D]`` fp32 entries aligned to rows), which also stores
     them in ``call.store = (cache, out_loc)`` and writes the ring; it defers the writes that
     wait for a ring read unless ``ring_write_is_safe``."""
-    state, kv_proj, score_proj, ape, req_pool_indices, window_slots = call.sources
+    state, kv_proj = call.state, call.kv_proj
     compress_plan, write_plan = call.compress_plan.contiguous(), call.write_plan.contiguous()
     norm_weight, rope = call.norm_weight.contiguous(), call.rope
     store = call.store
@@ -1024,12 +1024,7 @@ def compress_fused(call: CompressCall) -> torch.Tensor:
     # One arrival counter per record (only split entries count; else an unread pointer).
     arrivals = state.arrivals.at_least(rows) if splits > 1 else compress_plan
     _compress_fused_kernel[(rows + entry_workers(rows, splits),)](
-        kv_proj,
-        score_proj,
-        ape,
-        ring,
-        req_pool_indices,
-        window_slots,
+        *call.sources,
         compress_plan,
         write_plan,
         norm_weight,
@@ -1045,12 +1040,7 @@ def compress_fused(call: CompressCall) -> torch.Tensor:
         ring.shape[1],
         call.norm_eps,
         rows.bit_length(),
-        kv_proj.stride(0),
-        score_proj.stride(0),
-        ape.stride(0),
-        ring.stride(0),
-        ring.stride(1),
-        window_slots.stride(0),
+        *call.source_strides,
         compress_plan.stride(0),
         out.stride(0),
         cos.stride(0),
