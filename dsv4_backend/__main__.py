@@ -89,15 +89,19 @@ def _add_self_check_command(commands: argparse._SubParsersAction) -> None:
     )
     check.add_argument("--device", help="cuda:0 where a GPU is visible, else cpu")
     check.add_argument(
-        "--widths", choices=("tiny", "flash"),
+        "--widths",
+        choices=("tiny", "flash"),
         help="the synthetic model's widths: tiny (the CPU's default) or DeepSeek-V4-Flash's "
         "(a GPU's default)",
-    )  # fmt: skip
+    )
     check.add_argument("--fmt", choices=("fp8", "dense"), default="fp8", help="cache format")
     check.add_argument(
-        "--op", action="append", dest="ops", metavar="OP",
+        "--op",
+        action="append",
+        dest="ops",
+        metavar="OP",
         help="decide only this op (repeatable; the others run their torch twin in the check)",
-    )  # fmt: skip
+    )
     check.add_argument(
         "--force", action="store_true", help="run it even where its verdicts are cached"
     )

@@ -327,8 +327,10 @@ def _check_v41_sources(ratios: tuple[int, ...], v41: V41Sources) -> None:
                 f"{list(v41.kv_source_layers)}); a layer reads the cache of a source of its ratio"
             )
     source, blocks, size = (
-        v41.candidate_source_layer, v41.candidate_topk_blocks, v41.candidate_block_size
-    )  # fmt: skip
+        v41.candidate_source_layer,
+        v41.candidate_topk_blocks,
+        v41.candidate_block_size,
+    )
     if source >= 0 and (source not in v41.index_source_layers or blocks < 1 or size < 1):
         raise ConfigError(
             f"candidate_source_layer_id={source} with candidate_topk_blocks={blocks}, "

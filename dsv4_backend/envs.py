@@ -38,55 +38,78 @@ class EnvVar:
 
 
 SELF_CHECK = EnvVar(
-    "DSV4_SELF_CHECK", "auto", ("auto", "0", "1", "force"),
+    "DSV4_SELF_CHECK",
+    "auto",
+    ("auto", "0", "1", "force"),
     "the start-up self-check: auto (on CUDA devices), 0 (never), 1 (every device), force "
-    "(every device, the cache ignored)", "self_check/check.py",
-)  # fmt: skip
+    "(every device, the cache ignored)",
+    "self_check/check.py",
+)
 SELF_CHECK_DIR = EnvVar(
-    "DSV4_SELF_CHECK_DIR", "", (),
+    "DSV4_SELF_CHECK_DIR",
+    "",
+    (),
     "where the self-check keeps its verdicts (default $XDG_CACHE_HOME/dsv4_backend/self-check)",
     "self_check/check.py",
-)  # fmt: skip
+)
 UNVERIFIED_KERNELS = EnvVar(
-    "DSV4_UNVERIFIED_KERNELS", "0", (),
+    "DSV4_UNVERIFIED_KERNELS",
+    "0",
+    (),
     "1: variants without GPU evidence may be CUDA defaults without the self-check",
     "kernels/variants.py",
-)  # fmt: skip
+)
 STRICT_CHECKS = EnvVar(
-    "DSV4_STRICT_CHECKS", "0", (),
+    "DSV4_STRICT_CHECKS",
+    "0",
+    (),
     "1: the planning checks read on the device are read at once (one host sync a plan)",
     "planning/checks.py",
-)  # fmt: skip
+)
 INDEXER_SELECTION = EnvVar(
-    "DSV4_BACKEND_INDEXER_SELECTION", "exact", ("exact", "fp8"),
+    "DSV4_BACKEND_INDEXER_SELECTION",
+    "exact",
+    ("exact", "fp8"),
     "the indexer's scores: exact (fp32, the reference's) or fp8 (sglang's built-in); "
     "--enable-deepseek-v4-fp4-indexer selects fp4 (sglang's fp4 indexer)",
     "sglang_adapter/settings.py",
-)  # fmt: skip
+)
 PRECOMPILED_DIR = EnvVar(
-    "DSV4_PRECOMPILED_DIR", "", (),
+    "DSV4_PRECOMPILED_DIR",
+    "",
+    (),
     "a folder of kernels compiled ahead of time, for a host whose Triton cannot build them",
     "kernels/device/precompiled.py",
-)  # fmt: skip
+)
 CPU_SERVING_KIT = EnvVar(
-    "DSV4_CPU_SERVING_KIT", "0", (),
+    "DSV4_CPU_SERVING_KIT",
+    "0",
+    (),
     "1: sglang's processes load the CPU serving kit (scripts/dsv4 serve sets it)",
     "tools/cpu_server/standins.py",
-)  # fmt: skip
+)
 TRITON_INTERPRET = EnvVar(
-    "TRITON_INTERPRET", "0", (),
+    "TRITON_INTERPRET",
+    "0",
+    (),
     "1 (set before triton is imported): CPU tensors run the Triton kernels in its interpreter",
     "kernels/dispatch.py",
-)  # fmt: skip
+)
 
 #: Every variable, by name.
 VARIABLES: dict[str, EnvVar] = {
     var.name: var
     for var in (
-        SELF_CHECK, SELF_CHECK_DIR, UNVERIFIED_KERNELS, STRICT_CHECKS, INDEXER_SELECTION,
-        PRECOMPILED_DIR, CPU_SERVING_KIT, TRITON_INTERPRET,
+        SELF_CHECK,
+        SELF_CHECK_DIR,
+        UNVERIFIED_KERNELS,
+        STRICT_CHECKS,
+        INDEXER_SELECTION,
+        PRECOMPILED_DIR,
+        CPU_SERVING_KIT,
+        TRITON_INTERPRET,
     )
-}  # fmt: skip
+}
 
 
 def kernel_variable(op: str) -> str:

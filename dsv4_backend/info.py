@@ -155,8 +155,9 @@ def _self_check(device: str) -> str:
     chosen, where = setting(), torch.device(device)
     if not runs_on(where):
         return f"self-check: not run for {device} ({SELF_CHECK_ENV}={chosen})"
-    report = self_check(PRESETS["flash" if where.type == "cuda" else "tiny"], where,
-                        use_cache=chosen != "force")  # fmt: skip
+    report = self_check(
+        PRESETS["flash" if where.type == "cuda" else "tiny"], where, use_cache=chosen != "force"
+    )
     return report.lines()[0]
 
 

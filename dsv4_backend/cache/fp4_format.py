@@ -59,13 +59,13 @@ class Ue8m0Rounding:
 
 
 #: DeepSeek-V4.1's index keys and queries (sglang's ``fp4_fake_quant.fake_quant_fp4``).
-V41_ROUNDING = Ue8m0Rounding("v41", ties_even=True, amax_floor=UE8M0_AMAX_FLOOR,
-                             exact_exponent=True)  # fmt: skip
+V41_ROUNDING = Ue8m0Rounding(
+    "v41", ties_even=True, amax_floor=UE8M0_AMAX_FLOOR, exact_exponent=True
+)
 #: DeepSeek-V4's c4 indexer under ``--enable-deepseek-v4-fp4-indexer``: sglang's CUDA kernels
 #: (``fused_norm_rope_indexer_fp4`` for the keys, ``fused_q_indexer_rope_hadamard_fp4_quant``
 #: for the queries: ``quant_fp4_e2m1``'s strict thresholds, ``max(1e-4, amax) / 6``).
-C4_ROUNDING = Ue8m0Rounding("c4", ties_even=False, amax_floor=C4_AMAX_FLOOR,
-                            exact_exponent=False)  # fmt: skip
+C4_ROUNDING = Ue8m0Rounding("c4", ties_even=False, amax_floor=C4_AMAX_FLOOR, exact_exponent=False)
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -266,9 +266,14 @@ class Fp4IndexKeyCache(SlotCache):
         """An fp4 cache whose pages are the first bytes of ``storage`` (no allocation);
         ``ConfigError`` naming ``name`` when the bytes do not fit."""
         return cls(
-            num_slots, dim, "fp8", storage.device, rounding=rounding, storage=storage,
+            num_slots,
+            dim,
+            "fp8",
+            storage.device,
+            rounding=rounding,
+            storage=storage,
             storage_name=name,
-        )  # fmt: skip
+        )
 
     def store(self, rows: torch.Tensor, slots: torch.Tensor) -> None:
         """Write ``rows`` ``[N, dim]`` (float; V4.1: on the fp4 grid) at ``slots`` ``[N]``,

@@ -101,9 +101,13 @@ def explicit_choice_refusal(
     keys = next(iter(pools.indexer_caches.values()), None)
     if reason is None and keys is not None:
         reason = named_rejection(
-            INDEXER, device, keys, config.index_n_heads, config.index_head_dim,
+            INDEXER,
+            device,
+            keys,
+            config.index_n_heads,
+            config.index_head_dim,
             config.indexer_selection,
-        )  # fmt: skip
+        )
     return reason
 
 

@@ -88,13 +88,21 @@ def compress_and_store(
     selection = state.config.indexer_selection if indexer else "exact"
     quantised = selection in QUANTISED_SELECTIONS
     entries = compress_forward(
-        rings, kv_proj, score_proj, ape, norm_weight, state.rope,
-        req_pool_indices, metadata.swa_page_indices, metadata.positions_causal,
-        comp.compress_plan, comp.write_plan,
+        rings,
+        kv_proj,
+        score_proj,
+        ape,
+        norm_weight,
+        state.rope,
+        req_pool_indices,
+        metadata.swa_page_indices,
+        metadata.positions_causal,
+        comp.compress_plan,
+        comp.write_plan,
         norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
         store=None if quantised else (cache, comp.out_loc),
         max_rows_per_request=_rows_per_request(metadata) if metadata.kind in GRAPH_KINDS else None,
-    )  # fmt: skip
+    )
     if quantised:  # sglang's rotated e4m3 / fp4 keys (rows completing no entry stay 0)
         rows = quantised_view(entries) if selection == "fp8" else fp4_key_rows(entries)
         store_rows(cache, rows, comp.out_loc)
@@ -121,9 +129,14 @@ def select_c4_entries(
     elif state.config.indexer_selection == "fp4":
         index_q = fp4_query_view(index_q)
     run_indexer(
-        index_q, index_weights, state.pools.indexer(layer), metadata.page_table,
-        comp.topk_lengths_raw, state.config.index_topk, comp.page_indices,
-    )  # fmt: skip
+        index_q,
+        index_weights,
+        state.pools.indexer(layer),
+        metadata.page_table,
+        comp.topk_lengths_raw,
+        state.config.index_topk,
+        comp.page_indices,
+    )
 
 
 def attend(
@@ -212,21 +225,32 @@ def forward_layer(
     store_window_keys(state, layer, metadata, inputs.kv)
     if ratio == 4:
         compress_and_store(
-            state, layer, metadata, req_pool_indices,
+            state,
+            layer,
+            metadata,
+            req_pool_indices,
             need(inputs.index_kv_proj, "index_kv_proj"),
             need(inputs.index_score_proj, "index_score_proj"),
             need(params.index_ape, "index_ape"),
             need(params.index_norm_weight, "index_norm_weight"),
             indexer=True,
-        )  # fmt: skip
+        )
         select_c4_entries(
-            state, layer, metadata,
-            need(inputs.index_q, "index_q"), need(inputs.index_weights, "index_weights"),
-        )  # fmt: skip
+            state,
+            layer,
+            metadata,
+            need(inputs.index_q, "index_q"),
+            need(inputs.index_weights, "index_weights"),
+        )
     if ratio:
         compress_and_store(
-            state, layer, metadata, req_pool_indices,
-            need(inputs.kv_proj, "kv_proj"), need(inputs.score_proj, "score_proj"),
-            need(params.ape, "ape"), need(params.norm_weight, "norm_weight"),
-        )  # fmt: skip
+            state,
+            layer,
+            metadata,
+            req_pool_indices,
+            need(inputs.kv_proj, "kv_proj"),
+            need(inputs.score_proj, "score_proj"),
+            need(params.ape, "ape"),
+            need(params.norm_weight, "norm_weight"),
+        )
     return attend(state, layer, metadata, inputs.q, params.sink)

@@ -19,7 +19,7 @@ from dsv4_backend.config import LOW_RATIOS
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.low_ratio.selection import select_entries
-from dsv4_backend.kernels.low_ratio.table import low_ratio_pairs, low_ratio_rows
+from dsv4_backend.kernels.low_ratio.table import low_ratio_call, low_ratio_pairs, low_ratio_rows
 from dsv4_backend.planning.metadata import AttentionMetadata, LowRatioMetadata
 
 
@@ -122,15 +122,10 @@ def select_low_ratio_entries(
     elif layer in config.candidate_consumers:
         assert blocks is not None
         among = (blocks, v41.candidate_block_size)
+    keys = state.pools.index_keys(layer)
+    call = low_ratio_call(
+        queries, index_weights, keys, metadata.page_table, fields.topk_lengths_raw, ratio
+    )
     select_entries(
-        queries,
-        index_weights,
-        state.pools.index_keys(layer),
-        metadata.page_table,
-        fields.topk_lengths_raw,
-        ratio,
-        config.index_topk,
-        fields.page_indices,
-        among_blocks=among,
-        publish=publish,
+        call, config.index_topk, fields.page_indices, among_blocks=among, publish=publish
     )

@@ -32,7 +32,6 @@ from dsv4_backend.config import COMPRESSED_RATIOS, DSV4AttentionConfig
 from dsv4_backend.errors import ContractError
 from dsv4_backend.planning import planner
 from dsv4_backend.planning.batch import BatchView, ForwardKind
-from dsv4_backend.planning.kernels.plan_fields import LowRatioFields, PlanFields, RatioFields
 from dsv4_backend.planning.metadata import (
     PLAN_COLUMNS,
     AttentionMetadata,
@@ -221,22 +220,30 @@ class GraphMetadataBuffers:
             device=batch.req_to_token.device,
             ratios=ratios,
         )
-        out = PlanFields(
+        low = {r: self._low_ratio_views(r, num_rows) for r in self.low_ratio} if compressed else {}
+        out = AttentionMetadata(
+            kind=batch.kind,
+            batch_size=batch.batch_size,
+            num_rows=num_rows,
             **{name: buf[:num_rows] for name, buf in self.common.items()},
-            ratios={
-                r: RatioFields(**{name: buf[:num_rows] for name, buf in self.compressed[r].items()})
-                for r in ratios
-            },
-            low_ratios={r: self._low_ratio_views(r, num_rows) for r in self.low_ratio}
-            if compressed
-            else {},
+            c4=self._ratio_views(4, num_rows) if 4 in ratios else None,
+            c128=self._ratio_views(128, num_rows) if 128 in ratios else None,
+            c1=low.get(1),
+            c2=low.get(2),
+            tag=None,  # plan_into's result carries the batch's
+            pending_checks=None,
         )
         return planner.plan_into(self.config, batch, self.widths, out)
 
-    def _low_ratio_views(self, ratio: int, num_rows: int) -> LowRatioFields:
+    def _ratio_views(self, ratio: int, num_rows: int) -> CompressedMetadata:
+        """The first ``num_rows`` rows of compress ratio ``ratio``'s buffers."""
+        views = {name: buf[:num_rows] for name, buf in self.compressed[ratio].items()}
+        return CompressedMetadata(ratio=ratio, **views)
+
+    def _low_ratio_views(self, ratio: int, num_rows: int) -> LowRatioMetadata:
         """The first ``num_rows`` rows of low ratio ``ratio``'s buffers."""
         views = {name: buf[:num_rows] for name, buf in self.low_ratio[ratio].items()}
-        return LowRatioFields(candidate_blocks=views.pop("candidate_blocks", None), **views)
+        return LowRatioMetadata(ratio=ratio, **views)
 
     def _check(
         self,
@@ -352,7 +359,13 @@ def read_plan(
         for low in (plan.c1, plan.c2)
     )
     subset = dataclasses.replace(
-        plan, num_rows=rows.numel(), c4=c4, c128=c128, c1=c1, c2=c2, pending_checks=None,
+        plan,
+        num_rows=rows.numel(),
+        c4=c4,
+        c128=c128,
+        c1=c1,
+        c2=c2,
+        pending_checks=None,
         **_read_rows(plan, rows),
-    )  # fmt: skip
+    )
     return pad_plan(config, subset, batch_size=plan.batch_size, num_rows=num_rows)

@@ -31,7 +31,7 @@ import itertools
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, cast
+from typing import Any, NamedTuple, TypedDict, cast
 
 import torch
 
@@ -43,7 +43,7 @@ from dsv4_backend.planning import checks
 from dsv4_backend.planning.batch import BatchView, ForwardKind, RaggedVerify
 from dsv4_backend.planning.checks import Check, PendingChecks, run_checks
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
-from dsv4_backend.planning.kernels.plan_fields import PlanFields, RowLayout, check_rows, plan_fields
+from dsv4_backend.planning.kernels.plan_fields import RowLayout, check_rows, plan_fields
 from dsv4_backend.planning.kernels.row_fields import row_fields
 from dsv4_backend.planning.kernels.table import build_compress_plans
 from dsv4_backend.planning.low_ratio import low_ratio_fields
@@ -299,6 +299,27 @@ def fuses(batch: BatchView) -> bool:
     )
 
 
+class _KernelInputs(TypedDict):
+    """The batch tensors the fused planner's two kernels read (``check_rows``,
+    ``plan_fields``)."""
+
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    out_cache_loc: torch.Tensor
+    req_to_token: torch.Tensor
+    full_to_swa: torch.Tensor | None
+
+
+def _kernel_inputs(batch: BatchView) -> _KernelInputs:
+    return _KernelInputs(
+        seq_lens=batch.seq_lens,
+        req_pool_indices=batch.req_pool_indices,
+        out_cache_loc=batch.out_cache_loc,
+        req_to_token=batch.req_to_token,
+        full_to_swa=batch.full_to_swa,
+    )
+
+
 def fused_checks(
     config: DSV4AttentionConfig, batch: BatchView, layout: RowLayout, page_width: int
 ) -> tuple[torch.Tensor, PendingChecks | None]:
@@ -306,11 +327,7 @@ def fused_checks(
     ``BatchError``) or pending (``planning/checks.py``); returns the ``[B]`` int8 mask of the
     requests that failed, for ``plan_fields``."""
     record, failed = check_rows(
-        seq_lens=batch.seq_lens,
-        req_pool_indices=batch.req_pool_indices,
-        out_cache_loc=batch.out_cache_loc,
-        req_to_token=batch.req_to_token,
-        full_to_swa=batch.full_to_swa,
+        **_kernel_inputs(batch),
         layout=layout,
         num_rows=batch.num_rows,
         slot_limit=_slot_limit(batch),
@@ -322,14 +339,79 @@ def fused_checks(
     return failed, checks.settle(check_messages(batch), record, f"a {batch.kind.name} batch")
 
 
+def empty_metadata(
+    batch: BatchView,
+    rows: int,
+    widths: dict[str, int],
+    ratios: frozenset[int],
+    low_ratios: frozenset[int],
+) -> AttentionMetadata:
+    """Uninitialised metadata of ``rows`` rows for ``batch`` (its kind and size, no tag) to
+    plan into, with the fields of ``ratios`` and ``low_ratios``; ``widths`` maps
+    ``page_table``, ``swa_page_indices``, ``c4``, ``c128``, ``low_ratio`` (the low ratios'
+    ``K``) and ``candidates`` (a ratio's candidate blocks, absent for none) to their column
+    counts, and ``candidate_ratio`` to the low ratio that has them."""
+    device = batch.req_to_token.device
+
+    def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.empty(*shape, dtype=dtype, device=device)
+
+    def ratio(r: int) -> CompressedMetadata | None:
+        if r not in ratios:
+            return None
+        return CompressedMetadata(
+            ratio=r,
+            out_loc=empty(rows, dtype=torch.int64),
+            topk_lengths_raw=empty(rows),
+            sparse_topk_lengths=empty(rows),
+            page_indices=empty(rows, widths[f"c{r}"]),
+            compress_plan=empty(rows, 4),
+            write_plan=empty(rows, 4),
+        )
+
+    def low_ratio(r: int) -> LowRatioMetadata | None:
+        if r not in low_ratios:
+            return None
+        candidates = widths.get("candidate_ratio") == r
+        return LowRatioMetadata(
+            ratio=r,
+            out_loc=empty(rows, dtype=torch.int64),
+            topk_lengths_raw=empty(rows),
+            sparse_topk_lengths=empty(rows),
+            page_indices=empty(rows, widths["low_ratio"]),
+            candidate_blocks=empty(rows, widths["candidates"]) if candidates else None,
+        )
+
+    return AttentionMetadata(
+        kind=batch.kind,
+        batch_size=batch.batch_size,
+        num_rows=rows,
+        row_batch_ids=empty(rows),
+        page_table=empty(rows, widths["page_table"]),
+        swa_out_loc=empty(rows, dtype=torch.int64),
+        positions_causal=empty(rows, dtype=torch.int64),
+        swa_page_indices=empty(rows, widths["swa_page_indices"]),
+        swa_topk_lengths=empty(rows),
+        c4=ratio(4),
+        c128=ratio(128),
+        c1=low_ratio(1),
+        c2=low_ratio(2),
+    )
+
+
 def plan_into(
-    config: DSV4AttentionConfig, batch: BatchView, widths: PlanWidths | None, out: PlanFields | None
+    config: DSV4AttentionConfig,
+    batch: BatchView,
+    widths: PlanWidths | None,
+    out: AttentionMetadata | None,
 ) -> AttentionMetadata:
     """The fused planner: ``plan``'s result from two launches, the batch checks and the fields
     (three for extend kinds: their host lengths are uploaded first), for a batch that ``fuses``.
 
-    ``out`` (``None``: allocated here) receives the fields; rows past ``batch.num_rows`` get
-    the sentinels of ``planning/graph_buffers.py``, and its widths must be ``widths``'.
+    ``out`` (``None``: allocated here, :func:`empty_metadata`) is the metadata planned into,
+    of ``batch``'s kind and size: its tensors receive the fields (its ratios, those planned);
+    rows past ``batch.num_rows`` get the sentinels of ``planning/graph_buffers.py``, and its
+    widths must be ``widths``'. Returns ``out`` with the batch's tag and pending checks.
     """
     spec = _KINDS[batch.kind]
     widths = resolve_widths(config, batch, _host_lens(batch), widths)
@@ -351,63 +433,43 @@ def plan_into(
             columns["candidates"] = config.v41.candidate_topk_blocks
             columns["candidate_ratio"] = config.candidate_ratio
         written = low_present if in_kernel else frozenset()
-        out = PlanFields.empty(batch.num_rows, columns, present, written, device)
+        out = empty_metadata(batch, batch.num_rows, columns, present, written)
     plan_fields(
-        seq_lens=batch.seq_lens,
-        req_pool_indices=batch.req_pool_indices,
-        out_cache_loc=batch.out_cache_loc,
-        req_to_token=batch.req_to_token,
-        full_to_swa=batch.full_to_swa,
+        **_kernel_inputs(batch),
         failed=failed,
         layout=layout,
         num_rows=batch.num_rows,
-        out=out if in_kernel else dataclasses.replace(out, low_ratios={}),
+        out=out if in_kernel else dataclasses.replace(out, c1=None, c2=None),
         window=config.window_size,
         index_topk=config.index_topk,
         page_size=config.page_size,
     )
-    common = {
-        f.name: getattr(out, f.name)
-        for f in dataclasses.fields(out)
-        if f.name not in ("ratios", "low_ratios")
-    }
-    comp = {r: CompressedMetadata(ratio=r, **vars(f)) for r, f in out.ratios.items()}
-    if in_kernel or not low_present:
-        low = {r: LowRatioMetadata(ratio=r, **vars(f)) for r, f in out.low_ratios.items()}
-    else:
+    if not in_kernel and low_present:
         low = _low_ratio_after_kernel(config, batch, out, low_present)
-    return AttentionMetadata(
-        kind=batch.kind,
-        batch_size=batch.batch_size,
-        num_rows=out.row_batch_ids.shape[0],
-        **common,
-        c4=comp.get(4),
-        c128=comp.get(128),
-        c1=low.get(1),
-        c2=low.get(2),
-        tag=batch_tag(batch),
-        pending_checks=pending,
-    )
+        out = dataclasses.replace(out, c1=low.get(1), c2=low.get(2))
+    return dataclasses.replace(out, tag=batch_tag(batch), pending_checks=pending)
 
 
 def _low_ratio_after_kernel(
-    config: DSV4AttentionConfig, batch: BatchView, out: PlanFields, present: frozenset[int]
+    config: DSV4AttentionConfig, batch: BatchView, out: AttentionMetadata, present: frozenset[int]
 ) -> dict[int, LowRatioMetadata]:
     """``LOW_RATIO_PLAN``'s torch variant after the fused planner's launch: the twin over the
     plan's rows (a row writes its slot unless the plan gave it no window write: a bucket's
-    padded row, a request that failed a deferred check), written into ``out.low_ratios``'
-    views when given (the graph buffers)."""
+    padded row, a request that failed a deferred check), written into ``out``'s low-ratio
+    views when it has them (the graph buffers)."""
     loc = _KINDS[batch.kind].expand(batch).out_loc
     slots = torch.full_like(out.swa_out_loc, -1)
     slots[: loc.numel()] = loc
     slots = torch.where(out.swa_out_loc >= 0, slots, -1)
     low = {r: low_ratio_fields(config, out.positions_causal, slots, r) for r in present}
-    for r, views in out.low_ratios.items():
+    for views in (out.c1, out.c2):
+        if views is None:
+            continue
         for field in dataclasses.fields(views):
             view = getattr(views, field.name)
-            if view is not None:
-                view.copy_(getattr(low[r], field.name))
-        low[r] = LowRatioMetadata(ratio=r, **vars(views))
+            if isinstance(view, torch.Tensor):
+                view.copy_(getattr(low[views.ratio], field.name))
+        low[views.ratio] = views
     return low
 
 
@@ -504,9 +566,15 @@ def _out_of(values: torch.Tensor, limit: int | None) -> torch.Tensor:
 
 
 def _checked_reads(
-    batch: BatchView, req: torch.Tensor, first_new: torch.Tensor, lens: torch.Tensor,
-    *, keys: int, page_size: int, page_width: int,
-) -> tuple[Check, Check, torch.Tensor]:  # fmt: skip
+    batch: BatchView,
+    req: torch.Tensor,
+    first_new: torch.Tensor,
+    lens: torch.Tensor,
+    *,
+    keys: int,
+    page_size: int,
+    page_width: int,
+) -> tuple[Check, Check, torch.Tensor]:
     """The checks of what the plan reads from ``req_to_token`` besides the rows' own slots.
 
     Per request (pool row ``req`` ``[B]``, in range; first new position ``first_new`` ``[B]``;
@@ -578,10 +646,14 @@ def checked_rows(
     first_new = requests.new_zeros(requests.shape).scatter_(0, ids, rows.first_new)
     lens = requests.new_zeros(requests.shape).scatter_(0, ids, rows.request_lens.long())
     read_full, read_swa, bad_reads = _checked_reads(
-        batch, request_rows, first_new, lens,
+        batch,
+        request_rows,
+        first_new,
+        lens,
         keys=config.window_size - 1 if context_keys is None else context_keys,
-        page_size=config.page_size, page_width=page_width,
-    )  # fmt: skip
+        page_size=config.page_size,
+        page_width=page_width,
+    )
     messages = check_messages(batch)
     row_checks = [
         Check(messages[0], bad_request, requests),
@@ -775,25 +847,36 @@ def _plan_fused(
 
 
 FUSED = Variant(
-    "triton", _plan_fused, (TRITON_PATHS,),
-    "every kind: the batch checks, then every field in one launch", baseline=True,
-)  # fmt: skip
+    "triton",
+    _plan_fused,
+    (TRITON_PATHS,),
+    "every kind: the batch checks, then every field in one launch",
+    baseline=True,
+)
 #: DeepSeek-V4.1's parts of a fused plan: its c1 / c2 fields and a late-layer tail's window
 #: floors inside the planner kernel's launch (the interpreter's default; opt-in on CUDA until
 #: ``scripts/gpu_check.sh`` passes it), or the fields by the torch twin after the launch and a
 #: tail by the torch planner (the CUDA baseline). The torch planner always uses the twin.
 LOW_RATIO_FUSED = Variant(
-    "fused", plan_fields, (TRITON_PATHS,),
+    "fused",
+    plan_fields,
+    (TRITON_PATHS,),
     "every kind, and a tail's window floors, in the fused planner kernel's launch",
-)  # fmt: skip
+)
 LOW_RATIO_PLAN = OpTable(
     "low_ratio_plan",
     "DeepSeek-V4.1's parts of a fused plan: its c1 / c2 fields, a late-layer tail's floors",
-    (LOW_RATIO_FUSED,
-     Variant("torch", low_ratio_fields, (),
-             "every kind: torch ops after the launch; a tail by the torch planner",
-             baseline=True)),
-)  # fmt: skip
+    (
+        LOW_RATIO_FUSED,
+        Variant(
+            "torch",
+            low_ratio_fields,
+            (),
+            "every kind: torch ops after the launch; a tail by the torch planner",
+            baseline=True,
+        ),
+    ),
+)
 #: The planner's variants: the fused Triton kernels, then the torch planner.
 PLAN = OpTable(
     "plan",

@@ -103,8 +103,14 @@ CHECK_PREFILL_ROWS = 64
 
 #: The ops the self-check decides, in the order a forward meets them.
 CHECKED: tuple[OpTable, ...] = (
-    PLAN, COMPRESS_PLANS, CACHE_STORE, COMPRESSOR, INDEXER, INDEXER_TOPK, ATTENTION,
-)  # fmt: skip
+    PLAN,
+    COMPRESS_PLANS,
+    CACHE_STORE,
+    COMPRESSOR,
+    INDEXER,
+    INDEXER_TOPK,
+    ATTENTION,
+)
 #: The judge's steps (a finding's ``step`` starts with the name) and the ops that answer for
 #: each, the first blamed first.
 STEP_OWNERS: tuple[tuple[str, tuple[OpTable, ...]], ...] = (
@@ -146,19 +152,30 @@ class CheckWidths:
         format ``fmt`` (``"fp8"`` or ``"dense"``)."""
         ratios = tuple(sorted({0} | ({4, 128} & set(config.compress_ratios))))
         return cls(
-            num_heads=heads, head_dim=config.head_dim, rope_dim=config.rope_dim,
-            index_topk=config.index_topk, index_n_heads=config.index_n_heads,
-            index_head_dim=config.index_head_dim, ratios=ratios, fmt=fmt,
-            indexer_selection=config.indexer_selection, speculative=config.speculative,
-        )  # fmt: skip
+            num_heads=heads,
+            head_dim=config.head_dim,
+            rope_dim=config.rope_dim,
+            index_topk=config.index_topk,
+            index_n_heads=config.index_n_heads,
+            index_head_dim=config.index_head_dim,
+            ratios=ratios,
+            fmt=fmt,
+            indexer_selection=config.indexer_selection,
+            speculative=config.speculative,
+        )
 
     def config(self) -> DSV4AttentionConfig:
         return DSV4AttentionConfig(
-            compress_ratios=self.ratios, num_heads=self.num_heads, head_dim=self.head_dim,
-            rope_dim=self.rope_dim, index_topk=self.index_topk,
-            index_n_heads=self.index_n_heads, index_head_dim=self.index_head_dim,
-            indexer_selection=self.indexer_selection, speculative=self.speculative,
-        )  # fmt: skip
+            compress_ratios=self.ratios,
+            num_heads=self.num_heads,
+            head_dim=self.head_dim,
+            rope_dim=self.rope_dim,
+            index_topk=self.index_topk,
+            index_n_heads=self.index_n_heads,
+            index_head_dim=self.index_head_dim,
+            indexer_selection=self.indexer_selection,
+            speculative=self.speculative,
+        )
 
     def schedule(self) -> Schedule:
         """Two requests: one whose c4 rows see more candidates than the top-k and whose extend
@@ -216,11 +233,16 @@ class SelfCheckReport:
 
     def as_json(self) -> dict[str, Any]:
         return {
-            "device": self.device, "path": self.path, "widths": asdict(self.widths),
+            "device": self.device,
+            "path": self.path,
+            "widths": asdict(self.widths),
             "ops": list(self.ops),
-            "verdicts": [asdict(v) for v in self.verdicts], "chosen": self.chosen,
-            "runs": self.runs, "seconds": round(self.seconds, 3), "cached": self.cached,
-        }  # fmt: skip
+            "verdicts": [asdict(v) for v in self.verdicts],
+            "chosen": self.chosen,
+            "runs": self.runs,
+            "seconds": round(self.seconds, 3),
+            "cached": self.cached,
+        }
 
     def lines(self) -> list[str]:
         how = "read from the cache" if self.cached else f"{self.runs} run(s)"
@@ -304,9 +326,12 @@ def _judge_once(
     pool = model.pool
     twins = {table: twin(table).name for table in TABLES}
     judge = StepwiseJudge(
-        model, path, query_dtype=torch.bfloat16 if device.type == "cuda" else None,
-        pins=pins, twin_pins=twins,
-    )  # fmt: skip
+        model,
+        path,
+        query_dtype=torch.bfloat16 if device.type == "cuda" else None,
+        pins=pins,
+        twin_pins=twins,
+    )
     with flashmla_prefill_above(CHECK_PREFILL_ROWS):
         for mode, batch in schedule.batches(pool):
             judge.forward(batch, mode)
@@ -391,8 +416,11 @@ def _fail(
     following = queues[table][0].name if queues[table] else f"{twin(table).name} (the twin)"
     logger.error(
         "dsv4 self-check: the %s variant %r failed: %s; %s next",
-        table.op, failed.name, figure, f"checking {following!r}" if queues[table] else following,
-    )  # fmt: skip
+        table.op,
+        failed.name,
+        figure,
+        f"checking {following!r}" if queues[table] else following,
+    )
     if not queues[table]:
         del queues[table]
 
@@ -482,11 +510,16 @@ def cache_key(
         name, capability = platform.processor() or platform.machine(), None
     named = {table.op: choice[0] for table in CHECKED if (choice := explicit_choice(table))}
     return {
-        "schema": CACHE_SCHEMA, "device": name, "capability": capability,
-        "path": dispatch.select_path(device), "versions": _library_versions(),
-        "sources": _source_digest(), "widths": asdict(widths), "named": named,
+        "schema": CACHE_SCHEMA,
+        "device": name,
+        "capability": capability,
+        "path": dispatch.select_path(device),
+        "versions": _library_versions(),
+        "sources": _source_digest(),
+        "widths": asdict(widths),
+        "named": named,
         "ops": [t.op for t in widths.ops if ops is None or t in ops],
-    }  # fmt: skip
+    }
 
 
 def _cache_file(key: Mapping[str, Any]) -> Path:
@@ -544,9 +577,15 @@ def self_check(
         _write_cache(key, verdicts, seconds)
     record_verdicts(Target.of(device), verdicts)
     report = SelfCheckReport(
-        str(device), key["path"], widths, tuple(key["ops"]), verdicts, runs, seconds,
+        str(device),
+        key["path"],
+        widths,
+        tuple(key["ops"]),
+        verdicts,
+        runs,
+        seconds,
         cached=found is not None,
-    )  # fmt: skip
+    )
     logger.info("dsv4 %s", "\n".join(report.lines()))
     return report
 

@@ -174,11 +174,15 @@ class SyntheticModel:
         c = compress_overlap(ratio) if ratio else 0
         values: dict[str, torch.Tensor] = {"sink": self._randn(self.config.num_heads, mean=2.0)}
         if ratio:
-            values.update(ape=self._randn(ratio, c * d, std=0.5),
-                          norm_weight=self._randn(d, std=0.1, mean=1.0))  # fmt: skip
+            values.update(
+                ape=self._randn(ratio, c * d, std=0.5),
+                norm_weight=self._randn(d, std=0.1, mean=1.0),
+            )
         if ratio == 4:
-            values.update(index_ape=self._randn(4, 2 * di, std=0.5),
-                          index_norm_weight=self._randn(di, std=0.1, mean=1.0))  # fmt: skip
+            values.update(
+                index_ape=self._randn(4, 2 * di, std=0.5),
+                index_norm_weight=self._randn(di, std=0.1, mean=1.0),
+            )
         return ops.LayerParams(**{k: v.to(self.device) for k, v in values.items()})
 
     rows = staticmethod(plan_rows)
@@ -350,9 +354,14 @@ class StepwiseJudge:
         state, twin = self.model.state, self.twin
         step = "indexer-keys" if indexer else "compressor"
         got, want = self._both(
-            compress_and_store, layer, meta, req_pool_indices, *projections, *weights,
+            compress_and_store,
+            layer,
+            meta,
+            req_pool_indices,
+            *projections,
+            *weights,
             indexer=indexer,
-        )  # fmt: skip
+        )
         error = (got - want).abs()
         self._add(mode, layer, f"{step} entries", excess(error, COMPRESSOR_ATOL))
         rings = state.indexer_states if indexer else state.compressor_states
@@ -470,9 +479,15 @@ SHORT_SCHEDULE = Schedule((76, 16), (60, 5), (6, 2), drafts=2, steps=2)
 #: DeepSeek-V4-Flash's attention widths (64 heads of 512, indexer 64 x 128, top-512), one
 #: layer of each ratio and a second c4 layer.
 FLASH_CONFIG = DSV4AttentionConfig(
-    compress_ratios=(0, 4, 128, 4), num_heads=64, head_dim=512, rope_dim=64, index_topk=512,
-    index_n_heads=64, index_head_dim=128, speculative=True,
-)  # fmt: skip
+    compress_ratios=(0, 4, 128, 4),
+    num_heads=64,
+    head_dim=512,
+    rope_dim=64,
+    index_topk=512,
+    index_n_heads=64,
+    index_head_dim=128,
+    speculative=True,
+)
 #: A request whose c4 rows see up to 530 candidates of which 512 are kept, and a short one.
 FLASH_SCHEDULE = Schedule((2200, 300), (2100, 250), (20, 5), drafts=4, steps=3)
 
@@ -515,7 +530,13 @@ def judge_stores(
             wrong = differing_bytes(cache.storage, twin.storage)
             mode = f"{name} {str(dtype).removeprefix('torch.')} rows"
             findings.append(
-                Finding(mode, -1, "stores", math.inf if wrong else 0.0, not wrong,
-                        f"{wrong} bytes differ")
-            )  # fmt: skip
+                Finding(
+                    mode,
+                    -1,
+                    "stores",
+                    math.inf if wrong else 0.0,
+                    not wrong,
+                    f"{wrong} bytes differ",
+                )
+            )
     return findings

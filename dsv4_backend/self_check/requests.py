@@ -107,9 +107,13 @@ class PagedRequestPool:
 
     # -------------------------------------------------------------------------- batch views
     def _view(
-        self, kind: ForwardKind, requests: Sequence[int], seq_lens: Sequence[int],
-        out_cache_loc: torch.Tensor, **extra: Any,
-    ) -> BatchView:  # fmt: skip
+        self,
+        kind: ForwardKind,
+        requests: Sequence[int],
+        seq_lens: Sequence[int],
+        out_cache_loc: torch.Tensor,
+        **extra: Any,
+    ) -> BatchView:
         device = self.device
         return BatchView(
             kind=kind,
@@ -130,9 +134,13 @@ class PagedRequestPool:
         return torch.cat(pieces)
 
     def extend(
-        self, requests: Sequence[int], prefix_lens: Sequence[int], extend_lens: Sequence[int],
-        *, draft_model: bool = False,
-    ) -> BatchView:  # fmt: skip
+        self,
+        requests: Sequence[int],
+        prefix_lens: Sequence[int],
+        extend_lens: Sequence[int],
+        *,
+        draft_model: bool = False,
+    ) -> BatchView:
         """EXTEND (or DRAFT_EXTEND): request ``i`` adds positions ``prefix ... seq_len - 1``."""
         seq_lens = [p + e for p, e in zip(prefix_lens, extend_lens, strict=True)]
         loc = self._cat_slots(
@@ -143,9 +151,13 @@ class PagedRequestPool:
         )
         kind = ForwardKind.DRAFT_EXTEND if draft_model else ForwardKind.EXTEND
         return self._view(
-            kind, requests, seq_lens, loc,
-            extend_prefix_lens=list(prefix_lens), extend_seq_lens=list(extend_lens),
-        )  # fmt: skip
+            kind,
+            requests,
+            seq_lens,
+            loc,
+            extend_prefix_lens=list(prefix_lens),
+            extend_seq_lens=list(extend_lens),
+        )
 
     def decode(self, requests: Sequence[int], seq_lens: Sequence[int]) -> BatchView:
         """DECODE: request ``i`` decodes position ``seq_lens[i] - 1``."""
@@ -155,9 +167,13 @@ class PagedRequestPool:
         return self._view(ForwardKind.DECODE, requests, seq_lens, loc)
 
     def verify(
-        self, requests: Sequence[int], seq_lens: Sequence[int], num_draft_tokens: int,
-        *, kind: ForwardKind = ForwardKind.TARGET_VERIFY,
-    ) -> BatchView:  # fmt: skip
+        self,
+        requests: Sequence[int],
+        seq_lens: Sequence[int],
+        num_draft_tokens: int,
+        *,
+        kind: ForwardKind = ForwardKind.TARGET_VERIFY,
+    ) -> BatchView:
         """TARGET_VERIFY: ``num_draft_tokens`` rows per request from position ``seq_lens[i]``;
         ``kind=DSPARK_BLOCK``: a DSpark draft block of that many rows, the same slots."""
         loc = self._cat_slots(
@@ -169,9 +185,14 @@ class PagedRequestPool:
         return self._view(kind, requests, seq_lens, loc, num_draft_tokens=num_draft_tokens)
 
     def ragged_verify(
-        self, requests: Sequence[int], seq_lens: Sequence[int], lens: Sequence[int],
-        num_rows: int, *, padding: Sequence[int] = (),
-    ) -> BatchView:  # fmt: skip
+        self,
+        requests: Sequence[int],
+        seq_lens: Sequence[int],
+        lens: Sequence[int],
+        num_rows: int,
+        *,
+        padding: Sequence[int] = (),
+    ) -> BatchView:
         """A ragged TARGET_VERIFY (sglang's compact verify): ``lens[i]`` rows of request ``i``
         from position ``seq_lens[i]``, packed, then one padding request (pool row 0,
         ``seq_lens`` 1) per ``padding`` entry with that many rows; ``out_cache_loc`` padded
@@ -213,16 +234,23 @@ class PagedRequestPool:
         )
 
     def draft_step(
-        self, requests: Sequence[int], seq_lens: Sequence[int], num_steps: int, step_id: int,
+        self,
+        requests: Sequence[int],
+        seq_lens: Sequence[int],
+        num_steps: int,
+        step_id: int,
         out_cache_loc: torch.Tensor | None = None,
-    ) -> BatchView:  # fmt: skip
+    ) -> BatchView:
         """Step ``step_id`` of a topk-1 draft: one row per request at ``seq_lens[i] + step_id``."""
         if out_cache_loc is None:
             out_cache_loc = self.draft_out_cache_loc(requests, seq_lens, num_steps)
         return self._view(
-            ForwardKind.DECODE, requests, seq_lens, out_cache_loc,
+            ForwardKind.DECODE,
+            requests,
+            seq_lens,
+            out_cache_loc,
             draft=DraftStep(topk=1, num_steps=num_steps, step_id=step_id),
-        )  # fmt: skip
+        )
 
     def idle(self) -> BatchView:
         empty = torch.zeros(0, dtype=torch.int64, device=self.device)

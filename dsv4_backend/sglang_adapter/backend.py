@@ -637,11 +637,16 @@ class DSV4AttentionBackend(AttentionBackend):
                 k_norm = indexer.k_norm
                 keys = (indexer.wk.weight, k_norm.weight.float(), float(k_norm.eps))
             compress_low_ratio(
-                self.state, layer_id, write_plan, batch.req_pool_indices,
-                kv.float(), None if score is None else score.float(),
-                compressor.norm.weight.float(), float(compressor.norm.eps),
+                self.state,
+                layer_id,
+                write_plan,
+                batch.req_pool_indices,
+                kv.float(),
+                None if score is None else score.float(),
+                compressor.norm.weight.float(),
+                float(compressor.norm.eps),
                 index_key_params=keys,
-            )  # fmt: skip
+            )
         if run_indexer and indexer is not None:
             if q_lora is None:
                 raise ContractError(f"{where}: the indexer needs q_lora, got None")
@@ -659,9 +664,13 @@ class DSV4AttentionBackend(AttentionBackend):
         ``enter_late_layer_tail``; its own pass inside the tail then runs the indexer only."""
         if x.shape[0] > 0:
             self.forward_low_ratio_sources(
-                layer=layer, x=x, q_lora=None, positions=positions, forward_batch=forward_batch,
+                layer=layer,
+                x=x,
+                q_lora=None,
+                positions=positions,
+                forward_batch=forward_batch,
                 run_indexer=False,
-            )  # fmt: skip
+            )
         self.session.tail_source_kv_layer_id = layer.layer_id
 
     def enter_late_layer_tail(self, forward_batch: ForwardBatch) -> tuple[Any, ...]:

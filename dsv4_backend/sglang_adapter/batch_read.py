@@ -233,15 +233,22 @@ def batch_view(
     kind = forward_kind(fb.forward_mode)
     seq_lens_cpu = readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
     common: dict[str, Any] = dict(
-        req_to_token=req_to_token, full_to_swa=full_to_swa, seq_lens_cpu=seq_lens_cpu,
-        num_cache_slots=num_cache_slots, num_swa_slots=num_swa_slots,
-    )  # fmt: skip
+        req_to_token=req_to_token,
+        full_to_swa=full_to_swa,
+        seq_lens_cpu=seq_lens_cpu,
+        num_cache_slots=num_cache_slots,
+        num_swa_slots=num_swa_slots,
+    )
     if kind is ForwardKind.IDLE:
         empty = torch.zeros(0, dtype=torch.int64, device=req_to_token.device)
         return BatchView(
-            kind=kind, req_pool_indices=empty, seq_lens=empty, out_cache_loc=empty,
-            req_to_token=req_to_token, full_to_swa=full_to_swa,
-        )  # fmt: skip
+            kind=kind,
+            req_pool_indices=empty,
+            seq_lens=empty,
+            out_cache_loc=empty,
+            req_to_token=req_to_token,
+            full_to_swa=full_to_swa,
+        )
     if kind is ForwardKind.DRAFT_EXTEND and graph is not None:
         return draft_extend_graph_view(fb, width=num_draft_tokens, graph=graph, **common)
     out_cache_loc = fb.out_cache_loc

@@ -93,10 +93,13 @@ def plan_tail(
     swa_out_cache_loc = metadata.swa_out_loc.to(torch.int32)
     if cp is None:
         sglang_tail = SglangLateLayerTail(
-            token_indices=tail.token_indices, positions=positions, extend_seq_lens=lens,
-            extend_seq_lens_cpu=tail.tail_lens, swa_out_cache_loc=swa_out_cache_loc,
+            token_indices=tail.token_indices,
+            positions=positions,
+            extend_seq_lens=lens,
+            extend_seq_lens_cpu=tail.tail_lens,
+            swa_out_cache_loc=swa_out_cache_loc,
             contiguous_start=tail.contiguous_start,
-        )  # fmt: skip
+        )
         return TailForward(metadata=metadata, late_layer_tail=sglang_tail)
     from sglang.srt.layers.cp.interleave import InterleaveContextParallelMetadata
 
@@ -105,20 +108,26 @@ def plan_tail(
     width = layout.max_rows
     pad_rows = width - layout.rank_rows[rank]
     cp_metadata = InterleaveContextParallelMetadata(
-        per_rank_actual_token=[width] * size, max_rank_len=[width] * size,
-        total_seq_lens=len(layout.gather_index), bs=len(tail.tail_lens),
-        per_rank_logical_token=layout.rank_rows, gather_index=layout.gather_index,
+        per_rank_actual_token=[width] * size,
+        max_rank_len=[width] * size,
+        total_seq_lens=len(layout.gather_index),
+        bs=len(tail.tail_lens),
+        per_rank_logical_token=layout.rank_rows,
+        gather_index=layout.gather_index,
         local_index=layout.local_index,
-    )  # fmt: skip
+    )
     sglang_tail = SglangLateLayerTail(
         token_indices=layout.local_token_indices,
         positions=torch.cat([positions[layout.local_rows], positions.new_zeros(pad_rows)]),
-        extend_seq_lens=lens, extend_seq_lens_cpu=tail.tail_lens,
-        swa_out_cache_loc=swa_out_cache_loc, pad_rows=pad_rows, cp_metadata=cp_metadata,
+        extend_seq_lens=lens,
+        extend_seq_lens_cpu=tail.tail_lens,
+        swa_out_cache_loc=swa_out_cache_loc,
+        pad_rows=pad_rows,
+        cp_metadata=cp_metadata,
         local_lens_cpu=layout.local_lens,
         req_global=torch.repeat_interleave(forward_batch.req_pool_indices.to(torch.int64), lens),
         pos_global=positions.to(torch.int64),
-    )  # fmt: skip
+    )
     cp_read = read_plan(config, metadata, layout.local_rows, num_rows=width)
     return TailForward(metadata=metadata, late_layer_tail=sglang_tail, cp_read=cp_read)
 

@@ -167,9 +167,11 @@ class PlanSession:
         metadata = self.planner(batch.view, buffers)
         if batch.padding > 0:
             metadata = pad_plan(
-                self.config, metadata, batch_size=metadata.batch_size,
+                self.config,
+                metadata,
+                batch_size=metadata.batch_size,
                 num_rows=metadata.num_rows + batch.padding,
-            )  # fmt: skip
+            )
         self._keep_checks(metadata)
         if batch.cp_rows is not None:  # the batch's plan writes; the rank's rows of it read
             rows, physical = batch.cp_rows

@@ -92,46 +92,97 @@ _SPLIT = "splits a request's keys over ranks"
 #: One row per refused configuration (module docstring).
 REFUSED: tuple[Refused, ...] = (
     # Calls the backend does not serve.
-    Refused("speculative_algorithm", _other_than("eagle", "nextn", "dspark"),
-            "--speculative-algorithm (only EAGLE / NEXTN / DSPARK)",
-            "its verify batches are draft trees or come from another draft model; the backend "
-            "plans linear EAGLE drafts (topk 1)"),
-    Refused("cuda_graph_backend_prefill", _one_of("full", "breakable"),
-            "--cuda-graph-backend-prefill full|breakable", _PREFILL_GRAPH),
-    Refused("cuda_graph_config", _prefill_graph,
-            "--cuda-graph-config with a prefill backend full|breakable", _PREFILL_GRAPH),
-    Refused("enable_encoder_swa_bounded_replay", _set, "--enable-encoder-swa-bounded-replay",
-            _REPLAY),
+    Refused(
+        "speculative_algorithm",
+        _other_than("eagle", "nextn", "dspark"),
+        "--speculative-algorithm (only EAGLE / NEXTN / DSPARK)",
+        "its verify batches are draft trees or come from another draft model; the backend "
+        "plans linear EAGLE drafts (topk 1)",
+    ),
+    Refused(
+        "cuda_graph_backend_prefill",
+        _one_of("full", "breakable"),
+        "--cuda-graph-backend-prefill full|breakable",
+        _PREFILL_GRAPH,
+    ),
+    Refused(
+        "cuda_graph_config",
+        _prefill_graph,
+        "--cuda-graph-config with a prefill backend full|breakable",
+        _PREFILL_GRAPH,
+    ),
+    Refused(
+        "enable_encoder_swa_bounded_replay", _set, "--enable-encoder-swa-bounded-replay", _REPLAY
+    ),
     # Pool layouts of other attention kernels.
-    Refused("dsv4_attn_backend", _one_of("trtllm"), "--dsv4-attn-backend trtllm",
-            "it lays the pool out in trtllm's uniform FP8 pages, which the backend's caches "
-            "do not read (they would be allocated beside sglang's, twice the memory)"),
-    Refused("dsv4_attn_backend", _one_of("flashmla_mega"), "--dsv4-attn-backend flashmla_mega",
-            "it lays the pool out in DeepSeek-V4.1's MegaAttention layouts"),
-    Refused("SGLANG_DSV4_KV_LAYOUT", _one_of("v41", "v41_new"), "SGLANG_DSV4_KV_LAYOUT=v41|v41_new",
-            "DeepSeek-V4.1's packed KV layouts", source="env"),
+    Refused(
+        "dsv4_attn_backend",
+        _one_of("trtllm"),
+        "--dsv4-attn-backend trtllm",
+        "it lays the pool out in trtllm's uniform FP8 pages, which the backend's caches "
+        "do not read (they would be allocated beside sglang's, twice the memory)",
+    ),
+    Refused(
+        "dsv4_attn_backend",
+        _one_of("flashmla_mega"),
+        "--dsv4-attn-backend flashmla_mega",
+        "it lays the pool out in DeepSeek-V4.1's MegaAttention layouts",
+    ),
+    Refused(
+        "SGLANG_DSV4_KV_LAYOUT",
+        _one_of("v41", "v41_new"),
+        "SGLANG_DSV4_KV_LAYOUT=v41|v41_new",
+        "DeepSeek-V4.1's packed KV layouts",
+        source="env",
+    ),
     # State kept or moved outside the backend.
-    Refused("enable_hisparse", _set, "--enable-hisparse",
-            "HiSparse offloads the c4 cache through sglang's own sparse path, which this "
-            "backend replaces (its c4 cache and top-k are its own)"),
-    Refused("enable_lmcache", _set, "--enable-lmcache",
-            f"LMCache offloads and reloads pool pages, {_STATE}"),
-    Refused("enable_flexkv", _set, "--enable-flexkv",
-            f"FlexKV moves prefixes through external storage{_RADIX}"),
-    Refused("enable_unified_cache_external_linker", _set,
-            "--enable-unified-cache-external-linker",
-            f"an external KV cache linker moves prefixes{_RADIX}"),
-    Refused("radix_cache_backend", _set, "--radix-cache-backend",
-            f"a custom radix cache backend{_RADIX}"),
+    Refused(
+        "enable_hisparse",
+        _set,
+        "--enable-hisparse",
+        "HiSparse offloads the c4 cache through sglang's own sparse path, which this "
+        "backend replaces (its c4 cache and top-k are its own)",
+    ),
+    Refused(
+        "enable_lmcache",
+        _set,
+        "--enable-lmcache",
+        f"LMCache offloads and reloads pool pages, {_STATE}",
+    ),
+    Refused(
+        "enable_flexkv",
+        _set,
+        "--enable-flexkv",
+        f"FlexKV moves prefixes through external storage{_RADIX}",
+    ),
+    Refused(
+        "enable_unified_cache_external_linker",
+        _set,
+        "--enable-unified-cache-external-linker",
+        f"an external KV cache linker moves prefixes{_RADIX}",
+    ),
+    Refused(
+        "radix_cache_backend",
+        _set,
+        "--radix-cache-backend",
+        f"a custom radix cache backend{_RADIX}",
+    ),
     Refused("enable_session_radix_cache", _set, "--enable-session-radix-cache", _SESSION),
     Refused("enable_streaming_session", _set, "--enable-streaming-session", _SESSION),
     # Layers or sequences split over ranks.
-    Refused("dcp_size", _above_one, "--decode-context-parallel-size",
-            f"decode context parallelism {_SPLIT}"),
-    Refused("cp_strategy", _one_of("zigzag"), "--cp-strategy zigzag",
-            "the backend plans the interleave prefill CP layout (sglang runs zigzag on NPUs "
-            "only)"),
-)  # fmt: skip
+    Refused(
+        "dcp_size",
+        _above_one,
+        "--decode-context-parallel-size",
+        f"decode context parallelism {_SPLIT}",
+    ),
+    Refused(
+        "cp_strategy",
+        _one_of("zigzag"),
+        "--cp-strategy zigzag",
+        "the backend plans the interleave prefill CP layout (sglang runs zigzag on NPUs only)",
+    ),
+)
 
 
 _V41 = "sglang 0.5.23 does not serve DeepSeek-V4.1 with it (arg_groups/deepseek_v4_hook.py)"
@@ -139,13 +190,20 @@ _V41 = "sglang 0.5.23 does not serve DeepSeek-V4.1 with it (arg_groups/deepseek_
 #: of ``REFUSED`` (docs/design.md §8): what sglang's own V4.1 check refuses (other speculative
 #: algorithms, pipeline parallelism, two-batch overlap).
 V41_REFUSED: tuple[Refused, ...] = (
-    Refused("speculative_algorithm", _other_than("dspark"),
-            "--speculative-algorithm (only DSPARK with DeepSeek-V4.1)",
-            "DSpark is DeepSeek-V4.1's speculative algorithm (it has no MTP layers)"),
-    Refused("pp_size", _above_one, "--pipeline-parallel-size",
-            f"{_V41}: a stage may start after the kv source whose caches it reads"),
+    Refused(
+        "speculative_algorithm",
+        _other_than("dspark"),
+        "--speculative-algorithm (only DSPARK with DeepSeek-V4.1)",
+        "DSpark is DeepSeek-V4.1's speculative algorithm (it has no MTP layers)",
+    ),
+    Refused(
+        "pp_size",
+        _above_one,
+        "--pipeline-parallel-size",
+        f"{_V41}: a stage may start after the kv source whose caches it reads",
+    ),
     Refused("enable_two_batch_overlap", _set, "--enable-two-batch-overlap", _V41),
-)  # fmt: skip
+)
 
 
 _RAGGED = (
@@ -157,14 +215,27 @@ _RAGGED = (
 #: own DeepSeek-V4 backend refuses it with. ``cap-accept`` hands the backend static verifies
 #: (sglang's worker caps the accepted drafts only) and is served as ``static`` is.
 RAGGED_VERIFY_REFUSED: tuple[Refused, ...] = (
-    Refused("attn_cp_size", _above_one,
-            "--attention-context-parallel-size with SGLANG_RAGGED_VERIFY_MODE=compact", _RAGGED),
-    Refused("enable_prefill_cp", _set,
-            "--enable-prefill-cp with SGLANG_RAGGED_VERIFY_MODE=compact", _RAGGED),
-    Refused("SGLANG_EXPERIMENTAL_ONLINE_C128_MTP", lambda _: _online_c128_mtp(),
-            "SGLANG_OPT_USE_ONLINE_COMPRESS=1 SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1 with "
-            "SGLANG_RAGGED_VERIFY_MODE=compact (online c128 MTP)", _RAGGED, source="env"),
-)  # fmt: skip
+    Refused(
+        "attn_cp_size",
+        _above_one,
+        "--attention-context-parallel-size with SGLANG_RAGGED_VERIFY_MODE=compact",
+        _RAGGED,
+    ),
+    Refused(
+        "enable_prefill_cp",
+        _set,
+        "--enable-prefill-cp with SGLANG_RAGGED_VERIFY_MODE=compact",
+        _RAGGED,
+    ),
+    Refused(
+        "SGLANG_EXPERIMENTAL_ONLINE_C128_MTP",
+        lambda _: _online_c128_mtp(),
+        "SGLANG_OPT_USE_ONLINE_COMPRESS=1 SGLANG_EXPERIMENTAL_ONLINE_C128_MTP=1 with "
+        "SGLANG_RAGGED_VERIFY_MODE=compact (online c128 MTP)",
+        _RAGGED,
+        source="env",
+    ),
+)
 
 
 def _online_c128_mtp() -> bool:

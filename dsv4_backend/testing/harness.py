@@ -245,10 +245,16 @@ class BatchBuilder:
         ``ScheduleBatch.prepare_for_idle`` leaves it."""
         empty = torch.zeros(0, dtype=torch.int64)
         batch = ForwardBatch(
-            forward_mode=ForwardMode.IDLE, batch_size=0, input_ids=empty.clone(),
-            req_pool_indices=empty.clone(), seq_lens=empty.clone(), seq_lens_cpu=empty.clone(),
-            seq_lens_sum=0, out_cache_loc=empty.clone(), positions=empty.clone(),
-        )  # fmt: skip
+            forward_mode=ForwardMode.IDLE,
+            batch_size=0,
+            input_ids=empty.clone(),
+            req_pool_indices=empty.clone(),
+            seq_lens=empty.clone(),
+            seq_lens_cpu=empty.clone(),
+            seq_lens_sum=0,
+            out_cache_loc=empty.clone(),
+            positions=empty.clone(),
+        )
         batch.capture_hidden_mode = CaptureHiddenMode.NULL
         return Step(batch, [])
 
@@ -259,13 +265,21 @@ class BatchBuilder:
         zeros = torch.zeros(num_tokens, dtype=torch.int64)
         one = torch.tensor([num_tokens])
         batch = ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=1, input_ids=zeros,
-            req_pool_indices=torch.zeros(1, dtype=torch.int64), seq_lens=one, seq_lens_cpu=one,
-            out_cache_loc=zeros, positions=zeros, seq_lens_sum=num_tokens,
-            extend_seq_lens=one, extend_prefix_lens=torch.zeros(1, dtype=torch.int64),
-            extend_seq_lens_cpu=[num_tokens], extend_prefix_lens_cpu=[0],
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=1,
+            input_ids=zeros,
+            req_pool_indices=torch.zeros(1, dtype=torch.int64),
+            seq_lens=one,
+            seq_lens_cpu=one,
+            out_cache_loc=zeros,
+            positions=zeros,
+            seq_lens_sum=num_tokens,
+            extend_seq_lens=one,
+            extend_prefix_lens=torch.zeros(1, dtype=torch.int64),
+            extend_seq_lens_cpu=[num_tokens],
+            extend_prefix_lens_cpu=[0],
             extend_num_tokens=num_tokens,
-        )  # fmt: skip
+        )
         return Step(batch, [None] * num_tokens)
 
     @staticmethod
@@ -298,9 +312,11 @@ def _gather(values: list[torch.Tensor], rows: Sequence[Row]) -> torch.Tensor:
     """Stack ``values[request][position]`` per row; zeros for padding rows."""
     template = values[0][0]
     return torch.stack(
-        [template.new_zeros(template.shape) if row is None else values[row[0]][row[1]]
-         for row in rows]
-    )  # fmt: skip
+        [
+            template.new_zeros(template.shape) if row is None else values[row[0]][row[1]]
+            for row in rows
+        ]
+    )
 
 
 def row_ids(rows: Sequence[Row], device: torch.device) -> torch.Tensor:
@@ -499,9 +515,15 @@ class SimulatedModel:
             layer_id=layer, tp_q_head_num=local_heads, v_head_dim=q.shape[2]
         )
         return backend.forward(
-            q=q, k=q, v=q, layer=attn_layer, forward_batch=fb, compress_ratio=ratio,
-            attn_sink=sink, save_kv_cache=False,
-        )  # fmt: skip
+            q=q,
+            k=q,
+            v=q,
+            layer=attn_layer,
+            forward_batch=fb,
+            compress_ratio=ratio,
+            attn_sink=sink,
+            save_kv_cache=False,
+        )
 
     def max_error(self, rows: Sequence[Row], layer: int, out: torch.Tensor) -> float:
         """Largest difference to the full causal pass over the real rows."""

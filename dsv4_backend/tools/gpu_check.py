@@ -58,14 +58,29 @@ def _verdict(*options: str) -> tuple[str, ...]:
     return ("{python}", "-m", "dsv4_backend.tools.gpu_verdict", "--json", "{figures}", *options)
 
 
+def _gpu_tests(*files: str) -> tuple[str, ...]:
+    """The command running the ``gpu``-marked tests of ``files``."""
+    return ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *files)
+
+
 UNVERIFIED = {"DSV4_UNVERIFIED_KERNELS": "1"}
 _AB_CONFIG = json.dumps(
-    {"num_hidden_layers": 3, "compress_ratios": [0, 4, 128, 0], "num_attention_heads": 64,
-     "head_dim": 512, "qk_rope_head_dim": 64, "index_topk": 512, "index_n_heads": 64,
-     "index_head_dim": 128, "sliding_window": 128, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-     "compress_rope_theta": 160000.0,
-     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536}}
-)  # fmt: skip
+    {
+        "num_hidden_layers": 3,
+        "compress_ratios": [0, 4, 128, 0],
+        "num_attention_heads": 64,
+        "head_dim": 512,
+        "qk_rope_head_dim": 64,
+        "index_topk": 512,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "sliding_window": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "compress_rope_theta": 160000.0,
+        "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536},
+    }
+)
 
 #: The A/B's prompts: one drawn length, and lengths of 3 (mod 4) just past c128 boundaries
 #: (a public wrong-token report on DeepSeek-V4 serving stacks at such lengths).
@@ -73,40 +88,108 @@ AB_PROMPT_LENS = (97, 131, 259, 387)
 
 #: The steps, most valuable first.
 STEPS: tuple[Step, ...] = (
-    Step("versions", 4, ("{python}", "-m", "dsv4_backend.tools.gpu_check", "versions",
-         "{figures}"), True, "the device, torch, triton, flash_mla, deep_gemm, flashinfer"),
-    Step("self-check", 30, ("{python}", "-m", "dsv4_backend.tools.gpu_check", "self-check",
-         "{figures}"), True,
-         "the start-up self-check at DeepSeek-V4-Flash's widths (fp8 caches): each op's "
-         "preferred variant against its torch twin, its verdicts, its cost cold and cached"),
-    Step("default-kernels-fp8", 70, _verdict("--fmt", "fp8", "--query-dtype", "bfloat16"), True,
-         "the CUDA default kernels, every serving mode, fp8 caches, bf16 queries (tie-aware)"),
-    Step("default-kernels-dense", 40, _verdict("--fmt", "dense", "--query-dtype", "float32"),
-         True, "the same with dense fp32 caches, and against the full causal pass"),
-    Step("default-kernels-flash-fp8", 50, _verdict("--fmt", "fp8", "--config", "flash"), True,
-         "Flash's widths (64 heads of 512, top-512 over 530 candidates), fp8 caches"),
-    Step("cuda-graph-loop", 40, ("{python}", "benchmarks/gpu_eagle_loop.py"), True,
-         "the EAGLE loop captured in CUDA graphs and replayed, against eager"),
-    Step("unverified-kernels-fp8", 40, _verdict("--fmt", "fp8"), False,
-         "the one-launch compressor and length-bounded indexer, every mode", UNVERIFIED),
-    Step("unverified-graph-loop", 30, ("{python}", "benchmarks/gpu_eagle_loop.py"), False,
-         "their CUDA-graph capture and replay", UNVERIFIED),
-    Step("opt-in-attention", 45, ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-m", "gpu", "tests/kernels/test_attention_kernels_cuda.py"), False,
-         "the pipelined, ws, flashmla and flashmla_prefill attention kernels against the torch "
-         "path on fp8 bytes"),
-    Step("v41-kernels", 10, ("{python}", "-m", "pytest", "-q", "-p", "no:cacheprovider",
-         "-m", "gpu", "tests/kernels/test_low_ratio.py", "tests/planning/test_graph_buffers.py"),
-         False,
-         "DeepSeek-V4.1's rows, pair pooling and index scores kernels (fp4 pages) against the "
-         "torch twins, and its plan fields and tail floors in the fused planner's launch"),
-    Step("timings", 75, ("{python}", "benchmarks/bench_attention.py", "--kernel", "all",
-         "--against", "flashmla", "--batch", "8", "64", "128"), False,
-         "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes"),
-    Step("sglang-ab", 26, ("{python}", "-m", "dsv4_backend.tools.gpu_check", "ab", "{out}"),
-         True, "this backend against sglang's built-in (Flash's attention widths, one layer "
-         "of each ratio; prompts of 3 (mod 4) past c128 boundaries) where the built-in starts"),
-)  # fmt: skip
+    Step(
+        "versions",
+        4,
+        ("{python}", "-m", "dsv4_backend.tools.gpu_check", "versions", "{figures}"),
+        True,
+        "the device, torch, triton, flash_mla, deep_gemm, flashinfer",
+    ),
+    Step(
+        "self-check",
+        30,
+        ("{python}", "-m", "dsv4_backend.tools.gpu_check", "self-check", "{figures}"),
+        True,
+        "the start-up self-check at DeepSeek-V4-Flash's widths (fp8 caches): each op's "
+        "preferred variant against its torch twin, its verdicts, its cost cold and cached",
+    ),
+    Step(
+        "default-kernels-fp8",
+        70,
+        _verdict("--fmt", "fp8", "--query-dtype", "bfloat16"),
+        True,
+        "the CUDA default kernels, every serving mode, fp8 caches, bf16 queries (tie-aware)",
+    ),
+    Step(
+        "default-kernels-dense",
+        40,
+        _verdict("--fmt", "dense", "--query-dtype", "float32"),
+        True,
+        "the same with dense fp32 caches, and against the full causal pass",
+    ),
+    Step(
+        "default-kernels-flash-fp8",
+        50,
+        _verdict("--fmt", "fp8", "--config", "flash"),
+        True,
+        "Flash's widths (64 heads of 512, top-512 over 530 candidates), fp8 caches",
+    ),
+    Step(
+        "cuda-graph-loop",
+        40,
+        ("{python}", "benchmarks/gpu_eagle_loop.py"),
+        True,
+        "the EAGLE loop captured in CUDA graphs and replayed, against eager",
+    ),
+    Step(
+        "unverified-kernels-fp8",
+        40,
+        _verdict("--fmt", "fp8"),
+        False,
+        "the one-launch compressor and length-bounded indexer, every mode",
+        UNVERIFIED,
+    ),
+    Step(
+        "unverified-graph-loop",
+        30,
+        ("{python}", "benchmarks/gpu_eagle_loop.py"),
+        False,
+        "their CUDA-graph capture and replay",
+        UNVERIFIED,
+    ),
+    Step(
+        "opt-in-attention",
+        45,
+        _gpu_tests("tests/kernels/test_attention_kernels_cuda.py"),
+        False,
+        "the pipelined, ws, flashmla and flashmla_prefill attention kernels against the torch "
+        "path on fp8 bytes",
+    ),
+    Step(
+        "v41-kernels",
+        10,
+        _gpu_tests("tests/kernels/test_low_ratio.py", "tests/planning/test_graph_buffers.py"),
+        False,
+        "DeepSeek-V4.1's rows, pair pooling and index scores kernels (fp4 pages) against the "
+        "torch twins, and its plan fields and tail floors in the fused planner's launch",
+    ),
+    Step(
+        "timings",
+        75,
+        (
+            "{python}",
+            "benchmarks/bench_attention.py",
+            "--kernel",
+            "all",
+            "--against",
+            "flashmla",
+            "--batch",
+            "8",
+            "64",
+            "128",
+        ),
+        False,
+        "attention at bs 8 / 64 / 128, every kernel and FlashMLA on the same bytes",
+    ),
+    Step(
+        "sglang-ab",
+        26,
+        ("{python}", "-m", "dsv4_backend.tools.gpu_check", "ab", "{out}"),
+        True,
+        "this backend against sglang's built-in (Flash's attention widths, one layer "
+        "of each ratio; prompts of 3 (mod 4) past c128 boundaries) where the built-in starts",
+    ),
+)
 
 
 def budgets(steps: Sequence[Step], total: float) -> dict[str, float]:
@@ -189,8 +272,16 @@ def run_step(step: Step, seconds: float, out: Path, python: str) -> Record:
     else:
         verdict, reason = "fail", f"exit status {status}: {_last_line(text)}"
     loaded = json.loads(figure_file.read_text()) if figure_file.exists() else None
-    return Record(step.name, verdict, reason, round(elapsed, 1), loaded, round(seconds, 1),
-                  step.gates, str(log))  # fmt: skip
+    return Record(
+        step.name,
+        verdict,
+        reason,
+        round(elapsed, 1),
+        loaded,
+        round(seconds, 1),
+        step.gates,
+        str(log),
+    )
 
 
 def run_check(
@@ -205,18 +296,25 @@ def run_check(
     for step in steps:
         left = budget - (time.monotonic() - start)
         if dry_run:
-            print(f"{step.name:28} {shares[step.name]:6.0f} s  "
-                  f"{'gates' if step.gates else 'reports'}  {step.description}")  # fmt: skip
-            record = Record(step.name, "skip", "dry run", 0.0, None, round(shares[step.name], 1),
-                            step.gates, "")  # fmt: skip
+            print(
+                f"{step.name:28} {shares[step.name]:6.0f} s  "
+                f"{'gates' if step.gates else 'reports'}  {step.description}"
+            )
+            record = Record(
+                step.name, "skip", "dry run", 0.0, None, round(shares[step.name], 1), step.gates, ""
+            )
         elif left < MIN_STEP_SECONDS:
             reason = f"budget spent ({left:.0f} s of {budget:.0f} s left)"
-            record = Record(step.name, "skip", reason, 0.0, None, round(shares[step.name], 1),
-                            step.gates, "")  # fmt: skip
+            record = Record(
+                step.name, "skip", reason, 0.0, None, round(shares[step.name], 1), step.gates, ""
+            )
         else:
             record = run_step(step, min(shares[step.name], left), out, python)
-            print(f"gpu_check: {step.name}: {record.verdict.upper()} in {record.seconds:.0f} s "
-                  f"({record.reason})", flush=True)  # fmt: skip
+            print(
+                f"gpu_check: {step.name}: {record.verdict.upper()} in {record.seconds:.0f} s "
+                f"({record.reason})",
+                flush=True,
+            )
         report.add(record)
     return report
 
@@ -237,8 +335,17 @@ def versions(figures: str) -> int:
     import torch
 
     found: dict[str, object] = {"python": sys.version.split()[0]}
-    for dist in ("torch", "triton", "sgl-flash-mla", "sgl-deep-gemm", "flashinfer-python",
-                 "apache-tvm", "apache-tvm-ffi", "sglang", "dsv4-backend"):  # fmt: skip
+    for dist in (
+        "torch",
+        "triton",
+        "sgl-flash-mla",
+        "sgl-deep-gemm",
+        "flashinfer-python",
+        "apache-tvm",
+        "apache-tvm-ffi",
+        "sglang",
+        "dsv4-backend",
+    ):
         try:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -272,8 +379,10 @@ def self_check_step(figures: str) -> int:
     body = {**cold.as_json(), "cached_seconds": round(warm.seconds, 4)}
     Path(figures).write_text(json.dumps(body, indent=1) + "\n")
     print("\n".join(cold.lines()))
-    print(f"self-check: {cold.seconds:.1f} s cold, {warm.seconds * 1000:.1f} ms cached; "
-          f"{len(cold.failed)} variant(s) failed; defaults {cold.chosen}")  # fmt: skip
+    print(
+        f"self-check: {cold.seconds:.1f} s cold, {warm.seconds * 1000:.1f} ms cached; "
+        f"{len(cold.failed)} variant(s) failed; defaults {cold.chosen}"
+    )
     return 0
 
 
@@ -284,10 +393,27 @@ def sglang_ab(out: str) -> int:
     config = Path(out) / "ab-config.json"
     config.write_text(_AB_CONFIG)
     report = Path(out) / "ab-report"
-    command = [sys.executable, "-m", "dsv4_backend", "ab", "--device", "cuda", "--a",
-               "sglang:dsv4", "--b", "sglang:dsv4_builtin", "--config", str(config), "--out",
-               str(report), "--quiet", "--max-len", "440", "--prompt-lens",
-               *map(str, AB_PROMPT_LENS)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "dsv4_backend",
+        "ab",
+        "--device",
+        "cuda",
+        "--a",
+        "sglang:dsv4",
+        "--b",
+        "sglang:dsv4_builtin",
+        "--config",
+        str(config),
+        "--out",
+        str(report),
+        "--quiet",
+        "--max-len",
+        "440",
+        "--prompt-lens",
+        *map(str, AB_PROMPT_LENS),
+    ]
     run = subprocess.run(command, stderr=subprocess.PIPE, text=True)
     sys.stderr.write(run.stderr)
     if run.returncode == 2:  # refused before the run: the line names what is missing

@@ -124,14 +124,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--fmt", choices=("dense", "fp8"), default="fp8")
     parser.add_argument(
-        "--query-dtype", choices=("float32", "bfloat16"), default="bfloat16",
+        "--query-dtype",
+        choices=("float32", "bfloat16"),
+        default="bfloat16",
         help="the attention queries' dtype (a deployment's: bfloat16)",
-    )  # fmt: skip
+    )
     parser.add_argument("--config", choices=tuple(CONFIGS), default="tiny")
     parser.add_argument(
-        "--indexer-selection", choices=INDEXER_SELECTIONS, default="exact",
+        "--indexer-selection",
+        choices=INDEXER_SELECTIONS,
+        default="exact",
         help="exact scores, or sglang's fp8 ones (DSV4_BACKEND_INDEXER_SELECTION)",
-    )  # fmt: skip
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", help="write the findings to this file")
     return parser.parse_args(argv)
@@ -150,9 +154,14 @@ def main(argv: list[str] | None = None) -> int:
         widths = CheckWidths.of_model(config, args.fmt, config.num_heads)
         print("\n".join(self_check(widths, device).lines()))
     judge = judge_serving_modes(
-        device, path, schedule=schedule, config=config, fmt=args.fmt,
-        query_dtype=getattr(torch, args.query_dtype), seed=args.seed,
-    )  # fmt: skip
+        device,
+        path,
+        schedule=schedule,
+        config=config,
+        fmt=args.fmt,
+        query_dtype=getattr(torch, args.query_dtype),
+        seed=args.seed,
+    )
     findings = judge.findings + judge_stores(device, path, seed=args.seed)
     for f in findings:
         if not f.passed:
@@ -163,15 +172,20 @@ def main(argv: list[str] | None = None) -> int:
     for step, figure in worst.items():
         print(f"{step}: worst excess {figure:.3g} of its bound")
     failed = sum(not f.passed for f in findings)
-    print(f"gpu_verdict ({path}, {args.config}, {args.fmt} caches, {args.query_dtype} queries): "
-          f"{len(findings) - failed} of {len(findings)} findings pass")  # fmt: skip
+    print(
+        f"gpu_verdict ({path}, {args.config}, {args.fmt} caches, {args.query_dtype} queries): "
+        f"{len(findings) - failed} of {len(findings)} findings pass"
+    )
     if args.json:
         with open(args.json, "w") as out:
-            summary = {"path": path, "config": args.config, "fmt": args.fmt,
-                       "query_dtype": args.query_dtype,
-                       "worst_excess": {k: v if math.isfinite(v) else None
-                                        for k, v in worst.items()},
-                       "findings": [f.as_json() for f in findings]}  # fmt: skip
+            summary = {
+                "path": path,
+                "config": args.config,
+                "fmt": args.fmt,
+                "query_dtype": args.query_dtype,
+                "worst_excess": {k: v if math.isfinite(v) else None for k, v in worst.items()},
+                "findings": [f.as_json() for f in findings],
+            }
             json.dump(summary, out, indent=1)
     return 0 if failed == 0 else 1
 

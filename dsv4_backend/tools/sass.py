@@ -51,14 +51,17 @@ CLASSES = (
     ("mufu", r"^MUFU\b"),
     ("fp32", r"^(FADD|FADD2|FMUL|FMUL2|FFMA|FFMA2|FMNMX|FMNMX3|FSEL|FSETP|FCHK|FSWZADD)\b"),
     ("fp16x2", r"^(HADD2|HMUL2|HFMA2|HMNMX2)\b"),
-    ("int", r"^(IMAD|IADD3|IADD|LOP3|SHF|LEA|ISETP|SEL|IMNMX|VIMNMX|VIMNMX3|VIADD|VIADDMNMX"
-            r"|IABS|POPC|FLO|BMSK|SGXT|IMUL|BREV)\b"),
+    (
+        "int",
+        r"^(IMAD|IADD3|IADD|LOP3|SHF|LEA|ISETP|SEL|IMNMX|VIMNMX|VIMNMX3|VIADD|VIADDMNMX"
+        r"|IABS|POPC|FLO|BMSK|SGXT|IMUL|BREV)\b",
+    ),
     ("move", r"^(PRMT|MOV|MOVM|P2R|R2P|CS2R|S2R|S2UR|R2UR|LDC|LDCU|ULDC)\b"),
     ("shfl", r"^(SHFL|REDUX)\b"),
     ("uniform", r"^U[A-Z0-9]+\b"),
     ("predicate", r"^(PLOP3|VOTE|VOTEU|MATCH|ELECT)\b"),
     ("control", r"^(BRA|BRX|JMP|JMX|BSSY|BSYNC|EXIT|CALL|RET|NOP|YIELD|BPT|NANOSLEEP|ACQBULK)\b"),
-)  # fmt: skip
+)
 _CLASS_RES = tuple((name, re.compile(rx)) for name, rx in CLASSES)
 #: Classes that are asynchronous global -> shared copies.
 ASYNC_COPY_CLASSES = ("ldgsts", "tma")

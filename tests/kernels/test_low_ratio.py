@@ -20,7 +20,7 @@ from dsv4_backend.cache.fp4_format import (
 from dsv4_backend.config import entries_per_page
 from dsv4_backend.kernels.dispatch import TORCH, TRITON_INTERPRETER, force_path
 from dsv4_backend.kernels.low_ratio.selection import select_entries
-from dsv4_backend.kernels.low_ratio.table import low_ratio_scores
+from dsv4_backend.kernels.low_ratio.table import low_ratio_call, low_ratio_scores
 from dsv4_backend.testing.reference import fake_quant_e4m3, fake_quant_ue8m0, round_e2m1
 
 
@@ -77,10 +77,12 @@ def _setup(fmt: str, ratio: int, seed: int) -> tuple:
 @pytest.mark.parametrize("ratio", [1, 2])
 def test_triton_index_scores_equal_the_torch_twin(fmt: str, ratio: int) -> None:
     q, weights, keys, page_table, visible, width = _setup(fmt, ratio, seed=ratio)
+    call = low_ratio_call(q, weights, keys, page_table, visible, ratio)
+    assert call.max_candidates == width
     with force_path(TORCH):
-        want = low_ratio_scores(q, weights, keys, page_table, visible, ratio, width)
+        want = low_ratio_scores(call)
     with force_path(TRITON_INTERPRETER):
-        got = low_ratio_scores(q, weights, keys, page_table, visible, ratio, width)
+        got = low_ratio_scores(call)
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     assert finite.sum() == visible.sum()  # -inf exactly past each row's visible entries
@@ -89,7 +91,7 @@ def test_triton_index_scores_equal_the_torch_twin(fmt: str, ratio: int) -> None:
     for path in (TORCH, TRITON_INTERPRETER):
         out = torch.full((q.shape[0], 16), -1, dtype=torch.int32)
         with force_path(path):
-            select_entries(q, weights, keys, page_table, visible, ratio, 16, out)
+            select_entries(call, 16, out)
         slots[path] = out
     assert torch.equal(slots[TORCH], slots[TRITON_INTERPRETER])
     assert torch.equal((slots[TORCH] >= 0).sum(1), visible.clamp(max=16).int())
@@ -114,11 +116,11 @@ def test_triton_index_scores_on_cuda(ratio: int) -> None:
     q = fp4_round_ue8m0(torch.randn(rows, heads, dim, generator=g)).cuda()
     weights = torch.randn(rows, heads, generator=g).cuda()
     visible = torch.randint(0, pages * per_page + 1, (rows,), generator=g).cuda()
-    width = pages * per_page
+    call = low_ratio_call(q, weights, keys, page_table, visible, ratio)
     with force_variant(LOW_RATIO_SCORES, "torch"):
-        want = low_ratio_scores(q, weights, keys, page_table, visible, ratio, width)
+        want = low_ratio_scores(call)
     with force_path(TRITON), force_variant(LOW_RATIO_SCORES, "triton"):
-        got = low_ratio_scores(q, weights, keys, page_table, visible, ratio, width)
+        got = low_ratio_scores(call)
     finite = torch.isfinite(want)
     assert torch.equal(finite, torch.isfinite(got))
     # bf16 tensor-core dots of fp4 values: exact products, fp32 sums in another order
@@ -192,14 +194,17 @@ def test_triton_rows_store_the_index_keys(fmt: str) -> None:
 
 def test_triton_rows_refuse_what_they_do_not_take() -> None:
     from dsv4_backend.errors import ContractError
+    from dsv4_backend.kernels.low_ratio.common import RowsCall
     from dsv4_backend.kernels.low_ratio.triton import fp4_rows_triton
 
     x, cos, sin, _, _ = _rows_inputs("keys")
     with pytest.raises(ContractError, match="power-of-two number of 32-channel blocks"):
-        fp4_rows_triton(x[:, :96], cos, sin, "ue8m0")
+        fp4_rows_triton(RowsCall(x[:, :96], cos, sin, "ue8m0"))
     keys = Fp4IndexKeyCache(256, 128, "fp8")
     with pytest.raises(ContractError, match="ue8m0 scales; got scale 'e4m3'"):
-        fp4_rows_triton(x, cos, sin, "e4m3", store=(keys, torch.arange(x.shape[0])))
+        fp4_rows_triton(RowsCall(x, cos, sin, "e4m3", store=(keys, torch.arange(x.shape[0]))))
+    with pytest.raises(ContractError, match="scale 'e5m2'; expected 'e4m3' or 'ue8m0'"):
+        RowsCall(x, cos, sin, "e5m2")  # type: ignore[arg-type]
 
 
 @pytest.mark.gpu

@@ -148,8 +148,9 @@ class AttentionCall:
                 raise BatchError(f"{name} is on {tensor.device}; q is on {q.device}")
         for _, cache, idx_name, idx, _, _ in spans:
             cache.check_slots(idx, idx_name)  # slot range, checked on the CPU only (no GPU sync)
-        return cls(q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale,
-                   rows_per_group)  # fmt: skip
+        return cls(
+            q, window, swa_indices, swa_lengths, extra_span, sink, softmax_scale, rows_per_group
+        )
 
     @property
     def extra_cache(self) -> TokenCache | None:
@@ -162,8 +163,15 @@ class AttentionCall:
         torch.Tensor, TokenCache, torch.Tensor, torch.Tensor, ExtraSpan | None, torch.Tensor, float
     ]:
         """``(q, window, swa_indices, swa_lengths, extra, sink, softmax_scale)``."""
-        return (self.q, self.window, self.swa_indices, self.swa_lengths, self.extra, self.sink,
-                self.softmax_scale)  # fmt: skip
+        return (
+            self.q,
+            self.window,
+            self.swa_indices,
+            self.swa_lengths,
+            self.extra,
+            self.sink,
+            self.softmax_scale,
+        )
 
 
 # ------------------------------------------------------------------- splits and groups
@@ -315,9 +323,14 @@ def key_spans(
         ext = (slots[:, union.extra_column :], union.lengths[1]) if extra_span else win
         bits_offset = union.table.stride(0)  # table[1] (row bits) beside table[0] (slots)
     return KeySpans(
-        ext_cache, *win, *ext, extra_span is not None, group, bits_offset,
+        ext_cache,
+        *win,
+        *ext,
+        extra_span is not None,
+        group,
+        bits_offset,
         program_heads(heads, group),
-    )  # fmt: skip
+    )
 
 
 # ------------------------------------------------------------------- dtypes and tolerance

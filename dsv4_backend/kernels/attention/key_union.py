@@ -215,11 +215,24 @@ def key_union_triton(
     spans = [(idx.contiguous(), lengths.contiguous()) for idx, lengths in spans]
     (win_idx, win_len), (ext_idx, ext_len) = spans[0], spans[-1]
     _key_union_kernel[(num_groups, len(spans))](
-        win_idx, win_len, ext_idx, ext_len, union.table, union.lengths,
-        win_idx.shape[0], num_groups, win_idx.stride(0), ext_idx.stride(0),
-        win_idx.shape[1], ext_idx.shape[1], union.table.stride(1),
-        GROUP=group, BLOCK_G=triton.next_power_of_2(group), BLOCK_N=BLOCK_N, num_warps=4,
-    )  # fmt: skip
+        win_idx,
+        win_len,
+        ext_idx,
+        ext_len,
+        union.table,
+        union.lengths,
+        win_idx.shape[0],
+        num_groups,
+        win_idx.stride(0),
+        ext_idx.stride(0),
+        win_idx.shape[1],
+        ext_idx.shape[1],
+        union.table.stride(1),
+        GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=BLOCK_N,
+        num_warps=4,
+    )
     return union
 
 
@@ -296,9 +309,12 @@ KEY_UNION = OpTable(
     "the union key list of a group of rows (the triton attention variant's grouping)",
     (
         Variant(
-            "triton", key_union_triton, (TRITON_PATHS,),
-            "window and extra spans in one launch", baseline=True,
+            "triton",
+            key_union_triton,
+            (TRITON_PATHS,),
+            "window and extra spans in one launch",
+            baseline=True,
         ),
         Variant("torch", key_union_torch, (), "window and extra spans", baseline=True),
     ),
-)  # fmt: skip
+)

@@ -182,9 +182,16 @@ def _pipelined_attention_kernel(
     m_mask = (offs_h < H) & (m_row < GROUP) & (rows < num_rows)
 
     n_win, n_ext, win_blocks, splits, first, num_blocks = split_blocks(
-        win_len_ptr, ext_len_ptr, prog, split, tl.num_programs(2), win_width, ext_width,
-        HAS_EXTRA, BLOCK_N,
-    )  # fmt: skip
+        win_len_ptr,
+        ext_len_ptr,
+        prog,
+        split,
+        tl.num_programs(2),
+        win_width,
+        ext_width,
+        HAS_EXTRA,
+        BLOCK_N,
+    )
     if split >= splits:
         return
 
@@ -208,12 +215,15 @@ def _pipelined_attention_kernel(
         idx_row = tl.where(in_win, win_idx_row, ext_idx_row)
         slots = tl.load(idx_row + cols, mask=in_span, other=-1)
         k = _gather_dequant(
-            tl.where(in_win, win_ptr, ext_ptr), slots,
+            tl.where(in_win, win_ptr, ext_ptr),
+            slots,
             tl.where(in_win, win_page_shift, ext_page_shift),
             tl.where(in_win, win_page_bytes, ext_page_bytes),
             tl.where(in_win, win_scale_region, ext_scale_region),
-            D, NOPE_DIM, INTERPRETER,
-        )  # fmt: skip
+            D,
+            NOPE_DIM,
+            INTERPRETER,
+        )
         s = tl.dot(q, tl.trans(k)) * qk_scale  # [BLOCK_M, BLOCK_N] fp32, log2 domain
         seen = (slots >= 0)[None, :]
         if GROUP > 1:  # a union key counts for the rows whose bit it carries
@@ -259,9 +269,19 @@ def _pipelined_attention_kernel(
         tl.debug_barrier()
         if tl.atomic_add(count, 1, sem="acq_rel") == splits - 1:
             _merge_splits(
-                part_ptr, ml_ptr, out_ptr, part_rows, ml_rows, out_rows, m_mask, sink, splits,
-                D, MERGE_D, BLOCK_S,
-            )  # fmt: skip
+                part_ptr,
+                ml_ptr,
+                out_ptr,
+                part_rows,
+                ml_rows,
+                out_rows,
+                m_mask,
+                sink,
+                splits,
+                D,
+                MERGE_D,
+                BLOCK_S,
+            )
 
 
 @triton.jit
@@ -351,15 +371,47 @@ def sparse_attention_pipelined(
         count = torch.empty(1, dtype=torch.int32, device=q.device)
     win_idx, ext_idx = spans.swa_indices, spans.ext_indices
     _pipelined_attention_kernel[(spans.programs, head_blocks, splits)](
-        q, window.storage, win_idx, spans.swa_lengths, spans.ext_cache.storage, ext_idx,
-        spans.ext_lengths, sink.contiguous(), out, part, ml, count,
-        q.stride(0), q.stride(1), win_idx.stride(0), ext_idx.stride(0),
-        out.stride(0), out.stride(1), part.stride(0), part.stride(1), ml.stride(0),
-        ml.stride(1), heads, rows, win_idx.shape[1], ext_idx.shape[1], spans.bits_offset,
-        *page_geometry(window), *page_geometry(spans.ext_cache), softmax_scale * LOG2E.value,
-        D=dim, NOPE_DIM=dim - ROPE_DIM, BLOCK_H=spans.block_h, GROUP=spans.group,
-        BLOCK_G=triton.next_power_of_2(spans.group), BLOCK_N=block_n, BLOCK_S=block_s,
-        HAS_EXTRA=spans.has_extra, NUM_STAGES=NUM_STAGES,
-        MERGE_D=MERGE_D, INTERPRETER=not q.is_cuda, num_warps=NUM_WARPS,
-    )  # fmt: skip
+        q,
+        window.storage,
+        win_idx,
+        spans.swa_lengths,
+        spans.ext_cache.storage,
+        ext_idx,
+        spans.ext_lengths,
+        sink.contiguous(),
+        out,
+        part,
+        ml,
+        count,
+        q.stride(0),
+        q.stride(1),
+        win_idx.stride(0),
+        ext_idx.stride(0),
+        out.stride(0),
+        out.stride(1),
+        part.stride(0),
+        part.stride(1),
+        ml.stride(0),
+        ml.stride(1),
+        heads,
+        rows,
+        win_idx.shape[1],
+        ext_idx.shape[1],
+        spans.bits_offset,
+        *page_geometry(window),
+        *page_geometry(spans.ext_cache),
+        softmax_scale * LOG2E.value,
+        D=dim,
+        NOPE_DIM=dim - ROPE_DIM,
+        BLOCK_H=spans.block_h,
+        GROUP=spans.group,
+        BLOCK_G=triton.next_power_of_2(spans.group),
+        BLOCK_N=block_n,
+        BLOCK_S=block_s,
+        HAS_EXTRA=spans.has_extra,
+        NUM_STAGES=NUM_STAGES,
+        MERGE_D=MERGE_D,
+        INTERPRETER=not q.is_cuda,
+        num_warps=NUM_WARPS,
+    )
     return out

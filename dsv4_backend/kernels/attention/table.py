@@ -71,40 +71,54 @@ ATTENTION = OpTable(
     "sparse attention with sink over window keys plus compressed keys",
     (
         Variant(
-            "flashmla", sparse_attention_flashmla,
-            (on_paths(dispatch.TRITON), on_cuda(9, 10),
-             with_library("flash_mla", *DECODE_FUNCTIONS, *PREFILL_FUNCTIONS)),
+            "flashmla",
+            sparse_attention_flashmla,
+            (
+                on_paths(dispatch.TRITON),
+                on_cuda(9, 10),
+                with_library("flash_mla", *DECODE_FUNCTIONS, *PREFILL_FUNCTIONS),
+            ),
             "FlashMLA as sglang runs it (sgl-flash-mla): its sparse FP8 decode, its sparse "
             f"prefill above {PREFILL_ROWS} rows; fp8 caches, heads of dim 512",
             rejects=flashmla_unsupported_reason,
         ),
         Variant(
-            "triton", sparse_attention_triton, (TRITON_PATHS,),
+            "triton",
+            sparse_attention_triton,
+            (TRITON_PATHS,),
             "every cache format and shape; rows of a request grouped below 64 heads",
             baseline=True,
         ),
         Variant(
-            "pipelined", sparse_attention_pipelined, (TRITON_PATHS,),
+            "pipelined",
+            sparse_attention_pipelined,
+            (TRITON_PATHS,),
             "fp8 caches, head dim 128 / 256 / 512 with 64 rope channels",
             rejects=_pipelined_rejects,
         ),
         Variant(
-            "ws", sparse_attention_ws, (on_paths(dispatch.TRITON), on_cuda(9, 10)),
+            "ws",
+            sparse_attention_ws,
+            (on_paths(dispatch.TRITON), on_cuda(9, 10)),
             "Gluon (Triton 3.8, or a precompiled cubin), fp8 or dense bf16 caches, <= 64 heads "
-            "of dim 512", rejects=ws_unsupported_reason,
+            "of dim 512",
+            rejects=ws_unsupported_reason,
         ),
         Variant(
-            "flashmla_prefill", sparse_attention_flashmla_prefill,
-            (on_paths(dispatch.TRITON), on_cuda(9, 10),
-             with_library("flash_mla", *PREFILL_FUNCTIONS)),
+            "flashmla_prefill",
+            sparse_attention_flashmla_prefill,
+            (
+                on_paths(dispatch.TRITON),
+                on_cuda(9, 10),
+                with_library("flash_mla", *PREFILL_FUNCTIONS),
+            ),
             "FlashMLA's sparse prefill (sgl-flash-mla) for every call, over a bf16 gather of "
             "the keys: any cache format, heads of dim 512",
             rejects=flashmla_prefill_unsupported_reason,
         ),
-        Variant("torch", sparse_attention_torch, (), "every cache format and shape",
-                baseline=True),
+        Variant("torch", sparse_attention_torch, (), "every cache format and shape", baseline=True),
     ),
-)  # fmt: skip
+)
 
 
 def sparse_attention_with_sink(call: AttentionCall) -> torch.Tensor:

@@ -16,11 +16,12 @@ CACHE_STORE = OpTable(
     "cache_store",
     "rows written into a dense, fp8 token, fp8 indexer or fp4 index-key cache at their slots",
     (
-        Variant("triton", launch_store, (TRITON_PATHS,),
-                "every cache format; one launch", baseline=True),
+        Variant(
+            "triton", launch_store, (TRITON_PATHS,), "every cache format; one launch", baseline=True
+        ),
         Variant("torch", store_rows_torch, (), "every cache format", baseline=True),
     ),
-)  # fmt: skip
+)
 
 
 def store_rows(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> None:

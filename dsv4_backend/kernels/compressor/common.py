@@ -40,15 +40,30 @@ class CompressCall:
     max_rows_per_request: int | None = None
 
     @property
-    def sources(
-        self,
-    ) -> tuple[
-        CompressorState, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor
-    ]:
-        """``(state, kv_proj, score_proj, ape, req_pool_indices, window_slots)``: what the
-        pooling and ring-write steps read."""
-        return (self.state, self.kv_proj, self.score_proj, self.ape, self.req_pool_indices,
-                self.window_slots)  # fmt: skip
+    def sources(self) -> tuple[torch.Tensor, ...]:
+        """``(kv_proj, score_proj, ape, ring, req_pool_indices, window_slots)``: the tensors
+        every compressor kernel reads first, in its parameters' order."""
+        return (
+            self.kv_proj,
+            self.score_proj,
+            self.ape,
+            self.state.ring,
+            self.req_pool_indices,
+            self.window_slots,
+        )
+
+    @property
+    def source_strides(self) -> tuple[int, ...]:
+        """The row strides of :attr:`sources` (the ring's slot and row strides), as every
+        compressor kernel takes them."""
+        ring = self.state.ring
+        rows = (self.kv_proj, self.score_proj, self.ape)
+        return (
+            *(x.stride(0) for x in rows),
+            ring.stride(0),
+            ring.stride(1),
+            self.window_slots.stride(0),
+        )
 
     def __post_init__(self) -> None:
         ratio, d = self.state.ratio, self.state.head_dim

@@ -80,11 +80,25 @@ def zero_gaps(
         prev = tl.load(plan_ptr + (rec - 1) * stride_plan, mask=rec > 0, other=-1)
         nxt = tl.load(plan_ptr + (rec + 1) * stride_plan, mask=rec + 1 < num_rows, other=-1)
         gap_from = tl.where(valid, prev + 1, 0).to(tl.int64)
-        _zero_rows(out_ptr, gap_from, tl.where(valid, ragged, 0).to(tl.int64), D, stride_out,
-                   BLOCK_D, ZERO_ROWS)  # fmt: skip
+        _zero_rows(
+            out_ptr,
+            gap_from,
+            tl.where(valid, ragged, 0).to(tl.int64),
+            D,
+            stride_out,
+            BLOCK_D,
+            ZERO_ROWS,
+        )
         tail_to = tl.where(~valid | (nxt < 0), num_rows, 0).to(tl.int64)  # ~valid: record 0
-        _zero_rows(out_ptr, tl.where(valid, ragged + 1, 0).to(tl.int64), tail_to, D, stride_out,
-                   BLOCK_D, ZERO_ROWS)  # fmt: skip
+        _zero_rows(
+            out_ptr,
+            tl.where(valid, ragged + 1, 0).to(tl.int64),
+            tail_to,
+            D,
+            stride_out,
+            BLOCK_D,
+            ZERO_ROWS,
+        )
     return ragged
 
 

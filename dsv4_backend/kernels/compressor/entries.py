@@ -8,7 +8,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.compressor.common import POOL_TILE, CompressCall, entry_cos_sin
@@ -19,7 +18,7 @@ from dsv4_backend.kernels.compressor.device import (
     span_sources,
     zero_gaps,
 )
-from dsv4_backend.ops.rope import CosSin, RopeTable
+from dsv4_backend.ops.rope import RopeTable
 
 #: Columns per ring-write program.
 WRITE_BLOCK = 256
@@ -86,9 +85,20 @@ def _compress_entry_kernel(
         for j0 in range(0, SPAN, BLOCK_S):
             j = j0 + tl.arange(0, BLOCK_S)
             from_rows, from_ring, rows, ring_base, ape_row = span_sources(
-                j, pos, window_len, row, request_ring, window_ptr, ring_rows,
-                stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
-            )  # fmt: skip
+                j,
+                pos,
+                window_len,
+                row,
+                request_ring,
+                window_ptr,
+                ring_rows,
+                stride_ring_slot,
+                stride_ring_row,
+                stride_window,
+                SPAN,
+                RATIO,
+                WINDOW_PAGE,
+            )
             # Ratio 4: slots RATIO.. (the current block) read the projection's second half.
             col = (j >= RATIO).to(tl.int64)[:, None] * D + 2 * pair[None, :]
             m_rows = from_rows[:, None] & pair_ok[None, :]
@@ -100,9 +110,17 @@ def _compress_entry_kernel(
             score = tl.where(pair_ok[None, :], score, 0.0)  # padded channels: finite, unused
             m_e, l_e, acc_e = online_softmax_step(m_e, l_e, acc_e, kv, score)
             kv, score = slot_tile(
-                kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col + 1, m_rows, m_ring,
+                kv_ptr,
+                score_ptr,
+                ape_ptr,
+                ring_base,
+                rows,
+                ape_row,
+                col + 1,
+                m_rows,
+                m_ring,
                 *args,
-            )  # fmt: skip
+            )
             score = tl.where(pair_ok[None, :], score, 0.0)
             m_o, l_o, acc_o = online_softmax_step(m_o, l_o, acc_o, kv, score)
         even, odd = acc_e / l_e, acc_o / l_o
@@ -146,84 +164,99 @@ def _ring_write_kernel(
 ):
     """One (record, column block): ``ring[slot, p % R] = [kv | score + ape[p % RATIO]]``."""
     ring_write_row(
-        kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
-        tl.program_id(0), tl.program_id(1) * BLOCK, CD, ring_rows,
-        stride_kv, stride_score, stride_ape, stride_ring_slot, stride_ring_row,
-        stride_window, stride_plan, RATIO, WINDOW_PAGE, BLOCK, BLOCK,
-    )  # fmt: skip
+        kv_ptr,
+        score_ptr,
+        ape_ptr,
+        ring_ptr,
+        pool_ptr,
+        window_ptr,
+        plan_ptr,
+        tl.program_id(0),
+        tl.program_id(1) * BLOCK,
+        CD,
+        ring_rows,
+        stride_kv,
+        stride_score,
+        stride_ape,
+        stride_ring_slot,
+        stride_ring_row,
+        stride_window,
+        stride_plan,
+        RATIO,
+        WINDOW_PAGE,
+        BLOCK,
+        BLOCK,
+    )
 
 
 # ------------------------------------------------------------------------------- launchers
-def entries_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-) -> torch.Tensor:
+def entries_triton(call: CompressCall) -> torch.Tensor:
     """Launch ``_compress_entry_kernel``: ``[T, D]`` fp32 finished entries aligned to rows.
 
     A ``RopeTable`` is read in place (row = entry position); any other ``CosSin`` is first
     evaluated at the entry position of each row (``positions`` ``[T]``; torch ops, tests only).
     """
+    compress_plan, norm_weight = call.compress_plan.contiguous(), call.norm_weight.contiguous()
+    state, rope = call.state, call.rope
     d, ratio, ring = state.head_dim, state.ratio, state.ring
-    rows = kv_proj.shape[0]
-    out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
+    rows = call.kv_proj.shape[0]
+    out = torch.empty(rows, d, dtype=torch.float32, device=call.kv_proj.device)
     if rows == 0:
         return out
-    cos, sin = entry_cos_sin(rope, positions, ratio)
+    cos, sin = entry_cos_sin(rope, call.positions, ratio)
     span = compress_span(ratio)
     block_p = triton.next_power_of_2(max(d // 2, 1))
     block_s = min(span, max(POOL_TILE // (2 * block_p), 1))
     _compress_entry_kernel[(rows,)](
-        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
-        norm_weight, cos, sin, out,
-        rows, d, ring.shape[1], norm_eps,
-        kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
-        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
-        ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
-        BLOCK_P=block_p, BLOCK_S=block_s,
-    )  # fmt: skip
+        *call.sources,
+        compress_plan,
+        norm_weight,
+        cos,
+        sin,
+        out,
+        rows,
+        d,
+        ring.shape[1],
+        call.norm_eps,
+        *call.source_strides,
+        compress_plan.stride(0),
+        out.stride(0),
+        cos.stride(0),
+        RATIO=ratio,
+        SPAN=span,
+        OVERLAP=compress_overlap(ratio),
+        WINDOW_PAGE=state.window_page,
+        ROPE_PAIRS=cos.shape[-1],
+        ROPE_BY_ROW=not isinstance(rope, RopeTable),
+        BLOCK_P=block_p,
+        BLOCK_S=block_s,
+    )
     return out
 
 
-def write_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    write_plan: torch.Tensor,
-) -> None:
+def write_triton(call: CompressCall) -> None:
     """Launch ``_ring_write_kernel`` for every write-plan record."""
-    ring, cd = state.ring, kv_proj.shape[1]
+    state, write_plan = call.state, call.write_plan.contiguous()
+    cd = call.kv_proj.shape[1]
     grid = (write_plan.shape[0], triton.cdiv(cd, WRITE_BLOCK))
     _ring_write_kernel[grid](
-        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, write_plan,
-        cd, ring.shape[1],
-        kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        window_slots.stride(0), write_plan.stride(0),
-        RATIO=state.ratio, WINDOW_PAGE=state.window_page, BLOCK=WRITE_BLOCK,
-    )  # fmt: skip
+        *call.sources,
+        write_plan,
+        cd,
+        state.ring.shape[1],
+        *call.source_strides,
+        write_plan.stride(0),
+        RATIO=state.ratio,
+        WINDOW_PAGE=state.window_page,
+        BLOCK=WRITE_BLOCK,
+    )
 
 
 def compress_entries(call: CompressCall) -> torch.Tensor:
     """``table.compress_forward`` (inputs checked, channels of unit stride) in three launches:
     the entries, the ring writes, the cache store (``max_rows_per_request`` is not used)."""
-    args = call.sources
-    entries = entries_triton(
-        *args, call.compress_plan.contiguous(), call.norm_weight.contiguous(), call.rope,
-        call.norm_eps, call.positions,
-    )  # fmt: skip
-    write_triton(*args, call.write_plan.contiguous())
+    entries = entries_triton(call)
+    write_triton(call)
     if call.store is not None:
         store_rows(call.store[0], entries, call.store[1])
     return entries

@@ -8,7 +8,7 @@ pipelined loop, normalises, ropes, stores the entry in the cache (``store=``) an
 ring row of the write record of the same index, in every mode. Where a write can replace a
 ring row an entry of the forward reads (extend, verify without the speculative rings:
 ``ring_write_is_safe``), the program of the request's first entry pools its ring-reading
-entries and then does those writes (``DEFER_WRITES``). Launcher: :func:`fused_triton`.
+entries and then does those writes (``DEFER_WRITES``). Launcher: :func:`compress_fused`.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.cache.token_cache import SlotCache
 from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.errors import ConfigError
 from dsv4_backend.kernels.compressor.common import (
@@ -39,7 +37,7 @@ from dsv4_backend.kernels.compressor.device import (
     zero_gaps,
 )
 from dsv4_backend.kernels.device.cache_rows import row_store_constexprs, store_row
-from dsv4_backend.ops.rope import CosSin, RopeTable
+from dsv4_backend.ops.rope import RopeTable
 
 #: On a GPU the one-launch kernel pools an entry of at least ``SPLIT_SPAN`` tokens (ratio
 #: 128) in programs of ``SPLIT_CHANNELS`` channels each, so its span's loads spread over SMs.
@@ -96,9 +94,20 @@ def _pool_channels(
     for j0 in tl.range(0, SPAN, BLOCK_S, num_stages=2):
         j = j0 + tl.arange(0, BLOCK_S)
         from_rows, from_ring, rows, ring_base, ape_row = span_sources(
-            j, pos, window_len, row, request_ring, window_ptr, ring_rows,
-            stride_ring_slot, stride_ring_row, stride_window, SPAN, RATIO, WINDOW_PAGE,
-        )  # fmt: skip
+            j,
+            pos,
+            window_len,
+            row,
+            request_ring,
+            window_ptr,
+            ring_rows,
+            stride_ring_slot,
+            stride_ring_row,
+            stride_window,
+            SPAN,
+            RATIO,
+            WINDOW_PAGE,
+        )
         if OVERLAP == 2:  # ratio 4: slots RATIO.. (the current block) read the second half
             col = (j >= RATIO).to(tl.int64)[:, None] * D + d[None, :]
         else:
@@ -106,9 +115,20 @@ def _pool_channels(
         m_rows = from_rows[:, None] & d_ok[None, :]
         m_ring = from_ring[:, None] & d_ok[None, :]
         kv, score = slot_tile(
-            kv_ptr, score_ptr, ape_ptr, ring_base, rows, ape_row, col, m_rows, m_ring,
-            stride_kv, stride_score, stride_ape, OVERLAP * D,
-        )  # fmt: skip
+            kv_ptr,
+            score_ptr,
+            ape_ptr,
+            ring_base,
+            rows,
+            ape_row,
+            col,
+            m_rows,
+            m_ring,
+            stride_kv,
+            stride_score,
+            stride_ape,
+            OVERLAP * D,
+        )
         score = tl.where(d_ok[None, :], score, 0.0)  # padded channels: finite, unused
         m_run, l_run, acc = online_softmax_step(m_run, l_run, acc, kv, score)
     return acc / l_run
@@ -164,9 +184,19 @@ def _finish_entry(
         tl.debug_barrier()  # the row is re-read by other threads in the cache's layout
         slot = tl.load(out_loc_ptr + row).to(tl.int64)
         store_row(
-            cache_ptr, out_ptr + row * stride_out, slot, stride_cache, D, BLOCK_D,
-            STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
-        )  # fmt: skip
+            cache_ptr,
+            out_ptr + row * stride_out,
+            slot,
+            stride_cache,
+            D,
+            BLOCK_D,
+            STORE,
+            BF16_BITS,
+            NOPE_DIM,
+            ROPE_DIM,
+            PAGE_TOKENS,
+            BLOCK_R,
+        )
 
 
 @triton.jit
@@ -226,22 +256,75 @@ def _entry(
     arrival on ``arrivals[rec]`` (acquire-release); the last to arrive reads the row back,
     finishes it and resets the counter, so the span's loads spread over the workers and
     RMSNorm still sees every channel."""
-    sources = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, row, batch, pos,
-               window_len)  # fmt: skip
-    ring_strides = (D, ring_rows, stride_kv, stride_score, stride_ape, stride_ring_slot,
-                    stride_ring_row, stride_window)  # fmt: skip
-    finish = (norm_ptr, cos_ptr, sin_ptr, out_ptr, out_loc_ptr, cache_ptr, row, pos, D, eps,
-              stride_out, stride_rope, stride_cache)  # fmt: skip
+    sources = (
+        kv_ptr,
+        score_ptr,
+        ape_ptr,
+        ring_ptr,
+        pool_ptr,
+        window_ptr,
+        row,
+        batch,
+        pos,
+        window_len,
+    )
+    ring_strides = (
+        D,
+        ring_rows,
+        stride_kv,
+        stride_score,
+        stride_ape,
+        stride_ring_slot,
+        stride_ring_row,
+        stride_window,
+    )
+    finish = (
+        norm_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        out_loc_ptr,
+        cache_ptr,
+        row,
+        pos,
+        D,
+        eps,
+        stride_out,
+        stride_rope,
+        stride_cache,
+    )
     if CHANNEL_SPLITS == 1:
-        entry = _pool_channels(*sources, 0, *ring_strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
-                               BLOCK_D, BLOCK_S)  # fmt: skip
-        _finish_entry(entry, *finish, RATIO, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, STORE, BF16_BITS,
-                      NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R)  # fmt: skip
+        entry = _pool_channels(
+            *sources, 0, *ring_strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE, BLOCK_D, BLOCK_S
+        )
+        _finish_entry(
+            entry,
+            *finish,
+            RATIO,
+            ROPE_PAIRS,
+            ROPE_BY_ROW,
+            BLOCK_D,
+            STORE,
+            BF16_BITS,
+            NOPE_DIM,
+            ROPE_DIM,
+            PAGE_TOKENS,
+            BLOCK_R,
+        )
         done = row >= 0  # always: a tensor, as the split branch's
     else:
         c0 = split * (BLOCK_D // CHANNEL_SPLITS)
-        part = _pool_channels(*sources, c0, *ring_strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
-                              BLOCK_D // CHANNEL_SPLITS, BLOCK_S)  # fmt: skip
+        part = _pool_channels(
+            *sources,
+            c0,
+            *ring_strides,
+            RATIO,
+            SPAN,
+            OVERLAP,
+            WINDOW_PAGE,
+            BLOCK_D // CHANNEL_SPLITS,
+            BLOCK_S,
+        )
         c = c0 + tl.arange(0, BLOCK_D // CHANNEL_SPLITS)
         tl.store(out_ptr + row * stride_out + c, part, mask=c < D)
         tl.debug_barrier()  # every thread's channels are stored before the arrival counts
@@ -249,10 +332,23 @@ def _entry(
         if done:  # the last split: every channel is in out (read past L1, written elsewhere)
             tl.store(arrivals_ptr + rec, 0)
             d = tl.arange(0, BLOCK_D)
-            entry = tl.load(out_ptr + row * stride_out + d, mask=d < D, other=0.0,
-                            cache_modifier=".cg")  # fmt: skip
-            _finish_entry(entry, *finish, RATIO, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, STORE,
-                          BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R)  # fmt: skip
+            entry = tl.load(
+                out_ptr + row * stride_out + d, mask=d < D, other=0.0, cache_modifier=".cg"
+            )
+            _finish_entry(
+                entry,
+                *finish,
+                RATIO,
+                ROPE_PAIRS,
+                ROPE_BY_ROW,
+                BLOCK_D,
+                STORE,
+                BF16_BITS,
+                NOPE_DIM,
+                ROPE_DIM,
+                PAGE_TOKENS,
+                BLOCK_R,
+            )
     return done
 
 
@@ -394,10 +490,35 @@ def _record_entries(
     record is its request's owner (``DEFER_WRITES``, kernel docstring), the ratio-4 entry it
     pools for the next record and, once every read of the request's ring is done, the writes
     that wait for them."""
-    record = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, norm_ptr, cos_ptr,
-              sin_ptr, out_ptr, out_loc_ptr, cache_ptr, arrivals_ptr)  # fmt: skip
-    strides = (D, ring_rows, eps, stride_kv, stride_score, stride_ape, stride_ring_slot,
-               stride_ring_row, stride_window, stride_out, stride_rope, stride_cache)  # fmt: skip
+    record = (
+        kv_ptr,
+        score_ptr,
+        ape_ptr,
+        ring_ptr,
+        pool_ptr,
+        window_ptr,
+        norm_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        out_loc_ptr,
+        cache_ptr,
+        arrivals_ptr,
+    )
+    strides = (
+        D,
+        ring_rows,
+        eps,
+        stride_kv,
+        stride_score,
+        stride_ape,
+        stride_ring_slot,
+        stride_ring_row,
+        stride_window,
+        stride_out,
+        stride_rope,
+        stride_cache,
+    )
     row = tl.load(plan_ptr + rec * stride_plan).to(tl.int64)
     batch = tl.load(plan_ptr + rec * stride_plan + 1)
     pos = tl.load(plan_ptr + rec * stride_plan + 2).to(tl.int64)
@@ -409,10 +530,30 @@ def _record_entries(
     done = ~delegated  # this program finished the record's entry
     if not delegated:
         done = _entry(
-            *record, rec, split, row, batch, pos, window_len, *strides, RATIO, SPAN, OVERLAP,
-            WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, STORE,
-            BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
-        )  # fmt: skip
+            *record,
+            rec,
+            split,
+            row,
+            batch,
+            pos,
+            window_len,
+            *strides,
+            RATIO,
+            SPAN,
+            OVERLAP,
+            WINDOW_PAGE,
+            ROPE_PAIRS,
+            ROPE_BY_ROW,
+            BLOCK_D,
+            BLOCK_S,
+            CHANNEL_SPLITS,
+            STORE,
+            BF16_BITS,
+            NOPE_DIM,
+            ROPE_DIM,
+            PAGE_TOKENS,
+            BLOCK_R,
+        )
     if DEFER_WRITES:
         first = pos - window_len + 1
         if (window_len <= RATIO) & (window_len < SPAN) & done:  # the request's owner
@@ -425,18 +566,46 @@ def _record_entries(
                 n_len = tl.load(plan_ptr + nxt * stride_plan + 3, mask=live, other=SPAN)
                 if (n_row >= 0) & (n_batch == batch) & (n_len > RATIO) & (n_len < SPAN):
                     _entry(
-                        *record, nxt, split, n_row.to(tl.int64), n_batch, n_pos.to(tl.int64),
-                        n_len.to(tl.int64), *strides, RATIO, SPAN, OVERLAP, WINDOW_PAGE,
-                        ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, STORE,
-                        BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
-                    )  # fmt: skip
+                        *record,
+                        nxt,
+                        split,
+                        n_row.to(tl.int64),
+                        n_batch,
+                        n_pos.to(tl.int64),
+                        n_len.to(tl.int64),
+                        *strides,
+                        RATIO,
+                        SPAN,
+                        OVERLAP,
+                        WINDOW_PAGE,
+                        ROPE_PAIRS,
+                        ROPE_BY_ROW,
+                        BLOCK_D,
+                        BLOCK_S,
+                        CHANNEL_SPLITS,
+                        STORE,
+                        BF16_BITS,
+                        NOPE_DIM,
+                        ROPE_DIM,
+                        PAGE_TOKENS,
+                        BLOCK_R,
+                    )
             tl.debug_barrier()  # every ring read of the request is done
             writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, write_plan_ptr)
-            write_strides = (CD, ring_rows, stride_kv, stride_score, stride_ape,
-                             stride_ring_slot, stride_ring_row, stride_window,
-                             stride_plan)  # fmt: skip
-            j = _lower_bound(write_plan_ptr, num_rows, search_steps, stride_plan, row + 1, batch,
-                             False)  # fmt: skip
+            write_strides = (
+                CD,
+                ring_rows,
+                stride_kv,
+                stride_score,
+                stride_ape,
+                stride_ring_slot,
+                stride_ring_row,
+                stride_window,
+                stride_plan,
+            )
+            j = _lower_bound(
+                write_plan_ptr, num_rows, search_steps, stride_plan, row + 1, batch, False
+            )
             go = j < num_rows
             while go:
                 w_row = tl.load(write_plan_ptr + j * stride_plan).to(tl.int64)
@@ -446,12 +615,29 @@ def _record_entries(
                 if WINDOW_PAGE > 0:  # a c4 write waits only in the same window page
                     go = go & (w_pos < first + WINDOW_PAGE)
                 if go:
-                    deferred = _write_waits(window_ptr, w_row, w_pos, first, row, pos,
-                                            ring_rows, stride_window, SPAN,
-                                            WINDOW_PAGE)  # fmt: skip
+                    deferred = _write_waits(
+                        window_ptr,
+                        w_row,
+                        w_pos,
+                        first,
+                        row,
+                        pos,
+                        ring_rows,
+                        stride_window,
+                        SPAN,
+                        WINDOW_PAGE,
+                    )
                     if deferred:
-                        ring_write_row(*writes, j, 0, *write_strides, RATIO, WINDOW_PAGE,
-                                        BLOCK_D * OVERLAP, BLOCK_W)  # fmt: skip
+                        ring_write_row(
+                            *writes,
+                            j,
+                            0,
+                            *write_strides,
+                            RATIO,
+                            WINDOW_PAGE,
+                            BLOCK_D * OVERLAP,
+                            BLOCK_W,
+                        )
                 j += 1
                 go = go & (j < num_rows)
 
@@ -495,16 +681,54 @@ def _record_ring_write(
             w_pos = tl.load(write_plan_ptr + rec * stride_plan + 2).to(tl.int64)
             w_len = tl.load(write_plan_ptr + rec * stride_plan + 3).to(tl.int64)
             first, e_row, e_pos = _first_entry(
-                plan_ptr, w_row, w_pos, w_batch, w_len, num_rows, search_steps, stride_plan,
-                RATIO, SPAN,
-            )  # fmt: skip
-            waits = _write_waits(window_ptr, w_row, w_pos, first, e_row, e_pos, ring_rows,
-                                 stride_window, SPAN, WINDOW_PAGE)  # fmt: skip
+                plan_ptr,
+                w_row,
+                w_pos,
+                w_batch,
+                w_len,
+                num_rows,
+                search_steps,
+                stride_plan,
+                RATIO,
+                SPAN,
+            )
+            waits = _write_waits(
+                window_ptr,
+                w_row,
+                w_pos,
+                first,
+                e_row,
+                e_pos,
+                ring_rows,
+                stride_window,
+                SPAN,
+                WINDOW_PAGE,
+            )
     if not waits:
-        ring_write_row(kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr,
-                        write_plan_ptr, rec, 0, CD, ring_rows, stride_kv, stride_score,
-                        stride_ape, stride_ring_slot, stride_ring_row, stride_window,
-                        stride_plan, RATIO, WINDOW_PAGE, COLUMNS, BLOCK_W)  # fmt: skip
+        ring_write_row(
+            kv_ptr,
+            score_ptr,
+            ape_ptr,
+            ring_ptr,
+            pool_ptr,
+            window_ptr,
+            write_plan_ptr,
+            rec,
+            0,
+            CD,
+            ring_rows,
+            stride_kv,
+            stride_score,
+            stride_ape,
+            stride_ring_slot,
+            stride_ring_row,
+            stride_window,
+            stride_plan,
+            RATIO,
+            WINDOW_PAGE,
+            COLUMNS,
+            BLOCK_W,
+        )
 
 
 @triton.jit
@@ -578,35 +802,109 @@ def _compress_fused_kernel(
     splits, the owner's last split does them, once every split's reads are done.
     """
     pid = tl.program_id(0)
-    pointers = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
-                write_plan_ptr, norm_ptr, cos_ptr, sin_ptr, out_ptr, out_loc_ptr, cache_ptr,
-                arrivals_ptr)  # fmt: skip
-    sizes = (num_rows, D, CD, ring_rows, eps, search_steps, stride_kv, stride_score, stride_ape,
-             stride_ring_slot, stride_ring_row, stride_window, stride_plan, stride_out,
-             stride_rope, stride_cache)  # fmt: skip
-    writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr,
-              write_plan_ptr)  # fmt: skip
-    write_sizes = (num_rows, CD, ring_rows, search_steps, stride_kv, stride_score, stride_ape,
-                   stride_ring_slot, stride_ring_row, stride_window, stride_plan)  # fmt: skip
+    pointers = (
+        kv_ptr,
+        score_ptr,
+        ape_ptr,
+        ring_ptr,
+        pool_ptr,
+        window_ptr,
+        plan_ptr,
+        write_plan_ptr,
+        norm_ptr,
+        cos_ptr,
+        sin_ptr,
+        out_ptr,
+        out_loc_ptr,
+        cache_ptr,
+        arrivals_ptr,
+    )
+    sizes = (
+        num_rows,
+        D,
+        CD,
+        ring_rows,
+        eps,
+        search_steps,
+        stride_kv,
+        stride_score,
+        stride_ape,
+        stride_ring_slot,
+        stride_ring_row,
+        stride_window,
+        stride_plan,
+        stride_out,
+        stride_rope,
+        stride_cache,
+    )
+    writes = (kv_ptr, score_ptr, ape_ptr, ring_ptr, pool_ptr, window_ptr, plan_ptr, write_plan_ptr)
+    write_sizes = (
+        num_rows,
+        CD,
+        ring_rows,
+        search_steps,
+        stride_kv,
+        stride_score,
+        stride_ape,
+        stride_ring_slot,
+        stride_ring_row,
+        stride_window,
+        stride_plan,
+    )
     if CHANNEL_SPLITS == 1:  # every program is a record's (under a pid bound check, the c4
         # kernels compile to twice the instructions)
         ragged = zero_gaps(
             plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS
         )
         # The ring write first: one that does not wait replaces no row an entry reads.
-        _record_ring_write(*writes, pid, *write_sizes, RATIO, SPAN, WINDOW_PAGE,
-                           BLOCK_D * OVERLAP, BLOCK_W, DEFER_WRITES)  # fmt: skip
+        _record_ring_write(
+            *writes,
+            pid,
+            *write_sizes,
+            RATIO,
+            SPAN,
+            WINDOW_PAGE,
+            BLOCK_D * OVERLAP,
+            BLOCK_W,
+            DEFER_WRITES,
+        )
         if ragged >= 0:
             _record_entries(
-                *pointers, pid, 0, *sizes, RATIO, SPAN, OVERLAP, WINDOW_PAGE, ROPE_PAIRS,
-                ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, BLOCK_W, DEFER_WRITES, STORE,
-                BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
-            )  # fmt: skip
+                *pointers,
+                pid,
+                0,
+                *sizes,
+                RATIO,
+                SPAN,
+                OVERLAP,
+                WINDOW_PAGE,
+                ROPE_PAIRS,
+                ROPE_BY_ROW,
+                BLOCK_D,
+                BLOCK_S,
+                CHANNEL_SPLITS,
+                BLOCK_W,
+                DEFER_WRITES,
+                STORE,
+                BF16_BITS,
+                NOPE_DIM,
+                ROPE_DIM,
+                PAGE_TOKENS,
+                BLOCK_R,
+            )
     elif pid < num_rows:  # a record's program: the gap before it, the ring write
-        zero_gaps(plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D,
-                   ZERO_ROWS)  # fmt: skip
-        _record_ring_write(*writes, pid, *write_sizes, RATIO, SPAN, WINDOW_PAGE,
-                           BLOCK_D * OVERLAP, BLOCK_W, DEFER_WRITES)  # fmt: skip
+        zero_gaps(plan_ptr, out_ptr, pid, num_rows, D, stride_plan, stride_out, BLOCK_D, ZERO_ROWS)
+        _record_ring_write(
+            *writes,
+            pid,
+            *write_sizes,
+            RATIO,
+            SPAN,
+            WINDOW_PAGE,
+            BLOCK_D * OVERLAP,
+            BLOCK_W,
+            DEFER_WRITES,
+        )
     else:  # an entry worker: items (record, split) pid - T, then every workers-th after
         workers = tl.num_programs(0) - num_rows
         item = pid - num_rows
@@ -614,10 +912,28 @@ def _compress_fused_kernel(
         go = tl.load(plan_ptr + rec * stride_plan, mask=rec < num_rows, other=-1) >= 0
         while go:  # valid records come first: the first padding one ends the worker's items
             _record_entries(
-                *pointers, rec, item % CHANNEL_SPLITS, *sizes, RATIO, SPAN, OVERLAP,
-                WINDOW_PAGE, ROPE_PAIRS, ROPE_BY_ROW, BLOCK_D, BLOCK_S, CHANNEL_SPLITS, BLOCK_W,
-                DEFER_WRITES, STORE, BF16_BITS, NOPE_DIM, ROPE_DIM, PAGE_TOKENS, BLOCK_R,
-            )  # fmt: skip
+                *pointers,
+                rec,
+                item % CHANNEL_SPLITS,
+                *sizes,
+                RATIO,
+                SPAN,
+                OVERLAP,
+                WINDOW_PAGE,
+                ROPE_PAIRS,
+                ROPE_BY_ROW,
+                BLOCK_D,
+                BLOCK_S,
+                CHANNEL_SPLITS,
+                BLOCK_W,
+                DEFER_WRITES,
+                STORE,
+                BF16_BITS,
+                NOPE_DIM,
+                ROPE_DIM,
+                PAGE_TOKENS,
+                BLOCK_R,
+            )
             item += workers
             rec = item // CHANNEL_SPLITS
             go = tl.load(plan_ptr + rec * stride_plan, mask=rec < num_rows, other=-1) >= 0
@@ -681,31 +997,24 @@ def fused_warps(block_d: int) -> int:
     return 8 if block_d >= 512 else 4
 
 
-def fused_triton(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-    write_plan: torch.Tensor,
-    norm_weight: torch.Tensor,
-    rope: CosSin,
-    norm_eps: float,
-    positions: torch.Tensor,
-    store: tuple[SlotCache, torch.Tensor] | None,
-    defer_writes: bool,
-) -> torch.Tensor:
-    """Launch ``_compress_fused_kernel`` (``[T, D]`` fp32 entries aligned to rows), which also
-    stores them in ``store = (cache, out_loc)`` and writes the ring; ``defer_writes``: unless
-    ``ring_write_is_safe``."""
+def compress_fused(call: CompressCall) -> torch.Tensor:
+    """``table.compress_forward`` (inputs checked, channels of unit stride) in one launch of
+    ``_compress_fused_kernel`` (``[T, D]`` fp32 entries aligned to rows), which also stores
+    them in ``call.store = (cache, out_loc)`` and writes the ring; it defers the writes that
+    wait for a ring read unless ``ring_write_is_safe``."""
+    state, kv_proj = call.state, call.kv_proj
+    compress_plan, write_plan = call.compress_plan.contiguous(), call.write_plan.contiguous()
+    norm_weight, rope = call.norm_weight.contiguous(), call.rope
+    store = call.store
+    if store is not None:
+        check_store(state, kv_proj.shape[0], *store)
+        store = (store[0], store[1].contiguous())
     d, ratio, ring = state.head_dim, state.ratio, state.ring
     rows = kv_proj.shape[0]
     out = torch.empty(rows, d, dtype=torch.float32, device=kv_proj.device)
     if rows == 0:
         return out
-    cos, sin = entry_cos_sin(rope, positions, ratio)
+    cos, sin = entry_cos_sin(rope, call.positions, ratio)
     span = compress_span(ratio)
     block_d = triton.next_power_of_2(max(d, 2))
     cache, out_loc = store if store is not None else (None, out)  # out: an unread pointer
@@ -715,28 +1024,37 @@ def fused_triton(
     # One arrival counter per record (only split entries count; else an unread pointer).
     arrivals = state.arrivals.at_least(rows) if splits > 1 else compress_plan
     _compress_fused_kernel[(rows + entry_workers(rows, splits),)](
-        kv_proj, score_proj, ape, ring, req_pool_indices, window_slots, compress_plan,
-        write_plan, norm_weight, cos, sin, out, out_loc, storage, arrivals,
-        rows, d, kv_proj.shape[1], ring.shape[1], norm_eps, rows.bit_length(),
-        kv_proj.stride(0), score_proj.stride(0), ape.stride(0), ring.stride(0), ring.stride(1),
-        window_slots.stride(0), compress_plan.stride(0), out.stride(0), cos.stride(0),
+        *call.sources,
+        compress_plan,
+        write_plan,
+        norm_weight,
+        cos,
+        sin,
+        out,
+        out_loc,
+        storage,
+        arrivals,
+        rows,
+        d,
+        kv_proj.shape[1],
+        ring.shape[1],
+        call.norm_eps,
+        rows.bit_length(),
+        *call.source_strides,
+        compress_plan.stride(0),
+        out.stride(0),
+        cos.stride(0),
         storage.stride(0),
-        RATIO=ratio, SPAN=span, OVERLAP=compress_overlap(ratio), WINDOW_PAGE=state.window_page,
-        ROPE_PAIRS=cos.shape[-1], ROPE_BY_ROW=not isinstance(rope, RopeTable),
-        BLOCK_D=block_d, **tiles, DEFER_WRITES=defer_writes,
-        **row_store_constexprs(cache), num_warps=fused_warps(block_d),
-    )  # fmt: skip
+        RATIO=ratio,
+        SPAN=span,
+        OVERLAP=compress_overlap(ratio),
+        WINDOW_PAGE=state.window_page,
+        ROPE_PAIRS=cos.shape[-1],
+        ROPE_BY_ROW=not isinstance(rope, RopeTable),
+        BLOCK_D=block_d,
+        **tiles,
+        DEFER_WRITES=not ring_write_is_safe(state, call.max_rows_per_request),
+        **row_store_constexprs(cache),
+        num_warps=fused_warps(block_d),
+    )
     return out
-
-
-def compress_fused(call: CompressCall) -> torch.Tensor:
-    """``table.compress_forward`` (inputs checked, channels of unit stride) in one launch."""
-    store = call.store
-    if store is not None:
-        check_store(call.state, call.kv_proj.shape[0], *store)
-        store = (store[0], store[1].contiguous())
-    return fused_triton(
-        *call.sources, call.compress_plan.contiguous(), call.write_plan.contiguous(),
-        call.norm_weight.contiguous(), call.rope, call.norm_eps, call.positions, store,
-        not ring_write_is_safe(call.state, call.max_rows_per_request),
-    )  # fmt: skip

@@ -21,13 +21,22 @@ COMPRESSOR = OpTable(
     "compressor",
     "softmax-gated pooling of tokens into c4 / c128 entries, the rings, the entry store",
     (
-        Variant("fused", compress_fused, (TRITON_PATHS,),
-                "every ratio and mode, the store in the same launch"),
-        Variant("entries", compress_entries, (TRITON_PATHS,),
-                "every ratio and mode; 3 launches", baseline=True),
+        Variant(
+            "fused",
+            compress_fused,
+            (TRITON_PATHS,),
+            "every ratio and mode, the store in the same launch",
+        ),
+        Variant(
+            "entries",
+            compress_entries,
+            (TRITON_PATHS,),
+            "every ratio and mode; 3 launches",
+            baseline=True,
+        ),
         Variant("torch", compress_torch, (), "every ratio and mode", baseline=True),
     ),
-)  # fmt: skip
+)
 
 
 def _unit_channel_stride(x: torch.Tensor) -> torch.Tensor:
@@ -81,9 +90,19 @@ def compress_forward(
     # The kernels step channels and batch ids with unit stride (rows may be strided: the
     # kv and score halves of one projection are used in place).
     call = CompressCall(
-        state, _unit_channel_stride(kv_proj), _unit_channel_stride(score_proj),
-        ape.contiguous(), norm_weight, rope, req_pool_indices.contiguous(),
-        _unit_channel_stride(window_slots), positions, compress_plan, write_plan, norm_eps, store,
+        state,
+        _unit_channel_stride(kv_proj),
+        _unit_channel_stride(score_proj),
+        ape.contiguous(),
+        norm_weight,
+        rope,
+        req_pool_indices.contiguous(),
+        _unit_channel_stride(window_slots),
+        positions,
+        compress_plan,
+        write_plan,
+        norm_eps,
+        store,
         max_rows_per_request,
-    )  # fmt: skip
+    )
     return resolve(COMPRESSOR, kv_proj.device).variant.entry(call)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.cache.state import CompressorState
 from dsv4_backend.config import compress_overlap, compress_span
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.compressor.common import CompressCall
@@ -14,34 +13,22 @@ from dsv4_backend.ops.compress import finish_entries, pool_slots
 
 
 def _ring_slots(
-    state: CompressorState,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    ragged: torch.Tensor,
-    batch: torch.Tensor,
-    lags: torch.Tensor,
+    call: CompressCall, ragged: torch.Tensor, batch: torch.Tensor, lags: torch.Tensor
 ) -> torch.Tensor:
     """Ring slot of position ``p - lag`` of each record ``[n, lags]`` (``ragged``, ``batch``
     ``[n]``; ``lags`` ``[n, k]`` in ``[0, SPAN)``, clamped by the caller where unused)."""
-    if state.window_page:
-        return window_slots.long()[ragged[:, None], lags] // state.window_page
-    return req_pool_indices.long()[batch][:, None].expand_as(lags)
+    if call.state.window_page:
+        return call.window_slots.long()[ragged[:, None], lags] // call.state.window_page
+    return call.req_pool_indices.long()[batch][:, None].expand_as(lags)
 
 
-def pool_torch(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    compress_plan: torch.Tensor,
-) -> torch.Tensor:
+def pool_torch(call: CompressCall) -> torch.Tensor:
     """Torch implementation of the pooling kernel (same gathers, vectorised over records)."""
+    state, kv_proj, score_proj, ape = call.state, call.kv_proj, call.score_proj, call.ape
     d, ratio, ring = state.head_dim, state.ratio, state.ring
     span, rows = compress_span(ratio), kv_proj.shape[0]
     out = torch.zeros(rows, d, dtype=torch.float32, device=kv_proj.device)
-    plan = compress_plan.long()
+    plan = call.compress_plan.long()
     plan = plan[plan[:, 0] >= 0]
     ragged, batch, pos, window_len = plan.unbind(1)
     j = torch.arange(span, device=plan.device)
@@ -50,7 +37,7 @@ def pool_torch(
     from_ring = (q >= 0) & ~from_rows
     src = torch.where(from_rows, ragged[:, None] - (pos[:, None] - q), 0)
     lags = torch.where(from_ring, pos[:, None] - q, 0)
-    slots = _ring_slots(state, req_pool_indices, window_slots, ragged, batch, lags)
+    slots = _ring_slots(call, ragged, batch, lags)
     slot_rows = ring[slots, q.clamp(min=0) % ring.shape[1]]
     cd = kv_proj.shape[1]
     in_rows, present = from_rows[..., None], (from_rows | from_ring)[..., None]
@@ -69,22 +56,15 @@ def pool_torch(
     return out
 
 
-def write_torch(
-    state: CompressorState,
-    kv_proj: torch.Tensor,
-    score_proj: torch.Tensor,
-    ape: torch.Tensor,
-    req_pool_indices: torch.Tensor,
-    window_slots: torch.Tensor,
-    write_plan: torch.Tensor,
-) -> None:
+def write_torch(call: CompressCall) -> None:
     """Torch implementation of the ring-write kernel."""
-    plan = write_plan.long()
+    state = call.state
+    plan = call.write_plan.long()
     ragged, batch, pos, _ = plan[plan[:, 0] >= 0].unbind(1)
-    score = score_proj[ragged].float() + ape.float()[pos % state.ratio]
-    rows = torch.cat([kv_proj[ragged].float(), score], dim=1)
+    score = call.score_proj[ragged].float() + call.ape.float()[pos % state.ratio]
+    rows = torch.cat([call.kv_proj[ragged].float(), score], dim=1)
     lag0 = torch.zeros(ragged.shape[0], 1, dtype=torch.long, device=ragged.device)
-    slots = _ring_slots(state, req_pool_indices, window_slots, ragged, batch, lag0)[:, 0]
+    slots = _ring_slots(call, ragged, batch, lag0)[:, 0]
     state.ring[slots, pos % state.ring_rows] = rows
 
 
@@ -92,8 +72,8 @@ def compress_torch(call: CompressCall) -> torch.Tensor:
     """``table.compress_forward`` (inputs checked) with torch ops: the gathers, the ring
     writes, then ``ops.compress.finish_entries`` and the cache store (``max_rows_per_request``
     is not used)."""
-    pooled = pool_torch(*call.sources, call.compress_plan)
-    write_torch(*call.sources, call.write_plan)
+    pooled = pool_torch(call)
+    write_torch(call)
     ratio = call.state.ratio
     entry_ids = torch.div(call.positions.long() + 1, ratio, rounding_mode="floor") - 1
     entries = finish_entries(pooled, entry_ids, call.norm_weight, ratio, call.rope, call.norm_eps)

@@ -17,7 +17,7 @@ callers; :func:`run_indexer_bounded` does not).
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
+from dataclasses import replace
 
 import torch
 import triton
@@ -33,7 +33,7 @@ from dsv4_backend.kernels.indexer.common import (
     BLOCK_N,
     C4_ENTRIES_PER_PAGE,
     IndexCall,
-    check_selection,
+    SelectCall,
 )
 from dsv4_backend.kernels.indexer.device import (
     FP4_KEYS,
@@ -42,9 +42,6 @@ from dsv4_backend.kernels.indexer.device import (
     key_format,
     row_queries,
 )
-
-if TYPE_CHECKING:
-    pass
 
 #: Programs the length-bounded scores aim for in all (a few per SM of an H200's 132).
 SCORE_PROGRAMS = 512
@@ -110,9 +107,19 @@ def _row_scores_kernel(
     if split * BLOCK_N < num:
         d = tl.arange(0, BLOCK_D)
         q, w = row_queries(
-            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
-            HI, DIM, BLOCK_H, BLOCK_D,
-        )  # fmt: skip
+            q_ptr,
+            w_ptr,
+            row,
+            stride_qt,
+            stride_qh,
+            stride_qd,
+            stride_wt,
+            stride_wh,
+            HI,
+            DIM,
+            BLOCK_H,
+            BLOCK_D,
+        )
         q_t = tl.trans(q.to(tl.bfloat16) if GPU else q.to(tl.float32))  # [BLOCK_D, BLOCK_H]
         for n0 in range(split * BLOCK_N, num, step):
             cols = n0 + tl.arange(0, BLOCK_N)
@@ -187,9 +194,19 @@ def _select_threshold(scores_ptr, n, K, BLOCK_C: tl.constexpr):
 
 @triton.jit
 def _write_selected(
-    scores_ptr, n, K, cols_ptr, col0, dst_scores_ptr, dst_ptr, pt_row, stride_pt_p,
-    E: tl.constexpr, SLOTS: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    scores_ptr,
+    n,
+    K,
+    cols_ptr,
+    col0,
+    dst_scores_ptr,
+    dst_ptr,
+    pt_row,
+    stride_pt_p,
+    E: tl.constexpr,
+    SLOTS: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """Write the ``min(n, K)`` best of the ``n`` scores at ``scores_ptr`` (ties to the first)
     in their order, at ``dst_ptr[0:]``. ``SLOTS``: the scores' entries are ``cols_ptr[i]``,
     written as c4 slots through the page table row ``pt_row``; else the entry of score ``i``
@@ -246,12 +263,19 @@ def _topk_chunks_kernel(
         if lo < num:
             # Candidates with their entries, not slots (cols_ptr and the page table unused).
             _write_selected(
-                scores_ptr + row * stride_scores_t + lo, tl.minimum(length, num - lo), K,
-                cand_cols_ptr, lo,
+                scores_ptr + row * stride_scores_t + lo,
+                tl.minimum(length, num - lo),
+                K,
+                cand_cols_ptr,
+                lo,
                 cand_scores_ptr + row * stride_cand_t + part * K,
                 cand_cols_ptr + row * stride_cand_t + part * K,
-                num_ptr, 0, 1, False, BLOCK_C,
-            )  # fmt: skip
+                num_ptr,
+                0,
+                1,
+                False,
+                BLOCK_C,
+            )
 
 
 @triton.jit
@@ -290,10 +314,19 @@ def _merge_topk_slots_kernel(
         total = full * K + tl.minimum(num - full * length, K)
         # Slots through the page table (col0 = 0 and dst_scores_ptr unused).
         _write_selected(
-            cand_scores_ptr + row * stride_cand_t, total, K,
-            cand_cols_ptr + row * stride_cand_t, 0, cand_scores_ptr, out_row,
-            pt_row, stride_pt_p, E, True, BLOCK_C,
-        )  # fmt: skip
+            cand_scores_ptr + row * stride_cand_t,
+            total,
+            K,
+            cand_cols_ptr + row * stride_cand_t,
+            0,
+            cand_scores_ptr,
+            out_row,
+            pt_row,
+            stride_pt_p,
+            E,
+            True,
+            BLOCK_C,
+        )
 
 
 def score_splits(rows: int, max_candidates: int, device: torch.device) -> int:
@@ -315,11 +348,20 @@ def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
     if rows == 0 or cols == 0:
         return
     _row_scores_kernel[(rows, score_splits(rows, cols, q_idx.device))](
-        q_idx, weights, keys.storage, page_table, num_candidates.contiguous(), out,
-        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
-        weights.stride(0), weights.stride(1),
+        q_idx,
+        weights,
+        keys.storage,
+        page_table,
+        num_candidates.contiguous(),
+        out,
+        q_idx.stride(0),
+        q_idx.stride(1),
+        q_idx.stride(2),
+        weights.stride(0),
+        weights.stride(1),
         keys.storage.stride(0),
-        page_table.stride(0), page_table.stride(1),
+        page_table.stride(0),
+        page_table.stride(1),
         out.stride(0),
         cols,
         HI=heads,
@@ -332,7 +374,7 @@ def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
         KEYS=key_format(keys),
         GPU=q_idx.device.type == "cuda",
         num_warps=FP4_ROW_WARPS if key_format(keys) == FP4_KEYS.value else 4,
-    )  # fmt: skip
+    )
 
 
 def topk_parts(rows: int, cols: int, topk: int, device: torch.device) -> int:
@@ -345,44 +387,53 @@ def topk_parts(rows: int, cols: int, topk: int, device: torch.device) -> int:
     return max(1, min(parts, math.isqrt(cols // max(topk, 1)) + 1))
 
 
-def _topk_slots_triton(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
+def _topk_slots_triton(call: SelectCall) -> None:
     """Launch ``_topk_chunks_kernel`` (``topk_parts`` programs a row; skipped when no row can
     have more than ``topk`` candidates) and ``_merge_topk_slots_kernel`` (one a row). They
     read each row's own ``num`` scores, and its chunks' candidates, only.
 
     The candidate buffers are ``[T, min(N, parts * topk)]``: a row's candidates are at most
     its count and ``topk`` a chunk."""
+    scores, page_table, topk, out = call.scores, call.page_table, call.topk, call.out
     rows, cols = scores.shape
     if rows == 0 or topk == 0:
         return
     device = scores.device
     block_c = TOPK_BLOCK_C if device.type == "cuda" else BLOCK_N
-    num_candidates = num_candidates.contiguous()  # read with unit stride
+    num_candidates = call.num_candidates.contiguous()  # read with unit stride
     parts = topk_parts(rows, cols, topk, device)
     width = min(cols, parts * topk)
     cand_scores = torch.empty(rows, width, dtype=torch.float32, device=device)
     cand_cols = torch.empty(rows, width, dtype=torch.int32, device=device)
     if cols > topk:
         _topk_chunks_kernel[(rows, parts)](
-            scores, num_candidates, cand_scores, cand_cols,
-            scores.stride(0), cand_scores.stride(0),
-            cols, topk,
+            scores,
+            num_candidates,
+            cand_scores,
+            cand_cols,
+            scores.stride(0),
+            cand_scores.stride(0),
+            cols,
+            topk,
             BLOCK_C=block_c,
-        )  # fmt: skip
+        )
     _merge_topk_slots_kernel[(rows,)](
-        cand_scores, cand_cols, num_candidates, page_table, out,
-        cand_scores.stride(0), page_table.stride(0), page_table.stride(1), out.stride(0),
-        cols, topk, parts,
+        cand_scores,
+        cand_cols,
+        num_candidates,
+        page_table,
+        out,
+        cand_scores.stride(0),
+        page_table.stride(0),
+        page_table.stride(1),
+        out.stride(0),
+        cols,
+        topk,
+        parts,
         E=C4_ENTRIES_PER_PAGE,
         BLOCK_K=triton.next_power_of_2(topk),
         BLOCK_C=block_c,
-    )  # fmt: skip
+    )
 
 
 def index_scores_bounded(call: IndexCall) -> torch.Tensor:
@@ -393,15 +444,9 @@ def index_scores_bounded(call: IndexCall) -> torch.Tensor:
     return out
 
 
-def select_topk_bounded(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
+def select_topk_bounded(call: SelectCall) -> None:
     """``table.select_topk``: the chunked top-k of each row's scores below its count."""
-    _topk_slots_triton(scores.float().contiguous(), num_candidates, page_table, topk, out)
+    _topk_slots_triton(replace(call, scores=call.scores.float().contiguous()))
 
 
 def run_indexer_bounded(call: IndexCall, topk: int, out: torch.Tensor) -> None:
@@ -414,5 +459,4 @@ def run_indexer_bounded(call: IndexCall, topk: int, out: torch.Tensor) -> None:
     """
     scores = torch.empty(call.q_idx.shape[0], call.max_candidates, device=call.q_idx.device)
     row_scores_triton(call, scores)
-    check_selection(scores, call.num_candidates, call.page_table, topk, out)
-    _topk_slots_triton(scores, call.num_candidates, call.page_table, topk, out)
+    _topk_slots_triton(SelectCall(scores, call.num_candidates, call.page_table, topk, out))

@@ -1,7 +1,7 @@
-"""The lightning indexer's shared host code: the c4 page geometry, the scoring call every
-variant takes, checked when made (:class:`IndexCall`), the c4 slots of entry indices, the
-selection's definition (``select_entries``, the torch variant's selection) and the record of
-a variant's entry points (:class:`IndexerKernels`)."""
+"""The lightning indexer's shared host code: the c4 page geometry, the scoring and selection
+calls every variant takes, checked when made (:class:`IndexCall`, :class:`SelectCall`), the c4
+slots of entry indices, the selection's definition (``select_entries``, the torch variant's
+selection) and the record of a variant's entry points (:class:`IndexerKernels`)."""
 
 from __future__ import annotations
 
@@ -158,28 +158,44 @@ def select_entries(scores: torch.Tensor, num_candidates: torch.Tensor, topk: int
     return torch.nn.functional.pad(picked, (0, topk - picked.shape[1]), value=-1)
 
 
-def check_selection(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
-    if scores.dim() != 2 or num_candidates.shape != scores.shape[:1]:
-        raise ContractError(
-            f"scores {tuple(scores.shape)} and num_candidates {tuple(num_candidates.shape)}; "
-            "expected [T, N] and [T]"
-        )
-    rows = scores.shape[0]
-    if tuple(out.shape) != (rows, topk) or out.dtype != torch.int32:
-        raise ContractError(
-            f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected [{rows}, "
-            f"{topk}] int32 (topk={topk})"
-        )
-    if page_table.dim() != 2 or page_table.shape[0] != rows:
-        raise ContractError(
-            f"page_table has shape {tuple(page_table.shape)}; expected [{rows}, Pw]"
-        )
+@dataclass(frozen=True)
+class SelectCall:
+    """One selection call of the lightning indexer (``table.select_topk``'s arguments, which
+    its docstring describes), checked when made (``ContractError`` naming the first that does
+    not fit); every variant's ``select`` and ``select_padded`` take one.
+
+    Attributes
+    ----------
+    scores : ``[T, N]`` float scores.
+    num_candidates : ``[T]`` int32 candidates per row.
+    page_table : ``[T, Pw]`` int32 full-cache pages of each row's request.
+    topk : ``K``, entries kept per row.
+    out : ``[T, K]`` int32, receives the c4 slots of the selected entries.
+    """
+
+    scores: torch.Tensor
+    num_candidates: torch.Tensor
+    page_table: torch.Tensor
+    topk: int
+    out: torch.Tensor
+
+    def __post_init__(self) -> None:
+        scores, num_candidates, out = self.scores, self.num_candidates, self.out
+        if scores.dim() != 2 or num_candidates.shape != scores.shape[:1]:
+            raise ContractError(
+                f"scores {tuple(scores.shape)} and num_candidates "
+                f"{tuple(num_candidates.shape)}; expected [T, N] and [T]"
+            )
+        rows, topk = scores.shape[0], self.topk
+        if tuple(out.shape) != (rows, topk) or out.dtype != torch.int32:
+            raise ContractError(
+                f"out has shape {tuple(out.shape)} and dtype {out.dtype}; expected [{rows}, "
+                f"{topk}] int32 (topk={topk})"
+            )
+        if self.page_table.dim() != 2 or self.page_table.shape[0] != rows:
+            raise ContractError(
+                f"page_table has shape {tuple(self.page_table.shape)}; expected [{rows}, Pw]"
+            )
 
 
 def mask_past_count(scores: torch.Tensor, num_candidates: torch.Tensor) -> torch.Tensor:
@@ -197,7 +213,7 @@ class IndexerKernels(NamedTuple):
     ``scores``, then ``select_padded``).
     """
 
-    scores: Callable[..., torch.Tensor]
-    select: Callable[..., None]
-    select_padded: Callable[..., None]
-    run: Callable[..., None] | None = None
+    scores: Callable[[IndexCall], torch.Tensor]
+    select: Callable[[SelectCall], None]
+    select_padded: Callable[[SelectCall], None]
+    run: Callable[[IndexCall, int, torch.Tensor], None] | None = None

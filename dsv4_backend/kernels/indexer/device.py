@@ -33,9 +33,19 @@ def key_format(keys: IndexerKeyCache | Fp4IndexKeyCache) -> int:
 
 @triton.jit
 def row_queries(
-    q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
-    HI: tl.constexpr, DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    w_ptr,
+    row,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_wt,
+    stride_wh,
+    HI: tl.constexpr,
+    DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Row ``row``'s queries ``[BLOCK_H, BLOCK_D]`` (as stored) and fp32 head weights
     ``[BLOCK_H]``; padded heads load q = 0 and w = 0, so they add nothing (``tl.dot`` needs
     >= 16 rows)."""
@@ -59,10 +69,21 @@ def candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, 
 
 @triton.jit
 def fp4_row_dots(
-    q_ptr, key_ptr, row, slots, valid, stride_qt, stride_qh, stride_qd,
-    HI: tl.constexpr, DIM: tl.constexpr, PAGE_TOKENS: tl.constexpr, BLOCK_H: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_BF16: tl.constexpr,
-):  # fmt: skip
+    q_ptr,
+    key_ptr,
+    row,
+    slots,
+    valid,
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    HI: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_BF16: tl.constexpr,
+):
     """``[BLOCK_N, BLOCK_H]`` fp32 dots of row ``row``'s queries with the fp4 index keys at
     ``slots`` (DeepSeek-V4.1), one ue8m0 block of 32 channels at a time: the decoded keys of a
     block stay in registers next to its queries, not the whole ``[BLOCK_N, DIM]`` tile."""

@@ -4,11 +4,12 @@ ascending entry order."""
 
 from __future__ import annotations
 
-import torch
+from dataclasses import replace
+
 import triton
 import triton.language as tl
 
-from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, mask_past_count
+from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, SelectCall, mask_past_count
 from dsv4_backend.kernels.indexer.topk import best_columns
 
 
@@ -44,38 +45,32 @@ def _selected_slots_kernel(
     tl.store(out_ptr + row * stride_out_t + k, slots, mask=k < K)
 
 
-def select_padded_slots(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
+def select_padded_slots(call: SelectCall) -> None:
     """``table.select_topk`` of scores already ``-inf`` at columns ``>= num_candidates``: the
     top-k (``topk.best_columns``), then ``_selected_slots_kernel``; two launches."""
+    scores, page_table, topk, out = call.scores, call.page_table, call.topk, call.out
     rows, cols = scores.shape
     if rows == 0 or topk == 0:
         return
     picked = best_columns(scores, topk) if cols > topk else None
     _selected_slots_kernel[(rows,)](
-        out if picked is None else picked, num_candidates, page_table, out,
+        out if picked is None else picked,
+        call.num_candidates,
+        page_table,
+        out,
         0 if picked is None else picked.stride(0),
-        page_table.stride(0), page_table.stride(1), out.stride(0),
-        cols, topk,
+        page_table.stride(0),
+        page_table.stride(1),
+        out.stride(0),
+        cols,
+        topk,
         E=C4_ENTRIES_PER_PAGE,
         HAS_PICKED=picked is not None,
         BLOCK_K=triton.next_power_of_2(topk),
-    )  # fmt: skip
+    )
 
 
-def select_slots(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
+def select_slots(call: SelectCall) -> None:
     """``table.select_topk``: :func:`select_padded_slots` of the scores made ``-inf`` past
     each row's count."""
-    select_padded_slots(mask_past_count(scores, num_candidates), num_candidates, page_table,
-                        topk, out)  # fmt: skip
+    select_padded_slots(replace(call, scores=mask_past_count(call.scores, call.num_candidates)))

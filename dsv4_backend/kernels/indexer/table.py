@@ -49,7 +49,7 @@ from dsv4_backend.kernels.indexer.common import (
     C4_ENTRIES_PER_PAGE,
     IndexCall,
     IndexerKernels,
-    check_selection,
+    SelectCall,
 )
 from dsv4_backend.kernels.indexer.deep_gemm import (
     FUNCTIONS as DEEP_GEMM_FUNCTIONS,
@@ -86,31 +86,40 @@ INDEXER = OpTable(
         Variant(
             "deep_gemm",
             IndexerKernels(index_scores_deep_gemm, select_slots, select_padded_slots),
-            (on_paths(dispatch.TRITON), on_cuda(9, 10, 12),
-             with_library("deep_gemm", *DEEP_GEMM_FUNCTIONS)),
+            (
+                on_paths(dispatch.TRITON),
+                on_cuda(9, 10, 12),
+                with_library("deep_gemm", *DEEP_GEMM_FUNCTIONS),
+            ),
             "DeepGEMM's fp8 paged MQA logits: fp8 keys (not fp4), 32 / 64 heads of dim 128, "
-            "indexer_selection='fp8'", rejects=deep_gemm_unsupported_reason,
+            "indexer_selection='fp8'",
+            rejects=deep_gemm_unsupported_reason,
             setting="DSV4_BACKEND_INDEXER_SELECTION=fp8",
         ),
         Variant(
             "bounded",
-            IndexerKernels(index_scores_bounded, select_topk_bounded, select_topk_bounded,
-                           run_indexer_bounded),
+            IndexerKernels(
+                index_scores_bounded, select_topk_bounded, select_topk_bounded, run_indexer_bounded
+            ),
             (TRITON_PATHS,),
             "dense, fp8 or fp4 keys; work follows each row's candidate count",
         ),
         Variant(
             "full_width",
             IndexerKernels(indexer_scores_triton, select_slots, select_padded_slots),
-            (TRITON_PATHS,), "dense, fp8 or fp4 keys; work follows the page table's width",
+            (TRITON_PATHS,),
+            "dense, fp8 or fp4 keys; work follows the page table's width",
             baseline=True,
         ),
         Variant(
-            "torch", IndexerKernels(indexer_scores_torch, select_topk_torch, select_topk_torch),
-            (), "dense, fp8 or fp4 keys", baseline=True,
+            "torch",
+            IndexerKernels(indexer_scores_torch, select_topk_torch, select_topk_torch),
+            (),
+            "dense, fp8 or fp4 keys",
+            baseline=True,
         ),
     ),
-)  # fmt: skip
+)
 
 
 def _kernels(device: torch.device) -> IndexerKernels:
@@ -162,8 +171,8 @@ def select_topk(
     out : ``[T, K]`` int32, e.g. ``c4.page_indices``; receives the slots of the selected
         entries in ascending entry order, then ``-1`` (rows with 0 candidates are all ``-1``).
     """
-    check_selection(scores, num_candidates, page_table, topk, out)
-    _kernels(scores.device).select(scores, num_candidates, page_table, topk, out)
+    call = SelectCall(scores, num_candidates, page_table, topk, out)
+    _kernels(scores.device).select(call)
 
 
 def run_indexer(
@@ -190,5 +199,4 @@ def run_indexer(
         kernels.run(call, topk, out)
         return
     scores = kernels.scores(call)
-    check_selection(scores, num_candidates, page_table, topk, out)
-    kernels.select_padded(scores, num_candidates, page_table, topk, out)
+    kernels.select_padded(SelectCall(scores, num_candidates, page_table, topk, out))

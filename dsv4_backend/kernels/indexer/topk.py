@@ -28,11 +28,12 @@ def sorted_best_columns(masked: torch.Tensor, k: int) -> torch.Tensor:
 
 
 FLASHINFER = Variant(
-    "flashinfer", flashinfer_best_columns,
+    "flashinfer",
+    flashinfer_best_columns,
     (on_cuda(), with_library("flashinfer", "top_k", "TopKTieBreak")),
     "any [T, N] fp32 scores; graph-safe, its first call compiles (warm_up_topk)",
     baseline=True,
-)  # fmt: skip
+)
 INDEXER_TOPK = OpTable(
     "indexer_topk",
     "the top-k columns of the indexer's score matrix, ties to the smaller column",

@@ -3,18 +3,9 @@ interpreter, meta tensors) of its scores and its selection."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
-from dsv4_backend.kernels.indexer.common import (
-    IndexCall,
-    entry_slots,
-    select_entries,
-)
-
-if TYPE_CHECKING:
-    pass
+from dsv4_backend.kernels.indexer.common import IndexCall, SelectCall, entry_slots, select_entries
 
 
 def indexer_scores_torch(call: IndexCall) -> torch.Tensor:
@@ -30,13 +21,8 @@ def indexer_scores_torch(call: IndexCall) -> torch.Tensor:
     return scores.masked_fill(~valid, float("-inf"))
 
 
-def select_topk_torch(
-    scores: torch.Tensor,
-    num_candidates: torch.Tensor,
-    page_table: torch.Tensor,
-    topk: int,
-    out: torch.Tensor,
-) -> None:
+def select_topk_torch(call: SelectCall) -> None:
     """``select_topk`` off the Triton paths: ``out`` receives the c4 slots of the entries
     ``select_entries`` selects."""
-    out.copy_(entry_slots(page_table, select_entries(scores, num_candidates, topk)))
+    selected = select_entries(call.scores, call.num_candidates, call.topk)
+    call.out.copy_(entry_slots(call.page_table, selected))

@@ -68,16 +68,38 @@ def _indexer_scores_kernel(
         valid = cols < num
         d = tl.arange(0, BLOCK_D)
         q, w = row_queries(
-            q_ptr, w_ptr, row, stride_qt, stride_qh, stride_qd, stride_wt, stride_wh,
-            HI, DIM, BLOCK_H, BLOCK_D,
-        )  # fmt: skip
+            q_ptr,
+            w_ptr,
+            row,
+            stride_qt,
+            stride_qh,
+            stride_qd,
+            stride_wt,
+            stride_wh,
+            HI,
+            DIM,
+            BLOCK_H,
+            BLOCK_D,
+        )
         q = q.to(tl.float32)  # [BLOCK_H, BLOCK_D]
         slots = candidate_slots(page_table_ptr, row, cols, valid, stride_pt_t, stride_pt_p, E)
         if KEYS == FP4_KEYS:
             dots = fp4_row_dots(
-                q_ptr, key_ptr, row, slots, valid, stride_qt, stride_qh, stride_qd,
-                HI, DIM, PAGE_TOKENS, BLOCK_H, BLOCK_N, DOT_BF16,
-            )  # fmt: skip
+                q_ptr,
+                key_ptr,
+                row,
+                slots,
+                valid,
+                stride_qt,
+                stride_qh,
+                stride_qd,
+                HI,
+                DIM,
+                PAGE_TOKENS,
+                BLOCK_H,
+                BLOCK_N,
+                DOT_BF16,
+            )
         else:
             if KEYS == FP8_KEYS:
                 keys = load_fp8_indexer_block(key_ptr, slots, d, valid, DIM, PAGE_TOKENS)
@@ -106,11 +128,20 @@ def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
     num_candidates = call.num_candidates.contiguous()  # read with unit stride
     grid = (rows, triton.cdiv(max_candidates, BLOCK_N))
     _indexer_scores_kernel[grid](
-        q_idx, weights, keys.storage, page_table, num_candidates, out,
-        q_idx.stride(0), q_idx.stride(1), q_idx.stride(2),
-        weights.stride(0), weights.stride(1),
+        q_idx,
+        weights,
+        keys.storage,
+        page_table,
+        num_candidates,
+        out,
+        q_idx.stride(0),
+        q_idx.stride(1),
+        q_idx.stride(2),
+        weights.stride(0),
+        weights.stride(1),
         keys.storage.stride(0),
-        page_table.stride(0), page_table.stride(1),
+        page_table.stride(0),
+        page_table.stride(1),
         out.stride(0),
         max_candidates,
         HI=heads,
@@ -122,5 +153,5 @@ def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
         BLOCK_N=BLOCK_N,
         KEYS=key_format(keys),
         DOT_BF16=q_idx.device.type == "cuda",
-    )  # fmt: skip
+    )
     return out

@@ -9,11 +9,11 @@ addresses), ``NB`` candidate blocks a row keeps. Ties: equal scores go to the lo
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
-from dsv4_backend.config import entries_per_page
-from dsv4_backend.kernels.indexer.common import entry_slots
+from dsv4_backend.kernels.indexer.common import IndexCall, entry_slots
 from dsv4_backend.kernels.indexer.topk import best_columns as topk_columns
 from dsv4_backend.kernels.low_ratio.table import low_ratio_scores
 
@@ -53,12 +53,7 @@ def publish_blocks(
 
 
 def select_entries(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: Fp4IndexKeyCache,
-    page_table: torch.Tensor,
-    visible: torch.Tensor,
-    ratio: int,
+    call: IndexCall,
     topk: int,
     out_slots: torch.Tensor,
     *,
@@ -68,19 +63,27 @@ def select_entries(
     """An index source's selection: each row's ``topk`` best visible entries, their slots
     written to ``out_slots`` ``[T, topk]`` (ascending entry order, -1 padded).
 
-    ``q`` ``[T, HI, DI]`` (fp4 queries), ``weights`` ``[T, HI]``, ``keys`` the kv source's
-    index keys, ``visible`` ``[T]`` int. ``among_blocks`` ``(blocks [T, NB], block_size)``: a
-    candidate consumer's, only entries of those blocks count. ``publish`` ``(out [T, NB],
+    ``call``: the index scores' (``table.low_ratio_scores``): the fp4 queries, head weights,
+    the kv source's index keys, page table and visible entries of each row, ``N`` score
+    columns and the ratio's entries a page. ``among_blocks`` ``(blocks [T, NB], block_size)``:
+    a candidate consumer's, only entries of those blocks count. ``publish`` ``(out [T, NB],
     block_size)``: the candidate source's, its candidate blocks written to ``out``.
     """
+    q, visible, width = call.q_idx, call.num_candidates, call.max_candidates
     rows = q.shape[0]
-    width = max(1, page_table.shape[1] * entries_per_page(ratio))
     per_row = width * (q.shape[1] + q.shape[2] + 2) * 4
     chunk = max(1, _CHUNK_BYTES // per_row)
     for start in range(0, rows, chunk):
         part = slice(start, min(rows, start + chunk))
+        page_table = call.page_table[part]
         scores = low_ratio_scores(
-            q[part], weights[part], keys, page_table[part], visible[part], ratio, width
+            replace(
+                call,
+                q_idx=q[part],
+                weights=call.weights[part],
+                page_table=page_table,
+                num_candidates=visible[part],
+            )
         )
         cols = torch.arange(width, device=q.device)[None, :]
         allowed = cols < visible[part, None]
@@ -100,5 +103,5 @@ def select_entries(
         ids = best_columns(scores, allowed, topk)
         ids = torch.where(ids >= 0, ids, width).sort(1).values  # ascending, -1s last
         ids = torch.where(ids < width, ids, -1)
-        slots = entry_slots(page_table[part], ids, entries_per_page(ratio))
+        slots = entry_slots(page_table, ids, call.entries_per_page)
         out_slots[part] = slots.to(out_slots.dtype)

@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's low-ratio ops in torch (docs/design.md §8): the ratio-2 pair pooling over
-the pair ring, and the torch variants of ``table.py``'s rows (entries, index keys, index
-queries) and index scores (the selection over them is ``selection.py``'s). They run on every
-device, a GPU included, without a host sync.
+the pair ring, and the torch variant of ``table.py``'s rows (entries, index keys, index
+queries); the index scores' torch variant is the lightning indexer's (the selection over them
+is ``selection.py``'s). They run on every device, a GPU included, without a host sync.
 
 Shapes: ``T`` rows, ``D`` head dim, ``HI`` / ``DI`` indexer heads / head dim. Entry ``e`` of a
 row's request lives at slot ``page_table[t, e // E] * E + e % E`` of the kv source's caches
@@ -12,16 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.cache.fp4_format import (
-    Fp4IndexKeyCache,
-    Fp4Scale,
-    fp4_round_e4m3,
-    fp4_round_ue8m0,
-)
-from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.config import entries_per_page
-from dsv4_backend.kernels.indexer.common import IndexCall
-from dsv4_backend.kernels.indexer.torch import indexer_scores_torch
+from dsv4_backend.cache.fp4_format import fp4_round_e4m3, fp4_round_ue8m0
+from dsv4_backend.kernels.low_ratio.common import PairCall, RowsCall
 from dsv4_backend.ops.norm import rms_norm
 from dsv4_backend.ops.rope import apply_rope
 
@@ -31,15 +23,7 @@ def bf16(x: torch.Tensor) -> torch.Tensor:
     return x.bfloat16().float()
 
 
-# --------------------------------------------------------------------------- compressors
-def pair_pool(
-    rings: CompressorState,
-    kv: torch.Tensor,
-    score: torch.Tensor,
-    req_rows: torch.Tensor,
-    positions: torch.Tensor,
-    valid: torch.Tensor,
-) -> torch.Tensor:
+def pair_pool(call: PairCall) -> torch.Tensor:
     """Ratio 2: each row pooled with the token before it, ``[T, D]`` float32 (meaningful on
     odd positions: the pair ``(p - 1, p)``), by a per-channel softmax of the two scores.
 
@@ -51,10 +35,11 @@ def pair_pool(
     row, which writes only the padding pool row 0). A request's rows are consecutive, with
     consecutive positions. No host sync (a CUDA graph captures it). Updates ``rings.ring``.
     """
-    ring = rings.ring
+    kv, score, positions, valid = call.kv, call.score, call.positions, call.valid
+    ring = call.rings.ring
     rows_per_slot = ring.shape[1]
     d = kv.shape[1]
-    req = torch.where(valid, req_rows, 0)
+    req = torch.where(valid, call.req_rows, 0)
     previous = torch.zeros_like(valid)
     previous[1:] = (req[1:] == req[:-1]) & (positions[1:] == positions[:-1] + 1) & valid[:-1]
     carried = ring[req, (positions - 1).remainder(rows_per_slot)]  # [T, 2D]
@@ -70,39 +55,17 @@ def pair_pool(
     return pooled
 
 
-def fp4_rows_torch(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    scale: Fp4Scale,
-    norm: tuple[torch.Tensor, float] | None = None,
-    store: tuple[Fp4IndexKeyCache, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fp4_rows_torch(call: RowsCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``table.low_ratio_rows`` in torch: ``bf16(x)``, then (``norm``) ``RMSNorm`` rounded to
     bf16, RoPE rounded to bf16, fp4 with ``scale``'s block scales."""
-    y = bf16(x.float())
+    y = bf16(call.x.float())
     normed = None
-    if norm is not None:
-        weight, eps = norm
+    if call.norm is not None:
+        weight, eps = call.norm
         y = normed = bf16(rms_norm(y, weight, eps))
-    roped = bf16(apply_rope(y, cos, sin))  # [N, H, D]: every head at its row's position
-    out = fp4_round_e4m3(roped) if scale == "e4m3" else fp4_round_ue8m0(roped)
-    if store is not None:
-        cache, slots = store
+    roped = bf16(apply_rope(y, call.cos, call.sin))  # [N, H, D]: every head at its position
+    out = fp4_round_e4m3(roped) if call.scale == "e4m3" else fp4_round_ue8m0(roped)
+    if call.store is not None:
+        cache, slots = call.store
         cache.store(out, slots)
     return out, normed
-
-
-# --------------------------------------------------------------------------------- scores
-def index_scores_torch(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: Fp4IndexKeyCache,
-    page_table: torch.Tensor,
-    visible: torch.Tensor,
-    ratio: int,
-    width: int,
-) -> torch.Tensor:
-    """``table.low_ratio_scores`` by the lightning indexer's torch scores."""
-    call = IndexCall(q, weights, keys, page_table, visible, width, entries_per_page(ratio))
-    return indexer_scores_torch(call)

@@ -11,8 +11,6 @@
   A row is held as its even and odd channels (``[D / B, B / 2]`` tiles a scale block of
   ``B`` channels a line), so RoPE's interleaved pairs and the packed bytes' nibble pairs are
   the same elements of the two tiles, and a block's amax is one reduction over a line.
-* ``index_scores_triton``: the lightning indexer's scores kernel (``kernels/indexer/
-  triton.py``) over a kv source's fp4 index-key pages, one program per 64 entries of a row.
 
 Roundings are bit operations (``kernels/device/fp8.py``), exact on a GPU and in the
 interpreter; the division by an e4m3 scale is rounded to nearest (``div_rn``), as torch's.
@@ -31,12 +29,8 @@ from dsv4_backend.cache.fp4_format import (
     E4M3_SCALE_MIN,
     UE8M0_AMAX_FLOOR,
     UE8M0_BLOCK,
-    Fp4IndexKeyCache,
     Fp4IndexKeyLayout,
-    Fp4Scale,
 )
-from dsv4_backend.cache.state import CompressorState
-from dsv4_backend.config import entries_per_page
 from dsv4_backend.errors import ContractError
 from dsv4_backend.kernels.device.fp4 import e2m1_code, e2m1_to_fp32, ue8m0_exponent
 from dsv4_backend.kernels.device.fp8 import (
@@ -45,8 +39,7 @@ from dsv4_backend.kernels.device.fp8 import (
     fp32_to_bf16_bits,
     fp32_to_e4m3,
 )
-from dsv4_backend.kernels.indexer.common import IndexCall
-from dsv4_backend.kernels.indexer.triton import indexer_scores_triton
+from dsv4_backend.kernels.low_ratio.common import PairCall, RowsCall
 
 # The format's constants as the kernels read them (a compiled kernel reads constexpr globals).
 _MAX = tl.constexpr(E2M1_MAX)
@@ -139,18 +132,19 @@ def _fp4_rows_kernel(
 ROWS_PER_PROGRAM = {"cuda": 4, "cpu": 64}
 
 
-def fp4_rows_triton(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    scale: Fp4Scale,
-    norm: tuple[torch.Tensor, float] | None = None,
-    store: tuple[Fp4IndexKeyCache, torch.Tensor] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def fp4_rows_triton(call: RowsCall) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``table.low_ratio_rows`` in one launch. An fp4-paged ``store`` is written by the kernel
     with each block's exponent from the unrounded values (a one-pass quantiser; decoding gives
     the same values as the torch store, which re-derives it from the rounded ones); a dense one
     (tests) by ``Fp4IndexKeyCache.store``."""
+    x, cos, sin, scale, norm, store = (
+        call.x,
+        call.cos,
+        call.sin,
+        call.scale,
+        call.norm,
+        call.store,
+    )
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     d, heads = x.shape[-1], rows.shape[0] // max(cos.shape[0], 1)
     block = E4M3_BLOCK if scale == "e4m3" else UE8M0_BLOCK
@@ -176,30 +170,31 @@ def fp4_rows_triton(
     if rows.shape[0]:
         per = ROWS_PER_PROGRAM.get(x.device.type, 4)
         _fp4_rows_kernel[(triton.cdiv(rows.shape[0], per),)](
-            rows, weight, cos, sin, out, out if normed is None else normed, pages, slots,
-            eps, rows.shape[0], rows.stride(0), cos.stride(0),
-            D=d, ROPE=2 * cos.shape[-1], HEADS=heads, BLOCK=block, UE8M0=scale == "ue8m0",
-            NORM=norm is not None, STORE=pages is not out, PAGE_TOKENS=page_tokens, ROWS=per,
-        )  # fmt: skip
+            rows,
+            weight,
+            cos,
+            sin,
+            out,
+            out if normed is None else normed,
+            pages,
+            slots,
+            eps,
+            rows.shape[0],
+            rows.stride(0),
+            cos.stride(0),
+            D=d,
+            ROPE=2 * cos.shape[-1],
+            HEADS=heads,
+            BLOCK=block,
+            UE8M0=scale == "ue8m0",
+            NORM=norm is not None,
+            STORE=pages is not out,
+            PAGE_TOKENS=page_tokens,
+            ROWS=per,
+        )
     if store is not None and pages is out:
         store[0].store(out, store[1])
     return out.reshape(x.shape), None if normed is None else normed.reshape(x.shape)
-
-
-def index_scores_triton(
-    q: torch.Tensor,
-    weights: torch.Tensor,
-    keys: Fp4IndexKeyCache,
-    page_table: torch.Tensor,
-    visible: torch.Tensor,
-    ratio: int,
-    width: int,
-) -> torch.Tensor:
-    """``table.low_ratio_scores`` by the lightning indexer's scores kernel."""
-    per_page = entries_per_page(ratio)
-    return indexer_scores_triton(
-        IndexCall(q, weights, keys, page_table, visible.int(), width, per_page)
-    )
 
 
 @triton.jit
@@ -292,34 +287,47 @@ def _pair_ring_write_kernel(
 PAIR_BLOCK_D = 128
 
 
-def pair_pool_triton(
-    rings: CompressorState,
-    kv: torch.Tensor,
-    score: torch.Tensor,
-    req_rows: torch.Tensor,
-    positions: torch.Tensor,
-    valid: torch.Tensor,
-) -> torch.Tensor:
+def pair_pool_triton(call: PairCall) -> torch.Tensor:
     """``table.low_ratio_pairs`` in two launches: the pooling reads the ring, then the ring
     write (a request's first row reads a ring row its later rows may write)."""
-    ring = rings.ring
-    t, d = kv.shape
-    out = torch.empty((t, d), dtype=torch.float32, device=kv.device)
+    ring = call.rings.ring
+    t, d = call.kv.shape
+    out = torch.empty((t, d), dtype=torch.float32, device=call.kv.device)
     if t == 0:
         return out
-    kv, score = kv.float().contiguous(), score.float().contiguous()
+    kv, score = call.kv.float().contiguous(), call.score.float().contiguous()
     if not ring.is_contiguous():
         raise ContractError("the pair ring must be contiguous [slots, R, 2 * D]")
-    req, pos, ok = req_rows.long().contiguous(), positions.long().contiguous(), valid.contiguous()
+    req, pos = call.req_rows.long().contiguous(), call.positions.long().contiguous()
+    ok = call.valid.contiguous()
     per = ROWS_PER_PROGRAM.get(kv.device.type, 4)
     grid = (triton.cdiv(t, per), triton.cdiv(d, PAIR_BLOCK_D))
     common = dict(D=d, R=ring.shape[1], BLOCK_D=PAIR_BLOCK_D, ROWS=per)
     _pair_pool_kernel[grid](
-        kv, score, ring, req, pos, ok, out, t, kv.stride(0), score.stride(0), ring.stride(0),
+        kv,
+        score,
+        ring,
+        req,
+        pos,
+        ok,
+        out,
+        t,
+        kv.stride(0),
+        score.stride(0),
+        ring.stride(0),
         **common,
-    )  # fmt: skip
+    )
     _pair_ring_write_kernel[grid](
-        kv, score, ring, req, pos, ok, t, kv.stride(0), score.stride(0), ring.stride(0),
+        kv,
+        score,
+        ring,
+        req,
+        pos,
+        ok,
+        t,
+        kv.stride(0),
+        score.stride(0),
+        ring.stride(0),
         **common,
-    )  # fmt: skip
+    )
     return out

@@ -194,16 +194,36 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
                     # counts[k, i]: rows kept by plan k (0 compress, 1 write) in chunks < i.
                     counts = T.alloc_buffer((2, nt + 1), "int32", scope="shared")
                     partial = T.alloc_buffer((2, nt), "int32", scope="shared")
-                    count(t, num_rows, chunk, ratio, overlap, page, positions, request_seq_lens,
-                          counts)  # fmt: skip
+                    count(
+                        t,
+                        num_rows,
+                        chunk,
+                        ratio,
+                        overlap,
+                        page,
+                        positions,
+                        request_seq_lens,
+                        counts,
+                    )
                     T.tvm_storage_sync("shared")
                     for r in T.serial(rounds):
                         scan_read(t, r, counts, partial)
                         T.tvm_storage_sync("shared")
                         scan_write(t, counts, partial)
                         T.tvm_storage_sync("shared")
-                    emit(t, num_rows, chunk, ratio, span, overlap, page, ins, compress_plan,
-                         write_plan, counts)  # fmt: skip
+                    emit(
+                        t,
+                        num_rows,
+                        chunk,
+                        ratio,
+                        span,
+                        overlap,
+                        page,
+                        ins,
+                        compress_plan,
+                        write_plan,
+                        counts,
+                    )
                     pad(t, num_rows, compress_plan, write_plan, counts)
         else:
             counts = T.alloc_buffer((2, nt + 1), "int32")
@@ -216,8 +236,19 @@ def _plan_prim_func(num_threads: int, gpu: bool) -> Any:
                 for t in T.serial(nt):
                     scan_write(t, counts, partial)
             for t in T.serial(nt):
-                emit(t, num_rows, chunk, ratio, span, overlap, page, ins, compress_plan, write_plan,
-                     counts)  # fmt: skip
+                emit(
+                    t,
+                    num_rows,
+                    chunk,
+                    ratio,
+                    span,
+                    overlap,
+                    page,
+                    ins,
+                    compress_plan,
+                    write_plan,
+                    counts,
+                )
             for t in T.serial(nt):
                 pad(t, num_rows, compress_plan, write_plan, counts)
 
@@ -338,8 +369,14 @@ def launch_compress_plan_kernel(
     runs on torch's current stream.
     """
     check_compressed_ratio(ratio, "compress plan")
-    args = (row_batch_ids, positions, first_new_positions, request_seq_lens, compress_plan,
-            write_plan)  # fmt: skip
+    args = (
+        row_batch_ids,
+        positions,
+        first_new_positions,
+        request_seq_lens,
+        compress_plan,
+        write_plan,
+    )
     kernel, on_cuda = _kernel_for(positions.device)
     try:
         if on_cuda:

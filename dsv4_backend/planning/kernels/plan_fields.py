@@ -37,12 +37,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from dataclasses import fields as dc_fields
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
 
 from dsv4_backend.config import compress_span
+
+if TYPE_CHECKING:
+    from dsv4_backend.planning.metadata import (
+        AttentionMetadata,
+        CompressedMetadata,
+        LowRatioMetadata,
+    )
 
 
 @dataclass(frozen=True)
@@ -247,9 +255,10 @@ def _low_ratio_fields(
     if HAS_CANDIDATES:
         in_width = (cols < candidate_width)[None, :]
         tl.store(
-            candidates_ptr + t[:, None] * candidate_width + cols[None, :], none,
+            candidates_ptr + t[:, None] * candidate_width + cols[None, :],
+            none,
             mask=live[:, None] & in_width,
-        )  # fmt: skip
+        )
     if first_col == 0:
         writes = row_ok & (loc >= 0)
         if R == 1:
@@ -265,9 +274,21 @@ def _low_ratio_fields(
 
 @triton.jit
 def _expand_rows(
-    t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
-    rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND: tl.constexpr,
-):  # fmt: skip
+    t,
+    row_ok,
+    r,
+    req_ok,
+    seq_ptr,
+    host_ptr,
+    out_cache_loc_ptr,
+    num_rows,
+    batch_size,
+    rows_per_request,
+    pos_shift,
+    loc_stride,
+    loc_offset,
+    EXTEND: tl.constexpr,
+):
     """Rows ``t`` ``[BLOCK_T]``: request ``b``, rank ``i`` in it, its first new position
     ``p0``, its length, kept length and the row's write slot (all int64; see ``RowLayout``).
     A row is its request's where ``i < length - p0`` (always, but past a ragged verify's
@@ -327,15 +348,34 @@ def _first_bad_2d(bad, order, index, value, expected, rec):
 
 @triton.jit
 def _check_kernel(
-    seq_ptr, host_ptr, req_pool_ptr, out_cache_loc_ptr, req_to_token_ptr, full_to_swa_ptr,
+    seq_ptr,
+    host_ptr,
+    req_pool_ptr,
+    out_cache_loc_ptr,
+    req_to_token_ptr,
+    full_to_swa_ptr,
     record_ptr,  # [7, 4] int64 out: per check (failed, first bad index, its value, expected)
     failed_ptr,  # [B] int8 out: the request has a failing row (or a bad pool row)
-    num_rows, batch_size, pool_rows, context, stride_rt,
-    slot_limit, swa_limit,  # -1: no upper limit
-    rows_per_request, pos_shift, loc_stride, loc_offset, window, page_width,
-    EXTEND: tl.constexpr, HAS_SWA_MAP: tl.constexpr, PAGE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_E: tl.constexpr,
-):  # fmt: skip
+    num_rows,
+    batch_size,
+    pool_rows,
+    context,
+    stride_rt,
+    slot_limit,
+    swa_limit,  # -1: no upper limit
+    rows_per_request,
+    pos_shift,
+    loc_stride,
+    loc_offset,
+    window,
+    page_width,
+    EXTEND: tl.constexpr,
+    HAS_SWA_MAP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+):
     """The batch checks of ``planning/planner.py``'s ``checked_rows`` in one program: pool
     rows, positions, write slots in range, each write slot the one ``req_to_token`` holds for
     its row (pool row 0, slot 0 exempt: sglang's padding), each write's window slot in range;
@@ -359,9 +399,21 @@ def _check_kernel(
         t = t0 + tl.arange(0, BLOCK_T).to(tl.int64)
         row_ok = t < num_rows
         b, i, p0, length, _, loc = _expand_rows(
-            t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
-            rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
-        )  # fmt: skip
+            t,
+            row_ok,
+            r,
+            req_ok,
+            seq_ptr,
+            host_ptr,
+            out_cache_loc_ptr,
+            num_rows,
+            batch_size,
+            rows_per_request,
+            pos_shift,
+            loc_stride,
+            loc_offset,
+            EXTEND,
+        )
         row_ok = row_ok & (p0 + i < length)
         pos = p0 + i
         req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
@@ -534,9 +586,21 @@ def _plan_kernel(
         req_n = tl.where(req_ok, rows_per_request, 0).to(tl.int64)
         req_keep = req_p0 + 1  # decode / draft: the row itself; verify: drafts may be rejected
     b, i, p0, length, keep, loc = _expand_rows(
-        t, row_ok, r, req_ok, seq_ptr, host_ptr, out_cache_loc_ptr, num_rows, batch_size,
-        rows_per_request, pos_shift, loc_stride, loc_offset, EXTEND,
-    )  # fmt: skip
+        t,
+        row_ok,
+        r,
+        req_ok,
+        seq_ptr,
+        host_ptr,
+        out_cache_loc_ptr,
+        num_rows,
+        batch_size,
+        rows_per_request,
+        pos_shift,
+        loc_stride,
+        loc_offset,
+        EXTEND,
+    )
     row_ok = row_ok & (p0 + i < length)  # a ragged verify's padding rows: sentinels
     req = tl.load(req_pool_ptr + b, mask=row_ok, other=0).to(tl.int64)
     # Deferred checks (planning/checks.py): a request with a failing row writes nothing and
@@ -596,111 +660,105 @@ def _plan_kernel(
     per_request = (r, req_p0, req_n, req_keep, req_ok)
     if HAS_C4:
         _ratio_fields(
-            t, row_ok, planned, live, b, i, pos, p0, loc, *per_request, keep, first_col,
-            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
-            c4_out_loc_ptr, c4_raw_ptr, c4_sparse_ptr, c4_indices_ptr,
-            index_topk, c4_compress_ptr, c4_write_ptr,
-            R=4, SPAN=SPAN4, PAGE=PAGE, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            t,
+            row_ok,
+            planned,
+            live,
+            b,
+            i,
+            pos,
+            p0,
+            loc,
+            *per_request,
+            keep,
+            first_col,
+            req_to_token_ptr,
+            stride_rt,
+            req,
+            page_width,
+            index_topk,
+            c128_width,
+            c4_out_loc_ptr,
+            c4_raw_ptr,
+            c4_sparse_ptr,
+            c4_indices_ptr,
+            index_topk,
+            c4_compress_ptr,
+            c4_write_ptr,
+            R=4,
+            SPAN=SPAN4,
+            PAGE=PAGE,
+            BLOCK_C=BLOCK_C,
+        )
     if HAS_C128:
         _ratio_fields(
-            t, row_ok, planned, live, b, i, pos, p0, loc, *per_request, keep, first_col,
-            req_to_token_ptr, stride_rt, req, page_width, index_topk, c128_width,
-            c128_out_loc_ptr, c128_raw_ptr, c128_sparse_ptr, c128_indices_ptr,
-            c128_width, c128_compress_ptr, c128_write_ptr,
-            R=128, SPAN=SPAN128, PAGE=PAGE, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            t,
+            row_ok,
+            planned,
+            live,
+            b,
+            i,
+            pos,
+            p0,
+            loc,
+            *per_request,
+            keep,
+            first_col,
+            req_to_token_ptr,
+            stride_rt,
+            req,
+            page_width,
+            index_topk,
+            c128_width,
+            c128_out_loc_ptr,
+            c128_raw_ptr,
+            c128_sparse_ptr,
+            c128_indices_ptr,
+            c128_width,
+            c128_compress_ptr,
+            c128_write_ptr,
+            R=128,
+            SPAN=SPAN128,
+            PAGE=PAGE,
+            BLOCK_C=BLOCK_C,
+        )
     if HAS_C1:
         _low_ratio_fields(
-            t, row_ok, live, pos, loc, first_col, index_topk, candidate_width,
-            c1_out_loc_ptr, c1_raw_ptr, c1_sparse_ptr, c1_indices_ptr, c1_candidates_ptr,
-            R=1, HAS_CANDIDATES=CANDIDATE_RATIO == 1, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
+            t,
+            row_ok,
+            live,
+            pos,
+            loc,
+            first_col,
+            index_topk,
+            candidate_width,
+            c1_out_loc_ptr,
+            c1_raw_ptr,
+            c1_sparse_ptr,
+            c1_indices_ptr,
+            c1_candidates_ptr,
+            R=1,
+            HAS_CANDIDATES=CANDIDATE_RATIO == 1,
+            BLOCK_C=BLOCK_C,
+        )
     if HAS_C2:
         _low_ratio_fields(
-            t, row_ok, live, pos, loc, first_col, index_topk, candidate_width,
-            c2_out_loc_ptr, c2_raw_ptr, c2_sparse_ptr, c2_indices_ptr, c2_candidates_ptr,
-            R=2, HAS_CANDIDATES=CANDIDATE_RATIO == 2, BLOCK_C=BLOCK_C,
-        )  # fmt: skip
-
-
-@dataclass(frozen=True)
-class RatioFields:
-    """The fields of one compress ratio (named, shaped and typed as ``CompressedMetadata``'s)."""
-
-    out_loc: torch.Tensor
-    topk_lengths_raw: torch.Tensor
-    sparse_topk_lengths: torch.Tensor
-    page_indices: torch.Tensor
-    compress_plan: torch.Tensor
-    write_plan: torch.Tensor
-
-
-@dataclass(frozen=True)
-class LowRatioFields:
-    """The fields of one DeepSeek-V4.1 low ratio (named, shaped and typed as
-    ``LowRatioMetadata``'s; ``candidate_blocks`` None for a ratio without them)."""
-
-    out_loc: torch.Tensor
-    topk_lengths_raw: torch.Tensor
-    sparse_topk_lengths: torch.Tensor
-    page_indices: torch.Tensor
-    candidate_blocks: torch.Tensor | None
-
-
-@dataclass(frozen=True)
-class PlanFields:
-    """Every per-row field of a plan (named, shaped and typed as ``AttentionMetadata``'s)."""
-
-    row_batch_ids: torch.Tensor
-    page_table: torch.Tensor
-    swa_out_loc: torch.Tensor
-    positions_causal: torch.Tensor
-    swa_page_indices: torch.Tensor
-    swa_topk_lengths: torch.Tensor
-    ratios: dict[int, RatioFields]
-    low_ratios: dict[int, LowRatioFields]
-
-    @classmethod
-    def empty(
-        cls,
-        rows: int,
-        widths: dict[str, int],
-        ratios: frozenset[int],
-        low_ratios: frozenset[int],
-        device: torch.device,
-    ) -> PlanFields:
-        """Uninitialised outputs for ``rows`` rows; ``widths`` maps ``page_table``,
-        ``swa_page_indices``, ``c4``, ``c128``, ``low_ratio`` (the low ratios' ``K``) and
-        ``candidates`` (a ratio's candidate blocks, absent for none) to their column counts,
-        and ``candidate_ratio`` to the low ratio that has them."""
-
-        def empty(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-            return torch.empty(*shape, dtype=dtype, device=device)
-
-        def ratio(r: int) -> RatioFields:
-            return RatioFields(
-                empty(rows, dtype=torch.int64), empty(rows), empty(rows),
-                empty(rows, widths[f"c{r}"]), empty(rows, 4), empty(rows, 4),
-            )  # fmt: skip
-
-        def low_ratio(r: int) -> LowRatioFields:
-            candidates = widths.get("candidate_ratio") == r
-            return LowRatioFields(
-                empty(rows, dtype=torch.int64), empty(rows), empty(rows),
-                empty(rows, widths["low_ratio"]),
-                empty(rows, widths["candidates"]) if candidates else None,
-            )  # fmt: skip
-
-        return cls(
-            row_batch_ids=empty(rows),
-            page_table=empty(rows, widths["page_table"]),
-            swa_out_loc=empty(rows, dtype=torch.int64),
-            positions_causal=empty(rows, dtype=torch.int64),
-            swa_page_indices=empty(rows, widths["swa_page_indices"]),
-            swa_topk_lengths=empty(rows),
-            ratios={r: ratio(r) for r in ratios},
-            low_ratios={r: low_ratio(r) for r in low_ratios},
+            t,
+            row_ok,
+            live,
+            pos,
+            loc,
+            first_col,
+            index_topk,
+            candidate_width,
+            c2_out_loc_ptr,
+            c2_raw_ptr,
+            c2_sparse_ptr,
+            c2_indices_ptr,
+            c2_candidates_ptr,
+            R=2,
+            HAS_CANDIDATES=CANDIDATE_RATIO == 2,
+            BLOCK_C=BLOCK_C,
         )
 
 
@@ -758,20 +816,34 @@ def check_rows(
     tiles = planner_tiles(device)
     host = record if layout.host is None else layout.host
     _check_kernel[(1,)](
-        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
+        seq_lens,
+        host,
+        req_pool_indices,
+        out_cache_loc,
+        req_to_token,
         record if full_to_swa is None else full_to_swa,
-        record, failed,
-        num_rows, bs, req_to_token.shape[0], req_to_token.shape[1], req_to_token.stride(0),
-        -1 if slot_limit is None else slot_limit, -1 if swa_limit is None else swa_limit,
-        layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset,
-        window, page_width,
+        record,
+        failed,
+        num_rows,
+        bs,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        -1 if slot_limit is None else slot_limit,
+        -1 if swa_limit is None else swa_limit,
+        layout.rows_per_request,
+        layout.pos_shift,
+        layout.loc_stride,
+        layout.loc_offset,
+        window,
+        page_width,
         EXTEND=layout.host is not None,
         HAS_SWA_MAP=full_to_swa is not None,
         PAGE=page_size,
         BLOCK_T=row_block(tiles, tiles.check_rows, block_b),
         BLOCK_B=block_b,
         BLOCK_E=check_block_e(tiles, window, block_b),
-    )  # fmt: skip
+    )
     return record, failed
 
 
@@ -794,15 +866,16 @@ def plan_fields(
     failed: torch.Tensor,
     layout: RowLayout,
     num_rows: int,
-    out: PlanFields,
+    out: AttentionMetadata,
     window: int,
     index_topk: int,
     page_size: int,
 ) -> None:
-    """Launch ``_plan_kernel`` once: fill ``out`` with the plan of ``num_rows`` rows.
+    """Launch ``_plan_kernel`` once: fill ``out``'s tensors with the plan of ``num_rows`` rows.
 
     ``out``'s tensors (contiguous) fix the widths: ``page_table`` ``Pw``, ``swa_page_indices``
-    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and the ratios planned. ``failed``
+    ``Ws``, the c4 / c128 ``page_indices`` ``K`` / ``N128``, and its ratios (c4, c128, c1, c2
+    not None) the ratios planned. ``failed``
     ``[B]`` (``check_rows``): requests planned as writing nothing (deferred checks). Rows of
     ``out`` past ``num_rows`` (a graph bucket larger than the batch) get the sentinels of
     ``planning/graph_buffers.py``.
@@ -811,12 +884,13 @@ def plan_fields(
     if padded_rows == 0:
         return
     page_width, swa_width = out.page_table.shape[1], out.swa_page_indices.shape[1]
-    c128 = out.ratios.get(128)
-    c128_width = 0 if c128 is None else c128.page_indices.shape[1]
-    index_widths = [f.page_indices.shape[1] for f in out.ratios.values()]
-    index_widths += [f.page_indices.shape[1] for f in out.low_ratios.values()]
+    c128_width = 0 if out.c128 is None else out.c128.page_indices.shape[1]
+    parts = [part for part in (out.c4, out.c128, out.c1, out.c2) if part is not None]
+    index_widths = [part.page_indices.shape[1] for part in parts]
     candidates = {
-        r: f.candidate_blocks for r, f in out.low_ratios.items() if f.candidate_blocks is not None
+        low.ratio: low.candidate_blocks
+        for low in (out.c1, out.c2)
+        if low is not None and low.candidate_blocks is not None
     }
     candidate_ratio, candidate_blocks = next(iter(candidates.items()), (0, None))
     candidate_width = 0 if candidate_blocks is None else candidate_blocks.shape[1]
@@ -827,41 +901,56 @@ def plan_fields(
     widest = max(page_width, swa_width, *index_widths)
     block_c = plan_block_c(tiles, widest)
     grid = (triton.cdiv(padded_rows, block_t), triton.cdiv(widest, block_c))
-    stand_in = (out.swa_out_loc,) * 6  # pointers of an absent ratio, never written
 
-    def ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
-        fields = out.ratios.get(ratio)
-        return (
-            stand_in
-            if fields is None
-            else tuple(getattr(fields, f.name) for f in dc_fields(fields))
-        )
-
-    def low_ratio_args(ratio: int) -> tuple[torch.Tensor, ...]:
-        fields = out.low_ratios.get(ratio)
-        if fields is None:
-            return stand_in[:5]
-        values = [getattr(fields, f.name) for f in dc_fields(fields)]
+    def part_args(part: CompressedMetadata | LowRatioMetadata | None, count: int) -> tuple:
+        """A ratio's tensors in field order (``count`` of them), stand-ins (``swa_out_loc``,
+        never written) for an absent ratio or candidate blocks."""
+        if part is None:
+            return (out.swa_out_loc,) * count
+        values = [getattr(part, f.name) for f in dc_fields(part) if f.name != "ratio"]
         return tuple(out.swa_out_loc if v is None else v for v in values)
 
     host = out.swa_out_loc if layout.host is None else layout.host
     _plan_kernel[grid](
-        seq_lens, host, req_pool_indices, out_cache_loc, req_to_token,
+        seq_lens,
+        host,
+        req_pool_indices,
+        out_cache_loc,
+        req_to_token,
         out.swa_out_loc if full_to_swa is None else full_to_swa,
         failed,
-        out.row_batch_ids, out.positions_causal, out.swa_out_loc, out.swa_topk_lengths,
-        out.page_table, out.swa_page_indices,
-        *ratio_args(4), *ratio_args(128), *low_ratio_args(1), *low_ratio_args(2),
-        num_rows, padded_rows, bs, req_to_token.shape[1], req_to_token.stride(0),
-        page_width, swa_width, index_topk, c128_width, candidate_width,
-        layout.rows_per_request, layout.pos_shift, layout.loc_stride, layout.loc_offset, window,
+        out.row_batch_ids,
+        out.positions_causal,
+        out.swa_out_loc,
+        out.swa_topk_lengths,
+        out.page_table,
+        out.swa_page_indices,
+        *part_args(out.c4, 6),
+        *part_args(out.c128, 6),
+        *part_args(out.c1, 5),
+        *part_args(out.c2, 5),
+        num_rows,
+        padded_rows,
+        bs,
+        req_to_token.shape[1],
+        req_to_token.stride(0),
+        page_width,
+        swa_width,
+        index_topk,
+        c128_width,
+        candidate_width,
+        layout.rows_per_request,
+        layout.pos_shift,
+        layout.loc_stride,
+        layout.loc_offset,
+        window,
         EXTEND=layout.host is not None,
         HAS_FLOORS=layout.floors,
         HAS_SWA_MAP=full_to_swa is not None,
-        HAS_C4=4 in out.ratios,
-        HAS_C128=128 in out.ratios,
-        HAS_C1=1 in out.low_ratios,
-        HAS_C2=2 in out.low_ratios,
+        HAS_C4=out.c4 is not None,
+        HAS_C128=out.c128 is not None,
+        HAS_C1=out.c1 is not None,
+        HAS_C2=out.c2 is not None,
         CANDIDATE_RATIO=candidate_ratio,
         PAGE=page_size,
         SPAN4=compress_span(4),
@@ -869,4 +958,4 @@ def plan_fields(
         BLOCK_T=block_t,
         BLOCK_B=block_b,
         BLOCK_C=block_c,
-    )  # fmt: skip
+    )

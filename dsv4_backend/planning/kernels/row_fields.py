@@ -54,10 +54,12 @@ def _check_inputs(
         "positions": (positions, positions.dim() == 1, torch.int64, "[T]"),
         "raw_out_loc": (raw_out_loc, tuple(raw_out_loc.shape) == (rows,), torch.int64, "[T]"),
         "page_table": (
-            page_table, page_table.dim() == 2 and page_table.shape[0] == rows, torch.int32,
+            page_table,
+            page_table.dim() == 2 and page_table.shape[0] == rows,
+            torch.int32,
             "[T, Pw]",
         ),
-    }  # fmt: skip
+    }
     for name, (tensor, shape_ok, dtype, shape) in checks.items():
         if not shape_ok or tensor.dtype != dtype:
             raise ContractError(

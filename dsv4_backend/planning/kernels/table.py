@@ -35,13 +35,15 @@ COMPRESS_PLANS = OpTable(
     "compress / write plans of one ratio (the torch planner)",
     (
         Variant(
-            "tvm", compress_plans_tvm,
+            "tvm",
+            compress_plans_tvm,
             (custom("apache-tvm llvm (CPU) or tvm-ffi + nvcc (CUDA)", _tvm_unmet),),
-            "symbolic row count: one compiled kernel for every batch", baseline=True,
+            "symbolic row count: one compiled kernel for every batch",
+            baseline=True,
         ),
         Variant("torch", compute_compress_plans, (), "every batch", baseline=True),
     ),
-)  # fmt: skip
+)
 
 
 def build_compress_plans(

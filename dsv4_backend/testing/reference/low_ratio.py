@@ -88,9 +88,12 @@ def low_ratio_entries(
 
 # ----------------------------------------------------------------------------- the indexer
 def index_keys(
-    k_proj: torch.Tensor, k_norm_weight: torch.Tensor, rope: RopeParams, positions: torch.Tensor,
+    k_proj: torch.Tensor,
+    k_norm_weight: torch.Tensor,
+    rope: RopeParams,
+    positions: torch.Tensor,
     eps: float,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """The index keys a kv-source layer writes for its entries.
 
     ``k_proj``: ``[n, DI]`` the entries' ``wk`` projections of their latents before RoPE (bf16

@@ -144,9 +144,15 @@ def reference_v41(
                 )
             source = entries[config.kv_source_of(layer)]
             out = reference_attention(
-                config, ratio, inputs.q, inputs.window_kv, source, selection[ratio], inputs.sink,
+                config,
+                ratio,
+                inputs.q,
+                inputs.window_kv,
+                source,
+                selection[ratio],
+                inputs.sink,
                 floor,
-            )  # fmt: skip
+            )
             result.selections.append(selection[ratio])
         result.outputs.append(out)
     return result

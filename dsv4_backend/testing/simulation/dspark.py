@@ -216,11 +216,16 @@ class DSparkDraft:
         return stages
 
     def block(
-        self, requests: Sequence[int], seq_lens: Sequence[int], *, seed: int,
-        graph: bool = False, dp_pad: int = 0,
+        self,
+        requests: Sequence[int],
+        seq_lens: Sequence[int],
+        *,
+        seed: int,
+        graph: bool = False,
+        dp_pad: int = 0,
         planner: Callable[[BatchView], AttentionMetadata] | None = None,
         timings: dict[str, float] | None = None,
-    ) -> BlockResult:  # fmt: skip
+    ) -> BlockResult:
         """Run one draft block at committed lengths ``seq_lens`` through ``forward_layer``
         (``block_inputs``' data); ``planner`` replaces ``plan`` (negative controls);
         ``timings`` gains the seconds of planning and of the stages (``RandomModel.forward``)."""
@@ -236,9 +241,13 @@ class DSparkDraft:
             layer_inputs = ops.LayerInputs(q=padded.q.to(self.device), kv=padded.kv.to(self.device))
             with timed(timings, "kernels", self.device):
                 out = forward_layer(
-                    self.state, stage, metadata, view.req_pool_indices, layer_inputs,
+                    self.state,
+                    stage,
+                    metadata,
+                    view.req_pool_indices,
+                    layer_inputs,
                     ops.LayerParams(sink=inputs.sink.to(self.device)),
-                )  # fmt: skip
+                )
             outputs.append(out[: len(rows)].cpu())
         expected = [inputs.expected for inputs in stages]
         return BlockResult(metadata=metadata, rows=rows, outputs=outputs, expected=expected)

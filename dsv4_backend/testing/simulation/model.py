@@ -154,9 +154,12 @@ class RandomModel:
                 )
             outputs.append(out)
         return ForwardResult(
-            metadata=metadata, rows=rows, outputs=outputs, layers=list(layers),
+            metadata=metadata,
+            rows=rows,
+            outputs=outputs,
+            layers=list(layers),
             rejected=dict(rejected or {}),
-        )  # fmt: skip
+        )
 
     #: ``(request, position)`` of every row of a plan of a batch (``judge.plan_rows``).
     rows = staticmethod(plan_rows)

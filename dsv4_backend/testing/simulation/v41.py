@@ -33,21 +33,22 @@ Row = tuple[int, int]
 #: + index + candidate source; 4 shares 3 (reuses 3's selection); 5 candidate consumer.
 TINY_V41_RATIOS = (0, 2, 2, 1, 1, 1)
 TINY_V41_SOURCES = V41Sources(
-    kv_source_layers=(1, 3), index_source_layers=(1, 3, 5), candidate_source_layer=3,
-    candidate_topk_blocks=2, candidate_block_size=8,
-)  # fmt: skip
+    kv_source_layers=(1, 3),
+    index_source_layers=(1, 3, 5),
+    candidate_source_layer=3,
+    candidate_topk_blocks=2,
+    candidate_block_size=8,
+)
 #: The model's parameters among ``V41LayerInputs``' fields (shared by every request).
 PARAMETERS = ("sink", "norm_weight", "wk", "k_norm_weight")
 
 
 def tiny_v41(**overrides: Any) -> DSV4AttentionConfig:
     """A small DeepSeek-V4.1 configuration of every layer role (``TINY_V41_RATIOS``)."""
-    values: dict[str, Any] = dict(
-        compress_ratios=TINY_V41_RATIOS, num_heads=4, head_dim=128, rope_dim=64, index_topk=16,
-        index_n_heads=2, index_head_dim=64, v41=TINY_V41_SOURCES,
-    )  # fmt: skip
-    values.update(overrides)
-    return DSV4AttentionConfig(**values)
+    v41: dict[str, Any] = dict(
+        compress_ratios=TINY_V41_RATIOS, num_heads=4, index_n_heads=2, v41=TINY_V41_SOURCES
+    )
+    return DSV4AttentionConfig.tiny(**(v41 | overrides))
 
 
 def v41_inputs(config: DSV4AttentionConfig, length: int, seed: int) -> list[V41LayerInputs]:
@@ -67,10 +68,12 @@ def v41_inputs(config: DSV4AttentionConfig, length: int, seed: int) -> list[V41L
         extra: dict = {}
         if layer in v41.kv_source_layers:
             extra.update(
-                kv_proj=rand(length, d), norm_weight=1 + 0.1 * rand(d),
-                wk=rand(di, d) * d**-0.5, k_norm_weight=1 + 0.1 * rand(di),
+                kv_proj=rand(length, d),
+                norm_weight=1 + 0.1 * rand(d),
+                wk=rand(di, d) * d**-0.5,
+                k_norm_weight=1 + 0.1 * rand(di),
                 score_proj=rand(length, d) if ratio == 2 else None,
-            )  # fmt: skip
+            )
         if layer in v41.index_source_layers:
             extra.update(index_q_proj=rand(length, hi, di), index_weights_raw=rand(length, hi))
         inputs = dict(
@@ -201,12 +204,16 @@ class V41Model:
                 config.rms_norm_eps,
             )
         compress_low_ratio(
-            state, layer, metadata, req_pool_indices,
+            state,
+            layer,
+            metadata,
+            req_pool_indices,
             self._take(rows, layer, "kv_proj"),
             self._take(rows, layer, "score_proj") if ratio == 2 else None,
-            self._param(layer, "norm_weight"), config.rms_norm_eps,
+            self._param(layer, "norm_weight"),
+            config.rms_norm_eps,
             index_key_params=index,
-        )  # fmt: skip
+        )
 
 
 #: ``plan``'s signature: ``planner(config, batch) -> AttentionMetadata``.
@@ -242,9 +249,13 @@ class V41Served:
             config, [v41_inputs(config, n, seed=seed * 1009 + r) for r, n in enumerate(lengths)]
         )
         state = AttentionState.allocate(
-            config, num_full_slots=pool.num_full_slots, num_swa_slots=pool.num_full_slots,
-            num_request_slots=pool.num_requests + 1, fmt=fmt, device=device,
-        )  # fmt: skip
+            config,
+            num_full_slots=pool.num_full_slots,
+            num_swa_slots=pool.num_full_slots,
+            num_request_slots=pool.num_requests + 1,
+            fmt=fmt,
+            device=device,
+        )
         return cls(config, pool, state, model)
 
     def forward(

@@ -31,6 +31,7 @@ function with ``plan``'s signature.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import time
 from collections.abc import Callable
@@ -68,7 +69,30 @@ def graph_rows(num_rows: int) -> int:
     return 1 << max(num_rows - 1, 0).bit_length()
 
 
-class DSV4Backend(Backend):
+class _ModelBackend(Backend):
+    """A backend over a trace's model: a DSpark step, a DeepSeek-V4.1 trace's step (``v41``
+    set by ``prepare``) or a DeepSeek-V4 step, each its own method."""
+
+    v41: object | None
+
+    def run(self, step: Step) -> StepOutput:
+        if step.mode == "dspark":
+            return self._run_dspark(step)
+        if self.v41 is not None:
+            return self._run_v41(step)
+        return self._run_v4(step)
+
+    @abc.abstractmethod
+    def _run_v4(self, step: Step) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def _run_v41(self, step: Step) -> StepOutput: ...
+
+    @abc.abstractmethod
+    def _run_dspark(self, step: Step) -> StepOutput: ...
+
+
+class DSV4Backend(_ModelBackend):
     """This package's planner and kernels over a ``RandomModel`` (module docstring).
 
     Parameters
@@ -148,10 +172,12 @@ class DSV4Backend(Backend):
         self.v41 = trace.build_v41(device, fmt=self.cache_format)
         pool = self.v41.pool
         self.buffers = GraphMetadataBuffers(
-            trace.config, max_batch_size=pool.num_requests, max_rows=graph_rows(trace.max_rows),
+            trace.config,
+            max_batch_size=pool.num_requests,
+            max_rows=graph_rows(trace.max_rows),
             widths=PlanWidths.for_max_len(pool.max_context, trace.config.page_size),
             device=device,
-        )  # fmt: skip
+        )
         scratch = Trace(trace.config, (8,), (), trace.seed).build_v41(device, self.cache_format)
         with self._paths():
             scratch.forward(
@@ -170,11 +196,7 @@ class DSV4Backend(Backend):
 
         return graph_plan
 
-    def run(self, step: Step) -> StepOutput:
-        if step.mode == "dspark":
-            return self._run_dspark(step)
-        if self.v41 is not None:
-            return self._run_v41(step)
+    def _run_v4(self, step: Step) -> StepOutput:
         model = self.model
         batch = self.trace.batch(step, model.pool)
         timings: dict[str, float] = {}
@@ -203,17 +225,23 @@ class DSV4Backend(Backend):
         timings: dict[str, float] = {}
         with self._paths():
             layer_rows, outputs = served.forward(
-                trace.batch(step, served.pool), rows, planner=self._planner(step),
-                tail_planner=self.planner, bounded_replay=trace.bounded_replay,
+                trace.batch(step, served.pool),
+                rows,
+                planner=self._planner(step),
+                tail_planner=self.planner,
+                bounded_replay=trace.bounded_replay,
                 timings=timings,
-            )  # fmt: skip
+            )
         # Rows past a layer's own are graph padding.
         kept = [out[: len(r)].float().cpu() for out, r in zip(outputs, layer_rows, strict=True)]
         return StepOutput(
-            rows=rows, layers=step.layers(trace.config), outputs=kept,
-            plan_s=timings.get("plan", 0.0), kernel_s=timings.get("kernels", 0.0),
+            rows=rows,
+            layers=step.layers(trace.config),
+            outputs=kept,
+            plan_s=timings.get("plan", 0.0),
+            kernel_s=timings.get("kernels", 0.0),
             layer_rows=layer_rows,
-        )  # fmt: skip
+        )
 
     def _run_dspark(self, step: Step) -> StepOutput:
         """A DSpark draft block: the committed keys injected, then the block's stages."""
@@ -222,16 +250,23 @@ class DSV4Backend(Backend):
         timings: dict[str, float] = {}
         with self._paths():
             result = draft.block(
-                step.requests, step.lens, seed=trace.block_seed(step), graph=step.path == "graph",
-                dp_pad=trace.dp_pad, timings=timings,
-            )  # fmt: skip
+                step.requests,
+                step.lens,
+                seed=trace.block_seed(step),
+                graph=step.path == "graph",
+                dp_pad=trace.dp_pad,
+                timings=timings,
+            )
         return StepOutput(
-            rows=result.rows, layers=step.layers(trace.config), outputs=result.outputs,
-            plan_s=timings.get("plan", 0.0), kernel_s=timings.get("kernels", 0.0),
-        )  # fmt: skip
+            rows=result.rows,
+            layers=step.layers(trace.config),
+            outputs=result.outputs,
+            plan_s=timings.get("plan", 0.0),
+            kernel_s=timings.get("kernels", 0.0),
+        )
 
 
-class ReferenceBackend(Backend):
+class ReferenceBackend(_ModelBackend):
     """The plain torch reference (module docstring); planning time is 0."""
 
     def __init__(self, name: str = "reference") -> None:
@@ -261,11 +296,7 @@ class ReferenceBackend(Backend):
         self.model = trace.build_model("cpu")
         self.draft = trace.build_draft(self.model.pool) if trace.spec == "dspark" else None
 
-    def run(self, step: Step) -> StepOutput:
-        if step.mode == "dspark":
-            return self._run_dspark(step)
-        if self.v41 is not None:
-            return self._run_v41(step)
+    def _run_v4(self, step: Step) -> StepOutput:
         model = self.model
         config = model.config
         rows = step.rows()
@@ -302,9 +333,13 @@ class ReferenceBackend(Backend):
             for layer, of in enumerate(layer_rows)
         ]
         return StepOutput(
-            rows=rows, layers=step.layers(config), outputs=outputs, plan_s=0.0, kernel_s=0.0,
+            rows=rows,
+            layers=step.layers(config),
+            outputs=outputs,
+            plan_s=0.0,
+            kernel_s=0.0,
             layer_rows=layer_rows,
-        )  # fmt: skip
+        )
 
     def _run_dspark(self, step: Step) -> StepOutput:
         """``reference_dspark_block`` over each request's committed keys and block."""
@@ -312,10 +347,12 @@ class ReferenceBackend(Backend):
         start = time.perf_counter()
         stages = self.draft.block_inputs(step.requests, step.lens, seed=trace.block_seed(step))
         return StepOutput(
-            rows=step.rows(), layers=step.layers(trace.config),
-            outputs=[inputs.expected for inputs in stages], plan_s=0.0,
+            rows=step.rows(),
+            layers=step.layers(trace.config),
+            outputs=[inputs.expected for inputs in stages],
+            plan_s=0.0,
             kernel_s=time.perf_counter() - start,
-        )  # fmt: skip
+        )
 
 
 def _truncate(inputs: LayerInputs, length: int) -> LayerInputs:

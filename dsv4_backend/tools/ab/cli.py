@@ -64,72 +64,96 @@ def _add_options(parser: argparse.ArgumentParser) -> None:
     trace = parser.add_argument_group("trace")
     trace.add_argument("--requests", type=int, default=3, help="requests (default 3)")
     trace.add_argument(
-        "--max-len", type=int, default=300,
+        "--max-len",
+        type=int,
+        default=300,
         help="longest request, prompt plus generated tokens (default 300)",
-    )  # fmt: skip
+    )
     trace.add_argument(
-        "--cycles", type=int,
+        "--cycles",
+        type=int,
         help="speculative rounds: draft, verify, draft extend (default 4; 0 with --v41)",
-    )  # fmt: skip
+    )
     trace.add_argument("--decode-steps", type=int, default=4, help="decodes (default 4)")
     trace.add_argument(
-        "--prompt-lens", type=int, nargs="+", metavar="N",
+        "--prompt-lens",
+        type=int,
+        nargs="+",
+        metavar="N",
         help="these prompt lengths, one request each, instead of --requests drawn ones",
-    )  # fmt: skip
+    )
     trace.add_argument("--seed", type=int, default=0, help="lengths, drafts and data (default 0)")
     trace.add_argument(
-        "--dp-pad", type=int, default=0, metavar="N",
+        "--dp-pad",
+        type=int,
+        default=0,
+        metavar="N",
         help="DP attention scenario: N padding requests (pool row 0, seq_len 1, slot 0) join "
         "every draft, verify and decode batch before planning (default 0)",
-    )  # fmt: skip
+    )
     trace.add_argument(
-        "--prefix-share", action="store_true",
+        "--prefix-share",
+        action="store_true",
         help="one more request shares request 0's prompt and starts from its cached pages "
         "(a radix-cache hit of whole 256-token pages)",
-    )  # fmt: skip
+    )
     trace.add_argument(
-        "--spec", choices=("eagle", "dspark"), default="eagle",
+        "--spec",
+        choices=("eagle", "dspark"),
+        default="eagle",
         help="speculative rounds: EAGLE (draft steps, verify, draft extend) or DSpark (a draft "
         "block through the draft head's window-only stages, then the verify) (default eagle)",
-    )  # fmt: skip
+    )
     trace.add_argument(
-        "--bounded-replay", action="store_true",
+        "--bounded-replay",
+        action="store_true",
         help="DeepSeek-V4.1's decoder SWA bounded replay on both sides: a prefill's late "
         "layers run over its late-layer tail (each request's last 128 rows)",
-    )  # fmt: skip
+    )
     model = parser.add_argument_group("model")
     model.add_argument(
-        "--config", type=Path, metavar="PATH",
+        "--config",
+        type=Path,
+        metavar="PATH",
         help="a DeepSeek-V4 config.json for real dimensions (default: the tiny configuration)",
-    )  # fmt: skip
+    )
     model.add_argument(
-        "--v41", action="store_true",
+        "--v41",
+        action="store_true",
         help="the tiny DeepSeek-V4.1 configuration (prefills and decodes; a V4.1 --config is "
         "read as V4.1 already)",
-    )  # fmt: skip
+    )
     model.add_argument(
-        "--layers", metavar="IDS",
+        "--layers",
+        metavar="IDS",
         help="comma-separated layer ids to simulate (default: all layers of the tiny "
         "configuration; with --config, the first layer of each compress ratio)",
-    )  # fmt: skip
+    )
     run = parser.add_argument_group("run")
     run.add_argument("--device", help="cpu or cuda (default: cuda when available)")
     run.add_argument(
-        "--atol", action="append", default=[], metavar="[MODE=]VALUE",
+        "--atol",
+        action="append",
+        default=[],
+        metavar="[MODE=]VALUE",
         help="absolute tolerance for every mode, a mode (verify=2e-4) or a mode/path "
         "(verify/graph=2e-4); repeatable (default 1e-4 on cpu, 0.047 on cuda: bf16 dot operands; "
         "dense vs FP8 caches: 1.0, and the median row error within e4m3's u/sqrt(3))",
-    )  # fmt: skip
+    )
     run.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch CPU threads (default 1: fastest for these small ops on a shared machine; "
         "0 keeps torch's default)",
-    )  # fmt: skip
+    )
     out = parser.add_argument_group("output")
     out.add_argument(
-        "--out", type=Path, default=Path("ab-report"),
+        "--out",
+        type=Path,
+        default=Path("ab-report"),
         help="folder for report.md, report.json and times.png (default ./ab-report)",
-    )  # fmt: skip
+    )
     out.add_argument("--json", action="store_true", help="print the JSON report to stdout")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
     add_server_options(parser)

@@ -264,10 +264,14 @@ def plot_step_times(ax: Any, report: dict[str, Any], kind: str) -> None:
         p90 = np.array([s["p90"] or 0.0 for s in stats])
         x = np.arange(len(modes)) + offset
         ax.bar(
-            x, med, width=0.4, yerr=[np.zeros_like(med), p90 - med], capsize=2,
+            x,
+            med,
+            width=0.4,
+            yerr=[np.zeros_like(med), p90 - med],
+            capsize=2,
             color="tab:blue" if side == "a" else "tab:orange",
             label=f"{side.upper()}: {report[side]['name']}",
-        )  # fmt: skip
+        )
         for xi, s in zip(x, stats, strict=True):
             if s["median"] is None:
                 _label_bottom(ax, xi, "n/a", low)

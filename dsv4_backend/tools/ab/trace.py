@@ -197,9 +197,13 @@ class Trace:
         for equal seeds."""
         generator = torch.Generator().manual_seed(self.seed)
         pool = PagedRequestPool(
-            self.config, self.max_lens, generator=generator, device=device,
-            shared_pages=dict(self.shared_pages), same_tokens=dict(self.same_tokens),
-        )  # fmt: skip
+            self.config,
+            self.max_lens,
+            generator=generator,
+            device=device,
+            shared_pages=dict(self.shared_pages),
+            same_tokens=dict(self.same_tokens),
+        )
         return RandomModel(self.config, pool, generator=generator, fmt=fmt, device=device)
 
     def build_draft(
@@ -209,9 +213,13 @@ class Trace:
         for equal seeds."""
         generator = torch.Generator().manual_seed(self.seed + 1)
         return DSparkDraft(
-            self.config, pool, block_size=DSPARK_BLOCK_SIZE, generator=generator, fmt=fmt,
+            self.config,
+            pool,
+            block_size=DSPARK_BLOCK_SIZE,
+            generator=generator,
+            fmt=fmt,
             device=device,
-        )  # fmt: skip
+        )
 
     def build_v41(self, device: torch.device | str = "cpu", fmt: str = "dense") -> V41Served:
         """A DeepSeek-V4.1 trace's model served over a fresh pool with ``fmt`` caches; equal
@@ -361,10 +369,14 @@ def build_trace(
             steps.append(Step("verify", path, requests, committed, rejected=rejected))
             steps.append(
                 Step(
-                    "draft_extend", path, requests, committed,
-                    (NUM_DRAFT_TOKENS,) * num_requests, rejected=rejected,
+                    "draft_extend",
+                    path,
+                    requests,
+                    committed,
+                    (NUM_DRAFT_TOKENS,) * num_requests,
+                    rejected=rejected,
                 )
-            )  # fmt: skip
+            )
         lens = [n + 1 + a for n, a in zip(lens, taken, strict=True)]
     for i in range(decode_steps):
         lens = [n + 1 for n in lens]

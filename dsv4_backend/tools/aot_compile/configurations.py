@@ -15,6 +15,7 @@ by name.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import triton
@@ -78,17 +79,36 @@ def attention_source(
     block_n, num_warps, num_stages = sa._launch_config(DIM, fp8, block_h * block_g)
     cache = "*u8" if fp8 else "*bf16"
     kinds = dict(
-        q_ptr="*bf16", win_ptr=cache, win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr=cache,
-        ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16",
-        m_ptr="*fp32", l_ptr="*fp32", qk_scale="fp32",
-    )  # fmt: skip
+        q_ptr="*bf16",
+        win_ptr=cache,
+        win_idx_ptr="*i32",
+        win_len_ptr="*i32",
+        ext_ptr=cache,
+        ext_idx_ptr="*i32",
+        ext_len_ptr="*i32",
+        sink_ptr="*fp32",
+        out_ptr="*bf16",
+        m_ptr="*fp32",
+        l_ptr="*fp32",
+        qk_scale="fp32",
+    )
     constexprs = dict(
-        D=DIM, BLOCK_D=DIM, BLOCK_H=block_h, GROUP=group, BLOCK_G=block_g, BLOCK_N=block_n,
+        D=DIM,
+        BLOCK_D=DIM,
+        BLOCK_H=block_h,
+        GROUP=group,
+        BLOCK_G=block_g,
+        BLOCK_N=block_n,
         NUM_SPLITS=splits,
-        HAS_EXTRA=ratio != 0, NOPE_DIM=DIM - ROPE, WIN_FP8=fp8, WIN_PAGE_TOKENS=PAGE_TOKENS[0],
-        EXT_FP8=fp8, EXT_PAGE_TOKENS=PAGE_TOKENS[ratio], ONE_GATHER=not fp8,
+        HAS_EXTRA=ratio != 0,
+        NOPE_DIM=DIM - ROPE,
+        WIN_FP8=fp8,
+        WIN_PAGE_TOKENS=PAGE_TOKENS[0],
+        EXT_FP8=fp8,
+        EXT_PAGE_TOKENS=PAGE_TOKENS[ratio],
+        ONE_GATHER=not fp8,
         INTERPRETER=False,
-    )  # fmt: skip
+    )
     signature = argument_kinds(sa._sparse_attention_kernel, kinds, constexprs)
     src = ASTSource(sa._sparse_attention_kernel, signature, constexprs, _aligned(signature))
     return src, dict(num_warps=num_warps, num_stages=num_stages)
@@ -164,43 +184,37 @@ def _source(fn, kinds: dict[str, str], constexprs: dict) -> tuple[ASTSource, dic
     return ASTSource(fn, signature, constexprs, _pointer_aligned(signature)), dict(num_warps=4)
 
 
+def _indexer_source(
+    kernel, queries: str, key: str, heads: int, per_page: int, **constexprs: Any
+) -> tuple[ASTSource, dict]:
+    """An indexer scores kernel over ``heads`` x 128 ``queries`` and ``key`` index keys of
+    ``per_page`` entries a page, with the kernel's own ``constexprs``."""
+    kinds = dict(q_ptr=queries, w_ptr="*fp32", key_ptr=key, page_table_ptr="*i32")
+    shape = dict(HI=heads, DIM=128, PAGE_TOKENS=64, E=per_page, BLOCK_H=heads, BLOCK_D=128)
+    return _source(
+        kernel,
+        dict(kinds, num_ptr="*i32", out_ptr="*fp32"),
+        dict(shape, BLOCK_N=INDEXER_BLOCK_N, **constexprs),
+    )
+
+
 def fused_configurations() -> list[Configuration]:
     """The lightning indexer (bf16 dots, fp8 keys, 64 heads x 128; DeepSeek-V4.1's fp4 keys,
-    32 heads), its slot selection
-    (top-k 512), the length-bounded indexer, the compressors (c4 and c128, D = 512) and the
-    fused planner."""
-    scores = _source(
-        indexer_triton._indexer_scores_kernel,
-        dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
-             num_ptr="*i32", out_ptr="*fp32"),
-        dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
-             BLOCK_N=INDEXER_BLOCK_N, KEYS=1, DOT_BF16=True),
-    )  # fmt: skip
-    # DeepSeek-V4.1's index scores: fp4 pages, 32 heads x 128, c1 (256 entries a page)
-    scores_fp4 = _source(
-        indexer_triton._indexer_scores_kernel,
-        dict(q_ptr="*fp32", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
-             num_ptr="*i32", out_ptr="*fp32"),
-        dict(HI=32, DIM=128, PAGE_TOKENS=64, E=256, BLOCK_H=32, BLOCK_D=128,
-             BLOCK_N=INDEXER_BLOCK_N, KEYS=2, DOT_BF16=True),
-    )  # fmt: skip
+    32 heads), its slot selection (top-k 512), the length-bounded indexer, the compressors (c4
+    and c128, D = 512) and the fused planner."""
+    scores = indexer_triton._indexer_scores_kernel
+    fp8, fp4 = dict(KEYS=1, DOT_BF16=True), dict(KEYS=2, DOT_BF16=True)
     slots = _source(
         indexer_slots._selected_slots_kernel,
         dict(picked_ptr="*i64", num_ptr="*i32", page_table_ptr="*i32", out_ptr="*i32"),
         dict(E=64, HAS_PICKED=True, BLOCK_K=512),
     )
-    # sglang's fp4 indexer (--enable-deepseek-v4-fp4-indexer): fp4 c4 pages, 64 heads x 128
-    scores_fp4_c4 = _source(
-        indexer_triton._indexer_scores_kernel,
-        dict(q_ptr="*fp32", w_ptr="*fp32", key_ptr="*u8", page_table_ptr="*i32",
-             num_ptr="*i32", out_ptr="*fp32"),
-        dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
-             BLOCK_N=INDEXER_BLOCK_N, KEYS=2, DOT_BF16=True),
-    )  # fmt: skip
     out = [
-        ("indexer-scores-fp8", *scores),
-        ("indexer-scores-fp4-c1", *scores_fp4),
-        ("fp4-indexer-scores-c4", *scores_fp4_c4),
+        ("indexer-scores-fp8", *_indexer_source(scores, "*bf16", "*u8", 64, 64, **fp8)),
+        # DeepSeek-V4.1's index scores: fp4 pages, 32 heads x 128, c1 (256 entries a page)
+        ("indexer-scores-fp4-c1", *_indexer_source(scores, "*fp32", "*u8", 32, 256, **fp4)),
+        # sglang's fp4 indexer (--enable-deepseek-v4-fp4-indexer): fp4 c4 pages, 64 heads x 128
+        ("fp4-indexer-scores-c4", *_indexer_source(scores, "*fp32", "*u8", 64, 64, **fp4)),
         ("indexer-slots-k512", *slots),
     ]
     return out + _bounded_indexer() + _compressors() + _low_ratio_rows() + _planner()
@@ -210,23 +224,63 @@ def _low_ratio_rows() -> list[Configuration]:
     """DeepSeek-V4.1's fp4 rows: a kv source's entries (D = 512, e4m3 scales, the compressor's
     norm) and its index keys (DI = 128, ue8m0 scales, k_norm, packed into the fp4 pages); a
     ratio-2 source's pair pooling and ring write (D = 512, 2 ring rows)."""
-    kinds = dict(x_ptr="*fp32", weight_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32",
-                 out_ptr="*fp32", normed_ptr="*fp32", pages_ptr="*u8", slots_ptr="*i64",
-                 eps="fp32", num_rows="i32")  # fmt: skip
+    kinds = dict(
+        x_ptr="*fp32",
+        weight_ptr="*fp32",
+        cos_ptr="*fp32",
+        sin_ptr="*fp32",
+        out_ptr="*fp32",
+        normed_ptr="*fp32",
+        pages_ptr="*u8",
+        slots_ptr="*i64",
+        eps="fp32",
+        num_rows="i32",
+    )
     entries = _source(
-        low_ratio_triton._fp4_rows_kernel, kinds,
-        dict(D=DIM, ROPE=ROPE, HEADS=1, BLOCK=16, UE8M0=False, NORM=True, STORE=False,
-             PAGE_TOKENS=1, ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"]),
-    )  # fmt: skip
+        low_ratio_triton._fp4_rows_kernel,
+        kinds,
+        dict(
+            D=DIM,
+            ROPE=ROPE,
+            HEADS=1,
+            BLOCK=16,
+            UE8M0=False,
+            NORM=True,
+            STORE=False,
+            PAGE_TOKENS=1,
+            ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"],
+        ),
+    )
     keys = _source(
-        low_ratio_triton._fp4_rows_kernel, kinds,
-        dict(D=128, ROPE=ROPE, HEADS=1, BLOCK=32, UE8M0=True, NORM=True, STORE=True,
-             PAGE_TOKENS=64, ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"]),
-    )  # fmt: skip
-    pair_kinds = dict(kv_ptr="*fp32", score_ptr="*fp32", ring_ptr="*fp32", req_ptr="*i64",
-                      pos_ptr="*i64", valid_ptr="*i1", out_ptr="*fp32")  # fmt: skip
-    pair_constants = dict(D=DIM, R=2, BLOCK_D=low_ratio_triton.PAIR_BLOCK_D,
-                          ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"])  # fmt: skip
+        low_ratio_triton._fp4_rows_kernel,
+        kinds,
+        dict(
+            D=128,
+            ROPE=ROPE,
+            HEADS=1,
+            BLOCK=32,
+            UE8M0=True,
+            NORM=True,
+            STORE=True,
+            PAGE_TOKENS=64,
+            ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"],
+        ),
+    )
+    pair_kinds = dict(
+        kv_ptr="*fp32",
+        score_ptr="*fp32",
+        ring_ptr="*fp32",
+        req_ptr="*i64",
+        pos_ptr="*i64",
+        valid_ptr="*i1",
+        out_ptr="*fp32",
+    )
+    pair_constants = dict(
+        D=DIM,
+        R=2,
+        BLOCK_D=low_ratio_triton.PAIR_BLOCK_D,
+        ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"],
+    )
     pool = _source(low_ratio_triton._pair_pool_kernel, pair_kinds, pair_constants)
     write = _source(low_ratio_triton._pair_ring_write_kernel, pair_kinds, pair_constants)
     return [
@@ -242,17 +296,14 @@ def _bounded_indexer() -> list[Configuration]:
     keys) and its top-k (the chunks' and the merge's kernels, top-k 512); the cache store of
     the fp4 indexer's keys (sglang's c4 rounding)."""
     out = []
-    formats = (("fp8", "*u8", indexer_device.FP8_KEYS),
-               ("dense", "*bf16", indexer_device.DENSE_KEYS),
-               ("fp4", "*u8", indexer_device.FP4_KEYS))  # fmt: skip
+    kernel = indexer_bounded._row_scores_kernel
+    formats = (
+        ("fp8", "*u8", indexer_device.FP8_KEYS),
+        ("dense", "*bf16", indexer_device.DENSE_KEYS),
+        ("fp4", "*u8", indexer_device.FP4_KEYS),
+    )
     for fmt, key, keys in formats:
-        rows = _source(
-            indexer_bounded._row_scores_kernel,
-            dict(q_ptr="*bf16", w_ptr="*fp32", key_ptr=key, page_table_ptr="*i32",
-                 num_ptr="*i32", out_ptr="*fp32"),
-            dict(HI=64, DIM=128, PAGE_TOKENS=64, E=64, BLOCK_H=64, BLOCK_D=128,
-                 BLOCK_N=INDEXER_BLOCK_N, KEYS=keys.value, GPU=True),
-        )  # fmt: skip
+        rows = _indexer_source(kernel, "*bf16", key, 64, 64, KEYS=keys.value, GPU=True)
         if fmt == "fp4":  # launched with more warps (bounded.FP4_ROW_WARPS)
             rows = rows[0], dict(num_warps=indexer_bounded.FP4_ROW_WARPS)
         # sglang's fp4 indexer runs on SM100 / SM120 only (targets_of)
@@ -261,9 +312,14 @@ def _bounded_indexer() -> list[Configuration]:
     store = _source(
         cache_store_triton._store_fp4_index_kernel,
         dict(storage_ptr="*u8", rows_ptr="*fp32", slots_ptr="*i64"),
-        dict(DIM=128, PAGE_TOKENS=64, FLOOR=rounding.amax_floor,
-             EXACT=rounding.exact_exponent, TIES_EVEN=rounding.ties_even),
-    )  # fmt: skip
+        dict(
+            DIM=128,
+            PAGE_TOKENS=64,
+            FLOOR=rounding.amax_floor,
+            EXACT=rounding.exact_exponent,
+            TIES_EVEN=rounding.ties_even,
+        ),
+    )
     out.append(("fp4-indexer-store-c4", *store))
     chunks = _source(
         indexer_bounded._topk_chunks_kernel,
@@ -273,10 +329,15 @@ def _bounded_indexer() -> list[Configuration]:
     out.append(("indexer-topk-chunks", *chunks))
     merge = _source(
         indexer_bounded._merge_topk_slots_kernel,
-        dict(cand_scores_ptr="*fp32", cand_cols_ptr="*i32", num_ptr="*i32",
-             page_table_ptr="*i32", out_ptr="*i32"),
+        dict(
+            cand_scores_ptr="*fp32",
+            cand_cols_ptr="*i32",
+            num_ptr="*i32",
+            page_table_ptr="*i32",
+            out_ptr="*i32",
+        ),
         dict(E=64, BLOCK_K=512, BLOCK_C=indexer_bounded.TOPK_BLOCK_C),
-    )  # fmt: skip
+    )
     out.append(("indexer-topk-merge-k512", *merge))
     return out
 
@@ -287,28 +348,62 @@ def _compressors() -> list[Configuration]:
     for ratio, span, ovl in ((4, 8, 2), (128, 128, 1)):
         entry = _source(
             compressor_entries._compress_entry_kernel,
-            dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
-                 pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", norm_ptr="*fp32",
-                 cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32", eps="fp32"),
-            dict(RATIO=ratio, SPAN=span, OVERLAP=ovl, WINDOW_PAGE=256 if ratio == 4 else 0,
-                 ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False, BLOCK_P=DIM // 2, BLOCK_S=8),
-        )  # fmt: skip
+            dict(
+                kv_ptr="*fp32",
+                score_ptr="*fp32",
+                ape_ptr="*fp32",
+                ring_ptr="*fp32",
+                pool_ptr="*i64",
+                window_ptr="*i32",
+                plan_ptr="*i32",
+                norm_ptr="*fp32",
+                cos_ptr="*fp32",
+                sin_ptr="*fp32",
+                out_ptr="*fp32",
+                eps="fp32",
+            ),
+            dict(
+                RATIO=ratio,
+                SPAN=span,
+                OVERLAP=ovl,
+                WINDOW_PAGE=256 if ratio == 4 else 0,
+                ROPE_PAIRS=ROPE // 2,
+                ROPE_BY_ROW=False,
+                BLOCK_P=DIM // 2,
+                BLOCK_S=8,
+            ),
+        )
         out.append((f"compress-entry-c{ratio}", *entry))
         # The one-launch compressor: fp8 token cache store, ring write (decode / verify), and
         # with the writes that wait for the ring reads (extend).
-        store = dict(STORE=STORE_FP8_TOKEN, NOPE_DIM=DIM - ROPE, ROPE_DIM=ROPE,
-                     PAGE_TOKENS=PAGE_TOKENS[ratio], BLOCK_R=ROPE)  # fmt: skip
+        store = dict(
+            STORE=STORE_FP8_TOKEN,
+            NOPE_DIM=DIM - ROPE,
+            ROPE_DIM=ROPE,
+            PAGE_TOKENS=PAGE_TOKENS[ratio],
+            BLOCK_R=ROPE,
+        )
         out.append((f"compress-fused-c{ratio}", *_fused_compressor(ratio, DIM, store, False)))
         extend = _fused_compressor(ratio, DIM, store, True)
         out.append((f"compress-fused-c{ratio}-extend", *extend))
     for ratio in (4, 128):  # the ring write of the replaced kernels
         write = _source(
             compressor_entries._ring_write_kernel,
-            dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
-                 pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32"),
-            dict(RATIO=ratio, WINDOW_PAGE=256 if ratio == 4 else 0,
-                 BLOCK=compressor_entries.WRITE_BLOCK),
-        )  # fmt: skip
+            dict(
+                kv_ptr="*fp32",
+                score_ptr="*fp32",
+                ape_ptr="*fp32",
+                ring_ptr="*fp32",
+                pool_ptr="*i64",
+                window_ptr="*i32",
+                plan_ptr="*i32",
+            ),
+            dict(
+                RATIO=ratio,
+                WINDOW_PAGE=256 if ratio == 4 else 0,
+                BLOCK=compressor_entries.WRITE_BLOCK,
+            ),
+        )
         out.append((f"compress-ring-write-c{ratio}", *write))
     # The indexer's compressor (DI = 128) storing fp8 indexer keys.
     store = dict(STORE=STORE_FP8_INDEXER, NOPE_DIM=0, ROPE_DIM=0, PAGE_TOKENS=64, BLOCK_R=1)
@@ -326,15 +421,38 @@ def _fused_compressor(
     splits = compressor_fused.channel_splits(dim, span, torch.device("cuda"))  # as a GPU launches
     src, _ = _source(
         compressor_fused._compress_fused_kernel,
-        dict(kv_ptr="*fp32", score_ptr="*fp32", ape_ptr="*fp32", ring_ptr="*fp32",
-             pool_ptr="*i64", window_ptr="*i32", plan_ptr="*i32", write_plan_ptr="*i32",
-             norm_ptr="*fp32", cos_ptr="*fp32", sin_ptr="*fp32", out_ptr="*fp32",
-             out_loc_ptr="*i64", cache_ptr="*u8", arrivals_ptr="*i32", eps="fp32"),
-        dict(RATIO=ratio, SPAN=span, OVERLAP=2 if ratio == 4 else 1,
-             WINDOW_PAGE=256 if ratio == 4 else 0, ROPE_PAIRS=ROPE // 2, ROPE_BY_ROW=False,
-             BLOCK_D=dim, **compressor_fused.fused_tiles(dim, span, splits),
-             DEFER_WRITES=defer_writes, BF16_BITS=False, **store),
-    )  # fmt: skip
+        dict(
+            kv_ptr="*fp32",
+            score_ptr="*fp32",
+            ape_ptr="*fp32",
+            ring_ptr="*fp32",
+            pool_ptr="*i64",
+            window_ptr="*i32",
+            plan_ptr="*i32",
+            write_plan_ptr="*i32",
+            norm_ptr="*fp32",
+            cos_ptr="*fp32",
+            sin_ptr="*fp32",
+            out_ptr="*fp32",
+            out_loc_ptr="*i64",
+            cache_ptr="*u8",
+            arrivals_ptr="*i32",
+            eps="fp32",
+        ),
+        dict(
+            RATIO=ratio,
+            SPAN=span,
+            OVERLAP=2 if ratio == 4 else 1,
+            WINDOW_PAGE=256 if ratio == 4 else 0,
+            ROPE_PAIRS=ROPE // 2,
+            ROPE_BY_ROW=False,
+            BLOCK_D=dim,
+            **compressor_fused.fused_tiles(dim, span, splits),
+            DEFER_WRITES=defer_writes,
+            BF16_BITS=False,
+            **store,
+        ),
+    )
     return src, dict(num_warps=compressor_fused.fused_warps(dim))
 
 
@@ -368,10 +486,19 @@ def _planner() -> list[Configuration]:
             plan = _source(
                 plan_fields._plan_kernel,
                 kinds,
-                dict(EXTEND=extend, HAS_FLOORS=floors, HAS_SWA_MAP=True, **ratios, PAGE=256,
-                     SPAN4=8, SPAN128=128, BLOCK_T=block_t, BLOCK_B=batch,
-                     BLOCK_C=tiles.columns),
-            )  # fmt: skip
+                dict(
+                    EXTEND=extend,
+                    HAS_FLOORS=floors,
+                    HAS_SWA_MAP=True,
+                    **ratios,
+                    PAGE=256,
+                    SPAN4=8,
+                    SPAN128=128,
+                    BLOCK_T=block_t,
+                    BLOCK_B=batch,
+                    BLOCK_C=tiles.columns,
+                ),
+            )
             out.append((f"plan-fields-{model}{kind}-b{batch}", *plan))
         block_t = plan_fields.row_block(tiles, tiles.check_rows, batch)
         check = _source(
@@ -393,10 +520,20 @@ def _planner() -> list[Configuration]:
 # ------------------------------------------------------------- opt-in attention kernels
 #: Argument kinds of both opt-in attention kernels (every other argument is i32 or constexpr).
 KINDS = dict(
-    q_ptr="*bf16", win_ptr="*u8", win_idx_ptr="*i32", win_len_ptr="*i32", ext_ptr="*u8",
-    ext_idx_ptr="*i32", ext_len_ptr="*i32", sink_ptr="*fp32", out_ptr="*bf16", part_ptr="*fp32",
-    ml_ptr="*fp32", count_ptr="*i32", qk_scale="fp32",
-)  # fmt: skip
+    q_ptr="*bf16",
+    win_ptr="*u8",
+    win_idx_ptr="*i32",
+    win_len_ptr="*i32",
+    ext_ptr="*u8",
+    ext_idx_ptr="*i32",
+    ext_len_ptr="*i32",
+    sink_ptr="*fp32",
+    out_ptr="*bf16",
+    part_ptr="*fp32",
+    ml_ptr="*fp32",
+    count_ptr="*i32",
+    qk_scale="fp32",
+)
 
 
 def _opt_in_source(
@@ -420,11 +557,18 @@ def pipelined_attention_source(
     ``heads`` heads a rank, up to ``rows_per_group`` rows a program and ``splits`` splits."""
     group = ac.group_rows(heads, rows_per_group)
     constexprs = dict(
-        D=DIM, NOPE_DIM=DIM - ROPE, BLOCK_H=ac.program_heads(heads, group), GROUP=group,
-        BLOCK_G=triton.next_power_of_2(group), BLOCK_N=pa._block_n(DIM),
-        BLOCK_S=triton.next_power_of_2(splits), HAS_EXTRA=ratio != 0,
-        NUM_STAGES=pa.NUM_STAGES, MERGE_D=pa.MERGE_D, INTERPRETER=False,
-    )  # fmt: skip
+        D=DIM,
+        NOPE_DIM=DIM - ROPE,
+        BLOCK_H=ac.program_heads(heads, group),
+        GROUP=group,
+        BLOCK_G=triton.next_power_of_2(group),
+        BLOCK_N=pa._block_n(DIM),
+        BLOCK_S=triton.next_power_of_2(splits),
+        HAS_EXTRA=ratio != 0,
+        NUM_STAGES=pa.NUM_STAGES,
+        MERGE_D=pa.MERGE_D,
+        INTERPRETER=False,
+    )
     return _opt_in_source(pa._pipelined_attention_kernel, constexprs), dict(num_warps=pa.NUM_WARPS)
 
 

@@ -169,8 +169,9 @@ def _mma_n(shape: str) -> int:
     return int(shape.split("n", 1)[1].split("k", 1)[0])
 
 
-def loop_figures(listing: str, spec: KernelSpec | None, constexprs: dict, warps: int,
-                 device: Device) -> dict:  # fmt: skip
+def loop_figures(
+    listing: str, spec: KernelSpec | None, constexprs: dict, warps: int, device: Device
+) -> dict:
     """The main loop of one SASS ``listing`` (module docstring); per-key figures with a spec."""
     loop = sass.main_loop(listing)
     if loop is None:
@@ -207,12 +208,17 @@ def _partition_figures(listing: str, warps: dict[str, int]) -> list[dict]:
     global loads."""
     out = []
     for role, loop in sass.partition_loops(listing):
-        out.append(dict(
-            header=hex(loop.header), role=role, instructions=len(loop.path),
-            warps=warps[role], mma_ops=loop.opcodes(sass.MMA_CLASSES),
-            async_copies=loop.opcodes(sass.ASYNC_COPY_CLASSES),
-            global_loads=loop.opcodes(("ldg",)),
-        ))  # fmt: skip
+        out.append(
+            dict(
+                header=hex(loop.header),
+                role=role,
+                instructions=len(loop.path),
+                warps=warps[role],
+                mma_ops=loop.opcodes(sass.MMA_CLASSES),
+                async_copies=loop.opcodes(sass.ASYNC_COPY_CLASSES),
+                global_loads=loop.opcodes(("ldg",)),
+            )
+        )
     return out
 
 
@@ -239,9 +245,11 @@ def kernel_report(name: str, src: ASTSource, options: dict, target: str) -> dict
     report = toolchain.compile_report(name, src, options, target, kernel, listing)
     constexprs = {src.fn.arg_names[k[0]]: v for k, v in src.constants.items()}
     spec = SPECS.get(src.name)
-    report.update(kernel=src.name, setmaxnreg=sass.set_max_registers(listing), **loop_figures(
-        listing, spec, constexprs, options["num_warps"], DEVICES[target]
-    ))  # fmt: skip
+    report.update(
+        kernel=src.name,
+        setmaxnreg=sass.set_max_registers(listing),
+        **loop_figures(listing, spec, constexprs, options["num_warps"], DEVICES[target]),
+    )
     report["criteria"] = criteria(report)
     report["claims"] = sorted(spec.claims(constexprs, target)) if spec else []
     return report

@@ -86,10 +86,19 @@ def ptxas_report(ptx: str, target: str = "sm_90a") -> dict[str, int]:
         with open(src, "w") as f:
             f.write(ptx)
         log = subprocess.run(
-            [get_ptxas(TARGETS[target].arch).path, "-v", "--regAllocOptLevel=2",
-             f"--gpu-name={target}", src, "-o", src + ".o"],
-            check=True, capture_output=True, text=True,
-        ).stderr  # fmt: skip
+            [
+                get_ptxas(TARGETS[target].arch).path,
+                "-v",
+                "--regAllocOptLevel=2",
+                f"--gpu-name={target}",
+                src,
+                "-o",
+                src + ".o",
+            ],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stderr
     figures = _ptxas_figures(log)
     assert figures is not None, log
     _keep_figures(ptx, target, figures)
@@ -107,9 +116,12 @@ def mma_shapes(ptx: str) -> list[str]:
     where the descriptor is a constant (``mov.b32 %r, imm``)."""
     shapes = {
         f"{m.group(1)}.{m.group(2)}"
-        for m in re.finditer(r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*?\.(m\d+n\d+k\d+)"
-                             r"[\w.]*?\.f32\.(\w+)\.", ptx)
-    }  # fmt: skip
+        for m in re.finditer(
+            r"\b(?:wgmma\.mma_async|mma\.sync)[\w.]*?\.(m\d+n\d+k\d+)"
+            r"[\w.]*?\.f32\.(\w+)\.",
+            ptx,
+        )
+    }
     consts = dict(re.findall(r"mov\.b32\s+(%r\d+),\s*(\d+);", ptx))
     for m in re.finditer(r"tcgen05\.mma\.cta_group::\d\.kind::f16\s[^;]*?,\s*(%r\d+),\s*%p", ptx):
         desc = consts.get(m.group(1))
@@ -180,9 +192,13 @@ def sass_facts(listing: str) -> dict[str, int]:
 
 
 def compile_report(
-    name: str, src: ASTSource, options: dict, target: str = "sm_90a", kernel=None,
+    name: str,
+    src: ASTSource,
+    options: dict,
+    target: str = "sm_90a",
+    kernel=None,
     listing: str | None = None,
-) -> dict:  # fmt: skip
+) -> dict:
     """The module docstring's figures of one configuration (``kernel``: already compiled;
     ``listing``: its :func:`sass_listing`)."""
     kernel = kernel or compile_kernel(src, options, target)

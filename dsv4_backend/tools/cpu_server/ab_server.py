@@ -130,22 +130,26 @@ def add_server_options(parser: argparse.ArgumentParser) -> None:
     ``--max-len`` / ``--seed`` / ``--device`` / ``--out`` / ``--json`` apply too)."""
     server = parser.add_argument_group("server (--server)")
     server.add_argument(
-        "--server", action="store_true",
+        "--server",
+        action="store_true",
         help="compare two sglang servers (Engines) on the same prompts instead of a trace",
-    )  # fmt: skip
+    )
     server.add_argument(
-        "--model-path", type=Path,
+        "--model-path",
+        type=Path,
         help="the checkpoint the servers load (default: the tiny DeepSeek-V4 checkpoint)",
-    )  # fmt: skip
+    )
     server.add_argument("--new-tokens", type=int, default=16, help="greedy tokens (default 16)")
     server.add_argument(
         "--eagle", action="store_true", help="both servers with EAGLE (the MTP layer drafts)"
     )
     server.add_argument(
-        "--margin", type=float, default=runs.MARGIN_BOUND,
+        "--margin",
+        type=float,
+        default=runs.MARGIN_BOUND,
         help="compare tokens before the first step decided by less than this top-1 minus "
         f"top-2 logprob (default {runs.MARGIN_BOUND})",
-    )  # fmt: skip
+    )
 
 
 def run_server_ab(args: argparse.Namespace, device: str) -> tuple[dict[str, Any], int]:

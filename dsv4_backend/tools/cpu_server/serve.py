@@ -73,22 +73,28 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     )
     source = serve.add_mutually_exclusive_group(required=True)
     source.add_argument(
-        "--tiny", nargs="?", const="v4", metavar="VARIANT",
+        "--tiny",
+        nargs="?",
+        const="v4",
+        metavar="VARIANT",
         help="write the tiny DeepSeek-V4 checkpoint of VARIANT (default v4) and serve it",
-    )  # fmt: skip
+    )
     source.add_argument("--model-path", help="serve this checkpoint directory instead")
     serve.add_argument(
-        "--checkpoint-dir", type=Path,
+        "--checkpoint-dir",
+        type=Path,
         help=f"where --tiny writes its checkpoint (default {TINY_CACHE}/tiny-VARIANT)",
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--eagle", action="store_true",
+        "--eagle",
+        action="store_true",
         help="EAGLE with the checkpoint's MTP layer: " + " ".join(command_line(EAGLE_ARGS)),
-    )  # fmt: skip
+    )
     serve.add_argument(
-        "--triton", action="store_true",
+        "--triton",
+        action="store_true",
         help="this backend's Triton kernels in Triton's interpreter (slow) instead of torch",
-    )  # fmt: skip
+    )
     # Every other argument is sglang's (main() hands them over as args.unknown).
     serve.set_defaults(run=run_serve, passes_unknown=True)
 
