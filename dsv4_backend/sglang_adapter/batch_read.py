@@ -215,7 +215,7 @@ def batch_view(
     Parameters
     ----------
     fb : reads ``forward_mode, req_pool_indices, seq_lens, seq_lens_cpu, out_cache_loc,
-        extend_prefix_lens_cpu, extend_seq_lens_cpu``.
+        extend_prefix_lens_cpu, extend_seq_lens_cpu`` (host lengths: ``host_seq_lens``).
     req_to_token : ``[pool_rows, max_context]`` int32 of the runner's ``ReqToTokenPool``.
     full_to_swa : the KV pool's ``full_to_swa_index_mapping`` (None: identity).
     num_draft_tokens : ``speculative_num_draft_tokens`` (TARGET_VERIFY and DRAFT_EXTEND_V2).
@@ -231,7 +231,7 @@ def batch_view(
     a write-slot buffer other than the whole ``[bs, topk, num_steps]`` one).
     """
     kind = forward_kind(fb.forward_mode)
-    seq_lens_cpu = readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
+    seq_lens_cpu = host_seq_lens(fb)
     common: dict[str, Any] = dict(
         req_to_token=req_to_token,
         full_to_swa=full_to_swa,
@@ -441,9 +441,25 @@ def _batch_objects(fb: Any) -> dict[str, Any]:
     )
 
 
+def handed_seq_lens_cpu(fb: Any) -> Any:
+    """``fb``'s host lengths as handed, matching ``fb.seq_lens``: its ``seq_lens_cpu``, but for
+    a verify of DSpark's, whose worker raises ``seq_lens_cpu`` by the verify's tokens for a
+    backend without sglang's ``make_forward_metadata_from_raw_verify`` (this one:
+    ``dspark_verify.py``, ``_verify_backend_self_adds_seq_lens``) while ``seq_lens`` stays the
+    committed lengths, which its verify input keeps as ``live_seq_lens_cpu``. Requests past
+    those (data-parallel padding) keep ``seq_lens_cpu``'s entries."""
+    handed = getattr(fb, "seq_lens_cpu", None)
+    live = getattr(getattr(fb, "spec_info", None), "live_seq_lens_cpu", None)
+    if live is None or not fb.forward_mode.is_target_verify():
+        return handed
+    if handed is None or len(handed) <= len(live):
+        return live
+    return [int(n) for n in live] + [int(n) for n in handed[len(live) :]]
+
+
 def host_seq_lens(fb: Any) -> list[int] | None:
-    """``fb``'s ``seq_lens_cpu`` as host ints (None when absent)."""
-    return readable_ints("seq_lens_cpu", getattr(fb, "seq_lens_cpu", None))
+    """``fb``'s host lengths (``handed_seq_lens_cpu``) as host ints (None when absent)."""
+    return readable_ints("seq_lens_cpu", handed_seq_lens_cpu(fb))
 
 
 def read_consumer(fb: Any, kind_of: KindOf = forward_kind) -> ConsumerBatch:
@@ -454,7 +470,7 @@ def read_consumer(fb: Any, kind_of: KindOf = forward_kind) -> ConsumerBatch:
         mode=fb.forward_mode.name,
         batch_size=fb.batch_size,
         objects=_batch_objects(fb),
-        seq_lens_cpu=getattr(fb, "seq_lens_cpu", None),
+        seq_lens_cpu=handed_seq_lens_cpu(fb),
     )
 
 

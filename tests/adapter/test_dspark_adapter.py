@@ -15,9 +15,10 @@ from sglang_pool import CONFIG as FLASH_WIDTH
 from sglang_pool import inside, make_pool
 
 from dsv4_backend.config import DSV4AttentionConfig
-from dsv4_backend.errors import ConfigError
+from dsv4_backend.errors import BatchError, ConfigError
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.planning import ForwardKind
+from dsv4_backend.sglang_adapter import batch_read
 from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend
 from dsv4_backend.sglang_adapter.dspark import DSparkDraftBackend
 from dsv4_backend.sglang_adapter.factory import create_dsv4_backend
@@ -176,3 +177,40 @@ def test_compact_ragged_verify_on_the_target_and_its_refusals(mode: str) -> None
         mtp = envs.SGLANG_EXPERIMENTAL_ONLINE_C128_MTP.override(True)
         with online, mtp, refused if mode == "compact" else contextlib.nullcontext():
             target()
+
+
+def test_the_targets_verify_reads_dsparks_committed_host_lengths() -> None:
+    """sglang's DSpark worker raises ``seq_lens_cpu`` by the verify's tokens for a backend
+    without ``make_forward_metadata_from_raw_verify`` (``dspark_verify.py``) and keeps the
+    committed lengths in its verify input's ``live_seq_lens_cpu``; the target's backend plans
+    from those, as from ``seq_lens``, so a verify ending on the context's last token is
+    served (read as ``L + n`` and planned ``n`` further it would pass the context)."""
+    from sglang.srt.speculative.dflash_info import DFlashVerifyInput
+
+    n = 4
+    pool = PagedRequestPool(CONFIG, [256, 64], generator=torch.Generator().manual_seed(0))
+    runner = harness.mock_runner(
+        pool, harness.tiny_hf_config(CONFIG), topk=0, num_draft_tokens=n,
+        speculative_algorithm="DSPARK",
+    )  # fmt: skip
+    backend = DSV4AttentionBackend(runner, cache_format="dense")
+    committed = [pool.req_to_token.shape[1] - n, 30]
+    step = harness.BatchBuilder(pool).verify([0, 1], committed, n)
+    fb = step.batch
+    backend.init_forward_metadata(fb)  # as sglang's EAGLE worker hands it: seq_lens_cpu = L
+    expected = backend.forward_metadata
+    fb.seq_lens_cpu = torch.tensor(committed) + n
+    fb.spec_info = DFlashVerifyInput(
+        draft_token=torch.zeros(2 * n, dtype=torch.int64),
+        positions=torch.zeros(2 * n, dtype=torch.int64),
+        draft_token_num=n,
+        live_seq_lens_cpu=torch.tensor(committed),
+    )
+    assert batch_read.host_seq_lens(fb) == committed
+    backend.init_forward_metadata(fb)
+    planned = backend.forward_metadata
+    assert torch.equal(planned.page_table, expected.page_table)
+    assert torch.equal(planned.positions_causal, expected.positions_causal)
+    fb.spec_info.live_seq_lens_cpu = None  # the raised lengths alone: past the context
+    with pytest.raises(BatchError, match="seq_len 260 exceeds req_to_token width 256"):
+        backend.init_forward_metadata(fb)
