@@ -164,6 +164,14 @@ STEPS: tuple[Step, ...] = (
         "torch twins, and its plan fields and tail floors in the fused planner's launch",
     ),
     Step(
+        "ragged-and-fp4",
+        10,
+        _gpu_tests("tests/serving/test_ragged_verify.py", "tests/kernels/test_indexer_fp4.py"),
+        False,
+        "DSpark's compact ragged verify in the fused planner (eager and graph buffers) and the "
+        "fp4 indexer's store, scores and selections against the torch twins",
+    ),
+    Step(
         "timings",
         75,
         (

@@ -182,6 +182,54 @@ def test_fp4_selection_is_sglangs(variant: str) -> None:
         assert (got[kept:] == -1).all()
 
 
+@pytest.mark.gpu
+def test_fp4_kernels_on_cuda() -> None:
+    """The fp4 cache store and the ``full_width`` / ``bounded`` scores and selections compiled
+    for the GPU (Flash's 64 indexer heads of 128, top-512) against the torch twins on the same
+    bytes: the stores byte for byte, the scores to fp32 summation order, the selections
+    tie-aware (the scores of the slots chosen)."""
+    from dsv4_backend.kernels.dispatch import TRITON, force_path
+
+    g = torch.Generator().manual_seed(7)
+    rows, heads, topk, pages = 9, 64, 512, 12
+    slots = torch.arange(pages * 64, device="cuda")
+    entries = torch.randn(pages * 64, DIM, generator=g) * torch.rand(pages * 64, 1, generator=g)
+    key_rows = fp4_key_rows(entries.cuda())
+    caches = {}
+    for variant in ("triton", "torch"):
+        caches[variant] = Fp4IndexKeyCache(pages * 64, DIM, "fp8", "cuda", rounding=C4_ROUNDING)
+        with force_path(TRITON), force_variant(CACHE_STORE, variant):
+            store_rows(caches[variant], key_rows, slots)
+    assert torch.equal(caches["triton"].storage, caches["torch"].storage)
+    cache = caches["torch"]
+    page_table = torch.stack([torch.randperm(pages, generator=g) for _ in range(rows)])
+    page_table = page_table.int().cuda()
+    lengths = torch.randint(1, pages * 64 + 1, (rows,), generator=g).int().cuda()
+    queries = fp4_query_view(torch.randn(rows, heads, DIM, generator=g).cuda())
+    w = torch.rand(rows, heads, generator=g).cuda()
+    width = pages * 64
+    with force_variant(INDEXER, "torch"):
+        want = index_scores(queries, w, cache, page_table, lengths, width)
+    finite = torch.isfinite(want)
+    for variant in ("full_width", "bounded"):
+        out = torch.empty(rows, topk, dtype=torch.int32, device="cuda")
+        with force_path(TRITON), force_variant(INDEXER, variant):
+            got = index_scores(queries, w, cache, page_table, lengths, width)
+            run_indexer(queries, w, cache, page_table, lengths, topk, out)
+        assert torch.equal(torch.isfinite(got), finite), variant
+        torch.testing.assert_close(got[finite], want[finite], rtol=1e-5, atol=1e-3)
+        for row, n in enumerate(lengths.tolist()):
+            kept = min(n, topk)
+            chosen = out[row, :kept].long()
+            assert (chosen >= 0).all() and (out[row, kept:] == -1).all(), (variant, row)
+            pos = page_table[row].long()[:, None] * 64 + torch.arange(64, device="cuda")
+            index = {int(s): i for i, s in enumerate(pos.flatten().tolist())}
+            picked = want[row, [index[int(s)] for s in chosen.tolist()]]
+            # tie-aware: the chosen slots' scores are the top-``kept`` scores
+            best = want[row, :n].topk(kept).values
+            torch.testing.assert_close(picked.sort().values, best.sort().values, atol=1e-3, rtol=0)
+
+
 def _fp4_backend(pool, fmt: str, **flags):
     from dsv4_backend.config import DSV4AttentionConfig
     from dsv4_backend.sglang_adapter.backend import DSV4AttentionBackend

@@ -136,6 +136,42 @@ def test_the_fused_planner_plans_as_the_torch_planner(model: str, slots: int | N
         assert torch.equal(got.named_tensors()[name], value), name
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [None, 7], ids=["eager", "graph"])
+def test_the_fused_planner_on_cuda_plans_as_the_torch_planner(slots: int | None) -> None:
+    """On a GPU (``scripts/gpu_check.sh``'s ``ragged-verify`` step): the fused planner compiled
+    for the GPU plans a ragged verify as the torch planner does, eagerly (the tier's leftover
+    rows as padding rows) and into the graph buffers (padding requests)."""
+    from dsv4_backend.kernels.dispatch import TORCH, TRITON
+
+    seq_lens, lens = [300, 200, 100, 5, 255], [5, 3, 1, 2, 2]
+    pool = PagedRequestPool(CONFIG, [s + N for s in seq_lens], generator=torch.Generator())
+    cpu, _ = ragged_batch(pool, range(5), seq_lens, lens, width=N, slots=slots)
+    moved = {
+        f.name: value.cuda()
+        for f in dataclasses.fields(cpu)
+        if isinstance(value := getattr(cpu, f.name), torch.Tensor)
+    }
+    ragged = dataclasses.replace(cpu.ragged, lens=cpu.ragged.lens.cuda())
+    view = dataclasses.replace(cpu, **moved, ragged=ragged)
+    widths = PlanWidths.for_max_len(pool.max_context)
+
+    def planned(path: str) -> dict[str, torch.Tensor]:
+        with force_path(path):
+            if slots is None:
+                metadata = plan(CONFIG, view, widths=widths)
+            else:
+                buffers = GraphMetadataBuffers(
+                    CONFIG, max_batch_size=8, max_rows=8 * N, widths=widths, device="cuda"
+                )
+                metadata = buffers.plan(view)
+            return {k: v.cpu() for k, v in metadata.named_tensors().items()}
+
+    want, got = planned(TORCH), planned(TRITON)
+    for name, value in want.items():
+        assert torch.equal(got[name], value), name
+
+
 def test_capture_layouts_plan_into_the_graph_buffers() -> None:
     """Every capture tier's layout (``build_capture_verify_lens`` over ``min(tokens,
     max_bs)`` slots, the static buffers: pool row 0, seq len 1, slot 0) plans into the graph
