@@ -169,7 +169,8 @@ STEPS: tuple[Step, ...] = (
         _gpu_tests("tests/serving/test_ragged_verify.py", "tests/kernels/test_indexer_fp4.py"),
         False,
         "DSpark's compact ragged verify in the fused planner (eager and graph buffers) and the "
-        "fp4 indexer's store, scores and selections against the torch twins",
+        "fp4 indexer's store, scores and selections against the torch twins (DeepGEMM's "
+        "fp8_fp4_paged_mqa_logits where it runs: sm_100 / sm_120)",
     ),
     Step(
         "timings",

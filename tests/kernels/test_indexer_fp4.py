@@ -25,6 +25,7 @@ from dsv4_backend.cache.fp4_format import (
     unpack_ue8m0,
 )
 from dsv4_backend.kernels.cache_store.table import CACHE_STORE, store_rows
+from dsv4_backend.kernels.indexer.deep_gemm import deep_gemm_unsupported_reason
 from dsv4_backend.kernels.indexer.fp4 import fp4_key_rows, fp4_query_view
 from dsv4_backend.kernels.indexer.table import INDEXER, index_scores, run_indexer
 from dsv4_backend.kernels.variants import force_variant
@@ -182,36 +183,42 @@ def test_fp4_selection_is_sglangs(variant: str) -> None:
         assert (got[kept:] == -1).all()
 
 
-@pytest.mark.gpu
-def test_fp4_kernels_on_cuda() -> None:
-    """The fp4 cache store and the ``full_width`` / ``bounded`` scores and selections compiled
-    for the GPU (Flash's 64 indexer heads of 128, top-512) against the torch twins on the same
-    bytes: the stores byte for byte, the scores to fp32 summation order, the selections
-    tie-aware (the scores of the slots chosen)."""
+#: The CUDA checks' shape: Flash's 64 indexer heads of 128, top-512, rows over 12 pages.
+CUDA_ROWS, CUDA_HEADS, CUDA_TOPK, CUDA_PAGES = 9, 64, 512, 12
+
+
+def _cuda_keys(g: torch.Generator) -> dict[str, Fp4IndexKeyCache]:
+    """Flash's fp4 c4 keys stored on the GPU by the cache store's ``triton`` and ``torch``
+    variants."""
     from dsv4_backend.kernels.dispatch import TRITON, force_path
 
-    g = torch.Generator().manual_seed(7)
-    rows, heads, topk, pages = 9, 64, 512, 12
-    slots = torch.arange(pages * 64, device="cuda")
-    entries = torch.randn(pages * 64, DIM, generator=g) * torch.rand(pages * 64, 1, generator=g)
+    num = CUDA_PAGES * 64
+    entries = torch.randn(num, DIM, generator=g) * torch.rand(num, 1, generator=g)
     key_rows = fp4_key_rows(entries.cuda())
     caches = {}
     for variant in ("triton", "torch"):
-        caches[variant] = Fp4IndexKeyCache(pages * 64, DIM, "fp8", "cuda", rounding=C4_ROUNDING)
+        caches[variant] = Fp4IndexKeyCache(num, DIM, "fp8", "cuda", rounding=C4_ROUNDING)
         with force_path(TRITON), force_variant(CACHE_STORE, variant):
-            store_rows(caches[variant], key_rows, slots)
-    assert torch.equal(caches["triton"].storage, caches["torch"].storage)
-    cache = caches["torch"]
-    page_table = torch.stack([torch.randperm(pages, generator=g) for _ in range(rows)])
+            store_rows(caches[variant], key_rows, torch.arange(num, device="cuda"))
+    return caches
+
+
+def _check_on_cuda(variants: tuple[str, ...], cache: Fp4IndexKeyCache, g: torch.Generator):
+    """Each indexer variant's fp4 scores and selection compiled for the GPU against the torch
+    variant's on the same bytes: the scores to fp32 summation order, the selections tie-aware
+    (the scores of the slots chosen)."""
+    from dsv4_backend.kernels.dispatch import TRITON, force_path
+
+    rows, topk, width = CUDA_ROWS, CUDA_TOPK, CUDA_PAGES * 64
+    page_table = torch.stack([torch.randperm(CUDA_PAGES, generator=g) for _ in range(rows)])
     page_table = page_table.int().cuda()
-    lengths = torch.randint(1, pages * 64 + 1, (rows,), generator=g).int().cuda()
-    queries = fp4_query_view(torch.randn(rows, heads, DIM, generator=g).cuda())
-    w = torch.rand(rows, heads, generator=g).cuda()
-    width = pages * 64
+    lengths = torch.randint(1, width + 1, (rows,), generator=g).int().cuda()
+    queries = fp4_query_view(torch.randn(rows, CUDA_HEADS, DIM, generator=g).cuda())
+    w = torch.rand(rows, CUDA_HEADS, generator=g).cuda()
     with force_variant(INDEXER, "torch"):
         want = index_scores(queries, w, cache, page_table, lengths, width)
     finite = torch.isfinite(want)
-    for variant in ("full_width", "bounded"):
+    for variant in variants:
         out = torch.empty(rows, topk, dtype=torch.int32, device="cuda")
         with force_path(TRITON), force_variant(INDEXER, variant):
             got = index_scores(queries, w, cache, page_table, lengths, width)
@@ -228,6 +235,30 @@ def test_fp4_kernels_on_cuda() -> None:
             # tie-aware: the chosen slots' scores are the top-``kept`` scores
             best = want[row, :n].topk(kept).values
             torch.testing.assert_close(picked.sort().values, best.sort().values, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+def test_fp4_kernels_on_cuda() -> None:
+    """The fp4 cache store and the ``full_width`` / ``bounded`` scores and selections compiled
+    for the GPU against the torch twins on the same bytes: the stores byte for byte, the rest
+    as ``_check_on_cuda`` says."""
+    g = torch.Generator().manual_seed(7)
+    caches = _cuda_keys(g)
+    assert torch.equal(caches["triton"].storage, caches["torch"].storage)
+    _check_on_cuda(("full_width", "bounded"), caches["torch"], g)
+
+
+@pytest.mark.gpu
+def test_fp4_deep_gemm_on_cuda() -> None:
+    """DeepGEMM's ``fp8_fp4_paged_mqa_logits`` (the ``deep_gemm`` variant) on the same fp4
+    pages, where it runs (sm_100 / sm_120 with ``deep_gemm``; skipped with the variant's
+    reason elsewhere): as ``_check_on_cuda`` says."""
+    g = torch.Generator().manual_seed(7)
+    cache = _cuda_keys(g)["torch"]
+    reason = deep_gemm_unsupported_reason(cache.device, cache, CUDA_HEADS, DIM, "fp4")
+    if reason is not None:
+        pytest.skip(f"the deep_gemm indexer does not run here: {reason}")
+    _check_on_cuda(("deep_gemm",), cache, g)
 
 
 def _fp4_backend(pool, fmt: str, **flags):

@@ -9,8 +9,11 @@ sglang passes) and then compute the library's result with this project's torch t
 bytes they were handed: FlashMLA's sparse decode is ``sparse_attention_torch`` over the caches
 the views describe; DeepGEMM's logits are the torch ``index_scores`` of the e4m3 codes with the
 folded weights, its columns past a row's length left as NaN (``clean_logits=False`` leaves them
-unwritten). Comparing a variant with the op's torch path on the same inputs then checks the
-glue: index and length translation, head padding, sink, scale, query quantisation, masking.
+unwritten); over fp4 keys (``fp8_fp4_paged_mqa_logits``, DeepGEMM's ``attention.hpp``
+checks of its fp4 branch) the torch ``index_scores`` of the unpacked e2m1 queries on the fp4
+pages. Comparing a variant with the op's torch path on the same inputs then checks the glue:
+index and length translation, head padding, sink, scale, query quantisation, masking. Nothing
+here runs the real libraries (they need CUDA; DeepGEMM's fp4 logits sm_100 / sm_120).
 
 The device check stands in the way on the CPU: the variants' reason functions are replaced for
 the end-to-end comparisons, and tested apart with an injected compute capability.
@@ -29,6 +32,12 @@ import pytest
 import torch
 
 from dsv4_backend.cache import TokenCache
+from dsv4_backend.cache.fp4_format import (
+    C4_ROUNDING,
+    Fp4IndexKeyCache,
+    fp4_round_ue8m0,
+    unpack_ue8m0,
+)
 from dsv4_backend.cache.fp8_format import Fp8TokenLayout
 from dsv4_backend.cache.indexer_cache import IndexerKeyCache
 from dsv4_backend.cache.token_cache import CacheFormat
@@ -46,14 +55,16 @@ from dsv4_backend.kernels.attention.flashmla_prefill import sparse_attention_fla
 from dsv4_backend.kernels.attention.torch import sparse_attention_torch
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.indexer import deep_gemm as indexer_deep_gemm
-from dsv4_backend.kernels.indexer.common import IndexCall
+from dsv4_backend.kernels.indexer.common import IndexCall, select_entries
 from dsv4_backend.kernels.indexer.deep_gemm import (
     deep_gemm_arguments,
     deep_gemm_unsupported_reason,
     index_scores_deep_gemm,
     paged_mqa_schedule,
+    quantise_fp4_queries,
     quantise_queries,
 )
+from dsv4_backend.kernels.indexer.fp4 import fp4_key_rows, fp4_query_view
 from dsv4_backend.kernels.indexer.fp8 import e4m3_round_trip, quantised_view
 from dsv4_backend.kernels.indexer.table import index_scores
 from dsv4_backend.kernels.indexer.topk import FLASHINFER
@@ -70,7 +81,10 @@ AttentionArgs = tuple[
     torch.Tensor | None, torch.Tensor | None, torch.Tensor, float,
 ]  # fmt: skip
 #: ``index_scores``' arguments.
-IndexerArgs = tuple[torch.Tensor, torch.Tensor, IndexerKeyCache, torch.Tensor, torch.Tensor, int]
+IndexerArgs = tuple[
+    torch.Tensor, torch.Tensor, IndexerKeyCache | Fp4IndexKeyCache, torch.Tensor, torch.Tensor,
+    int,
+]  # fmt: skip
 
 
 # ----------------------------------------------------------------- stand-in flash_mla
@@ -530,20 +544,11 @@ class FakeDeepGemm(types.ModuleType):
         self.schedules.append((schedule, context_lens.clone()))
         return schedule
 
-    def fp8_paged_mqa_logits(
-        self, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
-        clean_logits=False, indices=None,
-    ):  # fmt: skip
-        """``[B * next_n, >= max_context_len]`` fp32, 256-column aligned rows; columns past
-        a row's length unwritten (NaN here)."""
-        assert q.dtype == torch.float8_e4m3fn and q.dim() == 4 and q.is_contiguous()
-        batch, next_n, heads, dim = q.shape
-        assert next_n == 1 and heads in (32, 64) and dim == 128, q.shape
-        assert kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4, kv_cache.shape
-        pages, block_kv, heads_kv, with_sf = kv_cache.shape
-        assert block_kv == 64 and heads_kv == 1 and with_sf == dim + 4, kv_cache.shape
-        assert kv_cache.stride(1) == with_sf and kv_cache.stride(3) == 1
-        assert kv_cache.is_contiguous()
+    def _paged_call(
+        self, batch, next_n, heads, weights, context_lens, block_table, schedule_meta,
+        max_context_len, clean_logits, indices,
+    ) -> None:  # fmt: skip
+        """The checks both paged MQA logits make of their other arguments."""
         assert weights.dtype == torch.float32 and weights.shape == (batch * next_n, heads)
         assert weights.is_contiguous()
         assert context_lens.dtype == torch.int32 and context_lens.shape == (batch, next_n)
@@ -554,15 +559,71 @@ class FakeDeepGemm(types.ModuleType):
         built_on = [lens for s, lens in self.schedules if s is schedule_meta]
         assert built_on and torch.equal(built_on[0], context_lens), "schedule of other lengths"
         assert isinstance(max_context_len, int) and clean_logits is False and indices is None
-        keys = IndexerKeyCache.over(kv_cache.reshape(-1), pages * block_kv, dim)
+
+    @staticmethod
+    def _logits(q, weights, keys, block_table, context_lens, max_context_len) -> torch.Tensor:
+        """``[B, >= max_context_len]`` fp32, 256-column aligned rows: the torch ``index_scores``
+        of the float queries ``q`` ``[B, H, D]`` over ``keys``; columns past a row's length
+        unwritten (NaN here)."""
         with dispatch.force_path("torch"):
             scores = index_scores(
-                q[:, 0].float(), weights, keys, block_table, context_lens[:, 0], max_context_len
+                q, weights, keys, block_table, context_lens[:, 0], max_context_len
             )
         stride = -(-max_context_len // 256) * 256
-        logits = torch.full((batch, stride), float("nan"))
+        logits = torch.full((q.shape[0], stride), float("nan"))
         logits[:, :max_context_len] = scores.masked_fill(scores == float("-inf"), float("nan"))
         return logits
+
+    def fp8_paged_mqa_logits(
+        self, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+        clean_logits=False, indices=None,
+    ):  # fmt: skip
+        """e4m3 queries over fp8 key pages (132 B a key)."""
+        assert q.dtype == torch.float8_e4m3fn and q.dim() == 4 and q.is_contiguous()
+        batch, next_n, heads, dim = q.shape
+        assert next_n == 1 and heads in (32, 64) and dim == 128, q.shape
+        assert kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4, kv_cache.shape
+        pages, block_kv, heads_kv, with_sf = kv_cache.shape
+        assert block_kv == 64 and heads_kv == 1 and with_sf == dim + 4, kv_cache.shape
+        assert kv_cache.stride(1) == with_sf and kv_cache.stride(3) == 1
+        assert kv_cache.is_contiguous()
+        self._paged_call(
+            batch, next_n, heads, weights, context_lens, block_table, schedule_meta,
+            max_context_len, clean_logits, indices,
+        )  # fmt: skip
+        keys = IndexerKeyCache.over(kv_cache.reshape(-1), pages * block_kv, dim)
+        return self._logits(q[:, 0].float(), weights, keys, block_table, context_lens,
+                            max_context_len)  # fmt: skip
+
+    def fp8_fp4_paged_mqa_logits(
+        self, q, kv_cache, weights, context_lens, block_table, schedule_meta, max_context_len,
+        clean_logits=False, logits_dtype=torch.float32, indices=None,
+    ):  # fmt: skip
+        """fp4 queries ``(q_fp4 [B, next_n, H, D / 2] int8, q_sf [B, next_n, H] int32: 4 ue8m0
+        bytes)`` over fp4 key pages (68 B a key: 64 keys' e2m1 pairs, then their int32
+        exponents)."""
+        assert isinstance(q, tuple) and len(q) == 2, type(q)
+        q_fp, q_sf = q
+        assert q_fp.dtype == torch.int8 and q_fp.dim() == 4 and q_fp.is_contiguous()
+        batch, next_n, heads, half_dim = q_fp.shape
+        dim = 2 * half_dim
+        assert next_n == 1 and heads in (8, 16, 32, 64) and dim == 128, q_fp.shape
+        assert q_sf.dtype == torch.int32 and q_sf.shape == (batch, next_n, heads), q_sf.shape
+        assert q_sf.is_contiguous()
+        assert kv_cache.dtype == torch.uint8 and kv_cache.dim() == 4, kv_cache.shape
+        pages, block_kv, heads_kv, with_sf = kv_cache.shape
+        assert block_kv == 64 and heads_kv == 1 and with_sf == dim // 2 + 4, kv_cache.shape
+        assert kv_cache.stride(1) == with_sf and kv_cache.stride(3) == 1
+        assert kv_cache.stride(0) % 4 == 0 and kv_cache.is_contiguous()
+        assert logits_dtype == torch.float32
+        self._paged_call(
+            batch, next_n, heads, weights, context_lens, block_table, schedule_meta,
+            max_context_len, clean_logits, indices,
+        )  # fmt: skip
+        exponents = q_sf[:, 0].contiguous().view(torch.uint8).view(batch, heads, dim // 32)
+        queries = unpack_ue8m0(q_fp[:, 0].view(torch.uint8), exponents)
+        keys = Fp4IndexKeyCache.over(kv_cache.reshape(-1), pages * block_kv, dim)
+        return self._logits(queries, weights, keys, block_table, context_lens, max_context_len)
 
 
 @pytest.fixture
@@ -572,15 +633,24 @@ def deep_gemm(monkeypatch) -> FakeDeepGemm:
     return module
 
 
-def _indexer_args(g: torch.Generator, fp8_selection: bool = True) -> IndexerArgs:
-    """``index_scores``' arguments for 6 rows: keys of 8 pages stored in an fp8 cache, pages
-    permuted per row, candidate counts across page edges, 0, and past ``N = 200``. With
-    ``fp8_selection`` queries and keys are ``indexer.fp8.quantised_view`` values."""
-    keys = IndexerKeyCache(8 * 64, DI, "fp8")
+def _indexer_args(g: torch.Generator, selection: str = "fp8") -> IndexerArgs:
+    """``index_scores``' arguments for 6 rows: keys of 8 pages stored in an fp8 cache (``fp4``:
+    an fp4 one), pages permuted per row, candidate counts across page edges, 0, and past ``N =
+    200``. Queries and keys of ``selection``: ``exact`` random, ``fp8``
+    ``indexer.fp8.quantised_view`` values, ``fp4`` ``indexer.fp4``'s (keys of every scale)."""
+    fp4 = selection == "fp4"
+    keys: IndexerKeyCache | Fp4IndexKeyCache = (
+        Fp4IndexKeyCache(8 * 64, DI, "fp8", rounding=C4_ROUNDING)
+        if fp4
+        else IndexerKeyCache(8 * 64, DI, "fp8")
+    )
     rows = torch.randn(keys.num_slots, DI, generator=g)
     q = torch.randn(6, HI, DI, generator=g)
-    if fp8_selection:
+    if selection == "fp8":
         rows, q = quantised_view(rows), quantised_view(q)
+    elif fp4:
+        rows = fp4_key_rows(rows * torch.rand(keys.num_slots, 1, generator=g))
+        q = fp4_query_view(q)
     with dispatch.force_path("torch"):
         store_rows(keys, rows, torch.arange(keys.num_slots))
     page_table = torch.stack([torch.randperm(8, generator=g)[:4] for _ in range(6)]).int()
@@ -612,7 +682,7 @@ def test_deep_gemm_rounds_exact_queries(deep_gemm, monkeypatch):
     """Full-precision (``indexer_selection="exact"``) queries: the variant scores their e4m3
     round trip -- the op on those, not on the queries -- which is why the reason refuses it."""
     monkeypatch.setattr(indexer_deep_gemm, "deep_gemm_call_reason", lambda *a, **k: None)
-    args = _indexer_args(torch.Generator().manual_seed(5), fp8_selection=False)
+    args = _indexer_args(torch.Generator().manual_seed(5), selection="exact")
     q, rest = args[0], args[1:]
     out = index_scores_deep_gemm(IndexCall.of(q, *rest))
     with dispatch.force_path("torch"):
@@ -694,5 +764,123 @@ def test_deep_gemm_reasons(deep_gemm, monkeypatch):
     monkeypatch.setitem(sys.modules, "deep_gemm", None)  # import raises ImportError
     assert "deep_gemm does not import (import of deep_gemm halted" in reason()
     q, weights, keys, page_table, num, n = _indexer_args(torch.Generator().manual_seed(8))
+    with pytest.raises(BatchError, match="CUDA devices only"):
+        index_scores_deep_gemm(IndexCall.of(q, weights, keys, page_table, num, n))
+
+
+# ------------------------------------------------------------ DeepGEMM over fp4 keys
+def test_deep_gemm_equals_the_op_for_fp4_selection(deep_gemm, monkeypatch):
+    """fp4 keys (sglang's ``--enable-deepseek-v4-fp4-indexer``): through the stand-in's
+    ``fp8_fp4_paged_mqa_logits`` the variant's scores are the torch variant's on the same fp4
+    pages and ``fp4_query_view`` queries, ``-inf`` at the same columns, and select the same
+    entries."""
+    monkeypatch.setattr(indexer_deep_gemm, "deep_gemm_call_reason", lambda *a, **k: None)
+    args = _indexer_args(torch.Generator().manual_seed(14), selection="fp4")
+    with dispatch.force_path("torch"):
+        expected = index_scores(*args)
+    out = index_scores_deep_gemm(IndexCall.of(*args))
+    assert out.dtype == torch.float32 and out.shape == (6, 200)
+    assert torch.equal(out == float("-inf"), expected == float("-inf"))
+    assert (out[0] > float("-inf")).all() and (out[5] > float("-inf")).all()
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    num = args[4]
+    assert torch.equal(select_entries(out, num, 16), select_entries(expected, num, 16))
+
+
+def test_fp4_queries_pack_as_sglangs_exactly():
+    """``quantise_fp4_queries`` writes sglang's ``fused_q_indexer_rope_hadamard_fp4_quant``
+    format (int8 e2m1 pairs, the 4 exponent bytes of a (row, head) little-endian in an int32)
+    and, for ``fp4_query_view`` values of every scale (blocks below the 1e-4 amax floor, zero
+    blocks, blocks whose largest code is below 4), unpacks to those values bit for bit."""
+    g = torch.Generator().manual_seed(15)
+    q = torch.randn(6, HI, DI, generator=g) * 2.0 ** torch.randint(-16, 8, (6, HI, 1), generator=g)
+    q[0, 0, :32], q[0, 1] = 1e-6, 0.0  # below the floor, and all zero
+    view = fp4_query_view(q)
+    # rounded blocks of one value each: some take a smaller exponent once rounded (3 = 6 / 2)
+    for block, top in enumerate((3.1, 2.1, 1.6, 1.1, 0.6)):
+        view[1, block, :32] = fp4_round_ue8m0(torch.full((32,), top) * 2.0**-block, C4_ROUNDING)
+    payload, exponents = quantise_fp4_queries(view)
+    assert payload.dtype == torch.int8 and payload.shape == (6, HI, DI // 2)
+    assert exponents.dtype == torch.int32 and exponents.shape == (6, HI)
+    ue8m0 = exponents.view(torch.uint8).view(6, HI, 4).long()
+    assert torch.equal(
+        sum(ue8m0[..., b] << (8 * b) for b in range(4)).int(), exponents
+    )  # byte b: channels 32 b .. 32 b + 31
+    assert torch.equal(unpack_ue8m0(payload.view(torch.uint8), ue8m0.to(torch.uint8)), view)
+
+
+def _deep_gemm_fp4_kwargs(deep_gemm: FakeDeepGemm) -> dict[str, Any]:
+    args = _indexer_args(torch.Generator().manual_seed(16), selection="fp4")
+    return deep_gemm_arguments(IndexCall.of(*args), paged_mqa_schedule(args[4], args[5]))
+
+
+#: One wrong argument each for the fp4 logits: the stand-in refuses them all.
+DEEP_GEMM_FP4_MISTAKES = {
+    "e4m3 queries": lambda kw: kw.update(q=kw["q"][0].view(torch.float8_e4m3fn)),
+    "uint8 payload": lambda kw: kw.update(q=(kw["q"][0].view(torch.uint8), kw["q"][1])),
+    "exponent bytes": lambda kw: kw.update(q=(kw["q"][0], kw["q"][1].view(torch.uint8))),
+    "no next_n dim": lambda kw: kw.update(q=(kw["q"][0][:, 0], kw["q"][1][:, 0])),
+    "flat key pages": lambda kw: kw.update(kv_cache=kw["kv_cache"].reshape(8, 1, 1, -1)),
+    "fp8-sized keys": lambda kw: kw.update(kv_cache=kw["kv_cache"].reshape(8, 32, 1, 136)),
+    "bf16 weights": lambda kw: kw.update(weights=kw["weights"].bfloat16()),
+    "1-d lengths": lambda kw: kw.update(context_lens=kw["context_lens"][:, 0]),
+    "int64 page table": lambda kw: kw.update(block_table=kw["block_table"].long()),
+    "cleaned logits": lambda kw: kw.update(clean_logits=True),
+    "bf16 logits": lambda kw: kw.update(logits_dtype=torch.bfloat16),
+    "foreign schedule": lambda kw: kw.update(schedule_meta=torch.zeros(133, 2, dtype=torch.int32)),
+}
+
+
+@pytest.mark.parametrize("mistake", DEEP_GEMM_FP4_MISTAKES)
+def test_deep_gemm_fp4_stand_in_refuses_wrong_arguments(deep_gemm, mistake):
+    kwargs = _deep_gemm_fp4_kwargs(deep_gemm)
+    deep_gemm.fp8_fp4_paged_mqa_logits(**kwargs)  # as built: accepted
+    DEEP_GEMM_FP4_MISTAKES[mistake](kwargs)
+    with pytest.raises(AssertionError):
+        deep_gemm.fp8_fp4_paged_mqa_logits(**kwargs)
+
+
+def test_deep_gemm_fp4_reasons(deep_gemm, monkeypatch):
+    """Over fp4 keys the variant runs on sm_100 (8 / 16 / 32 / 64 heads) and sm_120 (64) with
+    ``fp8_fp4_paged_mqa_logits``, for ``indexer_selection="fp4"``; each reason names what is
+    missing. A release without ``fp8_paged_mqa_logits`` (sgl-deep-gemm 0.2.5) still serves fp4
+    keys and refuses fp8 ones."""
+    fp4 = Fp4IndexKeyCache(64, DI, "fp8", rounding=C4_ROUNDING)
+
+    def reason(keys=fp4, heads=HI, dim=DI, selection="fp4", capability=(10, 0), device=CUDA):
+        return deep_gemm_unsupported_reason(
+            device, keys, heads, dim, selection, capability=capability
+        )
+
+    for heads, capability in ((8, (10, 0)), (32, (10, 3)), (64, (10, 0)), (64, (12, 0))):
+        assert reason(heads=heads, capability=capability) is None
+    assert "CUDA devices only" in reason(device=torch.device("cpu"))
+    assert "key cache is dense" in reason(keys=Fp4IndexKeyCache(64, DI, "dense"))
+    assert "holds 64 channels" in reason(keys=Fp4IndexKeyCache(64, 64, "fp8"), dim=64)
+    sm90 = reason(capability=(9, 0))
+    assert "compute capability 9.0; DeepGEMM's fp8_fp4_paged_mqa_logits runs on" in sm90
+    assert "majors (10, 12)" in sm90
+    assert "32 indexer heads of dim 128; DeepGEMM's fp8_fp4_paged_mqa_logits takes 64 heads" in (
+        reason(heads=32, capability=(12, 0))
+    )
+    assert "12 indexer heads" in reason(heads=12)
+    assert "indexer_selection='exact'" in reason(selection="exact")
+    assert "only for indexer_selection='fp4'" in reason(selection="fp8")
+    fp8 = IndexerKeyCache(64, DI, "fp8")
+    assert "only for indexer_selection='fp8'" in reason(keys=fp8, selection="fp4")
+    newer = types.SimpleNamespace(
+        __version__="0.2.5",
+        fp8_fp4_paged_mqa_logits=deep_gemm.fp8_fp4_paged_mqa_logits,
+        get_paged_mqa_logits_metadata=deep_gemm.get_paged_mqa_logits_metadata,
+        get_num_sms=deep_gemm.get_num_sms,
+    )
+    monkeypatch.setitem(sys.modules, "deep_gemm", newer)
+    assert reason() is None
+    assert "0.2.5 has no fp8_paged_mqa_logits" in reason(keys=fp8, selection="fp8")
+    del newer.fp8_fp4_paged_mqa_logits
+    assert "deep_gemm 0.2.5 has no fp8_fp4_paged_mqa_logits; install sgl-deep-gemm" in reason()
+    q, weights, keys, page_table, num, n = _indexer_args(
+        torch.Generator().manual_seed(17), selection="fp4"
+    )
     with pytest.raises(BatchError, match="CUDA devices only"):
         index_scores_deep_gemm(IndexCall.of(q, weights, keys, page_table, num, n))

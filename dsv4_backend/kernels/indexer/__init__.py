@@ -8,8 +8,9 @@ top-k as c4 cache slots.
   of the page table's width; its selection is ``slots.py``'s.
 * ``bounded.py``: variant ``bounded``, length-bounded (the interpreter's default, opt-in on
   CUDA): three launches whose work follows each row's own candidate count.
-* ``deep_gemm.py``: variant ``deep_gemm``, DeepGEMM's ``fp8_paged_mqa_logits`` as the scores
-  (opt-in; ``deep_gemm_unsupported_reason`` says where it runs), then ``slots.py``.
+* ``deep_gemm.py``: variant ``deep_gemm``, DeepGEMM's ``fp8_paged_mqa_logits`` (fp8 keys) or
+  ``fp8_fp4_paged_mqa_logits`` (fp4 keys) as the scores (first on CUDA once the self-check
+  passes it; ``deep_gemm_unsupported_reason`` says where it runs), then ``slots.py``.
 * ``slots.py``: the selection of the ``triton`` and ``deep_gemm`` variants: the top-k of the
   whole ``[T, N]`` matrix, then one launch writing the slots.
 * ``topk.py``: the top-k columns of a score matrix as its own table ``INDEXER_TOPK``
@@ -21,5 +22,5 @@ top-k as c4 cache slots.
   ``hadamard``, ``e4m3_round_trip``, ``quantised_view``).
 * ``fp4.py``: sglang's fp4 indexer inputs (``indexer_selection="fp4"``,
   ``--enable-deepseek-v4-fp4-indexer``: ``fp4_key_rows``, ``fp4_query_view``); the keys live in
-  fp4 pages (``cache.fp4_format``), which every variant but ``deep_gemm`` scores.
+  fp4 pages (``cache.fp4_format``), which every variant scores.
 """

@@ -52,15 +52,6 @@ class IndexCall:
     max_candidates: int
     entries_per_page: int = C4_ENTRIES_PER_PAGE
 
-    def c4_keys(self, where: str) -> IndexerKeyCache:
-        """``keys`` as a dense / fp8 c4 indexer key cache (``ContractError`` for fp4 index keys,
-        which the ``deep_gemm`` variant does not read)."""
-        if not isinstance(self.keys, IndexerKeyCache):
-            raise ContractError(
-                f"{where} scores a c4 indexer key cache, not {type(self.keys).__name__}"
-            )
-        return self.keys
-
     @classmethod
     def of(
         cls,

@@ -19,13 +19,13 @@ a CUDA graph (warm it up first: the first call compiles).
 The entry points here (:func:`index_scores`, :func:`select_topk`, :func:`run_indexer`) run
 the variant :data:`INDEXER` chooses (``kernels/variants.py``); every one selects the same set
 (ties go to the smaller index). Under ``indexer_selection="fp4"`` the keys are fp4 pages
-(``cache.fp4_format.Fp4IndexKeyCache``, ``kernels/indexer/fp4.py``): every variant but
-``deep_gemm`` scores them (its ``rejects`` says why).
+(``cache.fp4_format.Fp4IndexKeyCache``, ``kernels/indexer/fp4.py``): every variant scores them.
 
-* ``deep_gemm`` (``deep_gemm.py``): DeepGEMM's fp8 paged MQA logits (the field's GPU-proven
-  kernel, as sglang's built-in scores), then the same selection; for
-  ``indexer_selection="fp8"`` only (it is exact for it). A CUDA default once it passes the
-  start-up self-check on the device (``self_check/``).
+* ``deep_gemm`` (``deep_gemm.py``): DeepGEMM's paged MQA logits (the field's GPU-proven
+  kernels, as sglang's built-in scores: ``fp8_paged_mqa_logits`` over fp8 keys,
+  ``fp8_fp4_paged_mqa_logits`` over fp4 keys on sm_100 / sm_120), then the same selection;
+  for ``indexer_selection="fp8"`` / ``"fp4"`` only (it is exact for them). A CUDA default once
+  it passes the start-up self-check on the device (``self_check/``).
 * ``bounded`` (``bounded.py``; the interpreter's default): three launches whose work follows
   each row's own candidate count.
 * ``full_width`` (``triton.py``; the CUDA baseline): Triton scores over the page table's whole
@@ -91,10 +91,12 @@ INDEXER = OpTable(
                 on_cuda(9, 10, 12),
                 with_library("deep_gemm", *DEEP_GEMM_FUNCTIONS),
             ),
-            "DeepGEMM's fp8 paged MQA logits: fp8 keys (not fp4), 32 / 64 heads of dim 128, "
-            "indexer_selection='fp8'",
+            "DeepGEMM's paged MQA logits, heads of dim 128: fp8 keys (fp8_paged_mqa_logits; "
+            "32 / 64 heads) with indexer_selection='fp8', fp4 keys (fp8_fp4_paged_mqa_logits; "
+            "CUDA 10.x: 8 / 16 / 32 / 64 heads, 12.x: 64) with indexer_selection='fp4'",
             rejects=deep_gemm_unsupported_reason,
-            setting="DSV4_BACKEND_INDEXER_SELECTION=fp8",
+            setting="DSV4_BACKEND_INDEXER_SELECTION=fp8, or sglang's "
+            "--enable-deepseek-v4-fp4-indexer (fp4)",
         ),
         Variant(
             "bounded",
