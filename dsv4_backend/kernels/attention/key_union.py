@@ -42,6 +42,7 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -304,7 +305,10 @@ def key_union(
     return entry(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
 
 
-KEY_UNION = OpTable(
+#: The variants: each entry is :func:`key_union`'s arguments to its ``KeyUnion``.
+KEY_UNION: OpTable[
+    Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None, int], KeyUnion]
+] = OpTable(
     "attention_key_union",
     "the union key list of a group of rows (the triton attention variant's grouping)",
     (

@@ -9,6 +9,8 @@ implementation (``row_fields.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE
@@ -30,7 +32,13 @@ def _tvm_unmet(target: Target) -> str | None:
     return tvm_unavailable_reason(target.device_type)
 
 
-COMPRESS_PLANS = OpTable(
+#: The variants: each entry is :func:`build_compress_plans`'s arguments to its two plans.
+COMPRESS_PLANS: OpTable[
+    Callable[
+        [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int],
+        tuple[torch.Tensor, torch.Tensor],
+    ]
+] = OpTable(
     "compress_plans",
     "compress / write plans of one ratio (the torch planner)",
     (
