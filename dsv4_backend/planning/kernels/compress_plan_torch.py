@@ -9,6 +9,8 @@ kernel (symbolic shapes) must match exactly.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
@@ -25,17 +27,11 @@ def _compact(records: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out[:rows]
 
 
-def compute_compress_plans(
-    row_batch_ids: torch.Tensor,
-    positions: torch.Tensor,
-    first_new_positions: torch.Tensor,
-    request_seq_lens: torch.Tensor,
-    ratio: int,
-    page_size: int = REQUIRED_PAGE_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress plan and write plan of ``ratio`` for ``T`` query rows.
+class CompressPlanCall(NamedTuple):
+    """The inputs of the compress and write plans of ``ratio`` for ``T`` query rows (every
+    variant of ``table.py``'s ``COMPRESS_PLANS`` takes one).
 
-    Parameters
+    Attributes
     ----------
     row_batch_ids : ``[T]`` int32 — request of each row.
     positions : ``[T]`` int64 — absolute position of each row.
@@ -45,6 +41,18 @@ def compute_compress_plans(
         this forward (``keep_len`` of ``planning/metadata.py``: ``seq_lens + 1`` for verify).
     ratio : 4 or 128.
     page_size : tokens per KV page (the window pages that scope the c4 rings).
+    """
+
+    row_batch_ids: torch.Tensor
+    positions: torch.Tensor
+    first_new_positions: torch.Tensor
+    request_seq_lens: torch.Tensor
+    ratio: int
+    page_size: int = REQUIRED_PAGE_SIZE
+
+
+def compute_compress_plans(call: CompressPlanCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress plan and write plan of ``call.ratio`` for its ``T`` query rows.
 
     Returns
     -------
@@ -57,6 +65,7 @@ def compute_compress_plans(
     pools first, kept in the page's own (page-scoped) ring.
     ``window_len = min(span, position - first_new_position + 1)`` with span 8 (c4) / 128 (c128).
     """
+    row_batch_ids, positions, first_new_positions, request_seq_lens, ratio, page_size = call
     check_compressed_ratio(ratio, "compress plan")
     positions = positions.long()
     ragged_ids = torch.arange(positions.shape[0], device=positions.device)
