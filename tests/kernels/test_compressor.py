@@ -26,10 +26,8 @@ from dsv4_backend.kernels.compressor.fused import (
 )
 from dsv4_backend.kernels.compressor.table import compress_forward
 from dsv4_backend.kernels.variants import force_unverified
-from dsv4_backend.planning.kernels.compress_plan_torch import (
-    CompressPlanCall,
-    compute_compress_plans,
-)
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
+from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_ratio
 
 CONFIG = DSV4AttentionConfig.tiny()

@@ -20,10 +20,8 @@ from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.variants import Target, choose
 from dsv4_backend.planning.kernels import table
-from dsv4_backend.planning.kernels.compress_plan_torch import (
-    CompressPlanCall,
-    compute_compress_plans,
-)
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
+from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.planning.kernels.table import build_compress_plans
 
 tvm = pytest.importorskip("tvm")

@@ -47,7 +47,7 @@ import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
 from dsv4_backend.errors import ContractError
-from dsv4_backend.planning.kernels.compress_plan_torch import CompressPlanCall
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
 
 #: Name of the symbolic row count in the kernel signature (and in its error messages).
 SYMBOLIC_DIM = "num_rows"

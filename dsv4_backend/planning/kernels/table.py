@@ -15,10 +15,8 @@ import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE
 from dsv4_backend.kernels.variants import OpTable, Target, Variant, custom, resolve
-from dsv4_backend.planning.kernels.compress_plan_torch import (
-    CompressPlanCall,
-    compute_compress_plans,
-)
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
+from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.planning.kernels.compress_plan_tvm import (
     compress_plans_tvm,
     tvm_unavailable_reason,
