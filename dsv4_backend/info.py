@@ -93,10 +93,10 @@ def _capabilities(gpu: str | None) -> list[tuple[str, str, str]]:
     """Return ``(path, "yes" or "no", reason)`` for each kernel path."""
     checks = [
         ("torch kernels", _torch_path()),
-        ("triton (GPU)", _triton_gpu(gpu)),
+        ("triton (GPU)", _on_gpu("triton", gpu, NO_GPU)),
         ("triton interpreter", _triton_interpreter()),
         ("tvm (llvm, CPU)", _tvm_llvm()),
-        ("flashinfer", _flashinfer(gpu)),
+        ("flashinfer", _on_gpu("flashinfer-python", gpu, f"needs a CUDA GPU; {NO_GPU}")),
     ]
     return [(path, "yes" if ok else "no", reason) for path, (ok, reason) in checks]
 
@@ -107,11 +107,13 @@ def _torch_path() -> tuple[bool, str]:
     return True, "the kernels' torch twins, any device (A/B backend dsv4-torch)"
 
 
-def _triton_gpu(gpu: str | None) -> tuple[bool, str]:
-    if _versions.installed_version("triton") is None:
-        return False, "triton not installed"
+def _on_gpu(package: str, gpu: str | None, no_gpu: str) -> tuple[bool, str]:
+    """Whether ``package`` is installed and a GPU (``gpu``, its name) is visible; ``no_gpu``
+    says why not without one."""
+    if _versions.installed_version(package) is None:
+        return False, f"{package} not installed"
     if gpu is None:
-        return False, NO_GPU
+        return False, no_gpu
     return True, f"on {gpu}"
 
 
@@ -134,14 +136,6 @@ def _tvm_llvm() -> tuple[bool, str]:
     if not tvm.runtime.enabled("llvm"):
         return False, "this tvm build has no llvm target"
     return True, "tvm imports with the llvm target"
-
-
-def _flashinfer(gpu: str | None) -> tuple[bool, str]:
-    if _versions.installed_version("flashinfer-python") is None:
-        return False, "flashinfer-python not installed"
-    if gpu is None:
-        return False, f"needs a CUDA GPU; {NO_GPU}"
-    return True, f"on {gpu}"
 
 
 def _self_check(device: str) -> str:

@@ -202,20 +202,8 @@ class Fp4IndexKeyLayout(PagedLayout):
 
     @property
     def scale_bytes(self) -> int:
+        """One exponent a block (``bytes_per_token``: 68 for ``dim`` 128)."""
         return self.dim // UE8M0_BLOCK
-
-    @property
-    def bytes_per_token(self) -> int:
-        """68 for ``dim`` 128."""
-        return self.token_bytes + self.scale_bytes
-
-    @property
-    def scale_base(self) -> int:
-        return self.page_tokens * self.token_bytes
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_tokens * self.bytes_per_token
 
     def pack_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[N, dim]`` float -> ``(payload [N, dim / 2], exponents [N, dim / 32])``

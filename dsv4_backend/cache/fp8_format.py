@@ -103,15 +103,18 @@ class PagedLayout:
 
     @property
     def bytes_per_token(self) -> int:
-        raise NotImplementedError
+        """Data plus scale bytes per token, before page padding."""
+        return self.token_bytes + self.scale_bytes
 
     @property
     def scale_base(self) -> int:
-        raise NotImplementedError
+        """Byte offset of the scale region inside a page: after every token's data."""
+        return self.page_tokens * self.token_bytes
 
     @property
     def page_bytes(self) -> int:
-        raise NotImplementedError
+        """``page_tokens * bytes_per_token`` (a layout that pads its pages overrides it)."""
+        return self.page_tokens * self.bytes_per_token
 
     def pack_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[N, dim]`` float -> ``(data [N, token_bytes], scales [N, scale_bytes])``."""
@@ -200,17 +203,8 @@ class Fp8TokenLayout(PagedLayout):
 
     @property
     def scale_bytes(self) -> int:
+        """Scale bytes per token (``bytes_per_token``: 584 for Flash)."""
         return SCALE_BYTES_PER_TOKEN
-
-    @property
-    def bytes_per_token(self) -> int:
-        """Data plus scale bytes per token, before page padding (584 for Flash)."""
-        return self.token_bytes + SCALE_BYTES_PER_TOKEN
-
-    @property
-    def scale_base(self) -> int:
-        """Byte offset of the scale region inside a page."""
-        return self.page_tokens * self.token_bytes
 
     @property
     def page_bytes(self) -> int:
@@ -264,20 +258,8 @@ class Fp8IndexerLayout(PagedLayout):
 
     @property
     def scale_bytes(self) -> int:
+        """One fp32 scale (``bytes_per_token``: 132 for ``dim`` 128)."""
         return INDEXER_SCALE_BYTES
-
-    @property
-    def bytes_per_token(self) -> int:
-        """132 for ``dim`` 128."""
-        return self.dim + INDEXER_SCALE_BYTES
-
-    @property
-    def scale_base(self) -> int:
-        return self.page_tokens * self.dim
-
-    @property
-    def page_bytes(self) -> int:
-        return self.page_tokens * self.bytes_per_token
 
     def pack_tokens(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``x`` ``[N, dim]`` float -> ``(data [N, dim] uint8, scales [N, 4] uint8)``.

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -60,6 +61,17 @@ def stage_layers(config: DSV4AttentionConfig, layers: range | None) -> range:
             f"{every.stop} layers (a pipeline stage's [start_layer, end_layer))"
         )
     return layers
+
+
+class _CacheMakers(NamedTuple):
+    """How :class:`DSV4CachePools` makes a layer's caches (allocated by ``build``, views of
+    given storage by ``over``): ``token_cache(kind, layer, num_slots, page_tokens)`` (kind
+    ``window`` / ``compressed``), ``indexer_cache(layer, num_slots)`` and
+    ``index_key_cache(layer, num_slots)``."""
+
+    token_cache: Callable[[str, int, int, int], TokenCache]
+    indexer_cache: Callable[[int, int], IndexerKeyCache | Fp4IndexKeyCache]
+    index_key_cache: Callable[[int, int], Fp4IndexKeyCache]
 
 
 @dataclass(frozen=True)
@@ -105,15 +117,8 @@ class DSV4CachePools:
         def index_key_cache(layer: int, num_slots: int) -> Fp4IndexKeyCache:
             return Fp4IndexKeyCache(num_slots, config.index_head_dim, fmt, device)
 
-        return cls._assemble(
-            config,
-            num_full_slots,
-            num_swa_slots,
-            token_cache,
-            indexer_cache,
-            index_key_cache,
-            layers,
-        )
+        makers = _CacheMakers(token_cache, indexer_cache, index_key_cache)
+        return cls._assemble(config, num_full_slots, num_swa_slots, makers, layers)
 
     @classmethod
     def over(
@@ -171,15 +176,8 @@ class DSV4CachePools:
                 name=f"{name} index_keys[{layer}]",
             )
 
-        return cls._assemble(
-            config,
-            num_full_slots,
-            num_swa_slots,
-            token_cache,
-            indexer_cache,
-            index_key_cache,
-            layers,
-        )
+        makers = _CacheMakers(token_cache, indexer_cache, index_key_cache)
+        return cls._assemble(config, num_full_slots, num_swa_slots, makers, layers)
 
     @classmethod
     def _assemble(
@@ -187,14 +185,11 @@ class DSV4CachePools:
         config: DSV4AttentionConfig,
         num_full_slots: int,
         num_swa_slots: int,
-        token_cache: Callable[[str, int, int, int], TokenCache],
-        indexer_cache: Callable[[int, int], IndexerKeyCache | Fp4IndexKeyCache],
-        index_key_cache: Callable[[int, int], Fp4IndexKeyCache],
+        makers: _CacheMakers,
         layers: range | None,
     ) -> DSV4CachePools:
-        """Check the slot counts and make the caches of ``layers`` with the given factories:
-        ``token_cache(kind, layer, num_slots, page_tokens)`` (kind ``window`` / ``compressed``),
-        ``indexer_cache(layer, num_slots)`` and ``index_key_cache(layer, num_slots)``."""
+        """Check the slot counts and make the caches of ``layers`` with ``makers``."""
+        token_cache, indexer_cache, index_key_cache = makers
         if num_full_slots <= 0 or num_full_slots % config.page_size:
             raise ConfigError(
                 f"num_full_slots={num_full_slots}; expected a positive multiple of the page size "

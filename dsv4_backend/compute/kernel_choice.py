@@ -31,6 +31,7 @@ from dsv4_backend.kernels.low_ratio.table import (
 )
 from dsv4_backend.kernels.variants import (
     Chosen,
+    E,
     OpTable,
     Target,
     candidates,
@@ -45,7 +46,7 @@ from dsv4_backend.planning.kernels.table import COMPRESS_PLANS
 from dsv4_backend.planning.planner import LOW_RATIO_PLAN, PLAN
 
 #: Every op table, in the order a forward meets them.
-TABLES: tuple[OpTable, ...] = (
+TABLES: tuple[OpTable[Any], ...] = (
     PLAN,
     LOW_RATIO_PLAN,
     COMPRESS_PLANS,
@@ -119,7 +120,7 @@ def _entry(choose_it: Callable[[], Chosen]) -> dict[str, str | None]:
     return {"variant": chosen.name, "why": chosen.reason}
 
 
-def preferred(table: OpTable, target: Target) -> Chosen:
+def preferred(table: OpTable[E], target: Target) -> Chosen[E]:
     """The first variant of ``table`` in preference order that runs on ``target`` and needs
     no setting beyond the defaults: what a backend built there runs once it passes the
     start-up self-check (``info``'s CUDA columns)."""

@@ -37,7 +37,7 @@ import os
 import sys
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import torch
 
@@ -47,6 +47,10 @@ from dsv4_backend.kernels import dispatch
 
 #: Libraries a variant may need (module names); an sglang GPU host installs all of them.
 LIBRARIES = ("flashinfer", "flash_mla", "deep_gemm", "tvm", "tvm_ffi")
+
+#: A table's entry type: what its op calls, e.g. ``Callable[[AttentionCall], torch.Tensor]``
+#: or a record of entry points (``IndexerKernels``); mypy checks each variant's against it.
+E = TypeVar("E")
 
 
 @dataclass(frozen=True)
@@ -179,11 +183,11 @@ def custom(text: str, unmet: Callable[[Target], str | None]) -> Requirement:
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one record a variant
-class Variant:
+class Variant(Generic[E]):
     """One implementation of an op.
 
-    ``entry``: the function the op calls (its signature is the op's, see the op's
-    ``table.py``); ``needs``: what it needs of the host; ``takes``: which inputs it serves,
+    ``entry``: what the op calls, of the table's entry type ``E`` (its op's call, see the
+    op's ``table.py``); ``needs``: what it needs of the host; ``takes``: which inputs it serves,
     as ``info`` prints it; ``rejects``: for a variant whose inputs are limited, why it cannot
     take given ones (its arguments are the op's, see its ``table.py``); ``gpu_verified``: the
     ``scripts/gpu_check.sh`` run it passed (date and figure), ``None`` if it never has;
@@ -193,7 +197,7 @@ class Variant:
     """
 
     name: str
-    entry: Any
+    entry: E
     needs: tuple[Requirement, ...]
     takes: str
     gpu_verified: str | None = None
@@ -219,12 +223,13 @@ class Variant:
 
 
 @dataclass(frozen=True, eq=False)  # compared and hashed by identity: one table an op
-class OpTable:
-    """The variants of one op in order of preference; ``env`` names one explicitly."""
+class OpTable(Generic[E]):
+    """The variants of one op in order of preference, each entry an ``E``; ``env`` names one
+    explicitly."""
 
     op: str
     summary: str
-    variants: tuple[Variant, ...]
+    variants: tuple[Variant[E], ...]
     env: str = field(default="")
 
     def __post_init__(self) -> None:
@@ -238,7 +243,7 @@ class OpTable:
     def names(self) -> tuple[str, ...]:
         return tuple(v.name for v in self.variants)
 
-    def __getitem__(self, name: str) -> Variant:
+    def __getitem__(self, name: str) -> Variant[E]:
         for variant in self.variants:
             if variant.name == name:
                 return variant
@@ -289,17 +294,17 @@ def clear_verdicts(target: Target | None = None) -> None:
         _verdicts.pop(target, None)
 
 
-def verdicts_for(table: OpTable, target: Target) -> tuple[Verdict, ...]:
+def verdicts_for(table: OpTable[Any], target: Target) -> tuple[Verdict, ...]:
     """The self-check's verdicts on ``table``'s variants on ``target`` (empty: none ran)."""
     return _verdicts.get(target, {}).get(table.op, ())
 
 
 @dataclass(frozen=True)
-class Chosen:
+class Chosen(Generic[E]):
     """The variant an op runs on a target, and why (``explicit``: named, not defaulted)."""
 
     op: str
-    variant: Variant
+    variant: Variant[E]
     reason: str
     explicit: bool
 
@@ -313,7 +318,7 @@ _forced_unverified: list[bool] = []
 
 
 @contextlib.contextmanager
-def force_variant(table: OpTable, name: str) -> Iterator[None]:
+def force_variant(table: OpTable[Any], name: str) -> Iterator[None]:
     """Run ``table``'s op with variant ``name`` inside the block (tests, A/B)."""
     table[name]  # ConfigError for an unknown name
     pins = _forced.setdefault(table.op, [])
@@ -324,7 +329,7 @@ def force_variant(table: OpTable, name: str) -> Iterator[None]:
         pins.pop()
 
 
-def explicit_choice(table: OpTable) -> tuple[str, str] | None:
+def explicit_choice(table: OpTable[Any]) -> tuple[str, str] | None:
     """``(name, why)`` of the variant pinned or named by the environment, or ``None``."""
     pins = _forced.get(table.op)
     if pins:
@@ -334,12 +339,12 @@ def explicit_choice(table: OpTable) -> tuple[str, str] | None:
 
 
 def choose(
-    table: OpTable,
+    table: OpTable[E],
     target: Target,
     override: tuple[str, str] | None,
     unverified: bool | None = None,
     verdicts: tuple[Verdict, ...] = (),
-) -> Chosen:
+) -> Chosen[E]:
     """The variant of ``table`` for ``target`` (the module docstring's rule); ``override`` is
     ``(name, why)`` of an explicit choice; ``unverified`` as in ``Variant.may_default``;
     ``verdicts`` the self-check's on ``target`` (:func:`verdicts_for`). ``ConfigError`` for an
@@ -379,7 +384,7 @@ def choose(
     raise ConfigError(f"no {table.op} variant runs on {target.describe()} ({'; '.join(skipped)})")
 
 
-def _why_default(variant: Variant, target: Target, unverified: bool | None) -> str:
+def _why_default(variant: Variant[Any], target: Target, unverified: bool | None) -> str:
     if variant.gpu_verified is not None:
         return f"GPU-verified ({variant.gpu_verified})"
     if not variant.baseline and unverified is None:
@@ -393,16 +398,16 @@ def _why_default(variant: Variant, target: Target, unverified: bool | None) -> s
 
 @functools.cache
 def _choose_cached(
-    table: OpTable,
+    table: OpTable[Any],
     target: Target,
     override: tuple[str, str] | None,
     unverified: bool | None,
     verdicts: tuple[Verdict, ...],
-) -> Chosen:
+) -> Chosen[Any]:
     return choose(table, target, override, unverified, verdicts)
 
 
-def resolve(table: OpTable, device: torch.device | str) -> Chosen:
+def resolve(table: OpTable[E], device: torch.device | str) -> Chosen[E]:
     """The variant ``table``'s op runs for tensors on ``device`` under the current settings
     (``force_path``, ``force_variant``, the environment, the self-check's verdicts); the same
     object for the same ones."""
@@ -433,12 +438,12 @@ def force_unverified(enabled: bool) -> Iterator[None]:
         _forced_unverified.pop()
 
 
-def candidates(table: OpTable, target: Target) -> list[tuple[Variant, str | None]]:
+def candidates(table: OpTable[E], target: Target) -> list[tuple[Variant[E], str | None]]:
     """Every variant of ``table`` with why it cannot run on ``target`` (``None``: it can)."""
     return [(v, v.unmet(target)) for v in table.variants]
 
 
-def named_rejection(table: OpTable, device: torch.device, *inputs: object) -> str | None:
+def named_rejection(table: OpTable[Any], device: torch.device, *inputs: object) -> str | None:
     """Why the variant named for ``device`` (``table.env`` or ``force_variant``) cannot take
     these inputs (its ``rejects(device, *inputs)``); None for a default or a named variant that
     takes them. ``ConfigError`` for a name that is unknown or cannot run there."""

@@ -10,6 +10,7 @@ from dsv4_backend.planning.batch import (
 from dsv4_backend.planning.draft_slots import per_step_draft_out_cache_loc
 from dsv4_backend.planning.dspark_block import dspark_swa_width, plan_dspark_block
 from dsv4_backend.planning.graph_buffers import GraphMetadataBuffers, pad_plan, read_plan
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.planning.kernels.row_fields import RowFields, row_fields
 from dsv4_backend.planning.metadata import PLAN_COLUMNS, AttentionMetadata, CompressedMetadata
@@ -23,6 +24,7 @@ __all__ = [
     "SUPPORTED_DRAFT_TOPK",
     "AttentionMetadata",
     "BatchView",
+    "CompressPlanCall",
     "CompressedMetadata",
     "DraftStep",
     "ForwardKind",

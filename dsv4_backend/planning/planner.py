@@ -846,7 +846,10 @@ def _plan_fused(
     return plan_into(config, batch, widths, None)
 
 
-FUSED = Variant(
+#: A plan variant's entry: the batch's metadata (``plan``'s arguments).
+PlanEntry = Callable[[DSV4AttentionConfig, BatchView, PlanWidths | None], AttentionMetadata]
+
+FUSED: Variant[PlanEntry] = Variant(
     "triton",
     _plan_fused,
     (TRITON_PATHS,),
@@ -857,13 +860,14 @@ FUSED = Variant(
 #: floors inside the planner kernel's launch (the interpreter's default; opt-in on CUDA until
 #: ``scripts/gpu_check.sh`` passes it), or the fields by the torch twin after the launch and a
 #: tail by the torch planner (the CUDA baseline). The torch planner always uses the twin.
-LOW_RATIO_FUSED = Variant(
+#: Its entries are the functions that do the work, read by identity (``_fuses_v41``), not called.
+LOW_RATIO_FUSED: Variant[Callable[..., object]] = Variant(
     "fused",
     plan_fields,
     (TRITON_PATHS,),
     "every kind, and a tail's window floors, in the fused planner kernel's launch",
 )
-LOW_RATIO_PLAN = OpTable(
+LOW_RATIO_PLAN: OpTable[Callable[..., object]] = OpTable(
     "low_ratio_plan",
     "DeepSeek-V4.1's parts of a fused plan: its c1 / c2 fields, a late-layer tail's floors",
     (
@@ -878,7 +882,7 @@ LOW_RATIO_PLAN = OpTable(
     ),
 )
 #: The planner's variants: the fused Triton kernels, then the torch planner.
-PLAN = OpTable(
+PLAN: OpTable[PlanEntry] = OpTable(
     "plan",
     "the attention metadata of a batch (batch checks, rows, page tables, compression fields)",
     (FUSED, Variant("torch", _plan_torch, (), "every kind", baseline=True)),

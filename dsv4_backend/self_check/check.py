@@ -69,6 +69,7 @@ from dsv4_backend.kernels.variants import (
     INAPPLICABLE,
     LIBRARIES,
     PASSED,
+    E,
     OpTable,
     Target,
     Variant,
@@ -102,7 +103,7 @@ CACHE_SCHEMA = 1
 CHECK_PREFILL_ROWS = 64
 
 #: The ops the self-check decides, in the order a forward meets them.
-CHECKED: tuple[OpTable, ...] = (
+CHECKED: tuple[OpTable[Any], ...] = (
     PLAN,
     COMPRESS_PLANS,
     CACHE_STORE,
@@ -113,7 +114,7 @@ CHECKED: tuple[OpTable, ...] = (
 )
 #: The judge's steps (a finding's ``step`` starts with the name) and the ops that answer for
 #: each, the first blamed first.
-STEP_OWNERS: tuple[tuple[str, tuple[OpTable, ...]], ...] = (
+STEP_OWNERS: tuple[tuple[str, tuple[OpTable[Any], ...]], ...] = (
     ("plan", (PLAN, COMPRESS_PLANS)),
     ("window-store", (CACHE_STORE,)),
     ("stores", (CACHE_STORE,)),
@@ -125,7 +126,7 @@ STEP_OWNERS: tuple[tuple[str, tuple[OpTable, ...]], ...] = (
 )
 
 
-def twin(table: OpTable) -> Variant:
+def twin(table: OpTable[E]) -> Variant[E]:
     """The op's torch twin: its last variant, which needs nothing of the host."""
     return table.variants[-1]
 

@@ -26,6 +26,7 @@ from dsv4_backend.kernels.compressor.fused import (
 )
 from dsv4_backend.kernels.compressor.table import compress_forward
 from dsv4_backend.kernels.variants import force_unverified
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.testing.reference import compress_entries, overlap, rope_for_ratio
 
@@ -136,11 +137,13 @@ def run_forward(
         ]
     positions_t = torch.tensor(positions)
     plans = compute_compress_plans(
-        torch.tensor(batch_ids, dtype=torch.int32),
-        positions_t,
-        torch.tensor(first_new),
-        torch.tensor(lens, dtype=torch.int32),
-        layer.ratio,
+        CompressPlanCall(
+            torch.tensor(batch_ids, dtype=torch.int32),
+            positions_t,
+            torch.tensor(first_new),
+            torch.tensor(lens, dtype=torch.int32),
+            layer.ratio,
+        )
     )
     out = compress_forward(
         state, torch.cat(kv), torch.cat(score), layer.ape, layer.norm_weight,
@@ -302,10 +305,8 @@ def test_strided_pool_indices(path: str) -> None:
     kv, score = torch.cat([r.kv for r in reqs]), torch.cat([r.score for r in reqs])
     batch_ids = torch.arange(2).repeat_interleave(12).int()
     positions = torch.arange(12).repeat(2)
-    plans = compute_compress_plans(
-        batch_ids, positions, torch.zeros(24, dtype=torch.int64),
-        torch.full((24,), 12, dtype=torch.int32), 128,
-    )  # fmt: skip
+    first, lens = torch.zeros(24, dtype=torch.int64), torch.full((24,), 12, dtype=torch.int32)
+    plans = compute_compress_plans(CompressPlanCall(batch_ids, positions, first, lens, 128))
     rope = rope_for_ratio(CONFIG, 128)
     rings = []
     for pool_indices in (torch.tensor([3, 1]), torch.tensor([3, 0, 1, 2])[::2]):

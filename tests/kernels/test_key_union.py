@@ -17,13 +17,8 @@ from hypothesis import strategies as st
 from marks import needs_interpreter
 
 from dsv4_backend.errors import BatchError
-from dsv4_backend.kernels.attention.key_union import (
-    MAX_GROUP,
-    KeyUnion,
-    key_union,
-    key_union_torch,
-    key_union_triton,
-)
+from dsv4_backend.kernels.attention.key_union import KEY_UNION, MAX_GROUP, KeyUnion, key_union
+from dsv4_backend.kernels.variants import force_variant
 
 pytestmark = needs_interpreter
 
@@ -107,8 +102,10 @@ def test_union_is_exact_and_paths_agree(rows, group, kinds, extra, seed):
     eidx = elengths = None
     if extra:
         eidx, elengths = _pack(_row_lists(kinds[1], rows, g), 64, g)
-    triton_union = key_union_triton(idx, lengths, eidx, elengths, group)
-    _assert_same(triton_union, key_union_torch(idx, lengths, eidx, elengths, group))
+    with force_variant(KEY_UNION, "triton"):
+        triton_union = key_union(idx, lengths, eidx, elengths, group)
+    with force_variant(KEY_UNION, "torch"):
+        _assert_same(triton_union, key_union(idx, lengths, eidx, elengths, group))
     _assert_exact(idx, lengths, triton_union, 0)
     if extra:
         _assert_exact(eidx, elengths, triton_union, 1)

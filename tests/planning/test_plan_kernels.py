@@ -20,6 +20,7 @@ from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels import dispatch
 from dsv4_backend.kernels.variants import Target, choose
 from dsv4_backend.planning.kernels import table
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.planning.kernels.table import build_compress_plans
 
@@ -64,8 +65,8 @@ requests = st.lists(st.tuples(st.integers(0, 1100), st.integers(1, 400)), min_si
 @given(reqs=requests, ratio=st.sampled_from([4, 128]), page=st.sampled_from([64, PAGE]))
 def test_tvm_plans_equal_torch(reqs: list[tuple[int, int]], ratio: int, page: int) -> None:
     inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
-    want = compute_compress_plans(*inputs, ratio, page)
-    assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio, page), want)
+    want = compute_compress_plans(CompressPlanCall(*inputs, ratio, page))
+    assert_plans_equal(cpt.compress_plans_tvm(CompressPlanCall(*inputs, ratio, page)), want)
 
 
 @settings(max_examples=15, deadline=None)
@@ -79,7 +80,7 @@ def test_cuda_decomposition_on_cpu_equals_torch(
     rows = inputs[0].shape[0]
     out = torch.full((rows, 4), 7, dtype=torch.int32), torch.full((rows, 4), 7, dtype=torch.int32)
     cpt.compiled_kernel(LLVM, threads)(*inputs, *out, ratio, compress_span(ratio), PAGE)
-    assert_plans_equal(out, compute_compress_plans(*inputs, ratio))
+    assert_plans_equal(out, compute_compress_plans(CompressPlanCall(*inputs, ratio)))
 
 
 def test_tvm_plans_arbitrary_rows_equal_torch() -> None:
@@ -95,8 +96,8 @@ def test_tvm_plans_arbitrary_rows_equal_torch() -> None:
     )
     out = torch.empty(rows, 4, dtype=torch.int32), torch.empty(rows, 4, dtype=torch.int32)
     for ratio in (4, 128):
-        want = compute_compress_plans(*inputs, ratio)
-        assert_plans_equal(cpt.compress_plans_tvm(*inputs, ratio), want)
+        want = compute_compress_plans(CompressPlanCall(*inputs, ratio))
+        assert_plans_equal(cpt.compress_plans_tvm(CompressPlanCall(*inputs, ratio)), want)
         # The CUDA thread count: 2 rows per thread.
         kernel = cpt.compiled_kernel(LLVM, cpt.CUDA_THREADS)
         kernel(*inputs, *out, ratio, compress_span(ratio), PAGE)
@@ -107,15 +108,15 @@ def test_tvm_plans_arbitrary_rows_equal_torch() -> None:
 @pytest.mark.parametrize("reqs", [[], [(0, 1)], [(3, 1)], [(127, 1)], [(6, 1)]])
 def test_tvm_plans_edge_sizes(reqs: list[tuple[int, int]], ratio: int) -> None:
     inputs = plan_inputs([p for p, _ in reqs], [e for _, e in reqs])
-    got = cpt.compress_plans_tvm(*inputs, ratio)
+    got = cpt.compress_plans_tvm(CompressPlanCall(*inputs, ratio))
     assert got[0].shape == (len(reqs), 4)
-    assert_plans_equal(got, compute_compress_plans(*inputs, ratio))
+    assert_plans_equal(got, compute_compress_plans(CompressPlanCall(*inputs, ratio)))
     assert_plans_equal(build_compress_plans(*inputs, ratio), got)
 
 
 def test_tvm_plan_records_by_hand() -> None:
     # One request extending 5 + 4 (positions 5..8, seq_len 9), ratio 4: entry ending at 7.
-    got_c, got_w = cpt.compress_plans_tvm(*plan_inputs([5], [4]), 4)
+    got_c, got_w = cpt.compress_plans_tvm(CompressPlanCall(*plan_inputs([5], [4]), 4))
     assert got_c.tolist() == [[2, 0, 7, 3]] + [[-1] * 4] * 3
     # Kept from (9 // 4) * 4 - 4 = 4: every row; window_len = min(8, p - 5 + 1).
     assert got_w.tolist() == [[0, 0, 5, 1], [1, 0, 6, 2], [2, 0, 7, 3], [3, 0, 8, 4]]
@@ -123,10 +124,10 @@ def test_tvm_plan_records_by_hand() -> None:
 
 def test_tvm_kernel_compiled_once() -> None:
     inputs = plan_inputs([0, 9], [5, 3])
-    cpt.compress_plans_tvm(*inputs, 4)
+    cpt.compress_plans_tvm(CompressPlanCall(*inputs, 4))
     before = cpt.compiled_kernel.cache_info()
-    cpt.compress_plans_tvm(*inputs, 128)  # another ratio: same kernel
-    cpt.compress_plans_tvm(*plan_inputs([2], [40]), 4)  # another T: same kernel
+    cpt.compress_plans_tvm(CompressPlanCall(*inputs, 128))  # another ratio: same kernel
+    cpt.compress_plans_tvm(CompressPlanCall(*plan_inputs([2], [40]), 4))  # another T: same kernel
     after = cpt.compiled_kernel.cache_info()
     assert after.misses == before.misses
     assert after.hits == before.hits + 2
@@ -135,11 +136,11 @@ def test_tvm_kernel_compiled_once() -> None:
 def test_tvm_mismatched_rows_raise_contract_error_before_the_call() -> None:
     rb, pos, first, seq = plan_inputs([0], [6])
     with pytest.raises(ContractError, match=r"symbolic dim num_rows.*request_seq_lens disagrees"):
-        cpt.compress_plans_tvm(rb, pos, first, seq[:5], 4)
+        cpt.compress_plans_tvm(CompressPlanCall(rb, pos, first, seq[:5], 4))
     with pytest.raises(ContractError, match=r"row_batch_ids \(6,\) torch.int64"):
-        cpt.compress_plans_tvm(rb.long(), pos, first, seq, 4)
+        cpt.compress_plans_tvm(CompressPlanCall(rb.long(), pos, first, seq, 4))
     with pytest.raises(ConfigError, match="ratio=8"):
-        cpt.compress_plans_tvm(rb, pos, first, seq, 8)
+        cpt.compress_plans_tvm(CompressPlanCall(rb, pos, first, seq, 8))
 
 
 @pytest.mark.parametrize(

@@ -17,6 +17,7 @@ from dsv4_backend.errors import BatchError, ConfigError, ContractError
 from dsv4_backend.planning import (
     GRAPH_KINDS,
     BatchView,
+    CompressPlanCall,
     DraftStep,
     ForwardKind,
     PlanWidths,
@@ -111,13 +112,13 @@ def test_compress_plans_by_hand() -> None:
     ids = torch.zeros(8, dtype=torch.int32)
     first = torch.full((8,), 2)
     lens = torch.full((8,), 10, dtype=torch.int32)
-    compress, write = compute_compress_plans(ids, positions, first, lens, 4)
+    compress, write = compute_compress_plans(CompressPlanCall(ids, positions, first, lens, 4))
     invalid = [[-1] * 4]
     # entries end at positions 3 and 7; window_len = min(8, p - 2 + 1)
     assert compress.tolist() == [[1, 0, 3, 2], [5, 0, 7, 6]] + invalid * 6
     # keep positions >= (10 // 4) * 4 - 4 = 4
     assert write.tolist() == [[r, 0, r + 2, min(8, r + 1)] for r in range(2, 8)] + invalid * 2
-    compress, write = compute_compress_plans(ids, positions, first, lens, 128)
+    compress, write = compute_compress_plans(CompressPlanCall(ids, positions, first, lens, 128))
     assert compress.tolist() == invalid * 8
     assert write.tolist() == [[r, 0, r + 2, r + 1] for r in range(8)]  # keep >= 0
     assert compress.dtype == write.dtype == torch.int32 and compress.shape == (8, 4)
@@ -132,11 +133,11 @@ def test_c4_write_plan_keeps_the_last_block_of_every_page() -> None:
     args = (torch.zeros(n, dtype=torch.int32), positions, torch.full((n,), 200),
             torch.full((n,), 601, dtype=torch.int32))  # fmt: skip
     kept = lambda plan: [p for p in plan[:, 2].tolist() if p >= 0]  # noqa: E731
-    _, write = compute_compress_plans(*args, 4)
+    _, write = compute_compress_plans(CompressPlanCall(*args, 4))
     assert kept(write) == [252, 253, 254, 255, 508, 509, 510, 511, 596, 597, 598, 599, 600]
-    _, write = compute_compress_plans(*args, 4, page_size=512)
+    _, write = compute_compress_plans(CompressPlanCall(*args, 4, page_size=512))
     assert kept(write) == [508, 509, 510, 511, 596, 597, 598, 599, 600]
-    _, write = compute_compress_plans(*args, 128)
+    _, write = compute_compress_plans(CompressPlanCall(*args, 128))
     assert kept(write) == list(range(512, 601))
 
 
@@ -459,7 +460,7 @@ def test_bad_widths_and_ratios() -> None:
         PlanWidths(page_table=0, c128=1)
     one = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ConfigError, match=r"compress plan ratio=8; expected one of \(4, 128\)"):
-        compute_compress_plans(one.int(), one, one, one.int() + 1, 8)
+        compute_compress_plans(CompressPlanCall(one.int(), one, one, one.int() + 1, 8))
     with pytest.raises(ConfigError, match=r"row fields ratio=0; expected one of \(4, 128\)"):
         row_fields(one, one, one.int()[None], ratio=0, index_topk=16, c128_width=1)
 

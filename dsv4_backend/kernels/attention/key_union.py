@@ -42,6 +42,7 @@ captured in a CUDA graph.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -157,38 +158,12 @@ def _key_union_kernel(
 
 
 # ------------------------------------------------------------------------------ launcher
-def _spans(
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    group: int,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """The spans as ``[(indices, lengths)]``, checked (``sparse_attention_with_sink`` checked
-    shapes and dtypes already; this op is also public)."""
-    if not 1 <= group <= MAX_GROUP:
-        raise BatchError(f"group={group}; expected 1 ... {MAX_GROUP} rows a group")
-    spans = [(swa_indices, swa_lengths)]
-    if (extra_indices is None) != (extra_lengths is None):
-        raise BatchError("extra_indices and extra_lengths must both be given or both be None")
-    if extra_indices is not None and extra_lengths is not None:
-        spans.append((extra_indices, extra_lengths))
-    rows = swa_indices.shape[0]
-    for idx, lengths in spans:
-        if idx.dim() != 2 or idx.shape[0] != rows or idx.dtype != torch.int32:
-            raise BatchError(
-                f"indices of shape {tuple(idx.shape)} and dtype {idx.dtype}; expected "
-                f"[{rows}, width] int32"
-            )
-        if lengths.shape != (rows,) or lengths.dtype != torch.int32:
-            raise BatchError(
-                f"lengths of shape {tuple(lengths.shape)} and dtype {lengths.dtype}; expected "
-                f"[{rows}] int32"
-            )
-    return spans
+#: The spans of a union, checked: ``[(indices [T, W] int32, lengths [T] int32)]``, the
+#: window's first, then the extra span's when given.
+Spans = list[tuple[torch.Tensor, torch.Tensor]]
 
 
-def _allocate(spans: list[tuple[torch.Tensor, torch.Tensor]], group: int) -> KeyUnion:
+def _allocate(spans: Spans, group: int) -> KeyUnion:
     rows = spans[0][0].shape[0]
     num_groups = triton.cdiv(rows, group)
     widths = [group * idx.shape[1] for idx, _ in spans]
@@ -199,19 +174,12 @@ def _allocate(spans: list[tuple[torch.Tensor, torch.Tensor]], group: int) -> Key
     return KeyUnion(table, lengths, widths[0], group)
 
 
-def key_union_triton(
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    group: int,
-) -> KeyUnion:
-    """Triton path of :func:`key_union`: one launch, grid ``(NG, spans)``."""
-    spans = _spans(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
-    union = _allocate(spans, group)
+def key_union_triton(spans: Spans, union: KeyUnion) -> None:
+    """Triton path of :func:`key_union`: fill ``union`` (allocated for ``spans``) in one
+    launch, grid ``(NG, spans)``."""
     num_groups = union.table.shape[1]
     if num_groups == 0:
-        return union
+        return
     spans = [(idx.contiguous(), lengths.contiguous()) for idx, lengths in spans]
     (win_idx, win_len), (ext_idx, ext_len) = spans[0], spans[-1]
     _key_union_kernel[(num_groups, len(spans))](
@@ -228,24 +196,16 @@ def key_union_triton(
         win_idx.shape[1],
         ext_idx.shape[1],
         union.table.stride(1),
-        GROUP=group,
-        BLOCK_G=triton.next_power_of_2(group),
+        GROUP=union.group,
+        BLOCK_G=triton.next_power_of_2(union.group),
         BLOCK_N=BLOCK_N,
         num_warps=4,
     )
-    return union
 
 
-def key_union_torch(
-    swa_indices: torch.Tensor,
-    swa_lengths: torch.Tensor,
-    extra_indices: torch.Tensor | None,
-    extra_lengths: torch.Tensor | None,
-    group: int,
-) -> KeyUnion:
+def key_union_torch(spans: Spans, union: KeyUnion) -> None:
     """Torch path of :func:`key_union`: the same rule, group by group on the host."""
-    spans = _spans(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
-    union = _allocate(spans, group)
+    group = union.group
     table = union.table.new_full(union.table.shape, -1).cpu()
     lengths = union.lengths.cpu()
     column = 0
@@ -278,7 +238,6 @@ def key_union_torch(
         column += group * width
     union.table.copy_(table)
     union.lengths.copy_(lengths)
-    return union
 
 
 # ---------------------------------------------------------------------------- public op
@@ -299,12 +258,36 @@ def key_union(
     extra_indices : ``[T, We]`` int32 compressed slots, or None (window-only layer).
     extra_lengths : ``[T]`` int32 valid leading columns of ``extra_indices``, or None.
     group : rows per group, 1 ... ``MAX_GROUP``.
+
+    ``BatchError`` for another group size or spans of other shapes or dtypes
+    (``sparse_attention_with_sink`` checked them already; this op is also public).
     """
-    entry = resolve(KEY_UNION, swa_indices.device).variant.entry
-    return entry(swa_indices, swa_lengths, extra_indices, extra_lengths, group)
+    if not 1 <= group <= MAX_GROUP:
+        raise BatchError(f"group={group}; expected 1 ... {MAX_GROUP} rows a group")
+    spans: Spans = [(swa_indices, swa_lengths)]
+    if (extra_indices is None) != (extra_lengths is None):
+        raise BatchError("extra_indices and extra_lengths must both be given or both be None")
+    if extra_indices is not None and extra_lengths is not None:
+        spans.append((extra_indices, extra_lengths))
+    rows = swa_indices.shape[0]
+    for idx, lengths in spans:
+        if idx.dim() != 2 or idx.shape[0] != rows or idx.dtype != torch.int32:
+            raise BatchError(
+                f"indices of shape {tuple(idx.shape)} and dtype {idx.dtype}; expected "
+                f"[{rows}, width] int32"
+            )
+        if lengths.shape != (rows,) or lengths.dtype != torch.int32:
+            raise BatchError(
+                f"lengths of shape {tuple(lengths.shape)} and dtype {lengths.dtype}; expected "
+                f"[{rows}] int32"
+            )
+    union = _allocate(spans, group)
+    resolve(KEY_UNION, swa_indices.device).variant.entry(spans, union)
+    return union
 
 
-KEY_UNION = OpTable(
+#: The variants: each entry fills a ``KeyUnion`` allocated for the checked spans.
+KEY_UNION: OpTable[Callable[[Spans, KeyUnion], None]] = OpTable(
     "attention_key_union",
     "the union key list of a group of rows (the triton attention variant's grouping)",
     (

@@ -21,6 +21,8 @@ checks raise.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4_backend.cache.token_cache import TokenCache
@@ -66,7 +68,7 @@ def _pipelined_rejects(
 #: The variants: each entry takes one checked ``common.AttentionCall``; ``rejects(device,
 #: window, extra, heads, dim)`` says why it cannot take these caches and ``[T, heads, dim]``
 #: queries on ``device``.
-ATTENTION = OpTable(
+ATTENTION: OpTable[Callable[[AttentionCall], torch.Tensor]] = OpTable(
     "attention",
     "sparse attention with sink over window keys plus compressed keys",
     (
@@ -134,7 +136,7 @@ def sparse_attention_with_sink(call: AttentionCall) -> torch.Tensor:
 
 
 def variant_reason(
-    variant: Variant,
+    variant: Variant[Callable[[AttentionCall], torch.Tensor]],
     device: torch.device,
     window: TokenCache,
     extra: TokenCache | None,

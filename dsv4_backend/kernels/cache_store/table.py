@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4_backend.cache.token_cache import SlotCache
@@ -12,7 +14,8 @@ from dsv4_backend.kernels.cache_store.torch import store_rows_torch
 from dsv4_backend.kernels.cache_store.triton import launch_store
 from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 
-CACHE_STORE = OpTable(
+#: The variants: each entry writes ``rows`` into a cache at ``slots`` (:func:`store_rows`).
+CACHE_STORE: OpTable[Callable[[SlotCache, torch.Tensor, torch.Tensor], None]] = OpTable(
     "cache_store",
     "rows written into a dense, fp8 token, fp8 indexer or fp4 index-key cache at their slots",
     (

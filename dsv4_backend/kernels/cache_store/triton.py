@@ -117,6 +117,8 @@ def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> N
         rows = rows.contiguous()
     slots = slots.contiguous()
     layout = cache.layout
+    # The paged formats' kernels take the same first arguments.
+    paged = (cache.storage, rows, slots, rows.stride(0))
     if isinstance(cache, Fp4IndexKeyCache) and layout is None:
         cache.store(rows[slots >= 0], slots[slots >= 0])  # dense fp4 keys: a tests' format
     elif layout is None:
@@ -134,19 +136,13 @@ def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> N
         )
     elif isinstance(layout, Fp8TokenLayout):
         _store_fp8_token_kernel[(n,)](
-            cache.storage,
-            rows,
-            slots,
-            rows.stride(0),
+            *paged,
             BLOCK_R=triton.next_power_of_2(max(layout.rope_dim, 1)),
             **triton_constexprs(layout),
         )
     elif isinstance(layout, Fp8IndexerLayout):
         _store_fp8_indexer_kernel[(n,)](
-            cache.storage,
-            rows,
-            slots,
-            rows.stride(0),
+            *paged,
             BLOCK_D=triton.next_power_of_2(layout.dim),
             **triton_constexprs(layout),
         )
@@ -159,10 +155,7 @@ def launch_store(cache: SlotCache, rows: torch.Tensor, slots: torch.Tensor) -> N
             )
         rounding = layout.rounding
         _store_fp4_index_kernel[(n,)](
-            cache.storage,
-            rows,
-            slots,
-            rows.stride(0),
+            *paged,
             DIM=layout.dim,
             PAGE_TOKENS=layout.page_tokens,
             FLOOR=rounding.amax_floor,

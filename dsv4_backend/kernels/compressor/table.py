@@ -6,6 +6,8 @@ one-launch kernel, ``fused.py``; the interpreter's default, opt-in on CUDA until
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4_backend.cache.state import CompressorState
@@ -17,7 +19,8 @@ from dsv4_backend.kernels.compressor.torch import compress_torch
 from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 from dsv4_backend.ops.rope import CosSin
 
-COMPRESSOR = OpTable(
+#: The variants: each entry takes one checked ``common.CompressCall``.
+COMPRESSOR: OpTable[Callable[[CompressCall], torch.Tensor]] = OpTable(
     "compressor",
     "softmax-gated pooling of tokens into c4 / c128 entries, the rings, the entry store",
     (

@@ -41,6 +41,7 @@ from dsv4_backend.kernels.indexer.device import (
     candidate_slots,
     key_format,
     row_queries,
+    score_arguments,
 )
 
 #: Programs the length-bounded scores aim for in all (a few per SM of an H200's 132).
@@ -341,39 +342,15 @@ def score_splits(rows: int, max_candidates: int, device: torch.device) -> int:
 def row_scores_triton(call: IndexCall, out: torch.Tensor) -> None:
     """Launch ``_row_scores_kernel``: ``out`` ``[T, N]`` receives each row's scores at
     columns ``< min(num_candidates, N)``; nothing else is read or written."""
-    q_idx, weights, page_table = call.q_idx, call.weights, call.page_table
-    keys, num_candidates = call.keys, call.num_candidates
-    rows, heads, dim = q_idx.shape
-    cols = out.shape[1]
+    rows, cols = out.shape
     if rows == 0 or cols == 0:
         return
-    _row_scores_kernel[(rows, score_splits(rows, cols, q_idx.device))](
-        q_idx,
-        weights,
-        keys.storage,
-        page_table,
-        num_candidates.contiguous(),
-        out,
-        q_idx.stride(0),
-        q_idx.stride(1),
-        q_idx.stride(2),
-        weights.stride(0),
-        weights.stride(1),
-        keys.storage.stride(0),
-        page_table.stride(0),
-        page_table.stride(1),
-        out.stride(0),
-        cols,
-        HI=heads,
-        DIM=dim,
-        PAGE_TOKENS=keys.layout.page_tokens if keys.layout is not None else 1,
-        E=C4_ENTRIES_PER_PAGE,
-        BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=BLOCK_N,
-        KEYS=key_format(keys),
-        GPU=q_idx.device.type == "cuda",
-        num_warps=FP4_ROW_WARPS if key_format(keys) == FP4_KEYS.value else 4,
+    arguments, constexprs = score_arguments(call, out)
+    _row_scores_kernel[(rows, score_splits(rows, cols, call.q_idx.device))](
+        *arguments,
+        **constexprs,
+        GPU=call.q_idx.device.type == "cuda",
+        num_warps=FP4_ROW_WARPS if key_format(call.keys) == FP4_KEYS.value else 4,
     )
 
 

@@ -1,17 +1,20 @@
 """``@triton.jit`` helpers of both Triton variants of the lightning indexer (``triton.py``,
 ``bounded.py``): the key formats their kernels take (``KEYS``), a row's queries and head
 weights, the slots of its candidate entries, and its dots with fp4 index keys (DeepSeek-V4.1's,
-and the c4 keys of ``indexer_selection="fp4"``)."""
+and the c4 keys of ``indexer_selection="fp4"``); the arguments their scores kernels share
+(:func:`score_arguments`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import torch
 import triton
 import triton.language as tl
 
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyLayout
 from dsv4_backend.kernels.device.fp4 import load_fp4_index_block
+from dsv4_backend.kernels.indexer.common import BLOCK_N, IndexCall
 
 if TYPE_CHECKING:
     from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache
@@ -99,3 +102,40 @@ def fp4_row_dots(
         else:  # the interpreter's bf16 dot is wrong: fp32 operands, exact products
             dots += tl.dot(keys, tl.trans(q), input_precision="ieee")
     return dots
+
+
+def score_arguments(call: IndexCall, out: torch.Tensor) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """``(arguments, constexprs)`` both scores kernels (``triton.py``'s full-width one,
+    ``bounded.py``'s row scores) take for ``call`` writing ``out`` ``[T, N]``: the tensors and
+    their strides, ``N``, the shapes, the key format and ``call.entries_per_page``."""
+    q_idx, weights, keys, page_table = call.q_idx, call.weights, call.keys, call.page_table
+    _, heads, dim = q_idx.shape
+    arguments = (
+        q_idx,
+        weights,
+        keys.storage,
+        page_table,
+        call.num_candidates.contiguous(),  # read with unit stride
+        out,
+        q_idx.stride(0),
+        q_idx.stride(1),
+        q_idx.stride(2),
+        weights.stride(0),
+        weights.stride(1),
+        keys.storage.stride(0),
+        page_table.stride(0),
+        page_table.stride(1),
+        out.stride(0),
+        out.shape[1],
+    )
+    constexprs = dict(
+        HI=heads,
+        DIM=dim,
+        PAGE_TOKENS=keys.layout.page_tokens if keys.layout is not None else 1,
+        E=call.entries_per_page,
+        BLOCK_H=max(16, triton.next_power_of_2(heads)),
+        BLOCK_D=max(16, triton.next_power_of_2(dim)),
+        BLOCK_N=BLOCK_N,
+        KEYS=key_format(keys),
+    )
+    return arguments, constexprs

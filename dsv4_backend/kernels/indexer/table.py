@@ -79,7 +79,7 @@ if TYPE_CHECKING:
 #: The variants; each entry is an :class:`~dsv4_backend.kernels.indexer.common.IndexerKernels`,
 #: ``deep_gemm``'s ``rejects(device, keys, heads, dim, indexer_selection)`` says why it cannot
 #: take a layer's key cache and ``[T, heads, dim]`` queries.
-INDEXER = OpTable(
+INDEXER: OpTable[IndexerKernels] = OpTable(
     "indexer",
     "the lightning indexer: scores of each row's c4 candidates and their top-k as slots",
     (

@@ -4,6 +4,8 @@ by the selection's definition (``common.select_entries``) and by ``slots.py``.""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4_backend.kernels.variants import OpTable, Variant, on_cuda, resolve, with_library
@@ -27,14 +29,17 @@ def sorted_best_columns(masked: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(masked, dim=1, descending=True, stable=True).indices[:, :k]
 
 
-FLASHINFER = Variant(
+#: A variant's entry: ``[T, k]`` int64 columns of the ``k`` largest of ``[T, N]`` fp32 scores.
+TopkEntry = Callable[[torch.Tensor, int], torch.Tensor]
+
+FLASHINFER: Variant[TopkEntry] = Variant(
     "flashinfer",
     flashinfer_best_columns,
     (on_cuda(), with_library("flashinfer", "top_k", "TopKTieBreak")),
     "any [T, N] fp32 scores; graph-safe, its first call compiles (warm_up_topk)",
     baseline=True,
 )
-INDEXER_TOPK = OpTable(
+INDEXER_TOPK: OpTable[TopkEntry] = OpTable(
     "indexer_topk",
     "the top-k columns of the indexer's score matrix, ties to the smaller column",
     (FLASHINFER, Variant("sort", sorted_best_columns, (), "any scores", baseline=True)),

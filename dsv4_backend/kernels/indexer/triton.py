@@ -6,8 +6,6 @@ whole ``[T, N]`` matrix, then the slots). The same kernel scores DeepSeek-V4.1's
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
@@ -19,12 +17,9 @@ from dsv4_backend.kernels.indexer.device import (
     FP8_KEYS,
     candidate_slots,
     fp4_row_dots,
-    key_format,
     row_queries,
+    score_arguments,
 )
-
-if TYPE_CHECKING:
-    pass
 
 
 @triton.jit
@@ -119,39 +114,13 @@ def indexer_scores_triton(call: IndexCall) -> torch.Tensor:
     """``[T, max_candidates]`` fp32 scores of each row's first ``num_candidates`` entries (the
     others -inf); ``keys`` a c4 indexer cache (fp8, dense or, ``indexer_selection="fp4"``, fp4
     pages), or (``entries_per_page`` 256 / 128) a DeepSeek-V4.1 kv source's fp4 index keys."""
-    q_idx, weights, keys, page_table = call.q_idx, call.weights, call.keys, call.page_table
-    max_candidates, entries_per_page = call.max_candidates, call.entries_per_page
-    rows, heads, dim = q_idx.shape
-    out = torch.empty(rows, max_candidates, dtype=torch.float32, device=q_idx.device)
+    rows, max_candidates = call.q_idx.shape[0], call.max_candidates
+    out = torch.empty(rows, max_candidates, dtype=torch.float32, device=call.q_idx.device)
     if rows == 0 or max_candidates == 0:
         return out
-    num_candidates = call.num_candidates.contiguous()  # read with unit stride
+    arguments, constexprs = score_arguments(call, out)
     grid = (rows, triton.cdiv(max_candidates, BLOCK_N))
     _indexer_scores_kernel[grid](
-        q_idx,
-        weights,
-        keys.storage,
-        page_table,
-        num_candidates,
-        out,
-        q_idx.stride(0),
-        q_idx.stride(1),
-        q_idx.stride(2),
-        weights.stride(0),
-        weights.stride(1),
-        keys.storage.stride(0),
-        page_table.stride(0),
-        page_table.stride(1),
-        out.stride(0),
-        max_candidates,
-        HI=heads,
-        DIM=dim,
-        PAGE_TOKENS=keys.layout.page_tokens if keys.layout is not None else 1,
-        E=entries_per_page,
-        BLOCK_H=max(16, triton.next_power_of_2(heads)),
-        BLOCK_D=max(16, triton.next_power_of_2(dim)),
-        BLOCK_N=BLOCK_N,
-        KEYS=key_format(keys),
-        DOT_BF16=q_idx.device.type == "cuda",
+        *arguments, **constexprs, DOT_BF16=call.q_idx.device.type == "cuda"
     )
     return out

@@ -29,6 +29,8 @@ Each variant takes its op's call, checked when made: :class:`~.common.PairCall`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4_backend.cache.fp4_format import Fp4IndexKeyCache, Fp4Scale
@@ -42,7 +44,7 @@ from dsv4_backend.kernels.low_ratio.torch import fp4_rows_torch, pair_pool
 from dsv4_backend.kernels.low_ratio.triton import fp4_rows_triton, pair_pool_triton
 from dsv4_backend.kernels.variants import TRITON_PATHS, OpTable, Variant, resolve
 
-LOW_RATIO_PAIRS = OpTable(
+LOW_RATIO_PAIRS: OpTable[Callable[[PairCall], torch.Tensor]] = OpTable(
     "low_ratio_pairs",
     "a DeepSeek-V4.1 ratio-2 kv source's pair pooling over its pair ring",
     (
@@ -56,7 +58,7 @@ LOW_RATIO_PAIRS = OpTable(
     ),
 )
 
-LOW_RATIO_ROWS = OpTable(
+LOW_RATIO_ROWS: OpTable[Callable[[RowsCall], tuple[torch.Tensor, torch.Tensor | None]]] = OpTable(
     "low_ratio_rows",
     "DeepSeek-V4.1's entry, index-key and index-query rows: norm, RoPE, fp4 (and the fp4 store)",
     (
@@ -70,7 +72,7 @@ LOW_RATIO_ROWS = OpTable(
     ),
 )
 
-LOW_RATIO_SCORES = OpTable(
+LOW_RATIO_SCORES: OpTable[Callable[[IndexCall], torch.Tensor]] = OpTable(
     "low_ratio_scores",
     "DeepSeek-V4.1's index scores of each row's visible entries (fp4 index keys)",
     (

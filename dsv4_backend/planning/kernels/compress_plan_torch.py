@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
+from dsv4_backend.config import check_compressed_ratio, compress_span
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
 
 
 def _compact(records: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
@@ -25,26 +26,8 @@ def _compact(records: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return out[:rows]
 
 
-def compute_compress_plans(
-    row_batch_ids: torch.Tensor,
-    positions: torch.Tensor,
-    first_new_positions: torch.Tensor,
-    request_seq_lens: torch.Tensor,
-    ratio: int,
-    page_size: int = REQUIRED_PAGE_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress plan and write plan of ``ratio`` for ``T`` query rows.
-
-    Parameters
-    ----------
-    row_batch_ids : ``[T]`` int32 — request of each row.
-    positions : ``[T]`` int64 — absolute position of each row.
-    first_new_positions : ``[T]`` int64 — position of the first row of this row's request in
-        this forward (earlier tokens come from the compressor state ring).
-    request_seq_lens : ``[T]`` int32 — the shortest length the row's request can have after
-        this forward (``keep_len`` of ``planning/metadata.py``: ``seq_lens + 1`` for verify).
-    ratio : 4 or 128.
-    page_size : tokens per KV page (the window pages that scope the c4 rings).
+def compute_compress_plans(call: CompressPlanCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress plan and write plan of ``call.ratio`` for its ``T`` query rows.
 
     Returns
     -------
@@ -57,6 +40,7 @@ def compute_compress_plans(
     pools first, kept in the page's own (page-scoped) ring.
     ``window_len = min(span, position - first_new_position + 1)`` with span 8 (c4) / 128 (c128).
     """
+    row_batch_ids, positions, first_new_positions, request_seq_lens, ratio, page_size = call
     check_compressed_ratio(ratio, "compress plan")
     positions = positions.long()
     ragged_ids = torch.arange(positions.shape[0], device=positions.device)

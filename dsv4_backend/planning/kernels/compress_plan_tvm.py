@@ -47,6 +47,7 @@ import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE, check_compressed_ratio, compress_span
 from dsv4_backend.errors import ContractError
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
 
 #: Name of the symbolic row count in the kernel signature (and in its error messages).
 SYMBOLIC_DIM = "num_rows"
@@ -409,28 +410,22 @@ def _check_inputs(tensors: dict[str, torch.Tensor]) -> None:
             raise ContractError(f"{name} is on {tensor.device}; positions is on {device}")
 
 
-def compress_plans_tvm(
-    row_batch_ids: torch.Tensor,
-    positions: torch.Tensor,
-    first_new_positions: torch.Tensor,
-    request_seq_lens: torch.Tensor,
-    ratio: int,
-    page_size: int = REQUIRED_PAGE_SIZE,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Compress plan and write plan of ``ratio`` from the TVM kernel.
+def compress_plans_tvm(call: CompressPlanCall) -> tuple[torch.Tensor, torch.Tensor]:
+    """Compress plan and write plan of ``call.ratio`` from the TVM kernel.
 
-    Same contract as ``planning.kernels.compress_plan_torch.compute_compress_plans``: inputs ``[T]``
-    (``row_batch_ids`` int32, ``positions`` int64, ``first_new_positions`` int64,
+    Same contract as ``planning.kernels.compress_plan_torch.compute_compress_plans``: inputs
+    ``[T]`` (``row_batch_ids`` int32, ``positions`` int64, ``first_new_positions`` int64,
     ``request_seq_lens`` int32, all on one device), ``ratio`` 4 or 128, ``page_size``; returns
     ``(compress_plan, write_plan)``, each ``[T, 4]`` int32. Tensors that disagree on ``T``
     raise ``ContractError``; a bad ratio ``ConfigError``.
     """
+    ratio, page_size = call.ratio, call.page_size
     check_compressed_ratio(ratio, "compress plan")
-    inputs = (row_batch_ids, positions, first_new_positions, request_seq_lens)
+    inputs = call[:4]
     tensors = dict(zip(_INPUT_DTYPES, inputs, strict=True))
     _check_inputs(tensors)
-    rows = positions.shape[0]
-    compress_plan = torch.empty(rows, 4, dtype=torch.int32, device=positions.device)
+    rows = call.positions.shape[0]
+    compress_plan = torch.empty(rows, 4, dtype=torch.int32, device=call.positions.device)
     write_plan = torch.empty_like(compress_plan)
     row_ids, pos, first_new, seq_lens = (t.contiguous() for t in inputs)
     launch_compress_plan_kernel(

@@ -9,10 +9,13 @@ implementation (``row_fields.py``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv4_backend.config import REQUIRED_PAGE_SIZE
 from dsv4_backend.kernels.variants import OpTable, Target, Variant, custom, resolve
+from dsv4_backend.planning.kernels.compress_plan_call import CompressPlanCall
 from dsv4_backend.planning.kernels.compress_plan_torch import compute_compress_plans
 from dsv4_backend.planning.kernels.compress_plan_tvm import (
     compress_plans_tvm,
@@ -30,7 +33,8 @@ def _tvm_unmet(target: Target) -> str | None:
     return tvm_unavailable_reason(target.device_type)
 
 
-COMPRESS_PLANS = OpTable(
+#: The variants: each entry takes a ``CompressPlanCall`` to its two plans.
+COMPRESS_PLANS: OpTable[Callable[[CompressPlanCall], tuple[torch.Tensor, torch.Tensor]]] = OpTable(
     "compress_plans",
     "compress / write plans of one ratio (the torch planner)",
     (
@@ -60,5 +64,7 @@ def build_compress_plans(
     identical plans. The TVM kernel compiles on its first call per process (warm up before a
     CUDA graph capture).
     """
-    entry = resolve(COMPRESS_PLANS, positions.device).variant.entry
-    return entry(row_batch_ids, positions, first_new_positions, request_seq_lens, ratio, page_size)
+    call = CompressPlanCall(
+        row_batch_ids, positions, first_new_positions, request_seq_lens, ratio, page_size
+    )
+    return resolve(COMPRESS_PLANS, positions.device).variant.entry(call)

@@ -236,36 +236,25 @@ def _low_ratio_rows() -> list[Configuration]:
         eps="fp32",
         num_rows="i32",
     )
-    entries = _source(
-        low_ratio_triton._fp4_rows_kernel,
-        kinds,
-        dict(
-            D=DIM,
+
+    def fp4_rows(dim: int, block: int, ue8m0: bool, page_tokens: int) -> tuple[ASTSource, dict]:
+        """The rows kernel (normed) of ``dim`` channels in ``block``-value scale blocks, ue8m0
+        (else e4m3) scales; ``page_tokens`` > 1: stored into the fp4 pages."""
+        constexprs = dict(
+            D=dim,
             ROPE=ROPE,
             HEADS=1,
-            BLOCK=16,
-            UE8M0=False,
+            BLOCK=block,
+            UE8M0=ue8m0,
             NORM=True,
-            STORE=False,
-            PAGE_TOKENS=1,
+            STORE=page_tokens > 1,
+            PAGE_TOKENS=page_tokens,
             ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"],
-        ),
-    )
-    keys = _source(
-        low_ratio_triton._fp4_rows_kernel,
-        kinds,
-        dict(
-            D=128,
-            ROPE=ROPE,
-            HEADS=1,
-            BLOCK=32,
-            UE8M0=True,
-            NORM=True,
-            STORE=True,
-            PAGE_TOKENS=64,
-            ROWS=low_ratio_triton.ROWS_PER_PROGRAM["cuda"],
-        ),
-    )
+        )
+        return _source(low_ratio_triton._fp4_rows_kernel, kinds, constexprs)
+
+    entries = fp4_rows(DIM, 16, ue8m0=False, page_tokens=1)
+    keys = fp4_rows(128, 32, ue8m0=True, page_tokens=64)
     pair_kinds = dict(
         kv_ptr="*fp32",
         score_ptr="*fp32",
