@@ -47,7 +47,6 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -72,7 +71,6 @@ from dsv4_backend.compute.kernel_choice import (
 )
 from dsv4_backend.errors import ConfigError, ContractError
 from dsv4_backend.kernels.indexer.topk import warm_up_topk
-from dsv4_backend.ops.rope import RopeTable, apply_rope
 from dsv4_backend.planning import (
     AttentionMetadata,
     BatchView,
@@ -100,6 +98,13 @@ from dsv4_backend.sglang_adapter.late_layer_tail import (
     restore_cp_layout,
     swap_cp_layout,
 )
+from dsv4_backend.sglang_adapter.module_inputs import (
+    CudaStreams,
+    attention_queries,
+    c4_indexer_inputs,
+    low_ratio_indexer_inputs,
+    original_ape,
+)
 from dsv4_backend.sglang_adapter.plan_session import PlanSession
 from dsv4_backend.sglang_adapter.pool_alias import shared_state, state_sizes
 from dsv4_backend.sglang_adapter.settings import RunnerSettings
@@ -120,69 +125,6 @@ def _log_kernels(kernels: KernelChoice) -> None:
     if kernels not in _logged_choices:
         _logged_choices.add(kernels)
         logger.info("dsv4 kernels on %s: %s", kernels.target.describe(), "; ".join(kernels.lines()))
-
-
-class CudaStreams:
-    """The two stream calls of sglang's multi-stream indexer path (``torch.cuda``): the
-    current stream, and a context making another stream current. A backend's ``streams``
-    attribute; tests swap in a recorder."""
-
-    @staticmethod
-    def current() -> Any:
-        return torch.cuda.current_stream()
-
-    @staticmethod
-    def use(stream: Any) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
-
-
-def index_weights(c4_indexer: C4Indexer, x: torch.Tensor) -> torch.Tensor:
-    """``[T, HI]`` float32 head weights: the projection times ``weight_scale`` in fp32."""
-    return c4_indexer.compute_weights(x, skip_scale=True).float() * c4_indexer.weight_scale
-
-
-def index_queries(
-    c4_indexer: C4Indexer, q_lora: torch.Tensor, rope: RopeTable, metadata: AttentionMetadata
-) -> torch.Tensor:
-    """``[T, HI, DI]`` float32 indexer queries, roped (``rope``) at each row's position."""
-    q, _ = c4_indexer.wq_b(q_lora)
-    q = q.view(q.shape[0], c4_indexer.n_heads, c4_indexer.head_dim)
-    cos, sin = rope.cos_sin(metadata.positions_causal)
-    return apply_rope(q, cos, sin)
-
-
-def attention_queries(
-    q: torch.Tensor, attn_sink: torch.Tensor | None, head_dim: int, where: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q`` as ``[T, H, head_dim]`` (from ``[T, H * head_dim]`` too) and ``attn_sink``
-    ``[H]``, checked: ``ContractError`` for a missing sink or shapes that do not fit."""
-    if attn_sink is None:
-        raise ContractError(f"{where}: attn_sink is required (the per-head sink logits)")
-    if q.dim() == 2 and q.shape[1] % head_dim == 0:
-        q = q.view(q.shape[0], -1, head_dim)
-    if q.dim() != 3 or q.shape[2] != head_dim:
-        raise ContractError(
-            f"{where}: q has shape {tuple(q.shape)}; expected [T, H, {head_dim}] or "
-            f"[T, H * {head_dim}] (head_dim={head_dim})"
-        )
-    if attn_sink.shape != (q.shape[1],):
-        raise ContractError(
-            f"{where}: attn_sink has shape {tuple(attn_sink.shape)}; expected one logit per "
-            f"query head, ({q.shape[1]},)"
-        )
-    return q, attn_sink
-
-
-def original_ape(compressor: Compressor) -> torch.Tensor:
-    """``[r, c*D]`` float32 ape in checkpoint layout.
-
-    sglang's ``Compressor._apply_ape_hotfix`` (``ape_converted``) stores a ratio-4 ape
-    ``[4, 2D]`` as its two halves stacked, ``[2, 4, D]``; undo that.
-    """
-    ape = compressor.ape.float()
-    if compressor.ratio == 4 and getattr(compressor, "ape_converted", False):
-        ape = ape.reshape(2, 4, -1).permute(1, 0, 2).reshape(4, -1)
-    return ape
 
 
 class DSV4AttentionBackend(AttentionBackend):
@@ -531,13 +473,8 @@ class DSV4AttentionBackend(AttentionBackend):
         indexer compressor runs first unless ``skip_compressor``. ``q_lora_quant`` (sglang's fp8
         copy of ``q_lora``) is unused: queries are projected from ``q_lora``.
 
-        Streams, as sglang's ``C4IndexerBackendMixin``: with ``enable_multi_stream`` the model
-        calls this on its indexer stream *before* ``q_lora`` is computed, handing the event
-        ``q_lora_ready``; the compressor runs on the current stream, the head weights on
-        ``alt_streams[1]``, the queries on ``alt_streams[0]`` after waiting for
-        ``q_lora_ready`` (and the weights), and the current stream joins ``alt_streams[0]``
-        before the top-k. ``q_lora_ready`` without ``enable_multi_stream`` is a
-        ``ContractError`` (sglang asserts it is None).
+        Streams: with ``enable_multi_stream`` sglang's multi-stream order, ``q_lora_ready``
+        and ``alt_streams`` (``module_inputs.c4_indexer_inputs``).
         """
         if is_idle(forward_batch, x, "c4 indexer"):
             return
@@ -549,38 +486,23 @@ class DSV4AttentionBackend(AttentionBackend):
                 f"{self.config.compress_ratios[layer_id]}; the indexer runs on ratio-4 layers"
             )
         metadata = self._read_metadata(forward_batch, x.shape[0], where)
-        if not enable_multi_stream and q_lora_ready is not None:
-            raise ContractError(
-                f"{where}: q_lora_ready given without enable_multi_stream; the event belongs to "
-                "the multi-stream path (sglang asserts it is None otherwise)"
+        compress = None
+        if not skip_compressor:
+            compress = functools.partial(
+                self._compress, x, forward_batch, layer_id, c4_indexer.compressor, where
             )
-        if enable_multi_stream:
-            if alt_streams is None or len(alt_streams) < 2:
-                raise ContractError(
-                    f"{where}: enable_multi_stream needs two alt_streams (queries, weights), "
-                    f"got {alt_streams!r}"
-                )
-            streams = self.streams
-            current = streams.current()
-            stream_q, stream_weights = alt_streams[0], alt_streams[1]
-            stream_q.wait_stream(current)
-            stream_weights.wait_stream(current)
-            if not skip_compressor:
-                self._compress(x, forward_batch, layer_id, c4_indexer.compressor, where)
-            with streams.use(stream_weights):
-                weights = index_weights(c4_indexer, x)
-                weights_ready = stream_weights.record_event()
-            with streams.use(stream_q):
-                if q_lora_ready is not None:
-                    stream_q.wait_event(q_lora_ready)
-                stream_q.wait_event(weights_ready)
-                q = index_queries(c4_indexer, q_lora, self.state.rope, metadata)
-            current.wait_stream(stream_q)
-        else:
-            if not skip_compressor:
-                self._compress(x, forward_batch, layer_id, c4_indexer.compressor, where)
-            weights = index_weights(c4_indexer, x)
-            q = index_queries(c4_indexer, q_lora, self.state.rope, metadata)
+        q, weights = c4_indexer_inputs(
+            c4_indexer,
+            x,
+            q_lora,
+            self.state.rope,
+            metadata,
+            compress=compress,
+            streams=self.streams if enable_multi_stream else None,
+            alt_streams=alt_streams,
+            q_lora_ready=q_lora_ready,
+            where=where,
+        )
         select_c4_entries(self.state, layer_id, metadata, q, weights)
 
     def forward_low_ratio_sources(
@@ -650,9 +572,7 @@ class DSV4AttentionBackend(AttentionBackend):
         if run_indexer and indexer is not None:
             if q_lora is None:
                 raise ContractError(f"{where}: the indexer needs q_lora, got None")
-            q, _ = indexer.wq_b(q_lora)
-            q = q.view(q.shape[0], indexer.n_local_heads, indexer.index_head_dim)
-            weights = indexer.head_weights_raw(x).float() * indexer.head_weight_scale
+            q, weights = low_ratio_indexer_inputs(indexer, x, q_lora)
             select_low_ratio_entries(self.state, layer_id, metadata, q, weights)
 
     # ------------------------------------------------------ DeepSeek-V4.1's late-layer tail
