@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -45,6 +45,8 @@ from dsv4_backend.config import (
     entries_per_page,
 )
 from dsv4_backend.errors import ConfigError, ContractError
+
+_Cache = TypeVar("_Cache")
 
 
 def stage_layers(config: DSV4AttentionConfig, layers: range | None) -> range:
@@ -232,35 +234,27 @@ class DSV4CachePools:
     def compressed(self, layer: int) -> TokenCache:
         """The c4 or c128 cache of a compressed ``layer`` (ratio 4 or 128); the c1 / c2 cache
         of a DeepSeek-V4.1 low-ratio layer's kv source."""
-        self._check_layer(layer)
-        layer = self._owner(layer)
-        if layer not in self.compressed_caches:
-            raise ContractError(
-                f"layer {layer} has compress ratio 0 (window only) and no compressed cache; "
-                f"compressed layers are {sorted(self.compressed_caches)}"
-            )
-        return self.compressed_caches[layer]
+        return self._held(self.compressed_caches, layer, "no compressed cache; compressed layers")
 
     def indexer(self, layer: int) -> IndexerKeyCache | Fp4IndexKeyCache:
         """The indexer key cache of a ratio-4 ``layer`` (fp4 under ``indexer_selection="fp4"``)."""
-        self._check_layer(layer)
-        if layer not in self.indexer_caches:
-            raise ContractError(
-                f"layer {layer} has compress ratio {self.config.compress_ratios[layer]} and no "
-                f"indexer cache; ratio-4 layers are {sorted(self.indexer_caches)}"
-            )
-        return self.indexer_caches[layer]
+        return self._held(self.indexer_caches, layer, "no indexer cache; ratio-4 layers")
 
     def index_keys(self, layer: int) -> Fp4IndexKeyCache:
         """The fp4 index keys a DeepSeek-V4.1 low-ratio ``layer`` scores: its kv source's."""
+        return self._held(self.index_key_caches, layer, "no index keys; V4.1's kv sources")
+
+    def _held(self, caches: Mapping[int, _Cache], layer: int, missing: str) -> _Cache:
+        """The cache of ``layer`` in ``caches`` (a DeepSeek-V4.1 layer's: its kv source's);
+        ``ContractError`` saying it has ``missing`` (and which layers have one) otherwise."""
         self._check_layer(layer)
         owner = self._owner(layer)
-        if owner not in self.index_key_caches:
+        if owner not in caches:
             raise ContractError(
-                f"layer {layer} (ratio {self.config.compress_ratios[layer]}) has no index keys; "
-                f"DeepSeek-V4.1's kv sources {sorted(self.index_key_caches)} hold them"
+                f"layer {layer} has compress ratio {self.config.compress_ratios[layer]} and "
+                f"{missing} are {sorted(caches)}"
             )
-        return self.index_key_caches[owner]
+        return caches[owner]
 
     def _owner(self, layer: int) -> int:
         """The layer whose compressed caches ``layer`` reads: its kv source for a V4.1

@@ -96,6 +96,26 @@ def bf16_bits_to_fp32(h):
 
 
 @triton.jit
+def paged_addresses(
+    slots,  # [BLOCK_N] int (slot ids; < 0 means no slot)
+    mask_n,  # [BLOCK_N] bool
+    TOKEN_BYTES: tl.constexpr,
+    SCALE_BYTES: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr,
+    PAGE_BYTES: tl.constexpr,
+):
+    """``(data_base, scale_base, valid)`` in pages of ``PAGE_BYTES`` holding ``PAGE_TOKENS``
+    tokens' ``TOKEN_BYTES`` data bytes, then their ``SCALE_BYTES`` scale bytes: int64 byte
+    offsets [BLOCK_N] of each slot's data and scales, and ``mask_n & (slots >= 0)``."""
+    valid = mask_n & (slots >= 0)
+    s = tl.where(valid, slots, 0).to(tl.int64)
+    page_base = (s // PAGE_TOKENS) * PAGE_BYTES
+    t = s % PAGE_TOKENS
+    scale_base = page_base + PAGE_TOKENS * TOKEN_BYTES + t * SCALE_BYTES
+    return page_base + t * TOKEN_BYTES, scale_base, valid
+
+
+@triton.jit
 def fp8_token_addresses(
     slots,  # [BLOCK_N] int (slot ids; < 0 means no slot)
     mask_n,  # [BLOCK_N] bool
@@ -110,11 +130,7 @@ def fp8_token_addresses(
     PAGE_BYTES: tl.constexpr = (
         (PAGE_TOKENS * (TOKEN_BYTES + 8) + TOKEN_BYTES - 1) // TOKEN_BYTES * TOKEN_BYTES
     )
-    valid = mask_n & (slots >= 0)
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    page_base = (s // PAGE_TOKENS) * PAGE_BYTES
-    t = s % PAGE_TOKENS
-    return page_base + t * TOKEN_BYTES, page_base + PAGE_TOKENS * TOKEN_BYTES + t * 8, valid
+    return paged_addresses(slots, mask_n, TOKEN_BYTES, 8, PAGE_TOKENS, PAGE_BYTES)
 
 
 @triton.jit
@@ -185,11 +201,7 @@ def fp8_indexer_addresses(
 ):
     """``(data_base, scale_base, valid)`` for indexer slots, as :func:`fp8_token_addresses`."""
     PAGE_BYTES: tl.constexpr = PAGE_TOKENS * (DIM + 4)
-    valid = mask_n & (slots >= 0)
-    s = tl.where(valid, slots, 0).to(tl.int64)
-    page_base = (s // PAGE_TOKENS) * PAGE_BYTES
-    t = s % PAGE_TOKENS
-    return page_base + t * DIM, page_base + PAGE_TOKENS * DIM + t * 4, valid
+    return paged_addresses(slots, mask_n, DIM, 4, PAGE_TOKENS, PAGE_BYTES)
 
 
 @triton.jit

@@ -303,31 +303,9 @@ def pair_pool_triton(call: PairCall) -> torch.Tensor:
     per = ROWS_PER_PROGRAM.get(kv.device.type, 4)
     grid = (triton.cdiv(t, per), triton.cdiv(d, PAIR_BLOCK_D))
     common = dict(D=d, R=ring.shape[1], BLOCK_D=PAIR_BLOCK_D, ROWS=per)
-    _pair_pool_kernel[grid](
-        kv,
-        score,
-        ring,
-        req,
-        pos,
-        ok,
-        out,
-        t,
-        kv.stride(0),
-        score.stride(0),
-        ring.stride(0),
-        **common,
-    )
-    _pair_ring_write_kernel[grid](
-        kv,
-        score,
-        ring,
-        req,
-        pos,
-        ok,
-        t,
-        kv.stride(0),
-        score.stride(0),
-        ring.stride(0),
-        **common,
-    )
+    # Both kernels read the rows and the ring; the pooling also writes ``out``.
+    rows = (kv, score, ring, req, pos, ok)
+    sizes = (t, kv.stride(0), score.stride(0), ring.stride(0))
+    _pair_pool_kernel[grid](*rows, out, *sizes, **common)
+    _pair_ring_write_kernel[grid](*rows, *sizes, **common)
     return out

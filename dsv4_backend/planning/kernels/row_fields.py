@@ -36,42 +36,6 @@ class RowFields(NamedTuple):
     page_indices: torch.Tensor | None  # ratio 128: [T, c128_width] int32; ratio 4: None
 
 
-def _check_inputs(
-    positions: torch.Tensor,
-    raw_out_loc: torch.Tensor,
-    page_table: torch.Tensor,
-    ratio: int,
-    index_topk: int,
-    c128_width: int,
-) -> None:
-    check_compressed_ratio(ratio, "row fields")
-    if index_topk < 1 or c128_width < 0:
-        raise ConfigError(
-            f"index_topk={index_topk}, c128_width={c128_width}; expected >= 1 and >= 0"
-        )
-    rows = positions.shape[0] if positions.dim() == 1 else -1
-    checks = {
-        "positions": (positions, positions.dim() == 1, torch.int64, "[T]"),
-        "raw_out_loc": (raw_out_loc, tuple(raw_out_loc.shape) == (rows,), torch.int64, "[T]"),
-        "page_table": (
-            page_table,
-            page_table.dim() == 2 and page_table.shape[0] == rows,
-            torch.int32,
-            "[T, Pw]",
-        ),
-    }
-    for name, (tensor, shape_ok, dtype, shape) in checks.items():
-        if not shape_ok or tensor.dtype != dtype:
-            raise ContractError(
-                f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected "
-                f"{shape} {dtype} (positions has shape {tuple(positions.shape)})"
-            )
-        if tensor.device != positions.device:
-            raise ContractError(f"{name} is on {tensor.device}; positions is on {positions.device}")
-    if ratio == 128 and rows > 0 and page_table.shape[1] == 0:
-        raise ContractError("page_table has width 0; c128 page indices need Pw >= 1 when T > 0")
-
-
 def row_fields(
     positions: torch.Tensor,
     raw_out_loc: torch.Tensor,
@@ -104,7 +68,32 @@ def row_fields(
     Raises ``ConfigError`` for a ratio other than 4 / 128 or bad sizes, ``ContractError`` for
     tensors of other shapes, dtypes or devices.
     """
-    _check_inputs(positions, raw_out_loc, page_table, ratio, index_topk, c128_width)
+    check_compressed_ratio(ratio, "row fields")
+    if index_topk < 1 or c128_width < 0:
+        raise ConfigError(
+            f"index_topk={index_topk}, c128_width={c128_width}; expected >= 1 and >= 0"
+        )
+    rows = positions.shape[0] if positions.dim() == 1 else -1
+    checks = {
+        "positions": (positions, positions.dim() == 1, torch.int64, "[T]"),
+        "raw_out_loc": (raw_out_loc, tuple(raw_out_loc.shape) == (rows,), torch.int64, "[T]"),
+        "page_table": (
+            page_table,
+            page_table.dim() == 2 and page_table.shape[0] == rows,
+            torch.int32,
+            "[T, Pw]",
+        ),
+    }
+    for name, (tensor, shape_ok, dtype, shape) in checks.items():
+        if not shape_ok or tensor.dtype != dtype:
+            raise ContractError(
+                f"{name} has shape {tuple(tensor.shape)} and dtype {tensor.dtype}; expected "
+                f"{shape} {dtype} (positions has shape {tuple(positions.shape)})"
+            )
+        if tensor.device != positions.device:
+            raise ContractError(f"{name} is on {tensor.device}; positions is on {positions.device}")
+    if ratio == 128 and rows > 0 and page_table.shape[1] == 0:
+        raise ContractError("page_table has width 0; c128 page indices need Pw >= 1 when T > 0")
     positions = positions.long()
     completes = (positions + 1) % ratio == 0
     out_loc = torch.where(completes, raw_out_loc.long() // ratio, -1)
