@@ -19,9 +19,9 @@ from dsv4_backend.kernels.attention.common import AttentionCall
 from dsv4_backend.kernels.attention.table import sparse_attention_with_sink
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.compressor.table import compress_forward
-from dsv4_backend.kernels.indexer.fp4 import fp4_key_rows, fp4_query_view
+from dsv4_backend.kernels.indexer.fp4 import fp4_key_rows
 from dsv4_backend.kernels.indexer.fp8 import quantised_view
-from dsv4_backend.kernels.indexer.table import run_indexer
+from dsv4_backend.kernels.indexer.table import run_indexer, selection_queries
 from dsv4_backend.ops.layer_types import LayerInputs, LayerParams
 from dsv4_backend.planning.metadata import (
     AttentionMetadata,
@@ -101,7 +101,7 @@ def compress_and_store(
         comp.write_plan,
         norm_eps=state.config.rms_norm_eps if norm_eps is None else norm_eps,
         store=None if quantised else (cache, comp.out_loc),
-        max_rows_per_request=_rows_per_request(metadata) if metadata.kind in GRAPH_KINDS else None,
+        max_rows_per_request=metadata.max_request_rows if metadata.kind in GRAPH_KINDS else None,
     )
     if quantised:  # sglang's rotated e4m3 / fp4 keys (rows completing no entry stay 0)
         rows = quantised_view(entries) if selection == "fp8" else fp4_key_rows(entries)
@@ -124,12 +124,8 @@ def select_c4_entries(
     (``kernels.indexer.fp8`` / ``kernels.indexer.fp4``).
     """
     comp = _compressed(metadata, 4, f"indexer of layer {layer}")
-    if state.config.indexer_selection == "fp8":
-        index_q = quantised_view(index_q)
-    elif state.config.indexer_selection == "fp4":
-        index_q = fp4_query_view(index_q)
     run_indexer(
-        index_q,
+        selection_queries(state.config.indexer_selection, index_q),
         index_weights,
         state.pools.indexer(layer),
         metadata.page_table,

@@ -97,6 +97,7 @@ def plan_dspark_block(
         kind=batch.kind,
         batch_size=batch.batch_size,
         num_rows=batch.num_rows,
+        max_request_rows=planner.max_request_rows(batch),
         row_batch_ids=rows.batch_ids,
         page_table=page_table,
         swa_out_loc=planner.swa_write_slots(batch, rows.out_loc),

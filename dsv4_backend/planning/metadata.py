@@ -38,7 +38,7 @@ from dsv4_backend.planning.tag import BatchTag
 PLAN_COLUMNS = ("ragged_id", "batch_id", "position", "window_len")
 
 #: The value of a row that writes nothing and attends to nothing (a graph bucket's padded row,
-#: a ragged verify's padding row; ``planning/graph_buffers.py`` gives the table), by field name;
+#: a ragged verify's padding row), by field name;
 #: every field not listed: -1 (no slot / no write / invalid record).
 _SENTINELS = {
     "positions_causal": seq_len_fill_value - 1,
@@ -128,6 +128,10 @@ class AttentionMetadata:
     c4, c128 : per-ratio fields, or None when no layer uses the ratio or for DRAFT_EXTEND
         (the MTP layer is window only).
     c1, c2 : DeepSeek-V4.1's low-ratio fields, likewise.
+    max_request_rows : the most rows one request has, where the host knows it without a
+        sync: a uniform kind's count a request (a decode, a draft step, a verify), a ragged
+        verify's verify width (its requests' counts are device values); None for extends.
+        The compressor skips deferring its ring writes only below a bound of it.
     tag : the batch tensors it was planned from (``check_batch``); None for plans made
         by hand.
     pending_checks : the planning checks still on their way to the host (CUDA without strict
@@ -147,6 +151,7 @@ class AttentionMetadata:
     c128: CompressedMetadata | None = None
     c1: LowRatioMetadata | None = None
     c2: LowRatioMetadata | None = None
+    max_request_rows: int | None = None
     tag: BatchTag | None = field(default=None, compare=False)
     pending_checks: PendingChecks | None = field(default=None, compare=False)
 

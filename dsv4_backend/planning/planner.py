@@ -133,6 +133,15 @@ def verify_rows(batch: BatchView) -> _Rows:
     return _Rows(ids.int(), first + row % n, out_loc, first, (first + n).int(), keep)
 
 
+def max_request_rows(batch: BatchView) -> int | None:
+    """``AttentionMetadata.max_request_rows`` of ``batch``: its rows a request (uniform kinds),
+    a ragged verify's verify width (sglang's verify lengths are at most its
+    ``speculative_num_draft_tokens``), None for extends."""
+    if batch.ragged is not None:
+        return batch.num_draft_tokens
+    return batch.rows_per_request
+
+
 def ragged_verify_rows(batch: BatchView) -> _Rows:
     """A ragged verify's rows (``BatchView.ragged``): ``lens[b]`` rows of request ``b`` at
     ``seq_lens[b] ... seq_lens[b] + lens[b] - 1``, packed request after request, then padding
@@ -386,6 +395,7 @@ def empty_metadata(
         kind=batch.kind,
         batch_size=batch.batch_size,
         num_rows=rows,
+        max_request_rows=max_request_rows(batch),
         row_batch_ids=empty(rows),
         page_table=empty(rows, widths["page_table"]),
         swa_out_loc=empty(rows, dtype=torch.int64),
@@ -410,7 +420,7 @@ def plan_into(
 
     ``out`` (``None``: allocated here, :func:`empty_metadata`) is the metadata planned into,
     of ``batch``'s kind and size: its tensors receive the fields (its ratios, those planned);
-    rows past ``batch.num_rows`` get the sentinels of ``planning/graph_buffers.py``, and its
+    rows past ``batch.num_rows`` get the sentinels (``metadata.sentinel``), and its
     widths must be ``widths``'. Returns ``out`` with the batch's tag and pending checks.
     """
     spec = _KINDS[batch.kind]
@@ -792,6 +802,7 @@ def _plan_rows(
         kind=batch.kind,
         batch_size=batch.batch_size,
         num_rows=batch.num_rows,
+        max_request_rows=max_request_rows(batch),
         row_batch_ids=rows.batch_ids,
         page_table=page_table,
         swa_out_loc=swa_write_slots(batch, rows.out_loc),

@@ -58,9 +58,7 @@ from dsv4_backend.kernels.attention.common import attention_tolerance, dot_opera
 from dsv4_backend.kernels.cache_store.table import store_rows
 from dsv4_backend.kernels.dispatch import force_path
 from dsv4_backend.kernels.indexer.common import C4_ENTRIES_PER_PAGE, entry_slots
-from dsv4_backend.kernels.indexer.fp4 import fp4_query_view
-from dsv4_backend.kernels.indexer.fp8 import quantised_view
-from dsv4_backend.kernels.indexer.table import index_scores
+from dsv4_backend.kernels.indexer.table import index_scores, selection_queries
 from dsv4_backend.kernels.variants import OpTable, force_variant
 from dsv4_backend.planning import AttentionMetadata, BatchView, plan
 from dsv4_backend.self_check.bounds import (
@@ -386,11 +384,7 @@ class StepwiseJudge:
         self._both(select_c4_entries, layer, meta, inputs.index_q, inputs.index_weights)
         comp = meta.mine.compressed(4)
         assert comp is not None
-        q_idx = inputs.index_q
-        if state.config.indexer_selection == "fp8":
-            q_idx = quantised_view(q_idx)
-        elif state.config.indexer_selection == "fp4":
-            q_idx = fp4_query_view(q_idx)
+        q_idx = selection_queries(state.config.indexer_selection, inputs.index_q)
         keys = state.pools.indexer(layer)
         page_table = meta.mine.page_table
         width = page_table.shape[1] * C4_ENTRIES_PER_PAGE

@@ -65,6 +65,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from sglang.kernels.ops.speculative.ragged_verify_kernels import PaddedToBucket
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.speculative.ragged_verify import resolve_ragged_verify_layout
 
@@ -327,10 +328,13 @@ def ragged_verify(fb: Any, out_cache_loc: torch.Tensor | None) -> RaggedVerify |
             f"expected at least {tokens} write slots, one a row (sglang's ragged verify window, "
             "padded with slot 0)"
         )
-    lens_cpu = layout.verify_lens_cpu
-    if layout.bs < bs:
-        layout, lens_cpu = layout.padded_to_bucket(padded_bs=bs), None
-    return RaggedVerify(lens=layout.verify_lens, num_rows=out_cache_loc.numel(), lens_cpu=lens_cpu)
+    lens, lens_cpu = layout.verify_lens, layout.verify_lens_cpu
+    if layout.bs < bs:  # the lengths of layout.padded_to_bucket, without its indptr launch
+        lens = PaddedToBucket.execute(
+            verify_lens=lens, graph_num_tokens=tokens, bs=layout.bs, padded_bs=bs
+        )
+        lens_cpu = None
+    return RaggedVerify(lens=lens, num_rows=out_cache_loc.numel(), lens_cpu=lens_cpu)
 
 
 class GraphCall(enum.Enum):

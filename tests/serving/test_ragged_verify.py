@@ -172,6 +172,25 @@ def test_the_fused_planner_on_cuda_plans_as_the_torch_planner(slots: int | None)
         assert torch.equal(got[name], value), name
 
 
+def test_the_compressor_is_bounded_by_the_verify_width() -> None:
+    """A ragged verify's requests' row counts are device values: the plan bounds them by the
+    verify width, not the rows' average (one request of 5 rows beside four of 1, a tier of 10
+    rows: 2 a request on average), so the compressor defers its ring writes as for the
+    uniform verify whenever 5 rows could replace a ring row an entry still reads."""
+    from dsv4_backend.kernels.compressor.common import ring_write_is_safe
+
+    seq_lens, lens = [300, 200, 100, 5, 255], [5, 1, 1, 1, 1]
+    pool = PagedRequestPool(CONFIG, [s + N for s in seq_lens], generator=torch.Generator())
+    view, layout = ragged_batch(pool, range(5), seq_lens, lens, width=N, slots=None)
+    assert layout.graph_num_tokens == 10
+    metadata = plan(CONFIG, view)
+    assert metadata.max_request_rows == N
+    ring = SimpleNamespace(ratio=4, ring_rows=10)  # c4's span 8: safe for 3 rows a request
+    assert ring_write_is_safe(ring, 2) and not ring_write_is_safe(ring, metadata.max_request_rows)
+    uniform = pool.verify(range(5), seq_lens, N)
+    assert plan(CONFIG, uniform).max_request_rows == N
+
+
 def test_capture_layouts_plan_into_the_graph_buffers() -> None:
     """Every capture tier's layout (``build_capture_verify_lens`` over ``min(tokens,
     max_bs)`` slots, the static buffers: pool row 0, seq len 1, slot 0) plans into the graph

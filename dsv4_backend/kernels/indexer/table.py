@@ -58,6 +58,8 @@ from dsv4_backend.kernels.indexer.deep_gemm import (
     deep_gemm_unsupported_reason,
     index_scores_deep_gemm,
 )
+from dsv4_backend.kernels.indexer.fp4 import fp4_query_view
+from dsv4_backend.kernels.indexer.fp8 import quantised_view
 from dsv4_backend.kernels.indexer.slots import select_padded_slots, select_slots
 from dsv4_backend.kernels.indexer.torch import indexer_scores_torch, select_topk_torch
 from dsv4_backend.kernels.indexer.triton import indexer_scores_triton
@@ -126,6 +128,16 @@ INDEXER: OpTable[IndexerKernels] = OpTable(
 
 def _kernels(device: torch.device) -> IndexerKernels:
     return resolve(INDEXER, device).variant.entry
+
+
+def selection_queries(selection: str, q_idx: torch.Tensor) -> torch.Tensor:
+    """The queries ``[T, HI, DI]`` the op scores under ``indexer_selection`` ``selection``:
+    ``q_idx`` (``"exact"``), or sglang's rotated e4m3 (``"fp8"``) / fp4 (``"fp4"``) values."""
+    if selection == "fp8":
+        return quantised_view(q_idx)
+    if selection == "fp4":
+        return fp4_query_view(q_idx)
+    return q_idx
 
 
 def index_scores(

@@ -645,7 +645,7 @@ def _plan_kernel(
     m = live[:, None] & (cols < swa_width)[None, :]
     tl.store(swa_indices_ptr + t[:, None] * swa_width + cols[None, :], swa, mask=m)
     if first_col == 0:
-        # Padded rows get the sentinels of planning/graph_buffers.py.
+        # Padded rows get the sentinels of planning/metadata.py (``sentinel``).
         tl.store(batch_ids_ptr + t, tl.where(row_ok, b, 0).to(tl.int32), mask=live)
         tl.store(positions_ptr + t, tl.where(row_ok, pos, 0), mask=live)
         if HAS_SWA_MAP:
