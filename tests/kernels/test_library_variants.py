@@ -705,8 +705,10 @@ def test_quantised_queries_are_sglangs_and_idempotent():
     torch.testing.assert_close(scale_again, scale, rtol=2.4e-7, atol=0)
 
 
-def _deep_gemm_kwargs(deep_gemm: FakeDeepGemm) -> dict[str, Any]:
-    args = _indexer_args(torch.Generator().manual_seed(7))
+def _deep_gemm_kwargs(deep_gemm: FakeDeepGemm, selection: str = "fp8") -> dict[str, Any]:
+    """The arguments the variant hands DeepGEMM's logits for ``selection``'s keys."""
+    seed = torch.Generator().manual_seed(7 if selection == "fp8" else 16)
+    args = _indexer_args(seed, selection=selection)
     return deep_gemm_arguments(IndexCall.of(*args), paged_mqa_schedule(args[4], args[5]))
 
 
@@ -722,15 +724,6 @@ DEEP_GEMM_MISTAKES = {
     "cleaned logits": lambda kw: kw.update(clean_logits=True),
     "foreign schedule": lambda kw: kw.update(schedule_meta=torch.zeros(133, 2, dtype=torch.int32)),
 }
-
-
-@pytest.mark.parametrize("mistake", DEEP_GEMM_MISTAKES)
-def test_deep_gemm_stand_in_refuses_wrong_arguments(deep_gemm, mistake):
-    kwargs = _deep_gemm_kwargs(deep_gemm)
-    deep_gemm.fp8_paged_mqa_logits(**kwargs)  # as built: accepted
-    DEEP_GEMM_MISTAKES[mistake](kwargs)
-    with pytest.raises(AssertionError):
-        deep_gemm.fp8_paged_mqa_logits(**kwargs)
 
 
 def test_deep_gemm_reasons(deep_gemm, monkeypatch):
@@ -809,11 +802,6 @@ def test_fp4_queries_pack_as_sglangs_exactly():
     assert torch.equal(unpack_ue8m0(payload.view(torch.uint8), ue8m0.to(torch.uint8)), view)
 
 
-def _deep_gemm_fp4_kwargs(deep_gemm: FakeDeepGemm) -> dict[str, Any]:
-    args = _indexer_args(torch.Generator().manual_seed(16), selection="fp4")
-    return deep_gemm_arguments(IndexCall.of(*args), paged_mqa_schedule(args[4], args[5]))
-
-
 #: One wrong argument each for the fp4 logits: the stand-in refuses them all.
 DEEP_GEMM_FP4_MISTAKES = {
     "e4m3 queries": lambda kw: kw.update(q=kw["q"][0].view(torch.float8_e4m3fn)),
@@ -831,13 +819,25 @@ DEEP_GEMM_FP4_MISTAKES = {
 }
 
 
-@pytest.mark.parametrize("mistake", DEEP_GEMM_FP4_MISTAKES)
-def test_deep_gemm_fp4_stand_in_refuses_wrong_arguments(deep_gemm, mistake):
-    kwargs = _deep_gemm_fp4_kwargs(deep_gemm)
-    deep_gemm.fp8_fp4_paged_mqa_logits(**kwargs)  # as built: accepted
-    DEEP_GEMM_FP4_MISTAKES[mistake](kwargs)
+#: Each key format's logits function and its wrong arguments.
+STAND_IN_CASES = {
+    "fp8": ("fp8_paged_mqa_logits", DEEP_GEMM_MISTAKES),
+    "fp4": ("fp8_fp4_paged_mqa_logits", DEEP_GEMM_FP4_MISTAKES),
+}
+
+
+@pytest.mark.parametrize(
+    ("selection", "mistake"),
+    [(selection, name) for selection, (_, mistakes) in STAND_IN_CASES.items() for name in mistakes],
+)
+def test_deep_gemm_stand_in_refuses_wrong_arguments(deep_gemm, selection, mistake):
+    function, mistakes = STAND_IN_CASES[selection]
+    logits = getattr(deep_gemm, function)
+    kwargs = _deep_gemm_kwargs(deep_gemm, selection)
+    logits(**kwargs)  # as built: accepted
+    mistakes[mistake](kwargs)
     with pytest.raises(AssertionError):
-        deep_gemm.fp8_fp4_paged_mqa_logits(**kwargs)
+        logits(**kwargs)
 
 
 def test_deep_gemm_fp4_reasons(deep_gemm, monkeypatch):
